@@ -1,0 +1,3 @@
+"""epd-proxy: the front door of encoder-disaggregated multimodal serving on vLLM."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+from epd_proxy.cli import main
+
+raise SystemExit(main())
