@@ -18,9 +18,11 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
+import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -110,9 +112,20 @@ def remove_unwanted(log) -> None:
 def verify(log) -> bool:
     code = "; ".join(f"import {m}" for m in VERIFY_IMPORTS)
     t0 = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True
-    )
+    # Importing vllm creates torch/inductor cache folders; keep them out of
+    # /tmp and the home cache by pointing them at a throw-away folder.
+    with tempfile.TemporaryDirectory(prefix="epd-fix-") as scratch:
+        env = dict(os.environ)
+        env.update(
+            TMPDIR=scratch,
+            TORCHINDUCTOR_CACHE_DIR=os.path.join(scratch, "inductor"),
+            VLLM_CACHE_ROOT=os.path.join(scratch, "vllm"),
+            VLLM_NO_USAGE_STATS="1",
+            DO_NOT_TRACK="1",
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=env
+        )
     dt = time.monotonic() - t0
     if proc.returncode != 0:
         log(f"verify: FAILED `{code}` ({dt:.1f} s)")
