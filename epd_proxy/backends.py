@@ -1,0 +1,77 @@
+"""Backend instances and the one HTTP client pool every stage shares."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import aiohttp
+
+from epd_proxy.config import Config
+
+ENCODE, PREFILL, DECODE = "encode", "prefill", "decode"
+
+
+@dataclass(eq=False, slots=True)
+class Instance:
+    """One vLLM server as the proxy sees it. Identity is the object, so two roles never alias."""
+
+    url: str
+    role: str
+    # Mooncake EC consumer control addresses, one per data-parallel replica.
+    zmq_addrs: tuple[str, ...] = ()
+    dp_size: int = 1
+    inflight: int = 0
+    healthy: bool = True
+    consecutive_failures: int = 0
+    _dp_cursor: int = field(default=0, repr=False)
+
+    def next_dp_rank(self) -> int:
+        rank = self._dp_cursor % self.dp_size
+        self._dp_cursor = rank + 1
+        return rank
+
+    @contextmanager
+    def busy(self) -> Iterator[None]:
+        self.inflight += 1
+        try:
+            yield
+        finally:
+            self.inflight -= 1
+
+
+def build_instances(config: Config) -> dict[str, list[Instance]]:
+    dp = config.ec_consumer_dp_size
+    addrs = config.ec_consumer_zmq_addrs
+    decoders = [
+        Instance(url, DECODE, zmq_addrs=tuple(addrs[i * dp : (i + 1) * dp]), dp_size=dp)
+        for i, url in enumerate(config.decode_urls)
+    ]
+    return {
+        ENCODE: [Instance(url, ENCODE) for url in config.encode_urls],
+        PREFILL: [Instance(url, PREFILL) for url in config.prefill_urls],
+        DECODE: decoders,
+    }
+
+
+def make_session(config: Config) -> aiohttp.ClientSession:
+    """Pooled keep-alive client whose idle connections retire before vLLM's uvicorn closes them,
+    so a reused connection is never one the server already dropped (ServerDisconnectedError)."""
+    keep_alive = config.pool_keep_alive_s
+    connector = aiohttp.TCPConnector(
+        limit=0,
+        keepalive_timeout=keep_alive if keep_alive is not None else 0,
+        force_close=keep_alive is None,
+        enable_cleanup_closed=False,
+    )
+    headers = {"Authorization": f"Bearer {config.backend_api_key}"} if config.backend_api_key else None
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_s),
+        headers=headers,
+        # Relayed bytes must arrive as the backend wrote them: ask for no compression at all.
+        auto_decompress=False,
+        skip_auto_headers=("Accept-Encoding",),
+        cookie_jar=aiohttp.DummyCookieJar(),
+    )

@@ -1,0 +1,140 @@
+"""`epd-proxy serve|up`: flags in, a Config out; nothing else lives here."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from typing import Mapping, Sequence
+
+from epd_proxy.config import Config, ConfigError, default, env_float, env_int, split_urls
+from epd_proxy.routing import ENCODE_POLICIES, SERVING_POLICIES
+
+
+
+def _seconds_or_none(value: str) -> float | None:
+    number = float(value)
+    return number if number > 0 else None
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    ref = parser.add_argument_group("reference proxy flags (same meaning as vLLM's disagg_epd_proxy.py)")
+    ref.add_argument("--host", default=default("host"))
+    ref.add_argument("--port", type=int, default=default("port"))
+    ref.add_argument("--encode-servers-urls", required=True, help="comma-separated encoder (E) URLs")
+    ref.add_argument(
+        "--prefill-servers-urls",
+        default="none",
+        help="comma-separated prefill (P) URLs; 'none', 'disable' or empty for E+PD (default: none)",
+    )
+    ref.add_argument("--decode-servers-urls", required=True, help="comma-separated decode (D) or PD URLs")
+    ref.add_argument(
+        "--decode-retries", type=int, default=default("decode_retries"),
+        help="re-encode and resend when the consumer answers HTTP 500 (default: %(default)s; 0 disables)",
+    )
+    ref.add_argument("--no-rewrite", action="store_true", help="forward raw media to P/D, only attach EC handles")
+    ref.add_argument(
+        "--ec-consumer-zmq-addrs", default="",
+        help="Mooncake EC consumer control addresses aligned with --decode-servers-urls (E+PD only)",
+    )
+    ref.add_argument("--ec-consumer-dp-size", type=int, default=default("ec_consumer_dp_size"),
+                     help="data-parallel replicas per consumer; list each server's addresses consecutively")
+    ref.add_argument("--log-requests", action="store_true", help="log every HTTP request at DEBUG level")
+
+    ours = parser.add_argument_group("epd-proxy flags")
+    ours.add_argument(
+        "--encoder-max-batch-size", type=int, default=None,
+        help="images per encoder sub-request, 0 = unlimited (default: $ENCODER_MAX_BATCH_SIZE or 0)",
+    )
+    ours.add_argument("--encode-policy", choices=ENCODE_POLICIES, default=default("encode_policy"))
+    ours.add_argument("--prefill-policy", choices=SERVING_POLICIES, default=default("prefill_policy"))
+    ours.add_argument("--decode-policy", choices=SERVING_POLICIES, default=default("decode_policy"))
+    ours.add_argument("--encoder-failovers", type=int, default=default("encoder_failovers"),
+                      help="other encoders a failed sub-request is retried on (default: %(default)s)")
+    ours.add_argument("--encode-timeout", type=_seconds_or_none, default=default("encode_timeout_s"),
+                      help="seconds per encoder sub-request, 0 = none (default: %(default)s)")
+    ours.add_argument("--prefill-timeout", type=_seconds_or_none, default=default("prefill_timeout_s"),
+                      help="seconds for prefill, 0 = none (default: %(default)s)")
+    ours.add_argument("--decode-timeout", type=_seconds_or_none, default=default("decode_timeout_s"),
+                      help="seconds until decode's response headers, 0 = none (default: %(default)s)")
+    ours.add_argument("--max-body-bytes", type=int, default=default("max_body_bytes"),
+                      help="largest accepted request body; larger gets 413 (default: %(default)s)")
+    ours.add_argument("--trust-client-fields", action="store_true",
+                      help="accept client uuids, *_embeds parts and ec/kv_transfer_params (trusted callers only)")
+    ours.add_argument("--log-level", default="INFO", help="proxy log level (default: %(default)s)")
+
+
+def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> Config:
+    max_batch = args.encoder_max_batch_size
+    if max_batch is None:
+        max_batch = env_int(env, "ENCODER_MAX_BATCH_SIZE", default("encoder_max_batch_size"))
+    return Config(
+        encode_urls=split_urls(args.encode_servers_urls),
+        decode_urls=split_urls(args.decode_servers_urls),
+        prefill_urls=split_urls(args.prefill_servers_urls),
+        host=args.host,
+        port=args.port,
+        decode_retries=args.decode_retries,
+        rewrite=not args.no_rewrite,
+        ec_consumer_zmq_addrs=split_urls(args.ec_consumer_zmq_addrs),
+        ec_consumer_dp_size=args.ec_consumer_dp_size,
+        log_requests=args.log_requests,
+        encoder_max_batch_size=max_batch,
+        backend_keep_alive_s=env_float(env, "VLLM_HTTP_TIMEOUT_KEEP_ALIVE", default("backend_keep_alive_s")),
+        encode_timeout_s=args.encode_timeout,
+        prefill_timeout_s=args.prefill_timeout,
+        decode_timeout_s=args.decode_timeout,
+        encode_policy=args.encode_policy,
+        prefill_policy=args.prefill_policy,
+        decode_policy=args.decode_policy,
+        encoder_failovers=args.encoder_failovers,
+        max_body_bytes=args.max_body_bytes,
+        trust_client_fields=args.trust_client_fields,
+        backend_api_key=env.get("OPENAI_API_KEY", ""),
+    )
+
+
+def serve(config: Config, log_level: str) -> None:
+    from aiohttp import web
+
+    from epd_proxy.app import create_app
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if config.log_requests:
+        logging.getLogger("epd_proxy.app").setLevel(logging.DEBUG)
+    try:
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    except ImportError:
+        pass
+    web.run_app(
+        create_app(config),
+        host=config.host,
+        port=config.port,
+        access_log=None,
+        handler_cancellation=True,
+        print=lambda msg: logging.getLogger("epd_proxy").info("%s", msg.strip()),
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="epd-proxy", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_serve_arguments(commands.add_parser("serve", help="run the proxy in front of E, (P,) D/PD instances"))
+    commands.add_parser("up", help="start a local E+PD vLLM stack behind the proxy (needs the 'local' extra)",
+                        add_help=False)
+    if argv[:1] == ["up"]:
+        from epd_proxy.local.up import main as up_main
+
+        return up_main(argv[1:])
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args, os.environ)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    serve(config, args.log_level)
+    return 0

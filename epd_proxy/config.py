@@ -1,0 +1,123 @@
+"""The one configuration object: every default lives here, and topology rules are checked once."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+_DISABLED_PREFILL = {"", "none", "disable", "disabled"}
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot serve traffic; raised at startup, never per request."""
+
+
+def split_urls(value: str | None) -> tuple[str, ...]:
+    if value is None or value.strip().lower() in _DISABLED_PREFILL:
+        return ()
+    return tuple(url.strip().rstrip("/") for url in value.split(",") if url.strip())
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    encode_urls: tuple[str, ...]
+    decode_urls: tuple[str, ...]
+    prefill_urls: tuple[str, ...] = ()
+    host: str = "0.0.0.0"
+    port: int = 8000
+    decode_retries: int = 1
+    rewrite: bool = True
+    ec_consumer_zmq_addrs: tuple[str, ...] = ()
+    ec_consumer_dp_size: int = 1
+    log_requests: bool = False
+    # Images per encoder sub-request; 0 means one sub-request per encoder.
+    encoder_max_batch_size: int = 0
+    # vLLM (uvicorn) closes idle connections after this many seconds; we pool for half of it.
+    backend_keep_alive_s: float = 5.0
+    # Seconds; None disables the limit. Decode's limit covers the wait for response headers.
+    encode_timeout_s: float | None = 300.0
+    prefill_timeout_s: float | None = 600.0
+    decode_timeout_s: float | None = 600.0
+    connect_timeout_s: float = 10.0
+    max_body_bytes: int = 64 * 1024 * 1024
+    # How many other encoders a failed sub-request may be retried on (transport error, timeout, 5xx).
+    encoder_failovers: int = 1
+    # Honour client uuids, *_embeds parts and ec/kv_transfer_params (only behind a trusted router).
+    trust_client_fields: bool = False
+    encode_policy: str = "round_robin"
+    prefill_policy: str = "least_loaded"
+    decode_policy: str = "least_loaded"
+    # Bearer token for backend calls (vLLM started with --api-key); also used for profiling.
+    backend_api_key: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.decode_urls:
+            raise ConfigError("--decode-servers-urls needs at least one URL")
+        if not self.encode_urls:
+            raise ConfigError("--encode-servers-urls needs at least one URL")
+        if self.encoder_max_batch_size < 0:
+            raise ConfigError(
+                f"ENCODER_MAX_BATCH_SIZE must be >= 0 (0 = unlimited), got {self.encoder_max_batch_size}"
+            )
+        if self.ec_consumer_dp_size < 1:
+            raise ConfigError(f"--ec-consumer-dp-size must be >= 1, got {self.ec_consumer_dp_size}")
+        if self.decode_retries < 0:
+            object.__setattr__(self, "decode_retries", 0)
+        if self.ec_consumer_zmq_addrs:
+            if self.prefill_urls:
+                raise ConfigError(
+                    "Mooncake EC consumer routing (--ec-consumer-zmq-addrs) supports E+PD only: "
+                    "with a separate prefill stage the consumer is the prefill instance"
+                )
+            expected = len(self.decode_urls) * self.ec_consumer_dp_size
+            if len(self.ec_consumer_zmq_addrs) != expected:
+                raise ConfigError(
+                    f"--ec-consumer-zmq-addrs has {len(self.ec_consumer_zmq_addrs)} addresses; expected "
+                    f"{expected} (decode servers {len(self.decode_urls)} x dp size {self.ec_consumer_dp_size}, "
+                    "each server's replicas listed consecutively)"
+                )
+        for name in ("encode_timeout_s", "prefill_timeout_s", "decode_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                object.__setattr__(self, name, None)
+
+    @property
+    def disaggregated_prefill(self) -> bool:
+        return bool(self.prefill_urls)
+
+    @property
+    def pool_keep_alive_s(self) -> float | None:
+        """How long an idle backend connection may stay pooled; None means never reuse."""
+        if self.backend_keep_alive_s <= 0:
+            return None
+        return self.backend_keep_alive_s / 2
+
+
+def env_int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{name} must be an integer, got {raw!r}") from exc
+
+
+def env_float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return float(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{name} must be a number, got {raw!r}") from exc
+
+
+def default_env() -> Mapping[str, str]:
+    return os.environ
+
+
+def default(name: str):
+    """A Config field's default, so flags and code never restate it."""
+    return Config.__dataclass_fields__[name].default

@@ -1,0 +1,45 @@
+"""Step 7: send decode the prepared body and hand back the open response once it has answered.
+
+The client's status is decided only after decode's headers arrive, so a failure anywhere in the
+pipeline reaches a streaming client as a real HTTP error instead of a 200 stream that breaks off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import orjson
+
+from epd_proxy.backends import Instance
+from epd_proxy.errors import ProxyError, UpstreamError
+
+
+async def open_decode(
+    session: aiohttp.ClientSession,
+    decoder: Instance,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    timeout_s: float | None,
+) -> aiohttp.ClientResponse:
+    """A 2xx response whose body is still unread; the caller must release it."""
+    url = f"{decoder.url}/v1/chat/completions"
+    try:
+        async with asyncio.timeout(timeout_s):
+            resp = await session.post(url, data=orjson.dumps(body), headers=headers)
+    except TimeoutError:
+        raise ProxyError(
+            504, f"Decode did not answer within {timeout_s:g}s", stage="decode", backend=decoder.url
+        ) from None
+    except aiohttp.ClientError as exc:
+        raise ProxyError(502, f"Decode request failed: {exc!r}", stage="decode", backend=decoder.url) from None
+    if resp.status >= 400:
+        try:
+            raw = await resp.read()
+        except aiohttp.ClientError:
+            raw = b""
+        finally:
+            resp.release()
+        raise UpstreamError(resp.status, raw, resp.content_type, stage="decode", backend=decoder.url)
+    return resp

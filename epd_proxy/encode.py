@@ -1,0 +1,101 @@
+"""Step 3: encoder sub-requests: their bodies (pure) and sending them (fail fast, fail over)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import aiohttp
+import orjson
+
+from epd_proxy.backends import Instance
+from epd_proxy.errors import ProxyError
+from epd_proxy.extract import MediaItem
+
+log = logging.getLogger("epd_proxy.encode")
+
+# Without these the encoder processes media with default options while the consumer applies the
+# client's, and vLLM fails with "Attempted to assign N = N multimodal tokens to M placeholders".
+FORWARDED_FIELDS = ("mm_processor_kwargs", "media_io_kwargs", "priority", "session_id")
+
+
+def new_transfer_id() -> str:
+    return os.urandom(16).hex()
+
+
+def child_request_id(request_id: str, first_index: int) -> str:
+    return f"{request_id}:{first_index}:{os.urandom(3).hex()}"
+
+
+def encoder_body(
+    client_body: dict[str, Any],
+    items: Sequence[MediaItem],
+    *,
+    send_uuid: bool,
+    transfer_ids: Sequence[str] = (),
+    consumer_zmq: str | None = None,
+) -> dict[str, Any]:
+    """One user message holding only the group's media, nothing the encoder would have to sample."""
+    content = [{**item.part, "uuid": item.uuid} if send_uuid else item.part for item in items]
+    body: dict[str, Any] = {
+        "model": client_body.get("model"),
+        "messages": [{"role": "user", "content": content}],
+        "stream": False,
+    }
+    for name in FORWARDED_FIELDS:
+        if name in client_body:
+            body[name] = client_body[name]
+    if consumer_zmq is not None:
+        # The producer matches these by position: the engine may rehash, so no mm_hash is sent.
+        body["ec_transfer_params"] = {
+            "consumer_zmq": consumer_zmq,
+            "ec_items": [{"transfer_id": tid} for tid in transfer_ids],
+        }
+    return body
+
+
+@dataclass(frozen=True, slots=True)
+class EncoderReply:
+    encoder: Instance
+    ec_transfer_params: dict[str, Any] | None
+
+
+async def post_encoder(
+    session: aiohttp.ClientSession,
+    encoder: Instance,
+    body: dict[str, Any],
+    request_id: str,
+    timeout_s: float | None,
+) -> EncoderReply:
+    url = f"{encoder.url}/v1/chat/completions"
+    headers = {"x-request-id": request_id, "Content-Type": "application/json"}
+    with encoder.busy():
+        try:
+            async with asyncio.timeout(timeout_s):
+                async with session.post(url, data=orjson.dumps(body), headers=headers) as resp:
+                    raw = await resp.read()
+                    status = resp.status
+        except TimeoutError:
+            raise ProxyError(
+                504, f"Encoder request timed out after {timeout_s:g}s", stage="encode", backend=encoder.url,
+                retryable=True,
+            ) from None
+        except aiohttp.ClientError as exc:
+            raise ProxyError(
+                502, f"Encoder request failed: {exc!r}", stage="encode", backend=encoder.url, retryable=True
+            ) from None
+    if status != 200:
+        text = raw.decode("utf-8", "replace")[:2000]
+        raise ProxyError(
+            status, f"Encoder request failed: {text}", stage="encode", backend=encoder.url, retryable=status >= 500
+        )
+    try:
+        parsed = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        log.warning("encoder %s answered 200 with a body that is not JSON; its items stay raw media", encoder.url)
+        return EncoderReply(encoder, None)
+    params = parsed.get("ec_transfer_params") if isinstance(parsed, dict) else None
+    return EncoderReply(encoder, params if isinstance(params, dict) else None)

@@ -1,0 +1,83 @@
+"""Every failure becomes one ProxyError here, so every path answers with the same JSON shape."""
+
+from __future__ import annotations
+
+import orjson
+
+
+class ProxyError(Exception):
+    """A failure with the HTTP status the client should see.
+
+    `stage` names the step that failed (request, encode, match, prefill, decode, proxy) so an
+    operator can tell a bad image from a dead encoder from the error body alone.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        stage: str = "proxy",
+        error_type: str | None = None,
+        backend: str | None = None,
+        retryable: bool = False,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.stage = stage
+        self.error_type = error_type or _default_type(status)
+        self.backend = backend
+        self.retryable = retryable
+
+    def body(self) -> bytes:
+        error: dict[str, object] = {
+            "message": self.message,
+            "type": self.error_type,
+            "code": self.status,
+            "stage": self.stage,
+        }
+        if self.backend:
+            error["backend"] = self.backend
+        return orjson.dumps({"error": error})
+
+
+class BadRequest(ProxyError):
+    def __init__(self, message: str) -> None:
+        super().__init__(400, message, stage="request", error_type="invalid_request_error")
+
+
+class UpstreamError(ProxyError):
+    """A backend answered with an error; its status and body are passed on as they were."""
+
+    def __init__(self, status: int, raw_body: bytes, content_type: str, *, stage: str, backend: str) -> None:
+        super().__init__(status, _message_of(raw_body), stage=stage, backend=backend, retryable=status == 500)
+        self.raw_body = raw_body
+        self.content_type = content_type
+
+
+def _default_type(status: int) -> str:
+    if status == 400:
+        return "invalid_request_error"
+    if status in (502, 504):
+        return "upstream_error"
+    if status == 503:
+        return "service_unavailable"
+    return "proxy_error" if status >= 500 else "request_error"
+
+
+def _message_of(raw_body: bytes) -> str:
+    """The human part of a backend error body: vLLM's {"error": {"message": ...}} or plain text."""
+    try:
+        parsed = orjson.loads(raw_body)
+    except orjson.JSONDecodeError:
+        return raw_body.decode("utf-8", "replace")[:2000]
+    if isinstance(parsed, dict):
+        error = parsed.get("error", parsed)
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return error["message"]
+        if isinstance(parsed.get("detail"), str):
+            return parsed["detail"]
+        if isinstance(error, str):
+            return error
+    return raw_body.decode("utf-8", "replace")[:2000]

@@ -1,0 +1,127 @@
+"""Step 1: find the media items of a chat request and give each its content identity.
+
+An item's global index (message order, then content order) is the key every later step uses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from epd_proxy.errors import BadRequest
+
+URL_MEDIA_TYPES = ("image_url", "audio_url", "video_url")
+MEDIA_TYPES = (*URL_MEDIA_TYPES, "input_audio")
+EMBEDS_TYPE = {
+    "image_url": "image_embeds",
+    "audio_url": "audio_embeds",
+    "input_audio": "audio_embeds",
+    "video_url": "video_embeds",
+}
+AUDIO_TYPES = ("audio_url", "input_audio")
+EMBEDS_TYPES = frozenset(EMBEDS_TYPE.values())
+# Fields only an encoder or a trusted router may set: a forged embeds reference whose hash is not
+# in the encoder cache kills a vLLM consumer engine, and forged transfer params steer KV/EC pulls.
+ENGINE_ONLY_FIELDS = ("ec_transfer_params", "kv_transfer_params")
+
+
+@dataclass(frozen=True, slots=True)
+class MediaItem:
+    index: int
+    kind: str
+    part: dict[str, Any]
+    uuid: str
+    message_index: int
+    part_index: int
+
+    @property
+    def is_image(self) -> bool:
+        return self.kind == "image_url"
+
+
+def sha256_hex(data: str) -> str:
+    return hashlib.sha256(data.encode("utf-8")).hexdigest()
+
+
+def media_url(part: dict[str, Any], kind: str) -> str | None:
+    value = part.get(kind)
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        url = value.get("url")
+        if isinstance(url, str):
+            return url
+    return None
+
+
+def content_uuid(part: dict[str, Any], kind: str) -> str:
+    """The reference proxy's identity: sha256 of the URL, else of the item's sorted JSON.
+
+    Keeping the reference's formula means encoder caches keep their keys in fleets that mix both
+    proxies. It must be content-derived, not request-derived, for cross-request cache reuse.
+    """
+    url = media_url(part, kind)
+    if url is not None:
+        return sha256_hex(url)
+    return sha256_hex(json.dumps(part, sort_keys=True))
+
+
+def validate_request(body: Any, *, trust_client_fields: bool) -> dict[str, Any]:
+    """Reject what vLLM would choke on later with a clear 400, before any backend is called."""
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list")
+    if "stream" in body and not isinstance(body["stream"], bool) and body["stream"] is not None:
+        raise BadRequest("'stream' must be a boolean")
+    if not trust_client_fields:
+        for name in ENGINE_ONLY_FIELDS:
+            if body.get(name) is not None:
+                raise BadRequest(
+                    f"'{name}' is set by the proxy, not by clients "
+                    "(start the proxy with --trust-client-fields if a trusted router sits in front)"
+                )
+    for m, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise BadRequest(f"messages[{m}] must be an object")
+        content = message.get("content")
+        if not isinstance(content, list):
+            continue
+        for p, part in enumerate(content):
+            if not isinstance(part, dict):
+                raise BadRequest(f"messages[{m}].content[{p}] must be an object")
+            kind = part.get("type")
+            if kind in URL_MEDIA_TYPES:
+                url = media_url(part, kind)
+                if not url:
+                    raise BadRequest(f"messages[{m}].content[{p}] is '{kind}' without a '{kind}.url'")
+            elif kind == "input_audio":
+                audio = part.get("input_audio")
+                if not isinstance(audio, dict) or not isinstance(audio.get("data"), str):
+                    raise BadRequest(f"messages[{m}].content[{p}] is 'input_audio' without 'input_audio.data'")
+            elif kind in EMBEDS_TYPES and not trust_client_fields:
+                raise BadRequest(
+                    f"messages[{m}].content[{p}] is '{kind}': embeddings references are made by the proxy, "
+                    "not sent by clients"
+                )
+    return body
+
+
+def extract_media(body: dict[str, Any], *, honour_client_uuid: bool = False) -> list[MediaItem]:
+    """All media items in global order. Assumes `validate_request` accepted the body."""
+    items: list[MediaItem] = []
+    for m, message in enumerate(body["messages"]):
+        content = message.get("content")
+        if not isinstance(content, list):
+            continue
+        for p, part in enumerate(content):
+            kind = part.get("type")
+            if kind not in EMBEDS_TYPE:
+                continue
+            client_uuid = part.get("uuid") if honour_client_uuid else None
+            uuid = client_uuid if isinstance(client_uuid, str) and client_uuid else content_uuid(part, kind)
+            items.append(MediaItem(len(items), kind, part, uuid, m, p))
+    return items

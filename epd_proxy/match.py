@@ -1,0 +1,98 @@
+"""Step 4: map an encoder's `ec_transfer_params` back to the items it was sent (pure).
+
+Positions (`item_indices`) are the truth; hashes cannot be predicted by the proxy because the
+engine derives them from the uuid plus processing options. Anything ambiguous is an error,
+never a guess: a wrong guess would hand the consumer another image's embedding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from epd_proxy.errors import ProxyError
+from epd_proxy.extract import MediaItem
+
+_POSITION_ONLY_KEYS = frozenset({"metadata", "item_indices"})
+
+
+@dataclass(frozen=True, slots=True)
+class ItemMatch:
+    metadata: dict[str, Any]
+    # The identifier the engine reported; consumers look handles up by it.
+    ec_mm_hash: str
+    transfer_id: str
+
+
+@dataclass(slots=True)
+class Matches:
+    items: dict[int, ItemMatch] = field(default_factory=dict)
+    # Connector handles keyed by the engine-reported identifier, kept verbatim.
+    handles: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def _bad(message: str, backend: str | None) -> ProxyError:
+    return ProxyError(502, message, stage="match", error_type="upstream_error", backend=backend)
+
+
+def match_group(
+    items: Sequence[MediaItem],
+    transfer_ids: Sequence[str],
+    params: dict[str, Any] | None,
+    into: Matches,
+    *,
+    audio_in_video: bool = False,
+    push_mode: bool = False,
+    backend: str | None = None,
+) -> None:
+    """Record matches for one encoder group into `into`.
+
+    `audio_in_video`: the client asked for `use_audio_in_video`, so a video item yields two
+    features (video and audio) that cannot be mapped to one item; without transfer handles to
+    honour, such a video may stay raw media.
+    """
+    if not params:
+        return
+    entries = {key: value for key, value in params.items() if isinstance(value, dict)}
+    by_position: dict[int, str] = {}
+    if len(items) > 1:
+        for key, entry in entries.items():
+            indices = entry.get("item_indices")
+            if indices is None:
+                continue
+            if not isinstance(indices, list):
+                raise _bad(f"Invalid encoder item index list for {key!r}: {indices!r}", backend)
+            for index in indices:
+                if type(index) is not int or not 0 <= index < len(items):
+                    raise _bad(f"Invalid encoder item index {index!r} for {key!r} (group of {len(items)})", backend)
+                if index in by_position:
+                    raise _bad(f"Duplicate encoder item index {index} ({by_position[index]!r} and {key!r})", backend)
+                by_position[index] = key
+
+    for position, item in enumerate(items):
+        key = by_position.get(position)
+        if key is None:
+            if item.uuid in entries:
+                key = item.uuid
+            elif len(items) == 1 and len(entries) == 1:
+                key = next(iter(entries))
+            elif (
+                item.kind == "video_url"
+                and audio_in_video
+                and len(entries) == 2
+                and not push_mode
+                and all(entry.keys() <= _POSITION_ONLY_KEYS for entry in entries.values())
+            ):
+                continue
+            else:
+                raise _bad(
+                    f"Encoder metadata cannot be matched to item {item.index} ({item.kind}); "
+                    f"the encoder reported {len(entries)} entries without usable item_indices",
+                    backend,
+                )
+        entry = entries[key]
+        metadata = entry.get("metadata")
+        into.items[item.index] = ItemMatch(
+            metadata if isinstance(metadata, dict) else {}, key, transfer_ids[position]
+        )
+        into.handles[key] = entry

@@ -1,0 +1,214 @@
+"""One request's journey: route → encode (plan, send, match) → rewrite → prefill → decode, with retries.
+
+Every attempt starts again from the client's untouched body, so a retry never inherits the
+previous attempt's transfer ids, EC handles or KV block ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import aiohttp
+
+from epd_proxy.backends import DECODE, ENCODE, PREFILL, Instance
+from epd_proxy.config import Config
+from epd_proxy.decode import open_decode
+from epd_proxy.encode import EncoderReply, child_request_id, encoder_body, new_transfer_id, post_encoder
+from epd_proxy.errors import ProxyError, UpstreamError
+from epd_proxy.extract import MediaItem
+from epd_proxy.match import Matches, match_group
+from epd_proxy.plan import EncoderGroup, plan_groups
+from epd_proxy.prefill import run_prefill
+from epd_proxy.rewrite import rewrite_request
+from epd_proxy.routing import RoutingPolicy
+
+log = logging.getLogger("epd_proxy.pipeline")
+DP_RANK_HEADER = "X-data-parallel-rank"
+
+
+@dataclass(slots=True)
+class Route:
+    decoder: Instance
+    prefill: Instance | None
+    dp_rank: int | None
+    consumer_zmq: str | None
+
+
+@dataclass(slots=True)
+class Trace:
+    """What one request did, for its log line and metrics."""
+
+    request_id: str
+    items: int = 0
+    attempts: int = 0
+    encoder_requests: int = 0
+    encoder_failovers: int = 0
+    encode_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_ttfb_s: float = 0.0
+    started: float = field(default_factory=time.perf_counter)
+
+
+def healthy(instances: Sequence[Instance]) -> Sequence[Instance]:
+    """Live instances; if every one looks down, try them all rather than refuse outright."""
+    live = [i for i in instances if i.healthy]
+    return live or instances
+
+
+class Pipeline:
+    def __init__(
+        self,
+        config: Config,
+        instances: dict[str, list[Instance]],
+        session: aiohttp.ClientSession,
+        policies: dict[str, RoutingPolicy],
+    ) -> None:
+        self.config = config
+        self.instances = instances
+        self.session = session
+        self.policies = policies
+
+    def choose_route(self, request_id: str) -> Route:
+        decoder = self.policies[DECODE].choose(healthy(self.instances[DECODE]), (request_id,))[0]
+        prefill = None
+        if self.instances[PREFILL]:
+            prefill = self.policies[PREFILL].choose(healthy(self.instances[PREFILL]), (request_id,))[0]
+        dp_rank = decoder.next_dp_rank() if decoder.dp_size > 1 else None
+        consumer_zmq = decoder.zmq_addrs[dp_rank or 0] if decoder.zmq_addrs else None
+        return Route(decoder, prefill, dp_rank, consumer_zmq)
+
+    async def encode(
+        self, body: dict[str, Any], items: Sequence[MediaItem], route: Route, trace: Trace
+    ) -> Matches:
+        matches = Matches()
+        if not items:
+            return matches
+        started = time.perf_counter()
+        encoders = healthy(self.instances[ENCODE])
+        assignment = self.policies[ENCODE].choose(encoders, [item.uuid for item in items])
+        groups = plan_groups(items, assignment, self.config.encoder_max_batch_size)
+        trace.encoder_requests += len(groups)
+        tasks = [asyncio.create_task(self._encode_group(body, items, group, route, trace)) for group in groups]
+        try:
+            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        except asyncio.CancelledError:
+            for task in tasks:
+                task.cancel()
+            raise
+        if pending:
+            # Fail fast: one failed group fails the request, so the others are not worth waiting for.
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+        audio_in_video = _truthy_option(body, "use_audio_in_video")
+        for group, task in zip(groups, tasks):
+            reply, transfer_ids = task.result()
+            match_group(
+                [items[i] for i in group.indices],
+                transfer_ids,
+                reply.ec_transfer_params,
+                matches,
+                audio_in_video=audio_in_video,
+                push_mode=route.consumer_zmq is not None,
+                backend=reply.encoder.url,
+            )
+        trace.encode_s += time.perf_counter() - started
+        return matches
+
+    async def _encode_group(
+        self,
+        body: dict[str, Any],
+        items: Sequence[MediaItem],
+        group: EncoderGroup[Instance],
+        route: Route,
+        trace: Trace,
+    ) -> tuple[EncoderReply, list[str]]:
+        """Send one group; on a transport error, timeout or 5xx, fail over to another encoder."""
+        group_items = [items[i] for i in group.indices]
+        encoder = group.encoder
+        tried: list[Instance] = []
+        while True:
+            transfer_ids = [new_transfer_id() for _ in group_items]
+            sub_body = encoder_body(
+                body,
+                group_items,
+                send_uuid=self.config.rewrite,
+                transfer_ids=transfer_ids,
+                consumer_zmq=route.consumer_zmq,
+            )
+            tried.append(encoder)
+            try:
+                reply = await post_encoder(
+                    self.session,
+                    encoder,
+                    sub_body,
+                    child_request_id(trace.request_id, group.indices[0]),
+                    self.config.encode_timeout_s,
+                )
+                return reply, transfer_ids
+            except ProxyError as exc:
+                fallback = self._failover_target(tried) if exc.retryable else None
+                if fallback is None:
+                    raise
+                log.warning(
+                    "request %s: encoder %s failed (%s); retrying its %d item(s) on %s",
+                    trace.request_id, encoder.url, exc.message, len(group_items), fallback.url,
+                )
+                trace.encoder_failovers += 1
+                encoder = fallback
+
+    def _failover_target(self, tried: list[Instance]) -> Instance | None:
+        if len(tried) > self.config.encoder_failovers:
+            return None
+        others = [e for e in healthy(self.instances[ENCODE]) if e not in tried]
+        if not others:
+            return None
+        return min(others, key=lambda e: e.inflight)
+
+    async def open(self, body: dict[str, Any], items: Sequence[MediaItem], route: Route, trace: Trace):
+        """Run attempts until decode answers 2xx; returns decode's open response."""
+        headers = {"x-request-id": trace.request_id, "Content-Type": "application/json"}
+        decode_headers = headers
+        if route.dp_rank is not None:
+            decode_headers = {**headers, DP_RANK_HEADER: str(route.dp_rank)}
+        push_mode = route.consumer_zmq is not None
+        config = self.config
+        attempts = config.decode_retries + 1
+        for attempt in range(1, attempts + 1):
+            trace.attempts = attempt
+            matches = await self.encode(body, items, route, trace)
+            prepared = rewrite_request(body, items, matches, rewrite=config.rewrite, push_mode=push_mode)
+            try:
+                decode_body = prepared
+                if route.prefill is not None:
+                    started = time.perf_counter()
+                    kv = await run_prefill(self.session, route.prefill, prepared, headers, config.prefill_timeout_s)
+                    trace.prefill_s += time.perf_counter() - started
+                    if kv:
+                        decode_body = {**prepared, "kv_transfer_params": kv}
+                started = time.perf_counter()
+                resp = await open_decode(self.session, route.decoder, decode_body, decode_headers, config.decode_timeout_s)
+                trace.decode_ttfb_s += time.perf_counter() - started
+                return resp
+            except UpstreamError as exc:
+                # A consumer answers 500 when an embedding it was promised never arrived:
+                # re-encoding republishes it, so 500 (and only 500) is worth another attempt.
+                if exc.status != 500 or attempt == attempts:
+                    raise
+                log.warning(
+                    "request %s: %s answered 500 (%s); re-encoding, attempt %d of %d",
+                    trace.request_id, exc.stage, exc.message[:200], attempt + 1, attempts,
+                )
+        raise AssertionError("unreachable")
+
+
+def _truthy_option(body: dict[str, Any], name: str) -> bool:
+    kwargs = body.get("mm_processor_kwargs")
+    return isinstance(kwargs, dict) and bool(kwargs.get(name))

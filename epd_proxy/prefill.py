@@ -1,0 +1,43 @@
+"""Step 6 (E+P+D only): run prefill for one token and collect the KV handles decode needs."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import orjson
+
+from epd_proxy.backends import Instance
+from epd_proxy.errors import ProxyError, UpstreamError
+from epd_proxy.rewrite import prefill_request
+
+
+async def run_prefill(
+    session: aiohttp.ClientSession,
+    prefill: Instance,
+    prepared: dict[str, Any],
+    headers: dict[str, str],
+    timeout_s: float | None,
+) -> dict[str, Any] | None:
+    """The `kv_transfer_params` prefill returned, or None. Errors keep prefill's own status."""
+    url = f"{prefill.url}/v1/chat/completions"
+    with prefill.busy():
+        try:
+            async with asyncio.timeout(timeout_s):
+                async with session.post(url, data=orjson.dumps(prefill_request(prepared)), headers=headers) as resp:
+                    raw = await resp.read()
+                    if resp.status != 200:
+                        raise UpstreamError(
+                            resp.status, raw, resp.content_type, stage="prefill", backend=prefill.url
+                        )
+        except TimeoutError:
+            raise ProxyError(504, f"Prefill timed out after {timeout_s:g}s", stage="prefill", backend=prefill.url) from None
+        except aiohttp.ClientError as exc:
+            raise ProxyError(502, f"Prefill request failed: {exc!r}", stage="prefill", backend=prefill.url) from None
+    try:
+        parsed = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise ProxyError(502, "Prefill answered 200 with a body that is not JSON", stage="prefill", backend=prefill.url) from None
+    params = parsed.get("kv_transfer_params") if isinstance(parsed, dict) else None
+    return params if isinstance(params, dict) and params else None

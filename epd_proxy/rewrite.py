@@ -1,0 +1,114 @@
+"""Step 5: the body prefill/decode receive (pure; the client's body is never mutated).
+
+Each matched item becomes a metadata-only `*_embeds` reference the consumer resolves through the
+EC connector, so megabytes of media are not parsed and decoded a second time.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from epd_proxy.extract import AUDIO_TYPES, EMBEDS_TYPE, MediaItem
+from epd_proxy.match import ItemMatch, Matches
+
+
+def flatten_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
+    """One item's metadata as a per-item vector: the encoder reports `[[1, 4, 6]]` for a batch of
+    one, the consumer stacks `[1, 4, 6]`."""
+    flat: dict[str, Any] = {}
+    for key, value in metadata.items():
+        if isinstance(value, list) and any(isinstance(v, list) for v in value):
+            value = [x for v in value for x in (v if isinstance(v, list) else (v,))]
+        flat[key] = value
+    return flat
+
+
+def _embeds_part(item: MediaItem, match: ItemMatch) -> dict[str, Any]:
+    kind = EMBEDS_TYPE[item.kind]
+    return {"type": kind, kind: flatten_metadata(match.metadata), "uuid": item.uuid}
+
+
+def _with_parts(body: dict[str, Any], items: Sequence[MediaItem], parts: Sequence[dict[str, Any]]) -> list[Any]:
+    """`body["messages"]` with the media parts replaced; untouched messages stay the same objects."""
+    messages = list(body["messages"])
+    copied: set[int] = set()
+    for item, part in zip(items, parts):
+        m = item.message_index
+        if m not in copied:
+            messages[m] = {**messages[m], "content": list(messages[m]["content"])}
+            copied.add(m)
+        messages[m]["content"][item.part_index] = part
+    return messages
+
+
+def _transfer_params(
+    body: dict[str, Any], handles: dict[str, Any], ec_items: list[dict[str, str]]
+) -> dict[str, Any] | None:
+    client = body.get("ec_transfer_params")
+    merged: dict[str, Any] = dict(client) if isinstance(client, dict) else {}
+    merged.update(handles)
+    if ec_items:
+        merged["ec_items"] = ec_items
+    return merged or None
+
+
+def rewrite_request(
+    body: dict[str, Any],
+    items: Sequence[MediaItem],
+    matches: Matches,
+    *,
+    rewrite: bool = True,
+    push_mode: bool = False,
+) -> dict[str, Any]:
+    """The consumer's body for one attempt.
+
+    rewrite=True: matched items with metadata become `*_embeds` references; every other item
+    stays raw media but carries the proxy uuid, so the consumer derives the identifier the encoder
+    stored under and still loads the embedding instead of re-encoding. If the request has audio
+    and any item cannot be referenced, nothing is referenced (audio processors may count
+    placeholders of other modalities), but every item keeps its uuid.
+
+    rewrite=False: media stays as the client sent it; only the handles are attached.
+    """
+    ec_items = [
+        {"mm_hash": m.ec_mm_hash, "transfer_id": m.transfer_id}
+        for m in (matches.items.get(item.index) for item in items)
+        if m is not None
+    ]
+    out = dict(body)
+    if rewrite:
+        referable = [bool(matches.items.get(i.index) and matches.items[i.index].metadata) for i in items]
+        all_raw = not all(referable) and any(item.kind in AUDIO_TYPES for item in items)
+        parts = [
+            _embeds_part(item, matches.items[item.index]) if ok and not all_raw else {**item.part, "uuid": item.uuid}
+            for item, ok in zip(items, referable)
+        ]
+        if parts:
+            out["messages"] = _with_parts(body, items, parts)
+    elif not push_mode:
+        ec_items = []
+    params = _transfer_params(body, matches.handles, ec_items)
+    if params is not None:
+        out["ec_transfer_params"] = params
+    return out
+
+
+def prefill_request(prepared: dict[str, Any]) -> dict[str, Any]:
+    """Prefill runs one token and hands its KV cache to decode."""
+    body = {
+        **prepared,
+        "kv_transfer_params": {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        },
+        "stream": False,
+        "max_tokens": 1,
+    }
+    if "max_completion_tokens" in body:
+        body["max_completion_tokens"] = 1
+    body.pop("stream_options", None)
+    return body

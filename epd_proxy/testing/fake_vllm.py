@@ -1,0 +1,293 @@
+"""In-process fake vLLM servers that speak the EPD wire protocol, for tests and benchmarks.
+
+They model the behaviour the proxy must get right, not the model: an encoder derives the cache
+identifier from uuid + processing options exactly when vLLM does, stores what a shared-storage EC
+connector would, and reports `item_indices`; a consumer checks every `*_embeds` reference against
+that store and fails the way vLLM does on a missing entry or a placeholder/token mismatch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+MEDIA_KEYS = {"image_url": "image", "audio_url": "audio", "input_audio": "audio", "video_url": "video"}
+EMBEDS_KEYS = {"image_embeds": "image", "audio_embeds": "audio", "video_embeds": "video"}
+GRID_FIELD = {"image": "image_grid_thw", "video": "video_grid_thw", "audio": "audio_feature_lengths"}
+# Multibyte characters on purpose: a relay that re-chunks or decodes bytes would break them.
+ANSWER_SUFFIX = " héllo wörld 世界 🙂"
+
+
+def _digest(*parts: Any) -> str:
+    return hashlib.sha256(orjson.dumps(parts, option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+
+def media_source(part: dict[str, Any], kind: str) -> str:
+    value = part.get(kind)
+    if isinstance(value, dict):
+        return value.get("url") or _digest(value)
+    return value if isinstance(value, str) else _digest(part)
+
+
+def identifier(uuid: str | None, media: str, kwargs: dict[str, Any] | None) -> str:
+    """vLLM's rule: the uuid verbatim when there are no processing options, else a derived hash."""
+    if uuid and not kwargs:
+        return uuid
+    return _digest("tiny-vlm", uuid or media, kwargs or {})
+
+
+def placeholder_shape(modality: str, media: str, kwargs: dict[str, Any] | None) -> list[int]:
+    """A deterministic grid that changes with the processing options, like a resize would."""
+    d = bytes.fromhex(_digest(media))
+    scale = 2 if kwargs and kwargs.get("size") else 1
+    if modality == "audio":
+        return [8 + d[0] % 8]
+    t = 2 if modality == "video" else 1
+    return [t, (2 + d[0] % 4) * 2 * scale, (2 + d[1] % 4) * 2 * scale]
+
+
+def tokens_of(modality: str, shape: list[int]) -> int:
+    if modality == "audio":
+        return shape[0]
+    t, h, w = shape
+    return t * h * w // 4
+
+
+@dataclass
+class ECStore:
+    """What a shared-storage EC connector holds: identifier -> (media identity, shape)."""
+
+    entries: dict[str, tuple[str, list[int]]] = field(default_factory=dict)
+
+
+@dataclass
+class Faults:
+    """Inject failures: the next `fail_times` requests answer `fail_status` (or drop the connection
+    when `fail_status` is 0); every request waits `delay_s` first."""
+
+    fail_times: int = 0
+    fail_status: int = 500
+    fail_body: str = "injected failure"
+    delay_s: float = 0.0
+
+    async def apply(self, request: web.Request) -> web.Response | None:
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        if self.fail_times > 0:
+            self.fail_times -= 1
+            if self.fail_status == 0:
+                request.transport.close()
+                raise ConnectionResetError("fault injected: connection dropped")
+            return web.json_response(
+                {"error": {"message": self.fail_body, "type": "InternalServerError", "code": self.fail_status}},
+                status=self.fail_status,
+            )
+        return None
+
+
+@dataclass
+class Seen:
+    headers: dict[str, str]
+    body: dict[str, Any]
+
+
+class FakeVLLM:
+    """One fake server. role: 'encode' (EC producer), 'pd' (EC consumer, decodes), 'prefill'
+    (EC consumer, returns KV handles), 'decode' (KV consumer, expects kv_transfer_params)."""
+
+    def __init__(
+        self,
+        role: str,
+        store: ECStore,
+        *,
+        report_indices: bool = True,
+        handles: dict[str, Any] | None = None,
+        tokens_per_chunk: int = 3,
+    ) -> None:
+        self.role = role
+        self.store = store
+        self.report_indices = report_indices
+        self.handles = handles or {}
+        self.tokens_per_chunk = tokens_per_chunk
+        self.faults = Faults()
+        self.healthy = True
+        self.requests: list[Seen] = []
+        self.loaded_from_cache = 0
+        self.encoded_locally = 0
+        self.cancelled = 0
+        self._ids = itertools.count()
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=256 * 1024 * 1024)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/start_profile", self.profile)
+        app.router.add_post("/stop_profile", self.profile)
+        return app
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.healthy else 503)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "tiny-vlm", "object": "model"}]})
+
+    async def profile(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = orjson.loads(await request.read())
+        self.requests.append(Seen(dict(request.headers), body))
+        try:
+            injected = await self.faults.apply(request)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        if injected is not None:
+            return injected
+        if self.role == "encode":
+            return self._encode(body)
+        return await self._consume(request, body)
+
+    # -- encoder ---------------------------------------------------------------------------------
+    def _encode(self, body: dict[str, Any]) -> web.Response:
+        kwargs = body.get("mm_processor_kwargs")
+        params: dict[str, dict[str, Any]] = {}
+        position = 0
+        for part in body["messages"][0]["content"]:
+            kind = part.get("type")
+            if kind not in MEDIA_KEYS:
+                continue
+            modality = MEDIA_KEYS[kind]
+            media = media_source(part, kind)
+            key = identifier(part.get("uuid"), media, kwargs)
+            shape = placeholder_shape(modality, media, kwargs)
+            self.store.entries[key] = (_digest(media), shape)
+            entry = params.setdefault(key, {"metadata": {GRID_FIELD[modality]: [shape]}, **self.handles})
+            if self.report_indices:
+                entry.setdefault("item_indices", []).append(position)
+            position += 1
+        return web.json_response(
+            {
+                "id": f"chatcmpl-enc-{next(self._ids)}",
+                "object": "chat.completion",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": ""}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 0, "total_tokens": 1},
+                "ec_transfer_params": params or None,
+            },
+            dumps=lambda o: orjson.dumps(o).decode(),
+        )
+
+    # -- consumers -------------------------------------------------------------------------------
+    def _resolve_media(self, body: dict[str, Any]) -> list[str] | web.Response:
+        """Each media item's identity as the consumer sees it, or vLLM's error for a bad reference."""
+        kwargs = body.get("mm_processor_kwargs")
+        seen: list[str] = []
+        for message in body["messages"]:
+            content = message.get("content")
+            if not isinstance(content, list):
+                continue
+            for part in content:
+                kind = part.get("type")
+                if kind in EMBEDS_KEYS:
+                    modality = EMBEDS_KEYS[kind]
+                    key = identifier(part.get("uuid"), "", kwargs) if part.get("uuid") else None
+                    stored = self.store.entries.get(key) if key else None
+                    if stored is None:
+                        return _engine_error(
+                            "Expected number of multimodal embeddings to match number of input items: "
+                            "1, but got len(mm_embeddings)=0"
+                        )
+                    media_id, shape = stored
+                    claimed = part[kind].get(GRID_FIELD[modality])
+                    if claimed != shape:
+                        have, want = tokens_of(modality, shape), tokens_of(modality, claimed or [0, 0, 0])
+                        return _engine_error(
+                            f"Attempted to assign {have} = {have} multimodal tokens to {want} placeholders"
+                        )
+                    self.loaded_from_cache += 1
+                    seen.append(f"{media_id}:{shape}")
+                elif kind in MEDIA_KEYS:
+                    modality = MEDIA_KEYS[kind]
+                    media = media_source(part, kind)
+                    shape = placeholder_shape(modality, media, kwargs)
+                    key = identifier(part.get("uuid"), media, kwargs)
+                    if key in self.store.entries:
+                        self.loaded_from_cache += 1
+                    else:
+                        self.encoded_locally += 1
+                    seen.append(f"{_digest(media)}:{shape}")
+        return seen
+
+    async def _consume(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        if self.role == "decode":
+            kv = body.get("kv_transfer_params") or {}
+            if not kv.get("remote_block_ids"):
+                return _engine_error("decode instance got no kv_transfer_params from prefill", status=400)
+        resolved = self._resolve_media(body)
+        if isinstance(resolved, web.Response):
+            return resolved
+        texts = [
+            part.get("text", "") if isinstance(part, dict) else ""
+            for m in body["messages"]
+            for part in (m["content"] if isinstance(m.get("content"), list) else [{"text": m.get("content") or ""}])
+        ]
+        answer = "answer-" + _digest(texts, resolved)[:12] + ANSWER_SUFFIX
+        completion_id = f"chatcmpl-{next(self._ids)}"
+        usage = {"prompt_tokens": 10 + len(resolved), "completion_tokens": 7, "total_tokens": 17 + len(resolved)}
+        if self.role == "prefill":
+            kv = {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_engine_id": "fake-prefill",
+                "remote_block_ids": [1, 2, 3],
+                "remote_host": "127.0.0.1",
+                "remote_port": 5600,
+            }
+            return _json({"id": completion_id, "object": "chat.completion", "choices": [], "usage": usage,
+                          "kv_transfer_params": kv})
+        if not body.get("stream"):
+            return _json(
+                {
+                    "id": completion_id,
+                    "object": "chat.completion",
+                    "model": body.get("model"),
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": answer},
+                                 "finish_reason": "stop"}],
+                    "usage": usage,
+                }
+            )
+        return await self._stream(request, completion_id, body.get("model"), answer)
+
+    async def _stream(self, request: web.Request, completion_id: str, model: Any, answer: str) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await response.prepare(request)
+        events = [
+            {"id": completion_id, "object": "chat.completion.chunk", "model": model,
+             "choices": [{"index": 0, "delta": {"content": answer[i : i + self.tokens_per_chunk]},
+                          "finish_reason": None}]}
+            for i in range(0, len(answer), self.tokens_per_chunk)
+        ]
+        events.append({"id": completion_id, "object": "chat.completion.chunk", "model": model,
+                       "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+        payload = b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+        # Odd-sized writes cut through multibyte characters and SSE frames on purpose.
+        for start in range(0, len(payload), 7):
+            await response.write(payload[start : start + 7])
+            await asyncio.sleep(0)
+        await response.write_eof()
+        return response
+
+
+def _json(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
+
+
+def _engine_error(message: str, status: int = 500) -> web.Response:
+    return _json({"error": {"message": message, "type": "InternalServerError", "param": None, "code": status}}, status)

@@ -1,0 +1,80 @@
+"""An EPD stack of in-process fake vLLM servers behind a real proxy app, one per test."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+
+from epd_proxy.app import create_app
+from epd_proxy.config import Config
+from epd_proxy.testing.fake_vllm import ECStore, FakeVLLM
+
+
+@dataclass
+class Stack:
+    encoders: list[FakeVLLM]
+    consumers: list[FakeVLLM]
+    prefills: list[FakeVLLM]
+    store: ECStore
+    url: str
+    client: aiohttp.ClientSession
+    servers: list[TestServer] = field(default_factory=list)
+
+    @property
+    def pd(self) -> FakeVLLM:
+        return self.consumers[0]
+
+    async def chat(self, body: dict[str, Any] | bytes, **kwargs):
+        data = body if isinstance(body, bytes) else None
+        json_body = None if isinstance(body, bytes) else body
+        return await self.client.post(f"{self.url}/v1/chat/completions", data=data, json=json_body, **kwargs)
+
+    def encoder_requests(self) -> list[dict[str, Any]]:
+        return [seen.body for e in self.encoders for seen in e.requests]
+
+
+@pytest.fixture
+async def make_stack():
+    stacks: list[Stack] = []
+
+    async def build(
+        encoders: int = 2,
+        prefills: int = 0,
+        decoders: int = 1,
+        encoder_options: dict[str, Any] | None = None,
+        **config_overrides: Any,
+    ) -> Stack:
+        store = ECStore()
+        fake_encoders = [FakeVLLM("encode", store, **(encoder_options or {})) for _ in range(encoders)]
+        fake_prefills = [FakeVLLM("prefill", store) for _ in range(prefills)]
+        fake_consumers = [FakeVLLM("decode" if prefills else "pd", store) for _ in range(decoders)]
+        servers = []
+        urls: dict[str, list[str]] = {"e": [], "p": [], "d": []}
+        for key, fakes in (("e", fake_encoders), ("p", fake_prefills), ("d", fake_consumers)):
+            for fake in fakes:
+                server = TestServer(fake.app())
+                await server.start_server()
+                servers.append(server)
+                urls[key].append(str(server.make_url("")).rstrip("/"))
+        config = Config(encode_urls=tuple(urls["e"]), prefill_urls=tuple(urls["p"]), decode_urls=tuple(urls["d"]))
+        config = dataclasses.replace(config, **config_overrides)
+        proxy = TestServer(create_app(config))
+        await proxy.start_server()
+        servers.append(proxy)
+        stack = Stack(
+            fake_encoders, fake_consumers, fake_prefills, store, str(proxy.make_url("")).rstrip("/"),
+            aiohttp.ClientSession(), servers,
+        )
+        stacks.append(stack)
+        return stack
+
+    yield build
+    for stack in stacks:
+        await stack.client.close()
+        for server in reversed(stack.servers):
+            await server.close()
