@@ -1,0 +1,103 @@
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from epd_proxy.errors import ProxyError
+from epd_proxy.extract import extract_media
+from epd_proxy.match import Matches, match_group
+from tests.media import chat, image, video
+
+
+def items_of(*parts, **fields):
+    return extract_media(chat(*parts, **fields))
+
+
+def meta(h, w):
+    return {"image_grid_thw": [[1, h, w]]}
+
+
+def test_repeated_image_with_derived_hashes_maps_by_position_in_any_key_order():
+    items = items_of(image("A"), image("B"), image("A"))
+    entries = {
+        "derivedA": {"metadata": meta(4, 6), "item_indices": [0, 2], "peer_host": "10.0.0.1", "peer_port": 7},
+        "derivedB": {"metadata": meta(2, 2), "item_indices": [1]},
+    }
+    results = []
+    for order in itertools.permutations(entries):
+        matches = Matches()
+        match_group(items, ["t0", "t1", "t2"], {k: entries[k] for k in order}, matches)
+        results.append(matches)
+    first = results[0]
+    assert all(r.items == first.items and r.handles == first.handles for r in results)
+    assert [first.items[i].ec_mm_hash for i in range(3)] == ["derivedA", "derivedB", "derivedA"]
+    assert [first.items[i].transfer_id for i in range(3)] == ["t0", "t1", "t2"]
+    # handles stay under the engine-reported hash, verbatim, because consumers look them up by it
+    assert first.handles["derivedA"]["peer_host"] == "10.0.0.1"
+
+
+@pytest.mark.parametrize("bad", [[True], [0.0], [-1], [2], "0", [None]])
+def test_invalid_indices_are_502(bad):
+    items = items_of(image("A"), image("B"))
+    with pytest.raises(ProxyError, match="Invalid encoder item index") as err:
+        match_group(items, ["a", "b"], {"h": {"metadata": meta(1, 1), "item_indices": bad}}, Matches())
+    assert err.value.status == 502
+
+
+def test_duplicate_index_is_502():
+    items = items_of(image("A"), image("B"))
+    params = {"h1": {"metadata": {}, "item_indices": [0]}, "h2": {"metadata": {}, "item_indices": [0, 1]}}
+    with pytest.raises(ProxyError, match="Duplicate encoder item index") as err:
+        match_group(items, ["a", "b"], params, Matches())
+    assert err.value.status == 502
+
+
+def test_encoders_without_positions_fall_back_to_uuid_or_the_single_entry():
+    a, b = items_of(image("A"), image("B"))
+    matches = Matches()
+    match_group([a, b], ["ta", "tb"], {b.uuid: {"metadata": meta(1, 1)}, a.uuid: {"metadata": meta(2, 2)}}, matches)
+    assert matches.items[0].ec_mm_hash == a.uuid and matches.items[1].ec_mm_hash == b.uuid
+
+    [single] = items_of(image("A"))
+    matches = Matches()
+    match_group([single], ["t"], {"derived-by-options": {"metadata": meta(2, 2)}}, matches)
+    assert matches.items[0].ec_mm_hash == "derived-by-options"
+
+
+def test_ambiguous_batch_is_502_never_a_guess():
+    items = items_of(image("A"), image("B"))
+    params = {"d1": {"metadata": meta(1, 1)}, "d2": {"metadata": meta(2, 2)}}
+    with pytest.raises(ProxyError, match="cannot be matched") as err:
+        match_group(items, ["a", "b"], params, Matches())
+    assert err.value.status == 502
+
+
+def test_single_item_groups_ignore_indices():
+    [item] = items_of(image("A"))
+    matches = Matches()
+    match_group([item], ["t"], {"h": {"metadata": meta(1, 1), "item_indices": [5]}}, matches)
+    assert matches.items[0].ec_mm_hash == "h"
+
+
+def test_empty_params_match_nothing_and_non_dict_values_are_skipped():
+    items = items_of(image("A"))
+    matches = Matches()
+    match_group(items, ["t"], None, matches)
+    match_group(items, ["t"], {}, matches)
+    assert matches.items == {}
+    match_group(items, ["t"], {"ec_items": [1, 2], "h": {"metadata": meta(1, 1)}}, matches)
+    assert matches.items[0].ec_mm_hash == "h" and "ec_items" not in matches.handles
+
+
+def test_video_with_audio_stays_raw_only_without_handles():
+    [item] = items_of(video("v"), mm_processor_kwargs={"use_audio_in_video": True})
+    two = {"hv": {"metadata": {"video_grid_thw": [[2, 4, 4]]}}, "ha": {"metadata": {}}}
+    matches = Matches()
+    match_group([item], ["t"], two, matches, audio_in_video=True)
+    assert matches.items == {}
+    with pytest.raises(ProxyError, match="cannot be matched"):
+        match_group([item], ["t"], two, Matches(), audio_in_video=True, push_mode=True)
+    with_handles = {k: {**v, "peer_host": "h"} for k, v in two.items()}
+    with pytest.raises(ProxyError, match="cannot be matched"):
+        match_group([item], ["t"], with_handles, Matches(), audio_in_video=True)

@@ -1,0 +1,85 @@
+from __future__ import annotations
+
+import copy
+
+from epd_proxy.extract import extract_media
+from epd_proxy.match import ItemMatch, Matches
+from epd_proxy.rewrite import flatten_metadata, prefill_request, rewrite_request
+from tests.media import audio, chat, image
+
+
+def matched(items, metadata_by_index, handles=None):
+    matches = Matches()
+    for i, md in metadata_by_index.items():
+        matches.items[i] = ItemMatch(md, f"h{i}", f"t{i}")
+    matches.handles.update(handles or {})
+    return matches
+
+
+def test_flatten_one_level_per_key():
+    assert flatten_metadata({"image_grid_thw": [[1, 2, 2]], "n": [3], "s": 5}) == {
+        "image_grid_thw": [1, 2, 2], "n": [3], "s": 5,
+    }
+
+
+def test_matched_items_become_embeds_references_and_input_is_untouched():
+    body = chat(image("A"), image("B"), seed=7, mm_processor_kwargs={"size": {"shortest_edge": 10}})
+    body["messages"].insert(0, {"role": "system", "content": "be brief"})
+    before = copy.deepcopy(body)
+    items = extract_media(body)
+    out = rewrite_request(body, items, matched(items, {0: {"image_grid_thw": [[1, 4, 6]]}}, {"h0": {"x": 1}}))
+    assert body == before
+    content = out["messages"][1]["content"]
+    assert content[0] == {"type": "text", "text": "What is shown?"}
+    assert content[1] == {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 4, 6]}, "uuid": items[0].uuid}
+    # no metadata: raw media, but with the uuid so the consumer finds what the encoder stored
+    assert content[2] == {**image("B"), "uuid": items[1].uuid}
+    assert out["messages"][0] is body["messages"][0]
+    assert out["ec_transfer_params"] == {"h0": {"x": 1}, "ec_items": [{"mm_hash": "h0", "transfer_id": "t0"}]}
+    assert out["seed"] == 7 and out["mm_processor_kwargs"] == body["mm_processor_kwargs"]
+
+
+def test_audio_requests_reference_all_or_nothing():
+    body = chat(image("A"), audio("s"))
+    items = extract_media(body)
+    out = rewrite_request(body, items, matched(items, {0: {"image_grid_thw": [[1, 2, 2]]}, 1: {}}))
+    content = out["messages"][0]["content"]
+    assert [p["type"] for p in content[1:]] == ["image_url", "audio_url"]
+    assert all(p["uuid"] == i.uuid for p, i in zip(content[1:], items))
+    both = rewrite_request(
+        body, items, matched(items, {0: {"image_grid_thw": [[1, 2, 2]]}, 1: {"audio_feature_lengths": [9]}})
+    )
+    assert [p["type"] for p in both["messages"][0]["content"][1:]] == ["image_embeds", "audio_embeds"]
+
+
+def test_client_transfer_params_are_kept_under_ours_when_trusted():
+    body = chat(image("A"), ec_transfer_params={"client": 1})
+    items = extract_media(body)
+    out = rewrite_request(body, items, matched(items, {0: {"g": [1]}}))
+    assert out["ec_transfer_params"]["client"] == 1 and out["ec_transfer_params"]["ec_items"]
+
+
+def test_no_rewrite_keeps_media_and_attaches_handles():
+    body = chat(image("A"))
+    items = extract_media(body)
+    matches = matched(items, {0: {"g": [1]}}, {"h0": {"metadata": {"g": [1]}}})
+    out = rewrite_request(body, items, matches, rewrite=False)
+    assert out["messages"] is body["messages"]
+    assert out["ec_transfer_params"] == {"h0": {"metadata": {"g": [1]}}}
+    pushed = rewrite_request(body, items, matches, rewrite=False, push_mode=True)
+    assert pushed["ec_transfer_params"]["ec_items"] == [{"mm_hash": "h0", "transfer_id": "t0"}]
+
+
+def test_text_only_is_passed_through():
+    body = chat()
+    out = rewrite_request(body, [], Matches())
+    assert out == body and "ec_transfer_params" not in out
+
+
+def test_prefill_runs_one_token_without_streaming():
+    prepared = chat(stream=True, stream_options={"include_usage": True}, max_completion_tokens=50)
+    body = prefill_request(prepared)
+    assert body["max_tokens"] == 1 and body["max_completion_tokens"] == 1 and body["stream"] is False
+    assert "stream_options" not in body
+    assert body["kv_transfer_params"]["do_remote_decode"] is True
+    assert prepared["stream"] is True and "kv_transfer_params" not in prepared

@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from epd_proxy.backends import Instance
+from epd_proxy.routing import LeastLoaded, PowerOfTwo, RandomChoice, RoundRobin, make_policy
+
+
+def fleet(n):
+    return [Instance(f"http://e{i}", "encode") for i in range(n)]
+
+
+def test_round_robin_cursor_is_shared_across_requests():
+    encoders = fleet(3)
+    rr = RoundRobin()
+    singles = [rr.choose(encoders, ["k"])[0].url for _ in range(4)]
+    assert singles == ["http://e0", "http://e1", "http://e2", "http://e0"]
+    # item k of the next request goes to (cursor + k) mod n
+    assert [e.url for e in rr.choose(encoders, ["a", "b", "c", "d"])] == ["http://e1", "http://e2", "http://e0", "http://e1"]
+    assert rr.choose(encoders, ["z"])[0].url == "http://e2"
+
+
+def test_least_loaded_prefers_idle_and_counts_its_own_picks():
+    encoders = fleet(3)
+    encoders[0].inflight = 5
+    picks = LeastLoaded().choose(encoders, ["a", "b", "c", "d"])
+    assert [p.url for p in picks].count("http://e0") == 0
+    assert {p.url for p in picks} == {"http://e1", "http://e2"}
+
+
+def test_least_loaded_rotates_ties():
+    encoders = fleet(3)
+    policy = LeastLoaded()
+    assert [policy.choose(encoders, ["k"])[0].url for _ in range(3)] == ["http://e0", "http://e1", "http://e2"]
+
+
+def test_power_of_two_never_picks_the_busier_of_its_two():
+    encoders = fleet(2)
+    encoders[1].inflight = 3
+    policy = PowerOfTwo(random.Random(1))
+    assert all(policy.choose(encoders, ["k"])[0] is encoders[0] for _ in range(20))
+
+
+def test_random_stays_within_candidates():
+    encoders = fleet(2)
+    assert set(p.url for p in RandomChoice(random.Random(0)).choose(encoders, ["k"] * 20)) <= {"http://e0", "http://e1"}
+
+
+def test_unknown_policy_is_rejected_by_name():
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        make_policy("fastest")
