@@ -143,7 +143,7 @@ class FakeVLLM:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = orjson.loads(await request.read())
-        self.requests.append(Seen(dict(request.headers), body))
+        self.requests.append(Seen({k.lower(): v for k, v in request.headers.items()}, body))
         try:
             injected = await self.faults.apply(request)
         except asyncio.CancelledError:

@@ -24,10 +24,15 @@ class Stack:
     url: str
     client: aiohttp.ClientSession
     servers: list[TestServer] = field(default_factory=list)
+    backend_urls: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def pd(self) -> FakeVLLM:
         return self.consumers[0]
+
+    @property
+    def pd_url(self) -> str:
+        return self.backend_urls["d"][0]
 
     async def chat(self, body: dict[str, Any] | bytes, **kwargs):
         data = body if isinstance(body, bytes) else None
@@ -68,7 +73,7 @@ async def make_stack():
         servers.append(proxy)
         stack = Stack(
             fake_encoders, fake_consumers, fake_prefills, store, str(proxy.make_url("")).rstrip("/"),
-            aiohttp.ClientSession(), servers,
+            aiohttp.ClientSession(), servers, urls,
         )
         stacks.append(stack)
         return stack
