@@ -80,8 +80,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     try:
         try:
             raw = await request.read()
-        except web.HTTPRequestEntityTooLarge as exc:
-            raise ProxyError(413, f"request body exceeds {exc.max_size} bytes", stage="request") from None
+        except web.HTTPRequestEntityTooLarge:
+            raise ProxyError(413, f"request body exceeds {config.max_body_bytes} bytes", stage="request") from None
         body = validate_request(parse_json_body(raw), trust_client_fields=config.trust_client_fields)
         items = extract_media(body, honour_client_uuid=config.trust_client_fields)
         trace.items = len(items)

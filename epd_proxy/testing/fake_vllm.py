@@ -68,8 +68,9 @@ class ECStore:
 
 @dataclass
 class Faults:
-    """Inject failures: the next `fail_times` requests answer `fail_status` (or drop the connection
-    when `fail_status` is 0); every request waits `delay_s` first."""
+    """Inject failures: the next `fail_times` requests answer `fail_status` with a vLLM error body
+    (0 drops the connection, 200 answers `fail_body` as plain text); every request waits
+    `delay_s` first."""
 
     fail_times: int = 0
     fail_status: int = 500
@@ -84,6 +85,8 @@ class Faults:
             if self.fail_status == 0:
                 request.transport.close()
                 raise ConnectionResetError("fault injected: connection dropped")
+            if self.fail_status == 200:
+                return web.Response(text=self.fail_body)
             return web.json_response(
                 {"error": {"message": self.fail_body, "type": "InternalServerError", "code": self.fail_status}},
                 status=self.fail_status,

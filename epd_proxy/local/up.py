@@ -1,0 +1,169 @@
+"""``epd-proxy up``: start encoders + PD (+ baseline) on real vLLM and the proxy."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import signal
+import sys
+import time
+from pathlib import Path
+
+from epd_proxy.local.stack import LocalStack, StackConfig
+from epd_proxy.local.supervisor import StackError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="epd-proxy up",
+        description=(
+            "Start N vLLM encoder instances (ECExampleConnector ec_producer), one PD "
+            "instance (ec_consumer) sharing an EC store folder, then the proxy in front. "
+            "Ctrl-C stops everything."
+        ),
+    )
+    p.add_argument("--encoders", type=int, default=1, help="number of encoder instances (default 1)")
+    p.add_argument("--port", type=int, default=8000, help="proxy port (default 8000)")
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="model folder (default: build the tiny random Qwen2-VL model in the work dir)",
+    )
+    p.add_argument("--served-model-name", default=None, help="default: tiny-vlm for the tiny model")
+    p.add_argument(
+        "--work-dir",
+        type=Path,
+        default=None,
+        help="logs, EC store, caches (default ./work/local-stack)",
+    )
+    p.add_argument("--base-port", type=int, default=8200,
+                   help="PD port; encoders use the next ports, then the baseline (default 8200)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--baseline", action="store_true",
+                   help="also start a plain vLLM instance (no EC role) for comparisons")
+    p.add_argument("--health-timeout", type=float, default=240.0, help="seconds (default 240)")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--limit-mm-per-prompt", default='{"image": 16}')
+    p.add_argument("--no-lean", dest="lean", action="store_false",
+                   help="drop --enforce-eager and the small PD KV cache (real hardware)")
+    p.add_argument("--pd-debug-log", action="store_true",
+                   help="run PD with VLLM_LOGGING_LEVEL=DEBUG (shows EC cache loads)")
+    p.add_argument("--vllm-args", default="",
+                   help="extra arguments for every vLLM server, one shell-quoted string")
+    p.add_argument("--proxy-args", default="",
+                   help="extra arguments for `epd-proxy serve`, one shell-quoted string")
+    p.add_argument("--keep-ec-store", action="store_true",
+                   help="do not clear the EC store folder at start")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the shell commands that would run, then exit")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> StackConfig:
+    work = args.work_dir if args.work_dir is not None else Path.cwd() / "work" / "local-stack"
+    return StackConfig(
+        encoders=args.encoders,
+        port=args.port,
+        model=args.model,
+        served_model_name=args.served_model_name,
+        work_dir=work,
+        baseline=args.baseline,
+        base_port=args.base_port,
+        host=args.host,
+        health_timeout=args.health_timeout,
+        max_model_len=args.max_model_len,
+        limit_mm_per_prompt=args.limit_mm_per_prompt,
+        lean=args.lean,
+        pd_debug_log=args.pd_debug_log,
+        extra_vllm_args=shlex.split(args.vllm_args),
+        proxy_args=shlex.split(args.proxy_args),
+        keep_ec_store=args.keep_ec_store,
+    )
+
+
+def ready_banner(stack: LocalStack) -> str:
+    url = stack.proxy_url
+    model = stack.model_name
+    body = (
+        '{"model": "%s", "max_tokens": 16, "messages": [{"role": "user", "content": ['
+        '{"type": "text", "text": "What is in the picture?"}, '
+        '{"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]}' % model
+    )
+    lines = [
+        "",
+        f"epd-proxy stack ready in {stack.timings.get('ready_s', 0):.1f} s: proxy {url}",
+        f"  encoders: {', '.join(stack.encoder_urls)}",
+        f"  pd:       {stack.pd_url}",
+    ]
+    if stack.baseline_url:
+        lines.append(f"  baseline: {stack.baseline_url}")
+    lines += [
+        f"  logs:     {stack.log_dir}",
+        f"  EC store: {stack.ec_store}",
+        "",
+        "Try it (image URLs must be reachable by the encoders; data: URLs always work):",
+        f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\",
+        f"    -d {shlex.quote(body)}",
+        "",
+        "  from openai import OpenAI",
+        f'  client = OpenAI(base_url="{url}/v1", api_key="none")',
+        "  r = client.chat.completions.create(",
+        f'      model="{model}", max_tokens=16,',
+        '      messages=[{"role": "user", "content": [',
+        '          {"type": "text", "text": "What is in the picture?"},',
+        '          {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}]}])',
+        "  print(r.choices[0].message.content)",
+        "",
+        "Ctrl-C stops every server.",
+    ]
+    return "\n".join(lines)
+
+
+class _Stop(Exception):
+    pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.encoders < 1:
+        print("epd-proxy up: --encoders must be >= 1", file=sys.stderr)
+        return 2
+    stack = LocalStack(config_from_args(args))
+    if args.dry_run:
+        sys.stdout.write(stack.shell_script())
+        return 0
+
+    def on_term(signum, frame):
+        raise _Stop()
+
+    old_term = signal.signal(signal.SIGTERM, on_term)
+    old_hup = signal.signal(signal.SIGHUP, on_term) if hasattr(signal, "SIGHUP") else None
+    try:
+        stack.start()
+        print(ready_banner(stack), flush=True)
+        while True:
+            dead = stack.dead()
+            if dead:
+                for m in dead:
+                    print(
+                        f"\n{m.name} exited (code {m.proc.returncode}); last log lines:\n{m.log_tail()}",
+                        file=sys.stderr,
+                    )
+                return 1
+            time.sleep(1.0)
+    except StackError as exc:
+        print(f"epd-proxy up: {exc}", file=sys.stderr)
+        return 1
+    except (KeyboardInterrupt, _Stop):
+        print("\nstopping ...", flush=True)
+        return 0
+    finally:
+        stack.stop()
+        signal.signal(signal.SIGTERM, old_term)
+        if old_hup is not None:
+            signal.signal(signal.SIGHUP, old_hup)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

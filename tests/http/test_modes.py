@@ -1,0 +1,62 @@
+"""Mooncake push mode (consumer addresses, DP ranks) and --no-rewrite."""
+
+from __future__ import annotations
+
+from tests.media import chat, image
+
+SIZE = {"size": {"shortest_edge": 3136, "longest_edge": 1000000}}
+
+
+async def test_mooncake_push_names_consumer_and_aligns_transfer_ids(make_stack):
+    stack = await make_stack(encoders=2, ec_consumer_zmq_addrs=("tcp://10.0.0.9:14579",))
+    async with await stack.chat(chat(image("A"), image("B"), image("A"), mm_processor_kwargs=SIZE)) as resp:
+        assert resp.status == 200, await resp.text()
+    sent_ids = {}
+    for sub in stack.encoder_requests():
+        params = sub["ec_transfer_params"]
+        assert params["consumer_zmq"] == "tcp://10.0.0.9:14579"
+        assert len(params["ec_items"]) == len(sub["messages"][0]["content"])
+        assert all(set(item) == {"transfer_id"} for item in params["ec_items"])
+        for part, item in zip(sub["messages"][0]["content"], params["ec_items"]):
+            sent_ids.setdefault(part["uuid"], []).append(item["transfer_id"])
+    decode = stack.pd.requests[0].body
+    ec_items = decode["ec_transfer_params"]["ec_items"]
+    assert len(ec_items) == 3 and all(i["mm_hash"] in stack.store.entries for i in ec_items)
+    assert ec_items[0]["mm_hash"] == ec_items[2]["mm_hash"]
+    assert sorted(i["transfer_id"] for i in ec_items) == sorted(t for ids in sent_ids.values() for t in ids)
+    assert "X-data-parallel-rank".lower() not in stack.pd.requests[0].headers
+
+
+async def test_dp_replicas_rotate_with_rank_header_and_address(make_stack):
+    addrs = ("tcp://pd:100", "tcp://pd:101")
+    stack = await make_stack(encoders=1, ec_consumer_zmq_addrs=addrs, ec_consumer_dp_size=2)
+    for _ in range(3):
+        async with await stack.chat(chat(image("A"))) as resp:
+            assert resp.status == 200
+    ranks = [seen.headers["x-data-parallel-rank"] for seen in stack.pd.requests]
+    zmq = [sub["ec_transfer_params"]["consumer_zmq"] for sub in stack.encoder_requests()]
+    assert ranks == ["0", "1", "0"] and zmq == ["tcp://pd:100", "tcp://pd:101", "tcp://pd:100"]
+    assert all("x-data-parallel-rank" not in seen.headers for e in stack.encoders for seen in e.requests)
+
+
+async def test_no_rewrite_sends_raw_media_and_handles_under_engine_hash(make_stack):
+    stack = await make_stack(encoders=2, rewrite=False)
+    body = chat(image("A"), image("B"), mm_processor_kwargs=SIZE)
+    async with await stack.chat(body) as resp:
+        assert resp.status == 200
+    for sub in stack.encoder_requests():
+        assert all("uuid" not in p for p in sub["messages"][0]["content"])
+    decode = stack.pd.requests[0].body
+    assert decode["messages"] == body["messages"]
+    params = decode["ec_transfer_params"]
+    assert set(params) == set(stack.store.entries) and "ec_items" not in params
+    # the consumer derives the same hash from the raw media and finds the embedding
+    assert stack.pd.loaded_from_cache == 2 and stack.pd.encoded_locally == 0
+
+
+async def test_no_rewrite_with_mooncake_lists_ec_items(make_stack):
+    stack = await make_stack(encoders=1, rewrite=False, ec_consumer_zmq_addrs=("tcp://c:1",))
+    async with await stack.chat(chat(image("A"), image("B"))) as resp:
+        assert resp.status == 200
+    ec_items = stack.pd.requests[0].body["ec_transfer_params"]["ec_items"]
+    assert [i["mm_hash"] in stack.store.entries for i in ec_items] == [True, True]
