@@ -15,6 +15,7 @@ import json
 import os
 import shlex
 import shutil
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -376,11 +377,28 @@ class LocalStack:
             shutil.rmtree(self.ec_store)
         for p in (self.log_dir, self.ec_store, self.work_dir / "tmp", self.work_dir / "cache"):
             p.mkdir(parents=True, exist_ok=True)
+        # IPC socket folders of earlier runs are dead weight.
+        shutil.rmtree(self.work_dir / "tmp", ignore_errors=True)
+        (self.work_dir / "tmp").mkdir()
         if c.model is None:
-            from epd_proxy.local.tiny_model import build_tiny_model
+            from epd_proxy.local.tiny_model import MARKER
 
             t0 = time.monotonic()
-            build_tiny_model(self.model_dir)
+            if not (self.model_dir / MARKER).exists():
+                self._say(f"building tiny model in {self.model_dir}")
+            # A child process: torch stays out of this (long-lived) process
+            # and its cache folders follow the stack's environment.
+            env = dict(os.environ)
+            env.update(self.common_env())
+            proc = subprocess.run(
+                [c.python, "-m", "epd_proxy.local.tiny_model", str(self.model_dir)],
+                env=env,
+                cwd=str(_repo_root()),
+                capture_output=True,
+                text=True,
+            )
+            if proc.returncode != 0:
+                raise StackError(f"building the tiny model failed:\n{proc.stderr[-3000:]}")
             self.timings["model_build_s"] = time.monotonic() - t0
         elif not self.model_dir.exists():
             raise StackError(f"model folder {self.model_dir} does not exist")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
@@ -232,6 +233,23 @@ def build_tiny_model(dest: Path, seed: int = 0, force: bool = False) -> Path:
     dest = Path(dest).resolve()
     if not force and _marker_matches(dest, seed):
         return dest
+    # Importing the transformers model creates torch's inductor cache folder
+    # (default /tmp/torchinductor_<user>); keep it in a scratch folder that we
+    # delete, unless the caller already chose a location.
+    scratch = None
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        scratch = dest.with_name(dest.name + ".scratch")
+        scratch.mkdir(parents=True, exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(scratch)
+    try:
+        return _build(dest, seed)
+    finally:
+        if scratch is not None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _build(dest: Path, seed: int) -> Path:
     t0 = time.monotonic()
     # Build next to dest then rename, so a crash never leaves a folder that
     # looks complete.
