@@ -12,39 +12,50 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from epd_proxy.backends import DECODE, ENCODE, PREFILL, Instance, build_instances, make_session
+from epd_proxy.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE, Instance, make_session
 from epd_proxy.config import Config
 from epd_proxy.errors import BadRequest, ProxyError, UpstreamError
 from epd_proxy.extract import extract_media, validate_request
-from epd_proxy.pipeline import Pipeline, Trace, healthy
+from epd_proxy.metrics import Metrics
+from epd_proxy.pipeline import Pipeline, Trace
+from epd_proxy.registry import Registry, check_admin_key, probe
 from epd_proxy.relay import relay
 from epd_proxy.routing import make_policy
 
 log = logging.getLogger("epd_proxy.app")
 access_log = logging.getLogger("epd_proxy.request")
 CLUSTER_KEYS = {ENCODE: "encode_cluster", PREFILL: "prefill_cluster", DECODE: "decode_cluster"}
-HEALTH_TIMEOUT_S = 5.0
 
 
 class ProxyState:
-    """Everything that lives as long as the server: instances, routing cursors, the client pool."""
+    """Everything that lives as long as the server: the fleet, routing cursors, the client pool."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.instances = build_instances(config)
+        self.fleet = Registry.from_config(config)
         self.policies = {
             ENCODE: make_policy(config.encode_policy),
             PREFILL: make_policy(config.prefill_policy),
             DECODE: make_policy(config.decode_policy),
         }
+        self.metrics = Metrics(self.fleet)
+        self.inflight = 0
         self.session: aiohttp.ClientSession | None = None
         self.pipeline: Pipeline | None = None
+        self._prober: asyncio.Task | None = None
 
     async def start(self) -> None:
         self.session = make_session(self.config)
-        self.pipeline = Pipeline(self.config, self.instances, self.session, self.policies)
+        self.pipeline = Pipeline(self.config, self.fleet, self.session, self.policies, self.metrics)
+        if self.config.probe_interval_s > 0:
+            self._prober = asyncio.create_task(
+                self.fleet.probe_forever(self.session, self.config.probe_interval_s, self.config.probe_timeout_s)
+            )
 
     async def close(self) -> None:
+        if self._prober is not None:
+            self._prober.cancel()
+            await asyncio.gather(self._prober, return_exceptions=True)
         if self.session is not None:
             await self.session.close()
 
@@ -74,6 +85,17 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     config = state.config
     request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    if config.max_inflight and state.inflight >= config.max_inflight:
+        state.metrics.rejected.inc()
+        state.metrics.requests.labels("503").inc()
+        response = error_response(
+            ProxyError(503, f"the proxy is at its limit of {config.max_inflight} requests in flight; retry shortly",
+                       stage="admission", error_type="overloaded"),
+            request_id,
+        )
+        response.headers["Retry-After"] = "1"
+        return response
+    state.inflight += 1
     trace = Trace(request_id)
     status = 500
     route = None
@@ -104,27 +126,49 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         status = 500
         return error_response(ProxyError(500, f"Proxy error: {exc!r}"), request_id)
     finally:
-        _log_request(trace, status, route)
+        state.inflight -= 1
+        _finish(state.metrics, trace, status, route)
 
 
-def _log_request(trace: Trace, status: int, route: Any) -> None:
+def _finish(metrics: Metrics, trace: Trace, status: int, route: Any) -> None:
+    """One log line and the stage histograms per request."""
+    total_s = time.perf_counter() - trace.started
+    metrics.requests.labels(str(status)).inc()
+    stage = metrics.stage_seconds
+    stage.labels("total").observe(total_s)
+    if trace.encoder_requests:
+        stage.labels("encode").observe(trace.encode_s)
+    if trace.prefill_s:
+        stage.labels("prefill").observe(trace.prefill_s)
+    if trace.decode_ttfb_s:
+        stage.labels("decode_ttfb").observe(trace.decode_ttfb_s)
     if not access_log.isEnabledFor(logging.INFO):
         return
-    total_ms = (time.perf_counter() - trace.started) * 1000
-    access_log.info(
-        "req=%s status=%d items=%d encoder_requests=%d failovers=%d attempts=%d decode=%s prefill=%s "
-        "encode_ms=%.1f prefill_ms=%.1f decode_ttfb_ms=%.1f total_ms=%.1f",
-        trace.request_id, status, trace.items, trace.encoder_requests, trace.encoder_failovers, trace.attempts,
-        route.decoder.url if route else "-", route.prefill.url if route and route.prefill else "-",
-        trace.encode_s * 1000, trace.prefill_s * 1000, trace.decode_ttfb_s * 1000, total_ms,
-    )
+    fields = {
+        "request_id": trace.request_id,
+        "status": status,
+        "items": trace.items,
+        "encoder_requests": trace.encoder_requests,
+        "encoder_failovers": trace.encoder_failovers,
+        "attempts": trace.attempts,
+        "decode": route.decoder.url if route else None,
+        "prefill": route.prefill.url if route and route.prefill else None,
+        "encode_ms": round(trace.encode_s * 1000, 2),
+        "prefill_ms": round(trace.prefill_s * 1000, 2),
+        "decode_ttfb_ms": round(trace.decode_ttfb_s * 1000, 2),
+        "total_ms": round(total_s * 1000, 2),
+    }
+    access_log.info(" ".join(f"{k}={'-' if v is None else v}" for k, v in fields.items()), extra={"fields": fields})
 
 
 async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    decoder = state.policies[DECODE].choose(healthy(state.instances[DECODE]), ("models",))[0]
+    candidates = state.fleet.live(PREFILL_DECODE) or state.fleet.live(DECODE)
+    if not candidates:
+        return error_response(ProxyError(503, "no live decode instance", stage="route"))
+    decoder = state.policies[DECODE].choose(candidates, ("models",))[0]
     try:
-        async with asyncio.timeout(HEALTH_TIMEOUT_S * 2):
+        async with asyncio.timeout(10):
             async with state.session.get(f"{decoder.url}/v1/models") as resp:
                 body = await resp.read()
                 content_type = resp.headers.get("Content-Type", "application/json")
@@ -133,36 +177,35 @@ async def list_models(request: web.Request) -> web.Response:
         return error_response(ProxyError(502, f"model list from {decoder.url} failed: {exc!r}", stage="decode", backend=decoder.url))
 
 
-async def _probe(session: aiohttp.ClientSession, instance: Instance) -> str:
-    try:
-        async with asyncio.timeout(HEALTH_TIMEOUT_S):
-            async with session.get(f"{instance.url}/health") as resp:
-                await resp.read()
-                return "healthy" if resp.status == 200 else f"unhealthy: HTTP {resp.status}"
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        return f"unhealthy: {type(exc).__name__}"
-
-
-def stage_status(results: list[str]) -> str:
+def stage_status(results: list[bool]) -> str:
     if not results:
         return "empty"
-    up = sum(r == "healthy" for r in results)
-    if up == len(results):
+    if all(results):
         return "healthy"
-    return "degraded" if up else "unhealthy"
+    return "degraded" if any(results) else "unhealthy"
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 while every configured stage has a live instance; 503 names the stage that has none."""
+    """Probes every instance now. Static mode: 200 while every configured stage has a healthy
+    instance, 503 naming the stage that has none. Dynamic mode: always 200 with the roster, since
+    an empty fleet is a normal state there."""
     state = request.app[STATE]
-    everyone = [(role, inst) for role in (ENCODE, PREFILL, DECODE) for inst in state.instances[role]]
-    results = await asyncio.gather(*(_probe(state.session, inst) for _, inst in everyone))
+    everyone = list(state.fleet.all())
+    problems = await asyncio.gather(*(probe(state.session, inst, state.config.probe_timeout_s) for inst in everyone))
+    instances = {inst.url: {"role": inst.role, "status": "healthy" if p is None else f"unhealthy: {p}",
+                            "in_rotation": inst.live, "inflight": inst.inflight}
+                 for inst, p in zip(everyone, problems)}
+    if state.config.dynamic_registration:
+        body = {"proxy": "healthy", "instances": state.fleet.snapshot(), "probes": instances}
+        return web.Response(body=orjson.dumps(body), content_type="application/json")
     body: dict[str, Any] = {"proxy": "healthy"}
-    for role in (ENCODE, PREFILL, DECODE):
-        body[CLUSTER_KEYS[role]] = stage_status([r for (rl, _), r in zip(everyone, results) if rl == role])
-    body["instances"] = {inst.url: result for (_, inst), result in zip(everyone, results)}
+    consumer_role = {ENCODE: (ENCODE,), PREFILL: (PREFILL,), DECODE: (DECODE, PREFILL_DECODE)}
+    for stage, key in CLUSTER_KEYS.items():
+        ok = [p is None for inst, p in zip(everyone, problems) if inst.role in consumer_role[stage]]
+        body[key] = stage_status(ok)
+    body["instances"] = instances
     down = any(body[key] == "unhealthy" for key in CLUSTER_KEYS.values())
-    return web.json_response(body, status=503 if down else 200, dumps=lambda o: orjson.dumps(o).decode())
+    return web.Response(body=orjson.dumps(body), status=503 if down else 200, content_type="application/json")
 
 
 async def _profile_one(session: aiohttp.ClientSession, instance: Instance, action: str, payload: bytes, api_key: str):
@@ -185,17 +228,21 @@ def profile_handler(action: str):
         """Every instance of every stage, concurrently (the reference picked one at random)."""
         state = request.app[STATE]
         payload = await request.read() or b"{}"
-        everyone = [(role, inst) for role in (ENCODE, PREFILL, DECODE) for inst in state.instances[role]]
+        everyone = [inst for inst in state.fleet.all() if inst.live]
         results = await asyncio.gather(
-            *(_profile_one(state.session, inst, action, payload, state.config.backend_api_key) for _, inst in everyone)
+            *(_profile_one(state.session, inst, action, payload, state.config.backend_api_key) for inst in everyone)
         )
-        out: dict[str, Any] = {}
-        for role in (ENCODE, PREFILL, DECODE):
-            per_instance = {inst.url: r for (rl, inst), r in zip(everyone, results) if rl == role and r is not None}
-            out[role] = per_instance or None
+        # Static mode answers in the reference's shape (encode/prefill/decode); dynamic mode by role.
+        dynamic = state.config.dynamic_registration
+        out: dict[str, Any] = {} if dynamic else {ENCODE: None, PREFILL: None, DECODE: None}
+        for inst, result in zip(everyone, results):
+            key = inst.role if dynamic or inst.role != PREFILL_DECODE else DECODE
+            out.setdefault(key, None)
+            if result is not None:
+                out[key] = {**(out[key] or {}), inst.url: result}
         if all(v is None for v in out.values()):
             return error_response(ProxyError(503, "Profiling endpoints are disabled on all clusters", stage="profile"))
-        return web.json_response(out, dumps=lambda o: orjson.dumps(o).decode())
+        return web.Response(body=orjson.dumps(out), content_type="application/json")
 
     return handler
 
@@ -206,6 +253,36 @@ async def request_logging(request: web.Request, handler):
     response = await handler(request)
     log.debug("%s %s -> %s in %.1f ms", request.method, request.path, response.status, (time.perf_counter() - started) * 1000)
     return response
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[STATE].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+async def list_instances(request: web.Request) -> web.Response:
+    return web.Response(body=orjson.dumps(request.app[STATE].fleet.snapshot()), content_type="application/json")
+
+
+async def register_instance(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    try:
+        check_admin_key(state.config.admin_api_key, request.headers.get("X-API-Key"))
+        payload = parse_json_body(await request.read())
+        created = state.fleet.register(payload)
+    except ProxyError as exc:
+        return error_response(exc)
+    return web.Response(body=orjson.dumps({"registered": created}), content_type="application/json")
+
+
+async def unregister_instance(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    try:
+        check_admin_key(state.config.admin_api_key, request.headers.get("X-API-Key"))
+        removed = state.fleet.unregister(request.query.get("url"))
+    except ProxyError as exc:
+        return error_response(exc)
+    return web.Response(body=orjson.dumps({"removed": removed}), content_type="application/json")
 
 
 def create_app(config: Config) -> web.Application:
@@ -225,4 +302,9 @@ def create_app(config: Config) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_post("/start_profile", profile_handler("start_profile"))
     app.router.add_post("/stop_profile", profile_handler("stop_profile"))
+    app.router.add_get("/metrics", metrics)
+    if config.dynamic_registration:
+        app.router.add_get("/instances", list_instances)
+        app.router.add_post("/instances", register_instance)
+        app.router.add_delete("/instances", unregister_instance)
     return app

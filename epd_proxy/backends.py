@@ -10,7 +10,8 @@ import aiohttp
 
 from epd_proxy.config import Config
 
-ENCODE, PREFILL, DECODE = "encode", "prefill", "decode"
+ENCODE, PREFILL, DECODE, PREFILL_DECODE = "encode", "prefill", "decode", "prefill_decode"
+ROLES = (ENCODE, PREFILL, DECODE, PREFILL_DECODE)
 
 
 @dataclass(eq=False, slots=True)
@@ -23,8 +24,12 @@ class Instance:
     zmq_addrs: tuple[str, ...] = ()
     dp_size: int = 1
     inflight: int = 0
-    healthy: bool = True
+    # In rotation; False once evicted by failed probes or failed live traffic.
+    live: bool = True
     consecutive_failures: int = 0
+    evicted_at: float | None = None
+    # Unregistered: terminal, a late probe result must not revive it.
+    removed: bool = False
     _dp_cursor: int = field(default=0, repr=False)
 
     def next_dp_rank(self) -> int:
@@ -39,20 +44,6 @@ class Instance:
             yield
         finally:
             self.inflight -= 1
-
-
-def build_instances(config: Config) -> dict[str, list[Instance]]:
-    dp = config.ec_consumer_dp_size
-    addrs = config.ec_consumer_zmq_addrs
-    decoders = [
-        Instance(url, DECODE, zmq_addrs=tuple(addrs[i * dp : (i + 1) * dp]), dp_size=dp)
-        for i, url in enumerate(config.decode_urls)
-    ]
-    return {
-        ENCODE: [Instance(url, ENCODE) for url in config.encode_urls],
-        PREFILL: [Instance(url, PREFILL) for url in config.prefill_urls],
-        DECODE: decoders,
-    }
 
 
 def make_session(config: Config) -> aiohttp.ClientSession:

@@ -23,13 +23,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     ref = parser.add_argument_group("reference proxy flags (same meaning as vLLM's disagg_epd_proxy.py)")
     ref.add_argument("--host", default=default("host"))
     ref.add_argument("--port", type=int, default=default("port"))
-    ref.add_argument("--encode-servers-urls", required=True, help="comma-separated encoder (E) URLs")
+    ref.add_argument("--encode-servers-urls", default="", help="comma-separated encoder (E) URLs (static mode)")
     ref.add_argument(
         "--prefill-servers-urls",
         default="none",
         help="comma-separated prefill (P) URLs; 'none', 'disable' or empty for E+PD (default: none)",
     )
-    ref.add_argument("--decode-servers-urls", required=True, help="comma-separated decode (D) or PD URLs")
+    ref.add_argument("--decode-servers-urls", default="", help="comma-separated decode (D) or PD URLs (static mode)")
     ref.add_argument(
         "--decode-retries", type=int, default=default("decode_retries"),
         help="re-encode and resend when the consumer answers HTTP 500 (default: %(default)s; 0 disables)",
@@ -42,6 +42,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     ref.add_argument("--ec-consumer-dp-size", type=int, default=default("ec_consumer_dp_size"),
                      help="data-parallel replicas per consumer; list each server's addresses consecutively")
     ref.add_argument("--log-requests", action="store_true", help="log every HTTP request at DEBUG level")
+    ref.add_argument("--dynamic-registration", action="store_true",
+                     help="start with an empty fleet; instances join via POST /instances (needs $ADMIN_API_KEY)")
+    ref.add_argument("--probe-interval", type=float, default=default("probe_interval_s"),
+                     help="seconds between health probes of every instance, 0 disables (default: %(default)s)")
+    ref.add_argument("--probe-timeout", type=float, default=default("probe_timeout_s"),
+                     help="seconds a health probe may take (default: %(default)s)")
+    ref.add_argument("--fail-threshold", type=int, default=default("fail_threshold"),
+                     help="consecutive failures that take an instance out of rotation (default: %(default)s)")
+    ref.add_argument("--evicted-ttl", type=float, default=default("evicted_ttl_s"),
+                     help="dynamic mode: forget instances evicted this long, 0 = never (default: %(default)s)")
 
     ours = parser.add_argument_group("epd-proxy flags")
     ours.add_argument(
@@ -63,6 +73,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                       help="largest accepted request body; larger gets 413 (default: %(default)s)")
     ours.add_argument("--trust-client-fields", action="store_true",
                       help="accept client uuids, *_embeds parts and ec/kv_transfer_params (trusted callers only)")
+    ours.add_argument("--max-inflight", type=int, default=default("max_inflight"),
+                      help="requests in flight beyond which new ones get 503 + Retry-After, 0 = unlimited")
+    ours.add_argument("--workers", type=int, default=1,
+                      help="proxy processes sharing the port (SO_REUSEPORT); static mode only (default: 1)")
+    ours.add_argument("--log-format", choices=("text", "json"), default=default("log_format"))
     ours.add_argument("--log-level", default="INFO", help="proxy log level (default: %(default)s)")
 
 
@@ -93,17 +108,24 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> Config
         max_body_bytes=args.max_body_bytes,
         trust_client_fields=args.trust_client_fields,
         backend_api_key=env.get("OPENAI_API_KEY", ""),
+        max_inflight=args.max_inflight,
+        dynamic_registration=args.dynamic_registration,
+        admin_api_key=env.get("ADMIN_API_KEY", ""),
+        probe_interval_s=args.probe_interval,
+        probe_timeout_s=args.probe_timeout,
+        fail_threshold=args.fail_threshold,
+        evicted_ttl_s=args.evicted_ttl,
+        log_format=args.log_format,
     )
 
 
-def serve(config: Config, log_level: str) -> None:
+def _run_worker(config: Config, log_level: str, reuse_port: bool) -> None:
     from aiohttp import web
 
     from epd_proxy.app import create_app
+    from epd_proxy.logs import configure_logging
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if config.log_requests:
-        logging.getLogger("epd_proxy.app").setLevel(logging.DEBUG)
+    configure_logging(log_level, config.log_format, config.log_requests)
     try:
         import uvloop
 
@@ -115,9 +137,35 @@ def serve(config: Config, log_level: str) -> None:
         host=config.host,
         port=config.port,
         access_log=None,
+        # A client that disconnects cancels its handler, which cancels every backend call it made.
         handler_cancellation=True,
+        reuse_port=reuse_port or None,
         print=lambda msg: logging.getLogger("epd_proxy").info("%s", msg.strip()),
     )
+
+
+def serve(config: Config, log_level: str, workers: int = 1) -> None:
+    if workers <= 1:
+        _run_worker(config, log_level, reuse_port=False)
+        return
+    import multiprocessing
+    import signal
+
+    # Each worker owns its own state (cursor, pools, metrics); the kernel spreads connections.
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_run_worker, args=(config, log_level, True), daemon=False) for _ in range(workers)]
+    for proc in procs:
+        proc.start()
+
+    def stop(signum, frame):
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    for proc in procs:
+        proc.join()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -134,7 +182,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = config_from_args(args, os.environ)
+        if args.workers > 1 and config.dynamic_registration:
+            raise ConfigError("--workers > 1 needs static URLs: each worker would hold its own registry")
     except ConfigError as exc:
         parser.error(str(exc))
-    serve(config, args.log_level)
+    serve(config, args.log_level, args.workers)
     return 0

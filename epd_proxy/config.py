@@ -21,8 +21,8 @@ def split_urls(value: str | None) -> tuple[str, ...]:
 
 @dataclass(frozen=True, slots=True)
 class Config:
-    encode_urls: tuple[str, ...]
-    decode_urls: tuple[str, ...]
+    encode_urls: tuple[str, ...] = ()
+    decode_urls: tuple[str, ...] = ()
     prefill_urls: tuple[str, ...] = ()
     host: str = "0.0.0.0"
     port: int = 8000
@@ -41,6 +41,17 @@ class Config:
     decode_timeout_s: float | None = 600.0
     connect_timeout_s: float = 10.0
     max_body_bytes: int = 64 * 1024 * 1024
+    # Requests in flight beyond which new ones get 503 + Retry-After; 0 = unlimited.
+    max_inflight: int = 0
+    dynamic_registration: bool = False
+    admin_api_key: str = ""
+    # Health probing of every instance (both modes); interval 0 disables it.
+    probe_interval_s: float = 5.0
+    probe_timeout_s: float = 2.0
+    fail_threshold: int = 3
+    # Dynamic mode forgets instances evicted for longer than this; 0 = never.
+    evicted_ttl_s: float = 900.0
+    log_format: str = "text"
     # How many other encoders a failed sub-request may be retried on (transport error, timeout, 5xx).
     encoder_failovers: int = 1
     # Honour client uuids, *_embeds parts and ec/kv_transfer_params (only behind a trusted router).
@@ -52,10 +63,22 @@ class Config:
     backend_api_key: str = ""
 
     def __post_init__(self) -> None:
-        if not self.decode_urls:
-            raise ConfigError("--decode-servers-urls needs at least one URL")
-        if not self.encode_urls:
-            raise ConfigError("--encode-servers-urls needs at least one URL")
+        if self.dynamic_registration:
+            if self.encode_urls or self.decode_urls or self.prefill_urls or self.ec_consumer_zmq_addrs:
+                raise ConfigError("--dynamic-registration takes instances from POST /instances, not from URL flags")
+            if not self.admin_api_key:
+                raise ConfigError("--dynamic-registration needs ADMIN_API_KEY in the environment")
+        else:
+            if not self.decode_urls:
+                raise ConfigError("--decode-servers-urls needs at least one URL")
+            if not self.encode_urls:
+                raise ConfigError("--encode-servers-urls needs at least one URL")
+        if self.fail_threshold < 1:
+            raise ConfigError(f"--fail-threshold must be >= 1, got {self.fail_threshold}")
+        if self.log_format not in ("text", "json"):
+            raise ConfigError(f"--log-format must be text or json, got {self.log_format!r}")
+        if self.max_inflight < 0:
+            raise ConfigError(f"--max-inflight must be >= 0, got {self.max_inflight}")
         if self.encoder_max_batch_size < 0:
             raise ConfigError(
                 f"ENCODER_MAX_BATCH_SIZE must be >= 0 (0 = unlimited), got {self.encoder_max_batch_size}"

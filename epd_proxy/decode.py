@@ -13,7 +13,7 @@ import aiohttp
 import orjson
 
 from epd_proxy.backends import Instance
-from epd_proxy.errors import ProxyError, UpstreamError
+from epd_proxy.errors import BackendUnreachable, UpstreamError
 
 
 async def open_decode(
@@ -29,11 +29,11 @@ async def open_decode(
         async with asyncio.timeout(timeout_s):
             resp = await session.post(url, data=orjson.dumps(body), headers=headers)
     except TimeoutError:
-        raise ProxyError(
-            504, f"Decode did not answer within {timeout_s:g}s", stage="decode", backend=decoder.url
+        raise BackendUnreachable(
+            f"Decode did not answer within {timeout_s:g}s", stage="decode", backend=decoder.url, timed_out=True
         ) from None
     except aiohttp.ClientError as exc:
-        raise ProxyError(502, f"Decode request failed: {exc!r}", stage="decode", backend=decoder.url) from None
+        raise BackendUnreachable(f"Decode request failed: {exc!r}", stage="decode", backend=decoder.url) from None
     if resp.status >= 400:
         try:
             raw = await resp.read()

@@ -12,7 +12,7 @@ import aiohttp
 import orjson
 
 from epd_proxy.backends import Instance
-from epd_proxy.errors import ProxyError
+from epd_proxy.errors import BackendUnreachable, ProxyError
 from epd_proxy.extract import MediaItem
 
 log = logging.getLogger("epd_proxy.encode")
@@ -79,19 +79,14 @@ async def post_encoder(
                     raw = await resp.read()
                     status = resp.status
         except TimeoutError:
-            raise ProxyError(
-                504, f"Encoder request timed out after {timeout_s:g}s", stage="encode", backend=encoder.url,
-                retryable=True,
+            raise BackendUnreachable(
+                f"Encoder request timed out after {timeout_s:g}s", stage="encode", backend=encoder.url, timed_out=True
             ) from None
         except aiohttp.ClientError as exc:
-            raise ProxyError(
-                502, f"Encoder request failed: {exc!r}", stage="encode", backend=encoder.url, retryable=True
-            ) from None
+            raise BackendUnreachable(f"Encoder request failed: {exc!r}", stage="encode", backend=encoder.url) from None
     if status != 200:
         text = raw.decode("utf-8", "replace")[:2000]
-        raise ProxyError(
-            status, f"Encoder request failed: {text}", stage="encode", backend=encoder.url, retryable=status >= 500
-        )
+        raise ProxyError(status, f"Encoder request failed: {text}", stage="encode", backend=encoder.url)
     try:
         parsed = orjson.loads(raw)
     except orjson.JSONDecodeError:

@@ -20,7 +20,6 @@ class ProxyError(Exception):
         stage: str = "proxy",
         error_type: str | None = None,
         backend: str | None = None,
-        retryable: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -28,7 +27,6 @@ class ProxyError(Exception):
         self.stage = stage
         self.error_type = error_type or _default_type(status)
         self.backend = backend
-        self.retryable = retryable
 
     def body(self) -> bytes:
         error: dict[str, object] = {
@@ -47,11 +45,19 @@ class BadRequest(ProxyError):
         super().__init__(400, message, stage="request", error_type="invalid_request_error")
 
 
+class BackendUnreachable(ProxyError):
+    """No answer from a backend (refused, reset, timed out): the only failure that counts against
+    an instance's health, since an answered error says the instance itself is alive."""
+
+    def __init__(self, message: str, *, stage: str, backend: str, timed_out: bool = False) -> None:
+        super().__init__(504 if timed_out else 502, message, stage=stage, backend=backend)
+
+
 class UpstreamError(ProxyError):
     """A backend answered with an error; its status and body are passed on as they were."""
 
     def __init__(self, status: int, raw_body: bytes, content_type: str, *, stage: str, backend: str) -> None:
-        super().__init__(status, _message_of(raw_body), stage=stage, backend=backend, retryable=status == 500)
+        super().__init__(status, _message_of(raw_body), stage=stage, backend=backend)
         self.raw_body = raw_body
         self.content_type = content_type
 

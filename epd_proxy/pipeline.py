@@ -14,15 +14,17 @@ from typing import Any, Sequence
 
 import aiohttp
 
-from epd_proxy.backends import DECODE, ENCODE, PREFILL, Instance
+from epd_proxy.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE, Instance
 from epd_proxy.config import Config
 from epd_proxy.decode import open_decode
 from epd_proxy.encode import EncoderReply, child_request_id, encoder_body, new_transfer_id, post_encoder
-from epd_proxy.errors import ProxyError, UpstreamError
+from epd_proxy.errors import BackendUnreachable, ProxyError, UpstreamError
 from epd_proxy.extract import MediaItem
 from epd_proxy.match import Matches, match_group
+from epd_proxy.metrics import Metrics
 from epd_proxy.plan import EncoderGroup, plan_groups
 from epd_proxy.prefill import run_prefill
+from epd_proxy.registry import Registry
 from epd_proxy.rewrite import rewrite_request
 from epd_proxy.routing import RoutingPolicy
 
@@ -34,6 +36,7 @@ DP_RANK_HEADER = "X-data-parallel-rank"
 class Route:
     decoder: Instance
     prefill: Instance | None
+    # The EC consumer (prefill in E+P+D, else the decoder) gets the DP rank and push address.
     dp_rank: int | None
     consumer_zmq: str | None
 
@@ -53,33 +56,55 @@ class Trace:
     started: float = field(default_factory=time.perf_counter)
 
 
-def healthy(instances: Sequence[Instance]) -> Sequence[Instance]:
-    """Live instances; if every one looks down, try them all rather than refuse outright."""
-    live = [i for i in instances if i.healthy]
-    return live or instances
+def _unavailable(message: str) -> ProxyError:
+    return ProxyError(503, message, stage="route", error_type="service_unavailable")
 
 
 class Pipeline:
     def __init__(
         self,
         config: Config,
-        instances: dict[str, list[Instance]],
+        fleet: Registry,
         session: aiohttp.ClientSession,
         policies: dict[str, RoutingPolicy],
+        metrics: Metrics,
     ) -> None:
         self.config = config
-        self.instances = instances
+        self.fleet = fleet
         self.session = session
         self.policies = policies
+        self.metrics = metrics
 
     def choose_route(self, request_id: str) -> Route:
-        decoder = self.policies[DECODE].choose(healthy(self.instances[DECODE]), (request_id,))[0]
+        fleet = self.fleet
+        keys = (request_id,)
+        candidates = fleet.live(PREFILL_DECODE) or fleet.live(DECODE)
+        if not candidates:
+            raise _unavailable("no live decode instance")
+        decoder = self.policies[DECODE].choose(candidates, keys)[0]
         prefill = None
-        if self.instances[PREFILL]:
-            prefill = self.policies[PREFILL].choose(healthy(self.instances[PREFILL]), (request_id,))[0]
-        dp_rank = decoder.next_dp_rank() if decoder.dp_size > 1 else None
-        consumer_zmq = decoder.zmq_addrs[dp_rank or 0] if decoder.zmq_addrs else None
+        if decoder.role == DECODE:
+            prefills = fleet.live(PREFILL)
+            if not prefills:
+                raise _unavailable("no live prefill instance for the standalone decode instance")
+            prefill = self.policies[PREFILL].choose(prefills, keys)[0]
+        consumer = prefill or decoder
+        dp_rank = consumer.next_dp_rank() if consumer.dp_size > 1 else None
+        consumer_zmq = consumer.zmq_addrs[dp_rank or 0] if consumer.zmq_addrs else None
         return Route(decoder, prefill, dp_rank, consumer_zmq)
+
+    async def _call(self, instance: Instance, call):
+        """Await a backend call, feeding its outcome to the instance's health record."""
+        try:
+            result = await call
+        except BackendUnreachable as exc:
+            self.fleet.record_failure(instance, exc.message)
+            raise
+        except ProxyError:
+            self.fleet.record_success(instance)
+            raise
+        self.fleet.record_success(instance)
+        return result
 
     async def encode(
         self, body: dict[str, Any], items: Sequence[MediaItem], route: Route, trace: Trace
@@ -88,7 +113,9 @@ class Pipeline:
         if not items:
             return matches
         started = time.perf_counter()
-        encoders = healthy(self.instances[ENCODE])
+        encoders = self.fleet.live(ENCODE)
+        if not encoders:
+            raise _unavailable("the request has media but no encoder is live")
         assignment = self.policies[ENCODE].choose(encoders, [item.uuid for item in items])
         groups = plan_groups(items, assignment, self.config.encoder_max_batch_size)
         trace.encoder_requests += len(groups)
@@ -144,17 +171,20 @@ class Pipeline:
                 consumer_zmq=route.consumer_zmq,
             )
             tried.append(encoder)
+            self.metrics.encoder_subrequests.labels(encoder.url).inc()
+            self.metrics.items_per_subrequest.observe(len(group_items))
             try:
-                reply = await post_encoder(
+                reply = await self._call(encoder, post_encoder(
                     self.session,
                     encoder,
                     sub_body,
                     child_request_id(trace.request_id, group.indices[0]),
                     self.config.encode_timeout_s,
-                )
+                ))
                 return reply, transfer_ids
             except ProxyError as exc:
-                fallback = self._failover_target(tried) if exc.retryable else None
+                worth_retrying = isinstance(exc, BackendUnreachable) or exc.status >= 500
+                fallback = self._failover_target(tried) if worth_retrying else None
                 if fallback is None:
                     raise
                 log.warning(
@@ -162,12 +192,13 @@ class Pipeline:
                     trace.request_id, encoder.url, exc.message, len(group_items), fallback.url,
                 )
                 trace.encoder_failovers += 1
+                self.metrics.failovers.labels(encoder.url).inc()
                 encoder = fallback
 
     def _failover_target(self, tried: list[Instance]) -> Instance | None:
         if len(tried) > self.config.encoder_failovers:
             return None
-        others = [e for e in healthy(self.instances[ENCODE]) if e not in tried]
+        others = [e for e in self.fleet.live(ENCODE) if e not in tried]
         if not others:
             return None
         return min(others, key=lambda e: e.inflight)
@@ -175,9 +206,13 @@ class Pipeline:
     async def open(self, body: dict[str, Any], items: Sequence[MediaItem], route: Route, trace: Trace):
         """Run attempts until decode answers 2xx; returns decode's open response."""
         headers = {"x-request-id": trace.request_id, "Content-Type": "application/json"}
-        decode_headers = headers
+        prefill_headers = decode_headers = headers
         if route.dp_rank is not None:
-            decode_headers = {**headers, DP_RANK_HEADER: str(route.dp_rank)}
+            consumer_headers = {**headers, DP_RANK_HEADER: str(route.dp_rank)}
+            if route.prefill is not None:
+                prefill_headers = consumer_headers
+            else:
+                decode_headers = consumer_headers
         push_mode = route.consumer_zmq is not None
         config = self.config
         attempts = config.decode_retries + 1
@@ -189,12 +224,16 @@ class Pipeline:
                 decode_body = prepared
                 if route.prefill is not None:
                     started = time.perf_counter()
-                    kv = await run_prefill(self.session, route.prefill, prepared, headers, config.prefill_timeout_s)
+                    kv = await self._call(route.prefill, run_prefill(
+                        self.session, route.prefill, prepared, prefill_headers, config.prefill_timeout_s
+                    ))
                     trace.prefill_s += time.perf_counter() - started
                     if kv:
                         decode_body = {**prepared, "kv_transfer_params": kv}
                 started = time.perf_counter()
-                resp = await open_decode(self.session, route.decoder, decode_body, decode_headers, config.decode_timeout_s)
+                resp = await self._call(route.decoder, open_decode(
+                    self.session, route.decoder, decode_body, decode_headers, config.decode_timeout_s
+                ))
                 trace.decode_ttfb_s += time.perf_counter() - started
                 return resp
             except UpstreamError as exc:
@@ -202,6 +241,7 @@ class Pipeline:
                 # re-encoding republishes it, so 500 (and only 500) is worth another attempt.
                 if exc.status != 500 or attempt == attempts:
                     raise
+                self.metrics.retries.labels(exc.stage).inc()
                 log.warning(
                     "request %s: %s answered 500 (%s); re-encoding, attempt %d of %d",
                     trace.request_id, exc.stage, exc.message[:200], attempt + 1, attempts,

@@ -9,7 +9,7 @@ import aiohttp
 import orjson
 
 from epd_proxy.backends import Instance
-from epd_proxy.errors import ProxyError, UpstreamError
+from epd_proxy.errors import BackendUnreachable, ProxyError, UpstreamError
 from epd_proxy.rewrite import prefill_request
 
 
@@ -32,9 +32,11 @@ async def run_prefill(
                             resp.status, raw, resp.content_type, stage="prefill", backend=prefill.url
                         )
         except TimeoutError:
-            raise ProxyError(504, f"Prefill timed out after {timeout_s:g}s", stage="prefill", backend=prefill.url) from None
+            raise BackendUnreachable(
+                f"Prefill timed out after {timeout_s:g}s", stage="prefill", backend=prefill.url, timed_out=True
+            ) from None
         except aiohttp.ClientError as exc:
-            raise ProxyError(502, f"Prefill request failed: {exc!r}", stage="prefill", backend=prefill.url) from None
+            raise BackendUnreachable(f"Prefill request failed: {exc!r}", stage="prefill", backend=prefill.url) from None
     try:
         parsed = orjson.loads(raw)
     except orjson.JSONDecodeError:

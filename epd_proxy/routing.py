@@ -6,6 +6,9 @@ Policies see only instance load counters, so they stay pure and testable without
 
 from __future__ import annotations
 
+import bisect
+import hashlib
+import math
 import random
 from typing import Callable, Protocol, Sequence
 
@@ -74,13 +77,65 @@ class PowerOfTwo:
         return picks
 
 
+class ContentAffinity:
+    """Consistent hashing of the item's content uuid with bounded load.
+
+    The same image lands on the encoder that already has it in its caches across requests, but
+    no encoder takes more than `load_factor` times the mean load: past the bound the key walks on
+    around the ring to the next instance (Mirrokni et al., consistent hashing with bounded loads).
+    """
+
+    def __init__(self, load_factor: float = 1.25, vnodes: int = 64) -> None:
+        self.load_factor = load_factor
+        self.vnodes = vnodes
+        self._ring_for: tuple[str, ...] = ()
+        self._points: list[int] = []
+        self._owners: list[int] = []
+
+    @staticmethod
+    def _hash(text: str) -> int:
+        return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+    def _ring(self, candidates: Sequence[Instance]) -> None:
+        urls = tuple(c.url for c in candidates)
+        if urls == self._ring_for:
+            return
+        points = sorted((self._hash(f"{url}#{v}"), i) for i, url in enumerate(urls) for v in range(self.vnodes))
+        self._points = [p for p, _ in points]
+        self._owners = [i for _, i in points]
+        self._ring_for = urls
+
+    def choose(self, candidates: Sequence[Instance], keys: Sequence[str]) -> list[Instance]:
+        self._ring(candidates)
+        n = len(candidates)
+        planned = [0] * n
+        total = sum(c.inflight for c in candidates)
+        picks = []
+        for key in keys:
+            bound = math.ceil(self.load_factor * (total + 1) / n)
+            start = bisect.bisect(self._points, self._hash(key)) % len(self._points)
+            chosen = None
+            for step in range(len(self._points)):
+                owner = self._owners[(start + step) % len(self._points)]
+                if candidates[owner].inflight + planned[owner] < bound:
+                    chosen = owner
+                    break
+            if chosen is None:  # every instance is at the bound: fall back to the key's home
+                chosen = self._owners[start]
+            planned[chosen] += 1
+            total += 1
+            picks.append(candidates[chosen])
+        return picks
+
+
 POLICIES: dict[str, Callable[[], RoutingPolicy]] = {
     "round_robin": RoundRobin,
     "random": RandomChoice,
     "least_loaded": LeastLoaded,
     "power_of_two": PowerOfTwo,
+    "content_affinity": ContentAffinity,
 }
-ENCODE_POLICIES = ("round_robin", "least_loaded", "random", "power_of_two")
+ENCODE_POLICIES = ("round_robin", "least_loaded", "content_affinity", "random", "power_of_two")
 SERVING_POLICIES = ("least_loaded", "power_of_two", "round_robin", "random")
 
 

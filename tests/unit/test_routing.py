@@ -5,7 +5,7 @@ import random
 import pytest
 
 from epd_proxy.backends import Instance
-from epd_proxy.routing import LeastLoaded, PowerOfTwo, RandomChoice, RoundRobin, make_policy
+from epd_proxy.routing import ContentAffinity, LeastLoaded, PowerOfTwo, RandomChoice, RoundRobin, make_policy
 
 
 def fleet(n):
@@ -51,3 +51,31 @@ def test_random_stays_within_candidates():
 def test_unknown_policy_is_rejected_by_name():
     with pytest.raises(ValueError, match="unknown routing policy"):
         make_policy("fastest")
+
+
+def test_content_affinity_sends_the_same_content_to_the_same_encoder():
+    encoders = fleet(4)
+    policy = ContentAffinity()
+    homes = {key: policy.choose(encoders, [key])[0].url for key in (f"img{i}" for i in range(40))}
+    assert len(set(homes.values())) > 1, "keys should spread over the fleet"
+    again = {key: policy.choose(encoders, [key])[0].url for key in homes}
+    assert again == homes
+
+
+def test_content_affinity_bounds_the_load_of_a_hot_key():
+    encoders = fleet(4)
+    policy = ContentAffinity(load_factor=1.25)
+    picks = policy.choose(encoders, ["hot"] * 8)
+    counts = {e.url: sum(p is e for p in picks) for e in encoders}
+    assert max(counts.values()) <= 3, counts
+
+
+def test_content_affinity_keeps_most_homes_when_an_encoder_leaves():
+    encoders = fleet(4)
+    policy = ContentAffinity()
+    keys = [f"img{i}" for i in range(200)]
+    before = {k: policy.choose(encoders, [k])[0].url for k in keys}
+    survivors = [e for e in encoders if e.url != "http://e3"]
+    after = {k: policy.choose(survivors, [k])[0].url for k in keys}
+    moved = [k for k in keys if before[k] != after[k]]
+    assert all(before[k] == "http://e3" for k in moved)
