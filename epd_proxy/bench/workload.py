@@ -1,0 +1,185 @@
+"""A MUIRBench-like multi-image chat mix, generated once per seed and cached as ready-to-send bytes.
+
+Bodies are serialised up front so the load generator spends no CPU on JSON or base64 while it
+measures, and every arm (and every re-run with the same seed) sends byte-identical requests.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import json
+import os
+import random
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+
+# Bump when the generator changes, so stale caches are never mistaken for the current mix.
+GENERATOR_VERSION = 2
+MODEL = "bench-vlm"
+
+# MUIRBench averages 4.3 images per question with a long tail up to 12; these weights give a mean
+# of about 4.3 over 1..12.
+IMAGES_PER_REQUEST_WEIGHTS = (10, 18, 19, 15, 11, 8, 6, 4, 3, 3, 2, 1)
+FULL_SIZES = ((448, 448), (640, 480), (480, 640), (800, 600), (1024, 768), (336, 336))
+TINY_SIZES = ((56, 56), (84, 56), (112, 84), (56, 112))
+QUESTIONS = (
+    "Which of these images shows the same place as the first one?",
+    "How many of the images contain a red shape?",
+    "Order the images from darkest to brightest.",
+    "What changed between the first and the last image?",
+    "Which image does not belong with the others, and why?",
+    "Do any two images show the same object? Answer yes or no.",
+    "Describe the texture common to all images in one sentence.",
+    "Which image has the most circles?",
+)
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    seed: int = 1234
+    requests: int = 128
+    # JPEG bytes per image; a real multi-image benchmark sends photos of roughly this weight.
+    min_image_bytes: int = 30_000
+    max_image_bytes: int = 200_000
+    tiny: bool = False
+    # Share of requests that list one of their images twice (MUIRBench reuses images across options).
+    repeat_share: float = 0.2
+    model: str = MODEL
+
+    def cache_key(self) -> str:
+        raw = json.dumps([GENERATOR_VERSION, self.seed, self.requests, self.min_image_bytes,
+                          self.max_image_bytes, self.tiny, self.repeat_share, self.model])
+        return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+@dataclass
+class Pool:
+    bodies: list[bytes]
+    images_per_request: list[int]
+    image_bytes: list[int]
+    path: Path | None = None
+
+    @property
+    def mean_images(self) -> float:
+        return sum(self.images_per_request) / len(self.images_per_request)
+
+
+def _textured_jpeg(rng: random.Random, size: tuple[int, int], lo: int, hi: int) -> bytes:
+    """Noise over gradients and shapes: compresses like a photo, unlike a flat colour, so JPEG sizes
+    and base64 lengths look like real traffic."""
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    w, h = size
+    np_rng = np.random.default_rng(rng.getrandbits(32))
+    target = rng.uniform(lo, hi)
+    # Gradients are smooth, so they are computed at 1/8 scale and upsampled: generation stays cheap.
+    sw, sh = max(2, w // 8), max(2, h // 8)
+    yy, xx = np.mgrid[0:sh, 0:sw].astype(np.float32)
+    base = np.empty((sh, sw, 3), np.float32)
+    for c in range(3):
+        fx, fy = np_rng.uniform(0.016, 0.24, 2)
+        base[..., c] = 127 + 100 * np.sin(xx * fx + yy * fy + np_rng.uniform(0, 6.3))
+    image = Image.fromarray(base.clip(0, 255).astype(np.uint8)).resize((w, h), Image.BILINEAR)
+    draw = ImageDraw.Draw(image)
+    for _ in range(rng.randint(3, 12)):
+        x0, y0 = rng.randrange(w), rng.randrange(h)
+        x1, y1 = x0 + rng.randrange(8, max(9, w // 2)), y0 + rng.randrange(8, max(9, h // 2))
+        colour = tuple(rng.randrange(256) for _ in range(3))
+        (draw.ellipse if rng.random() < 0.5 else draw.rectangle)((x0, y0, x1, y1), fill=colour)
+    pixels = np.asarray(image, np.float32)
+    # Noise amplitude is what drives JPEG size; search it so each image lands near its target.
+    noise = np_rng.standard_normal(pixels.shape, dtype=np.float32)
+    amplitude, quality = 4.0 + 30.0 * target / hi, 85
+    data = b""
+    for _ in range(8):
+        noisy = pixels + amplitude * noise
+        buf = io.BytesIO()
+        Image.fromarray(noisy.clip(0, 255).astype(np.uint8)).save(buf, "JPEG", quality=quality)
+        data = buf.getvalue()
+        if lo <= len(data) <= hi and abs(len(data) - target) < 0.35 * target:
+            break
+        amplitude = max(0.5, amplitude * (target / len(data)) ** 1.3)
+        if amplitude > 80:
+            amplitude, quality = 80.0, min(98, quality + 5)
+    return data
+
+
+def _data_url(jpeg: bytes) -> str:
+    return "data:image/jpeg;base64," + base64.b64encode(jpeg).decode("ascii")
+
+
+def generate(spec: WorkloadSpec) -> Pool:
+    rng = random.Random(spec.seed)
+    sizes = TINY_SIZES if spec.tiny else FULL_SIZES
+    lo, hi = (600, 6_000) if spec.tiny else (spec.min_image_bytes, spec.max_image_bytes)
+    bodies, counts, image_sizes = [], [], []
+    for _ in range(spec.requests):
+        n = rng.choices(range(1, 13), weights=IMAGES_PER_REQUEST_WEIGHTS)[0]
+        if spec.tiny:
+            n = min(n, 3)
+        distinct = n
+        repeat = n >= 2 and rng.random() < spec.repeat_share
+        if repeat:
+            distinct = n - 1
+        urls = []
+        for _ in range(distinct):
+            jpeg = _textured_jpeg(rng, rng.choice(sizes), lo, hi)
+            image_sizes.append(len(jpeg))
+            urls.append(_data_url(jpeg))
+        if repeat:
+            urls.insert(rng.randrange(1, n), urls[rng.randrange(distinct)])
+        content: list[dict] = [{"type": "text", "text": rng.choice(QUESTIONS)}]
+        for i, url in enumerate(urls):
+            # MUIRBench interleaves labels with images; the proxy must keep text where it was.
+            if rng.random() < 0.5:
+                content.append({"type": "text", "text": f"Image {i + 1}:"})
+            content.append({"type": "image_url", "image_url": {"url": url}})
+        body = {
+            "model": spec.model,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": 16,
+            "temperature": 0.0,
+        }
+        bodies.append(orjson.dumps(body))
+        counts.append(n)
+    return Pool(bodies, counts, image_sizes)
+
+
+def _save(pool: Pool, path: Path) -> None:
+    meta = orjson.dumps({"images_per_request": pool.images_per_request, "image_bytes": pool.image_bytes,
+                         "lengths": [len(b) for b in pool.bodies]})
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(meta)))
+        f.write(meta)
+        for body in pool.bodies:
+            f.write(body)
+    os.replace(tmp, path)  # a crash mid-write must not leave a truncated cache behind
+
+
+def load_pool(path: Path) -> Pool:
+    with open(path, "rb") as f:
+        (meta_len,) = struct.unpack("<Q", f.read(8))
+        meta = orjson.loads(f.read(meta_len))
+        bodies = [f.read(n) for n in meta["lengths"]]
+    return Pool(bodies, meta["images_per_request"], meta["image_bytes"], path)
+
+
+def get_pool(spec: WorkloadSpec, cache_dir: Path) -> Pool:
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    path = cache_dir / f"pool-seed{spec.seed}-n{spec.requests}-{spec.cache_key()}.bin"
+    if path.exists():
+        try:
+            return load_pool(path)
+        except (OSError, ValueError, struct.error):
+            pass  # unreadable cache: regenerate below
+    pool = generate(spec)
+    _save(pool, path)
+    pool.path = path
+    return pool
