@@ -1,0 +1,163 @@
+"""Shared helpers for the end-to-end tests: images, requests, metrics."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import re
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+MODEL = "tiny-vlm"
+# Byte-level tokenizer of the tiny model: byte b has token id b.
+LOWERCASE_IDS = list(range(ord("a"), ord("z") + 1))
+SMALL = (224, 160)  # 8 x 6 merged patches = 48 image tokens by default
+# Grid differs from the default one (48 tokens -> 12 tokens for 224x160).
+SMALL_SIZE_KWARGS = {"size": {"shortest_edge": 3136, "longest_edge": 12544}}
+BLACK_BG = {"image": {"rgba_background_color": [0, 0, 0]}}
+
+
+def make_image(seed: int, mode: str = "RGB", size=SMALL, fmt: str = "PNG") -> str:
+    """A deterministic picture as a data URL; different seeds differ visibly."""
+    from PIL import Image, ImageDraw
+
+    w, h = size
+    bg = ((seed * 53) % 256, (seed * 97 + 40) % 256, (seed * 31 + 90) % 256)
+    if mode == "RGBA":
+        bg = bg + (96,)  # translucent, so the background colour matters
+    img = Image.new(mode, size, bg)
+    draw = ImageDraw.Draw(img)
+    for i in range(8):
+        x = (seed * 37 + i * 41) % (w - 40)
+        y = (seed * 13 + i * 23) % (h - 30)
+        fill = ((i * 80 + seed * 40) % 256, (i * 45 + seed * 7) % 256, (seed * 90 + i * 11) % 256)
+        if mode == "RGBA":
+            fill = fill + ((i * 30) % 256,)
+        draw.rectangle([x, y, x + 20 + (i * 7) % 20, y + 10 + (i * 5) % 20], fill=fill)
+    buf = io.BytesIO()
+    img.save(buf, fmt)
+    mime = "jpeg" if fmt.upper() == "JPEG" else fmt.lower()
+    return f"data:image/{mime};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def chat_body(images: list[str], text: str = "Describe the picture.", **extra) -> dict:
+    content: list[dict] = [{"type": "text", "text": text}]
+    content += [{"type": "image_url", "image_url": {"url": u}} for u in images]
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "temperature": 0,
+        "seed": 1234,
+        "max_tokens": 16,
+        "allowed_token_ids": LOWERCASE_IDS,
+    }
+    body.update(extra)
+    return body
+
+
+def post_json(url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict | str]:
+    req = urllib.request.Request(
+        url.rstrip("/") + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw = resp.read()
+            status = resp.status
+    except urllib.error.HTTPError as err:
+        raw = err.read()
+        status = err.code
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode("utf-8", "replace")
+
+
+def chat_ok(url: str, body: dict) -> dict:
+    status, data = post_json(url, body)
+    assert status == 200, f"{url}: HTTP {status}: {data}"
+    assert isinstance(data, dict)
+    return data
+
+
+def comparable(resp: dict) -> dict:
+    """The parts of a chat completion that must match exactly.
+
+    ids, timestamps and the ``ec_transfer_params``/``kv_transfer_params``
+    bookkeeping legitimately differ between the proxied and the direct answer.
+    """
+    return {
+        "model": resp.get("model"),
+        "choices": [
+            {
+                "index": c.get("index"),
+                "message": c.get("message"),
+                "logprobs": c.get("logprobs"),
+                "finish_reason": c.get("finish_reason"),
+                "stop_reason": c.get("stop_reason"),
+            }
+            for c in resp.get("choices", [])
+        ],
+        "usage": resp.get("usage"),
+    }
+
+
+def text_of(resp: dict) -> str:
+    return resp["choices"][0]["message"]["content"]
+
+
+_METRIC_RE = re.compile(r'^vllm:request_success_total\{([^}]*)\}\s+([0-9.eE+-]+)$', re.M)
+
+
+def finished_requests(base_url: str) -> float:
+    """Requests a vLLM server has finished (all finish reasons)."""
+    with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return sum(float(v) for _, v in _METRIC_RE.findall(text))
+
+
+def encoder_total(urls: list[str]) -> float:
+    return sum(finished_requests(u) for u in urls)
+
+
+def settled_encoder_total(urls: list[str], expect: float | None = None, timeout: float = 5.0) -> float:
+    """Counter value once it stops moving.
+
+    vLLM bumps its Prometheus counters from the output loop, which may run a
+    moment after the HTTP answer went out; poll until two reads 0.3 s apart
+    agree (and, when given, the expected value is reached or time runs out).
+    """
+    deadline = time.monotonic() + timeout
+    last = encoder_total(urls)
+    while time.monotonic() < deadline:
+        time.sleep(0.3)
+        cur = encoder_total(urls)
+        if cur == last and (expect is None or cur >= expect):
+            return cur
+        last = cur
+    return last
+
+
+def store_entries(store: Path) -> dict[str, bool]:
+    """EC store folders -> whether they hold a saved embedding."""
+    if not store.exists():
+        return {}
+    return {
+        p.name: (p / "encoder_cache.safetensors").is_file()
+        for p in store.iterdir()
+        if p.is_dir()
+    }
+
+
+def loaded_hashes(pd_log: Path) -> list[str]:
+    """Hashes PD loaded from the EC store (needs PD at DEBUG log level)."""
+    try:
+        text = pd_log.read_text(errors="replace")
+    except OSError:
+        return []
+    return re.findall(r"Success load encoder cache for hash (\S+)", text)

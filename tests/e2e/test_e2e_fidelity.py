@@ -1,0 +1,208 @@
+"""Proxy (2 encoders + PD) vs a single plain vLLM instance, on real vLLM.
+
+Tests run in file order; the negative control is last because it can kill
+PD's engine (the autouse fixture in conftest.py restarts PD if anything
+runs after it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import pytest
+
+from .e2e_helpers import (
+    BLACK_BG,
+    MODEL,
+    LOWERCASE_IDS,
+    SMALL_SIZE_KWARGS,
+    chat_body,
+    chat_ok,
+    comparable,
+    encoder_total,
+    loaded_hashes,
+    make_image,
+    post_json,
+    settled_encoder_total,
+    store_entries,
+    text_of,
+)
+
+pytestmark = pytest.mark.e2e
+
+# Distinct seed ranges per test: PD keeps embeddings and prefixes it has seen
+# in memory, so reusing a picture would let PD answer without touching the
+# EC store and weaken the "encoder did the work" checks.
+SEEDS = iter(range(100, 10_000))
+
+
+def fresh(n: int = 1, **kw) -> list[str]:
+    return [make_image(next(SEEDS), **kw) for _ in range(n)]
+
+
+def assert_same(proxy_resp: dict, base_resp: dict) -> None:
+    assert comparable(proxy_resp) == comparable(base_resp)
+
+
+# ---------------------------------------------------------------- sensitivity
+def test_baseline_is_sensitive_to_inputs(stack):
+    """Without this, an exact-match test could not detect a wrong image."""
+    base = stack.baseline_url
+    a, b = fresh(2)
+    r = fresh(1, mode="RGBA")[0]
+    ans = {
+        "A": text_of(chat_ok(base, chat_body([a]))),
+        "B": text_of(chat_ok(base, chat_body([b]))),
+        "AB": text_of(chat_ok(base, chat_body([a, b]))),
+        "BA": text_of(chat_ok(base, chat_body([b, a]))),
+        "A small": text_of(chat_ok(base, chat_body([a], mm_processor_kwargs=SMALL_SIZE_KWARGS))),
+        "R": text_of(chat_ok(base, chat_body([r]))),
+        "R black": text_of(chat_ok(base, chat_body([r], media_io_kwargs=BLACK_BG))),
+        "text": text_of(chat_ok(base, chat_body([]))),
+    }
+    for x, y in [("A", "B"), ("AB", "BA"), ("A", "A small"), ("R", "R black"), ("A", "text")]:
+        assert ans[x] != ans[y], f"baseline answers {x!r} and {y!r} are both {ans[x]!r}"
+    # Greedy decoding must be repeatable, or exact comparison is meaningless.
+    assert text_of(chat_ok(base, chat_body([a]))) == ans["A"]
+    assert all(set(t) <= set("abcdefghijklmnopqrstuvwxyz") for t in ans.values())
+
+
+# ------------------------------------------------------------------ fidelity
+def test_one_image_default_options(stack):
+    (a,) = fresh(1)
+    before_store = store_entries(stack.ec_store)
+    before_enc = encoder_total(stack.encoder_urls)
+    body = chat_body([a], logprobs=True, top_logprobs=3)
+    got = chat_ok(stack.proxy_url, body)
+    want = chat_ok(stack.baseline_url, body)
+    assert_same(got, want)
+    assert got["choices"][0]["logprobs"]["content"], "logprobs were requested"
+    assert settled_encoder_total(stack.encoder_urls, before_enc + 1) == before_enc + 1
+
+    new = {h: ok for h, ok in store_entries(stack.ec_store).items() if h not in before_store}
+    assert len(new) == 1 and all(new.values()), new
+    assert set(new) <= set(loaded_hashes(stack.log_path("pd"))), "PD did not load E's embedding"
+
+
+def test_rgba_with_processing_options(stack):
+    """Non-default size (other grid) + RGBA background: derived engine hashes."""
+    (r,) = fresh(1, mode="RGBA")
+    before_store = store_entries(stack.ec_store)
+    opts = dict(mm_processor_kwargs=SMALL_SIZE_KWARGS, media_io_kwargs=BLACK_BG)
+    body = chat_body([r], logprobs=True, top_logprobs=2, **opts)
+    got = chat_ok(stack.proxy_url, body)
+    want = chat_ok(stack.baseline_url, body)
+    assert_same(got, want)
+    # The grid really is the small one: 12 image tokens instead of 48.
+    default = chat_ok(stack.baseline_url, chat_body([r], media_io_kwargs=BLACK_BG))
+    assert got["usage"]["prompt_tokens"] == default["usage"]["prompt_tokens"] - 36
+
+    new = {h: ok for h, ok in store_entries(stack.ec_store).items() if h not in before_store}
+    assert len(new) == 1 and all(new.values()), new
+    url_hash = hashlib.sha256(r.encode()).hexdigest()
+    assert url_hash not in new, "options must change the engine hash"
+    assert set(new) <= set(loaded_hashes(stack.log_path("pd")))
+
+
+@pytest.mark.parametrize("options", [{}, {"mm_processor_kwargs": SMALL_SIZE_KWARGS}],
+                         ids=["default", "small-size"])
+def test_five_images_with_repeat_over_two_encoders(stack, options):
+    a, b, c, d = fresh(4)
+    images = [a, b, a, c, d]
+    before_store = store_entries(stack.ec_store)
+    before_enc = settled_encoder_total(stack.encoder_urls)
+    body = chat_body(images, logprobs=True, top_logprobs=1, **options)
+    got = chat_ok(stack.proxy_url, body)
+    after_enc = settled_encoder_total(stack.encoder_urls, before_enc + 2)
+    want = chat_ok(stack.baseline_url, body)
+    assert_same(got, want)
+    # Round robin over 2 encoders, no batch cap: one sub-request per encoder.
+    assert after_enc - before_enc == 2
+
+    new = {h: ok for h, ok in store_entries(stack.ec_store).items() if h not in before_store}
+    assert len(new) == 4, f"expected one EC entry per distinct image, got {sorted(new)}"
+    assert all(new.values()), f"empty store folders (consumer misses): {new}"
+    assert set(new) <= set(loaded_hashes(stack.log_path("pd"))), "PD encoded by itself"
+
+
+def test_streaming_through_proxy_matches(stack):
+    from openai import OpenAI
+
+    a, b = fresh(2)
+    body = chat_body([a, b])
+    want = chat_ok(stack.baseline_url, body)
+    client = OpenAI(base_url=stack.proxy_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    extra = {k: body[k] for k in ("allowed_token_ids",)}
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=body["messages"],
+        temperature=0,
+        seed=body["seed"],
+        max_tokens=body["max_tokens"],
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=extra,
+    )
+    pieces, usage, finish = [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            if ch.delta and ch.delta.content:
+                pieces.append(ch.delta.content)
+            if ch.finish_reason:
+                finish = ch.finish_reason
+    assert "".join(pieces) == text_of(want)
+    assert finish == want["choices"][0]["finish_reason"]
+    assert usage is not None
+    assert usage.prompt_tokens == want["usage"]["prompt_tokens"]
+    assert usage.completion_tokens == want["usage"]["completion_tokens"]
+
+
+def test_text_only_skips_encoders(stack):
+    before = settled_encoder_total(stack.encoder_urls)
+    body = chat_body([], text="Say something about nothing.", logprobs=True, top_logprobs=2)
+    got = chat_ok(stack.proxy_url, body)
+    want = chat_ok(stack.baseline_url, body)
+    assert_same(got, want)
+    time.sleep(0.5)
+    assert settled_encoder_total(stack.encoder_urls) == before
+
+
+# ------------------------------------------------------ negative control, LAST
+def test_zz_negative_control_options_not_forwarded(stack):
+    """The pre-fix proxy behaviour (options dropped on the way to E) must fail.
+
+    E stores the embedding under the bare uuid; PD derives uuid+options and
+    finds nothing.  If this ever passed, the fidelity tests above would not
+    be able to catch the bug they exist for.
+    """
+    (x,) = fresh(1, mode="RGBA")
+    opts = dict(mm_processor_kwargs=SMALL_SIZE_KWARGS, media_io_kwargs=BLACK_BG)
+    want = chat_ok(stack.baseline_url, chat_body([x], **opts))
+
+    uuid = hashlib.sha256(x.encode()).hexdigest()
+    enc_body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": x}, "uuid": uuid}]}],
+        "stream": False,
+    }
+    enc = chat_ok(stack.encoder_urls[0], enc_body)
+    params = enc.get("ec_transfer_params") or {}
+    assert list(params) == [uuid], params
+    meta = {
+        k: [v for row in val for v in row] if val and isinstance(val[0], list) else val
+        for k, val in params[uuid]["metadata"].items()
+    }
+    pd_body = chat_body([], **opts)
+    pd_body["messages"][0]["content"].append(
+        {"type": "image_embeds", "image_embeds": meta, "uuid": uuid}
+    )
+    pd_body["allowed_token_ids"] = LOWERCASE_IDS
+    status, data = post_json(stack.pd_url, pd_body, timeout=60)
+    if status == 200:
+        assert text_of(data) != text_of(want), "stale embedding produced the right answer?"
+    else:
+        assert status >= 500, f"unexpected HTTP {status}: {data}"

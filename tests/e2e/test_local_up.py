@@ -1,0 +1,68 @@
+"""`epd-proxy up` planning, without starting servers."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from epd_proxy.local.stack import LocalStack, StackConfig, assign_cores
+from epd_proxy.local.up import main as up_main
+
+
+def test_cores_two_cpu_box():
+    got = assign_cores(2, True, [0, 1])
+    assert got == {"encoder-0": "0", "encoder-1": "0", "pd": "1", "baseline": "1"}
+
+
+def test_cores_spread_when_plenty():
+    got = assign_cores(1, False, list(range(8)))
+    assert got == {"encoder-0": "0-3", "pd": "4-7"}
+
+
+def test_dry_run_is_shell(capsys):
+    work = Path("/nonexistent-epd-dry-run/w")
+    rc = up_main(["--encoders", "2", "--baseline", "--dry-run", "--work-dir", str(work),
+                  "--port", "8123", "--base-port", "8300"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert not work.exists(), "dry run must not touch the disk"
+    # Every line must parse as shell.
+    subprocess.run(["bash", "-n"], input=out, text=True, check=True)
+    lines = [ln for ln in out.splitlines() if "vllm.entrypoints.openai.api_server" in ln]
+    assert len(lines) == 4
+    roles = []
+    for ln in lines:
+        argv = shlex.split(ln)
+        cfg = argv[argv.index("--ec-transfer-config") + 1] if "--ec-transfer-config" in argv else None
+        roles.append(json.loads(cfg)["ec_role"] if cfg else None)
+        assert "--trust-request-mm-kwargs" in argv and "--enforce-eager" in argv
+        assert argv[argv.index("--served-model-name") + 1] == "tiny-vlm"
+    assert roles == ["ec_producer", "ec_producer", "ec_consumer", None]
+    proxy = [ln for ln in out.splitlines() if "epd_proxy serve" in ln]
+    assert len(proxy) == 1
+    argv = shlex.split(proxy[0])
+    assert argv[argv.index("--encode-servers-urls") + 1] == "http://127.0.0.1:8301,http://127.0.0.1:8302"
+    assert argv[argv.index("--decode-servers-urls") + 1] == "http://127.0.0.1:8300"
+    assert "TMPDIR=" in out and "VLLM_CPU_OMP_THREADS_BIND=1" in out
+
+
+def test_local_package_imports_without_torch():
+    code = (
+        "import sys, epd_proxy.local.up, epd_proxy.local.stack, epd_proxy.local.tiny_model, "
+        "epd_proxy.local.fix_vllm_cpu; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm', 'transformers')]; "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
+
+
+def test_stack_urls():
+    st = LocalStack(StackConfig(encoders=3, baseline=True, base_port=9000, port=9100,
+                                work_dir=Path("/nonexistent/w")))
+    assert st.pd_url == "http://127.0.0.1:9000"
+    assert st.encoder_urls == [f"http://127.0.0.1:{p}" for p in (9001, 9002, 9003)]
+    assert st.baseline_url == "http://127.0.0.1:9004"
+    assert st.proxy_url == "http://127.0.0.1:9100"
