@@ -66,6 +66,10 @@ class ECStore:
     entries: dict[str, tuple[str, list[int]]] = field(default_factory=dict)
 
 
+class InjectedDrop(Exception):
+    """Raised after closing the connection on purpose (not a cancellation by the caller)."""
+
+
 @dataclass
 class Faults:
     """Inject failures: the next `fail_times` requests answer `fail_status` with a vLLM error body
@@ -84,7 +88,7 @@ class Faults:
             self.fail_times -= 1
             if self.fail_status == 0:
                 request.transport.close()
-                raise ConnectionResetError("fault injected: connection dropped")
+                raise InjectedDrop("fault injected: connection dropped")
             if self.fail_status == 200:
                 return web.Response(text=self.fail_body)
             return web.json_response(
@@ -112,12 +116,14 @@ class FakeVLLM:
         report_indices: bool = True,
         handles: dict[str, Any] | None = None,
         tokens_per_chunk: int = 3,
+        stream_pause_s: float = 0.0,
     ) -> None:
         self.role = role
         self.store = store
         self.report_indices = report_indices
         self.handles = handles or {}
         self.tokens_per_chunk = tokens_per_chunk
+        self.stream_pause_s = stream_pause_s
         self.faults = Faults()
         self.healthy = True
         self.requests: list[Seen] = []
@@ -149,14 +155,15 @@ class FakeVLLM:
         self.requests.append(Seen({k.lower(): v for k, v in request.headers.items()}, body))
         try:
             injected = await self.faults.apply(request)
-        except asyncio.CancelledError:
+            if injected is not None:
+                return injected
+            if self.role == "encode":
+                return self._encode(body)
+            return await self._consume(request, body)
+        except (asyncio.CancelledError, ConnectionResetError):
+            # The caller went away: what a backend sees when the proxy cancels its sub-request.
             self.cancelled += 1
             raise
-        if injected is not None:
-            return injected
-        if self.role == "encode":
-            return self._encode(body)
-        return await self._consume(request, body)
 
     # -- encoder ---------------------------------------------------------------------------------
     def _encode(self, body: dict[str, Any]) -> web.Response:
@@ -283,7 +290,7 @@ class FakeVLLM:
         # Odd-sized writes cut through multibyte characters and SSE frames on purpose.
         for start in range(0, len(payload), 7):
             await response.write(payload[start : start + 7])
-            await asyncio.sleep(0)
+            await asyncio.sleep(self.stream_pause_s)
         await response.write_eof()
         return response
 
