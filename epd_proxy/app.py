@@ -14,7 +14,7 @@ from aiohttp import web
 
 from epd_proxy.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE, Instance, make_session
 from epd_proxy.config import Config
-from epd_proxy.errors import BadRequest, ProxyError, UpstreamError
+from epd_proxy.errors import BadRequest, ProxyError, UpstreamError, describe
 from epd_proxy.extract import extract_media, validate_request
 from epd_proxy.metrics import Metrics
 from epd_proxy.pipeline import Pipeline, Trace
@@ -69,7 +69,9 @@ def error_response(exc: ProxyError, request_id: str | None = None) -> web.Respon
         # A backend's own error body (vLLM's OpenAI error object) is the most faithful answer.
         headers["x-epd-stage"] = exc.stage
         return web.Response(
-            status=exc.status, body=exc.raw_body, headers={"Content-Type": exc.content_type or "application/json", **headers}
+            status=exc.status,
+            body=exc.raw_body,
+            headers={"Content-Type": exc.content_type or "application/json", **headers},
         )
     return web.Response(status=exc.status, body=exc.body(), content_type="application/json", headers=headers)
 
@@ -89,8 +91,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         state.metrics.rejected.inc()
         state.metrics.requests.labels("503").inc()
         response = error_response(
-            ProxyError(503, f"the proxy is at its limit of {config.max_inflight} requests in flight; retry shortly",
-                       stage="admission", error_type="overloaded"),
+            ProxyError(
+                503,
+                f"the proxy is at its limit of {config.max_inflight} requests in flight; retry shortly",
+                stage="admission",
+                error_type="overloaded",
+            ),
             request_id,
         )
         response.headers["Retry-After"] = "1"
@@ -124,7 +130,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     except Exception as exc:  # the client must get JSON, whatever broke inside the proxy
         log.exception("request %s: unexpected proxy failure", request_id)
         status = 500
-        return error_response(ProxyError(500, f"Proxy error: {exc!r}"), request_id)
+        return error_response(ProxyError(500, f"Proxy error: {describe(exc)}"), request_id)
     finally:
         state.inflight -= 1
         _finish(state.metrics, trace, status, route)
@@ -174,7 +180,11 @@ async def list_models(request: web.Request) -> web.Response:
                 content_type = resp.headers.get("Content-Type", "application/json")
                 return web.Response(status=resp.status, body=body, headers={"Content-Type": content_type})
     except (aiohttp.ClientError, TimeoutError) as exc:
-        return error_response(ProxyError(502, f"model list from {decoder.url} failed: {exc!r}", stage="decode", backend=decoder.url))
+        return error_response(
+            ProxyError(
+                502, f"model list from {decoder.url} failed: {describe(exc)}", stage="decode", backend=decoder.url
+            )
+        )
 
 
 def stage_status(results: list[bool]) -> str:
@@ -192,9 +202,15 @@ async def health(request: web.Request) -> web.Response:
     state = request.app[STATE]
     everyone = list(state.fleet.all())
     problems = await asyncio.gather(*(probe(state.session, inst, state.config.probe_timeout_s) for inst in everyone))
-    instances = {inst.url: {"role": inst.role, "status": "healthy" if p is None else f"unhealthy: {p}",
-                            "in_rotation": inst.live, "inflight": inst.inflight}
-                 for inst, p in zip(everyone, problems)}
+    instances = {
+        inst.url: {
+            "role": inst.role,
+            "status": "healthy" if p is None else f"unhealthy: {p}",
+            "in_rotation": inst.live,
+            "inflight": inst.inflight,
+        }
+        for inst, p in zip(everyone, problems)
+    }
     if state.config.dynamic_registration:
         body = {"proxy": "healthy", "instances": state.fleet.snapshot(), "probes": instances}
         return web.Response(body=orjson.dumps(body), content_type="application/json")
@@ -251,7 +267,9 @@ def profile_handler(action: str):
 async def request_logging(request: web.Request, handler):
     started = time.perf_counter()
     response = await handler(request)
-    log.debug("%s %s -> %s in %.1f ms", request.method, request.path, response.status, (time.perf_counter() - started) * 1000)
+    log.debug(
+        "%s %s -> %s in %.1f ms", request.method, request.path, response.status, (time.perf_counter() - started) * 1000
+    )
     return response
 
 

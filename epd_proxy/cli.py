@@ -7,11 +7,10 @@ import asyncio
 import logging
 import os
 import sys
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from epd_proxy.config import Config, ConfigError, default, env_float, env_int, split_urls
 from epd_proxy.routing import ENCODE_POLICIES, SERVING_POLICIES
-
 
 
 def _seconds_or_none(value: str) -> float | None:
@@ -31,52 +30,111 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     ref.add_argument("--decode-servers-urls", default="", help="comma-separated decode (D) or PD URLs (static mode)")
     ref.add_argument(
-        "--decode-retries", type=int, default=default("decode_retries"),
+        "--decode-retries",
+        type=int,
+        default=default("decode_retries"),
         help="re-encode and resend when the consumer answers HTTP 500 (default: %(default)s; 0 disables)",
     )
     ref.add_argument("--no-rewrite", action="store_true", help="forward raw media to P/D, only attach EC handles")
     ref.add_argument(
-        "--ec-consumer-zmq-addrs", default="",
+        "--ec-consumer-zmq-addrs",
+        default="",
         help="Mooncake EC consumer control addresses aligned with --decode-servers-urls (E+PD only)",
     )
-    ref.add_argument("--ec-consumer-dp-size", type=int, default=default("ec_consumer_dp_size"),
-                     help="data-parallel replicas per consumer; list each server's addresses consecutively")
+    ref.add_argument(
+        "--ec-consumer-dp-size",
+        type=int,
+        default=default("ec_consumer_dp_size"),
+        help="data-parallel replicas per consumer; list each server's addresses consecutively",
+    )
     ref.add_argument("--log-requests", action="store_true", help="log every HTTP request at DEBUG level")
-    ref.add_argument("--dynamic-registration", action="store_true",
-                     help="start with an empty fleet; instances join via POST /instances (needs $ADMIN_API_KEY)")
-    ref.add_argument("--probe-interval", type=float, default=default("probe_interval_s"),
-                     help="seconds between health probes of every instance, 0 disables (default: %(default)s)")
-    ref.add_argument("--probe-timeout", type=float, default=default("probe_timeout_s"),
-                     help="seconds a health probe may take (default: %(default)s)")
-    ref.add_argument("--fail-threshold", type=int, default=default("fail_threshold"),
-                     help="consecutive failures that take an instance out of rotation (default: %(default)s)")
-    ref.add_argument("--evicted-ttl", type=float, default=default("evicted_ttl_s"),
-                     help="dynamic mode: forget instances evicted this long, 0 = never (default: %(default)s)")
+    ref.add_argument(
+        "--dynamic-registration",
+        action="store_true",
+        help="start with an empty fleet; instances join via POST /instances (needs $ADMIN_API_KEY)",
+    )
+    ref.add_argument(
+        "--probe-interval",
+        type=float,
+        default=default("probe_interval_s"),
+        help="seconds between health probes of every instance, 0 disables (default: %(default)s)",
+    )
+    ref.add_argument(
+        "--probe-timeout",
+        type=float,
+        default=default("probe_timeout_s"),
+        help="seconds a health probe may take (default: %(default)s)",
+    )
+    ref.add_argument(
+        "--fail-threshold",
+        type=int,
+        default=default("fail_threshold"),
+        help="consecutive failures that take an instance out of rotation (default: %(default)s)",
+    )
+    ref.add_argument(
+        "--evicted-ttl",
+        type=float,
+        default=default("evicted_ttl_s"),
+        help="dynamic mode: forget instances evicted this long, 0 = never (default: %(default)s)",
+    )
 
     ours = parser.add_argument_group("epd-proxy flags")
     ours.add_argument(
-        "--encoder-max-batch-size", type=int, default=None,
+        "--encoder-max-batch-size",
+        type=int,
+        default=None,
         help="images per encoder sub-request, 0 = unlimited (default: $ENCODER_MAX_BATCH_SIZE or 0)",
     )
     ours.add_argument("--encode-policy", choices=ENCODE_POLICIES, default=default("encode_policy"))
     ours.add_argument("--prefill-policy", choices=SERVING_POLICIES, default=default("prefill_policy"))
     ours.add_argument("--decode-policy", choices=SERVING_POLICIES, default=default("decode_policy"))
-    ours.add_argument("--encoder-failovers", type=int, default=default("encoder_failovers"),
-                      help="other encoders a failed sub-request is retried on (default: %(default)s)")
-    ours.add_argument("--encode-timeout", type=_seconds_or_none, default=default("encode_timeout_s"),
-                      help="seconds per encoder sub-request, 0 = none (default: %(default)s)")
-    ours.add_argument("--prefill-timeout", type=_seconds_or_none, default=default("prefill_timeout_s"),
-                      help="seconds for prefill, 0 = none (default: %(default)s)")
-    ours.add_argument("--decode-timeout", type=_seconds_or_none, default=default("decode_timeout_s"),
-                      help="seconds until decode's response headers, 0 = none (default: %(default)s)")
-    ours.add_argument("--max-body-bytes", type=int, default=default("max_body_bytes"),
-                      help="largest accepted request body; larger gets 413 (default: %(default)s)")
-    ours.add_argument("--trust-client-fields", action="store_true",
-                      help="accept client uuids, *_embeds parts and ec/kv_transfer_params (trusted callers only)")
-    ours.add_argument("--max-inflight", type=int, default=default("max_inflight"),
-                      help="requests in flight beyond which new ones get 503 + Retry-After, 0 = unlimited")
-    ours.add_argument("--workers", type=int, default=1,
-                      help="proxy processes sharing the port (SO_REUSEPORT); static mode only (default: 1)")
+    ours.add_argument(
+        "--encoder-failovers",
+        type=int,
+        default=default("encoder_failovers"),
+        help="other encoders a failed sub-request is retried on (default: %(default)s)",
+    )
+    ours.add_argument(
+        "--encode-timeout",
+        type=_seconds_or_none,
+        default=default("encode_timeout_s"),
+        help="seconds per encoder sub-request, 0 = none (default: %(default)s)",
+    )
+    ours.add_argument(
+        "--prefill-timeout",
+        type=_seconds_or_none,
+        default=default("prefill_timeout_s"),
+        help="seconds for prefill, 0 = none (default: %(default)s)",
+    )
+    ours.add_argument(
+        "--decode-timeout",
+        type=_seconds_or_none,
+        default=default("decode_timeout_s"),
+        help="seconds until decode's response headers, 0 = none (default: %(default)s)",
+    )
+    ours.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=default("max_body_bytes"),
+        help="largest accepted request body; larger gets 413 (default: %(default)s)",
+    )
+    ours.add_argument(
+        "--trust-client-fields",
+        action="store_true",
+        help="accept client uuids, *_embeds parts and ec/kv_transfer_params (trusted callers only)",
+    )
+    ours.add_argument(
+        "--max-inflight",
+        type=int,
+        default=default("max_inflight"),
+        help="requests in flight beyond which new ones get 503 + Retry-After, 0 = unlimited",
+    )
+    ours.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="proxy processes sharing the port (SO_REUSEPORT); static mode only (default: 1)",
+    )
     ours.add_argument("--log-format", choices=("text", "json"), default=default("log_format"))
     ours.add_argument("--log-level", default="INFO", help="proxy log level (default: %(default)s)")
 
@@ -173,8 +231,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="epd-proxy", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     add_serve_arguments(commands.add_parser("serve", help="run the proxy in front of E, (P,) D/PD instances"))
-    commands.add_parser("up", help="start a local E+PD vLLM stack behind the proxy (needs the 'local' extra)",
-                        add_help=False)
+    commands.add_parser(
+        "up", help="start a local E+PD vLLM stack behind the proxy (needs the 'local' extra)", add_help=False
+    )
     if argv[:1] == ["up"]:
         from epd_proxy.local.up import main as up_main
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 _DISABLED_PREFILL = {"", "none", "disable", "disabled"}
 
@@ -80,9 +80,7 @@ class Config:
         if self.max_inflight < 0:
             raise ConfigError(f"--max-inflight must be >= 0, got {self.max_inflight}")
         if self.encoder_max_batch_size < 0:
-            raise ConfigError(
-                f"ENCODER_MAX_BATCH_SIZE must be >= 0 (0 = unlimited), got {self.encoder_max_batch_size}"
-            )
+            raise ConfigError(f"ENCODER_MAX_BATCH_SIZE must be >= 0 (0 = unlimited), got {self.encoder_max_batch_size}")
         if self.ec_consumer_dp_size < 1:
             raise ConfigError(f"--ec-consumer-dp-size must be >= 1, got {self.ec_consumer_dp_size}")
         if self.decode_retries < 0:

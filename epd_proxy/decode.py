@@ -13,7 +13,7 @@ import aiohttp
 import orjson
 
 from epd_proxy.backends import Instance
-from epd_proxy.errors import BackendUnreachable, UpstreamError
+from epd_proxy.errors import BackendUnreachable, UpstreamError, describe
 
 
 async def open_decode(
@@ -33,7 +33,9 @@ async def open_decode(
             f"Decode did not answer within {timeout_s:g}s", stage="decode", backend=decoder.url, timed_out=True
         ) from None
     except aiohttp.ClientError as exc:
-        raise BackendUnreachable(f"Decode request failed: {exc!r}", stage="decode", backend=decoder.url) from None
+        raise BackendUnreachable(
+            f"Decode request failed: {describe(exc)}", stage="decode", backend=decoder.url
+        ) from None
     if resp.status >= 400:
         try:
             raw = await resp.read()

@@ -5,14 +5,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import aiohttp
 import orjson
 
 from epd_proxy.backends import Instance
-from epd_proxy.errors import BackendUnreachable, ProxyError
+from epd_proxy.errors import BackendUnreachable, ProxyError, describe
 from epd_proxy.extract import MediaItem
 
 log = logging.getLogger("epd_proxy.encode")
@@ -83,7 +84,9 @@ async def post_encoder(
                 f"Encoder request timed out after {timeout_s:g}s", stage="encode", backend=encoder.url, timed_out=True
             ) from None
         except aiohttp.ClientError as exc:
-            raise BackendUnreachable(f"Encoder request failed: {exc!r}", stage="encode", backend=encoder.url) from None
+            raise BackendUnreachable(
+                f"Encoder request failed: {describe(exc)}", stage="encode", backend=encoder.url
+            ) from None
     if status != 200:
         text = raw.decode("utf-8", "replace")[:2000]
         raise ProxyError(status, f"Encoder request failed: {text}", stage="encode", backend=encoder.url)

@@ -87,3 +87,9 @@ def _message_of(raw_body: bytes) -> str:
         if isinstance(error, str):
             return error
     return raw_body.decode("utf-8", "replace")[:2000]
+
+
+def describe(exc: BaseException) -> str:
+    """`ClientConnectorError: Cannot connect to host ...` rather than a repr full of internals."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -7,8 +7,9 @@ never a guess: a wrong guess would hand the consumer another image's embedding.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from epd_proxy.errors import ProxyError
 from epd_proxy.extract import MediaItem
@@ -92,7 +93,5 @@ def match_group(
                 )
         entry = entries[key]
         metadata = entry.get("metadata")
-        into.items[item.index] = ItemMatch(
-            metadata if isinstance(metadata, dict) else {}, key, transfer_ids[position]
-        )
+        into.items[item.index] = ItemMatch(metadata if isinstance(metadata, dict) else {}, key, transfer_ids[position])
         into.handles[key] = entry

@@ -18,12 +18,17 @@ class _FleetCollector:
         self._registry = registry
 
     def collect(self):
-        inflight = GaugeMetricFamily("epd_instance_inflight", "Requests in flight per backend instance",
-                                     labels=["role", "instance"])
-        up = GaugeMetricFamily("epd_instance_up", "1 while the instance is in rotation, 0 once evicted",
-                               labels=["role", "instance"])
-        failures = GaugeMetricFamily("epd_instance_consecutive_failures",
-                                     "Consecutive failed probes or transport errors", labels=["role", "instance"])
+        inflight = GaugeMetricFamily(
+            "epd_instance_inflight", "Requests in flight per backend instance", labels=["role", "instance"]
+        )
+        up = GaugeMetricFamily(
+            "epd_instance_up", "1 while the instance is in rotation, 0 once evicted", labels=["role", "instance"]
+        )
+        failures = GaugeMetricFamily(
+            "epd_instance_consecutive_failures",
+            "Consecutive failed probes or transport errors",
+            labels=["role", "instance"],
+        )
         for inst in self._registry.all():
             inflight.add_metric([inst.role, inst.url], inst.inflight)
             up.add_metric([inst.role, inst.url], 1 if inst.live else 0)
@@ -40,7 +45,9 @@ class Metrics:
             "epd_stage_seconds",
             "Time per stage: encode (fan-out to all encoders), prefill, decode_ttfb (until decode's "
             "response headers), total (until the last byte was relayed)",
-            ["stage"], buckets=LATENCY_BUCKETS, registry=r,
+            ["stage"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.encoder_subrequests = Counter(
             "epd_encoder_subrequests", "Encoder sub-requests sent, by encoder", ["encoder"], registry=r
@@ -48,10 +55,12 @@ class Metrics:
         self.items_per_subrequest = Histogram(
             "epd_encoder_items_per_subrequest", "Media items per encoder sub-request", buckets=ITEM_BUCKETS, registry=r
         )
-        self.retries = Counter("epd_retries", "Whole-pipeline retries after a consumer HTTP 500, by stage",
-                               ["stage"], registry=r)
-        self.failovers = Counter("epd_encoder_failovers", "Encoder sub-requests retried on another encoder",
-                                 ["from_encoder"], registry=r)
+        self.retries = Counter(
+            "epd_retries", "Whole-pipeline retries after a consumer HTTP 500, by stage", ["stage"], registry=r
+        )
+        self.failovers = Counter(
+            "epd_encoder_failovers", "Encoder sub-requests retried on another encoder", ["from_encoder"], registry=r
+        )
         self.rejected = Counter("epd_admission_rejected", "Requests refused with 503 by --max-inflight", registry=r)
         r.register(_FleetCollector(fleet))
         for stage in ("encode", "prefill", "decode_ttfb", "total"):

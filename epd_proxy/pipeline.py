@@ -9,8 +9,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import aiohttp
 
@@ -106,9 +107,7 @@ class Pipeline:
         self.fleet.record_success(instance)
         return result
 
-    async def encode(
-        self, body: dict[str, Any], items: Sequence[MediaItem], route: Route, trace: Trace
-    ) -> Matches:
+    async def encode(self, body: dict[str, Any], items: Sequence[MediaItem], route: Route, trace: Trace) -> Matches:
         matches = Matches()
         if not items:
             return matches
@@ -174,13 +173,16 @@ class Pipeline:
             self.metrics.encoder_subrequests.labels(encoder.url).inc()
             self.metrics.items_per_subrequest.observe(len(group_items))
             try:
-                reply = await self._call(encoder, post_encoder(
-                    self.session,
+                reply = await self._call(
                     encoder,
-                    sub_body,
-                    child_request_id(trace.request_id, group.indices[0]),
-                    self.config.encode_timeout_s,
-                ))
+                    post_encoder(
+                        self.session,
+                        encoder,
+                        sub_body,
+                        child_request_id(trace.request_id, group.indices[0]),
+                        self.config.encode_timeout_s,
+                    ),
+                )
                 return reply, transfer_ids
             except ProxyError as exc:
                 worth_retrying = isinstance(exc, BackendUnreachable) or exc.status >= 500
@@ -189,7 +191,11 @@ class Pipeline:
                     raise
                 log.warning(
                     "request %s: encoder %s failed (%s); retrying its %d item(s) on %s",
-                    trace.request_id, encoder.url, exc.message, len(group_items), fallback.url,
+                    trace.request_id,
+                    encoder.url,
+                    exc.message,
+                    len(group_items),
+                    fallback.url,
                 )
                 trace.encoder_failovers += 1
                 self.metrics.failovers.labels(encoder.url).inc()
@@ -224,16 +230,18 @@ class Pipeline:
                 decode_body = prepared
                 if route.prefill is not None:
                     started = time.perf_counter()
-                    kv = await self._call(route.prefill, run_prefill(
-                        self.session, route.prefill, prepared, prefill_headers, config.prefill_timeout_s
-                    ))
+                    kv = await self._call(
+                        route.prefill,
+                        run_prefill(self.session, route.prefill, prepared, prefill_headers, config.prefill_timeout_s),
+                    )
                     trace.prefill_s += time.perf_counter() - started
                     if kv:
                         decode_body = {**prepared, "kv_transfer_params": kv}
                 started = time.perf_counter()
-                resp = await self._call(route.decoder, open_decode(
-                    self.session, route.decoder, decode_body, decode_headers, config.decode_timeout_s
-                ))
+                resp = await self._call(
+                    route.decoder,
+                    open_decode(self.session, route.decoder, decode_body, decode_headers, config.decode_timeout_s),
+                )
                 trace.decode_ttfb_s += time.perf_counter() - started
                 return resp
             except UpstreamError as exc:
@@ -244,7 +252,11 @@ class Pipeline:
                 self.metrics.retries.labels(exc.stage).inc()
                 log.warning(
                     "request %s: %s answered 500 (%s); re-encoding, attempt %d of %d",
-                    trace.request_id, exc.stage, exc.message[:200], attempt + 1, attempts,
+                    trace.request_id,
+                    exc.stage,
+                    exc.message[:200],
+                    attempt + 1,
+                    attempts,
                 )
         raise AssertionError("unreachable")
 

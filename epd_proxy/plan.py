@@ -7,11 +7,11 @@ processors do not batch across items.
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Generic, Hashable, Sequence, TypeVar
+from typing import Generic, TypeVar
 
 from epd_proxy.extract import MediaItem
-
 
 E = TypeVar("E", bound=Hashable)
 

@@ -9,7 +9,7 @@ import aiohttp
 import orjson
 
 from epd_proxy.backends import Instance
-from epd_proxy.errors import BackendUnreachable, ProxyError, UpstreamError
+from epd_proxy.errors import BackendUnreachable, ProxyError, UpstreamError, describe
 from epd_proxy.rewrite import prefill_request
 
 
@@ -28,18 +28,20 @@ async def run_prefill(
                 async with session.post(url, data=orjson.dumps(prefill_request(prepared)), headers=headers) as resp:
                     raw = await resp.read()
                     if resp.status != 200:
-                        raise UpstreamError(
-                            resp.status, raw, resp.content_type, stage="prefill", backend=prefill.url
-                        )
+                        raise UpstreamError(resp.status, raw, resp.content_type, stage="prefill", backend=prefill.url)
         except TimeoutError:
             raise BackendUnreachable(
                 f"Prefill timed out after {timeout_s:g}s", stage="prefill", backend=prefill.url, timed_out=True
             ) from None
         except aiohttp.ClientError as exc:
-            raise BackendUnreachable(f"Prefill request failed: {exc!r}", stage="prefill", backend=prefill.url) from None
+            raise BackendUnreachable(
+                f"Prefill request failed: {describe(exc)}", stage="prefill", backend=prefill.url
+            ) from None
     try:
         parsed = orjson.loads(raw)
     except orjson.JSONDecodeError:
-        raise ProxyError(502, "Prefill answered 200 with a body that is not JSON", stage="prefill", backend=prefill.url) from None
+        raise ProxyError(
+            502, "Prefill answered 200 with a body that is not JSON", stage="prefill", backend=prefill.url
+        ) from None
     params = parsed.get("kv_transfer_params") if isinstance(parsed, dict) else None
     return params if isinstance(params, dict) and params else None

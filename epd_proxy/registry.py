@@ -11,7 +11,8 @@ import asyncio
 import hmac
 import logging
 import time
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -36,7 +37,7 @@ def normalize_url(url: Any) -> str:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise RegistryError(422, f"'url' must be an http(s) URL with a host, got {url!r}")
     try:
-        parts.port
+        _ = parts.port  # urlsplit validates the port lazily
     except ValueError:
         raise RegistryError(422, f"'url' has an invalid port: {url!r}") from None
     return url
@@ -126,7 +127,9 @@ class Registry:
         if zmq and len(zmq) != dp_size:
             raise RegistryError(422, f"'ec_zmq_addrs' needs one address per DP replica ({dp_size}), got {len(zmq)}")
         if zmq and role not in (PREFILL, PREFILL_DECODE):
-            raise RegistryError(400, f"'ec_zmq_addrs' belongs to an EC consumer (prefill or prefill_decode), not {role}")
+            raise RegistryError(
+                400, f"'ec_zmq_addrs' belongs to an EC consumer (prefill or prefill_decode), not {role}"
+            )
         existing = self._records.get(url)
         if existing is not None and existing.role != role:
             raise RegistryError(409, f"{url} is registered as {existing.role}; unregister it first")
@@ -172,7 +175,10 @@ class Registry:
             self._rebuild()
             log.warning(
                 "%s %s left the rotation after %d consecutive failures (last: %s)",
-                inst.role, inst.url, inst.consecutive_failures, reason,
+                inst.role,
+                inst.url,
+                inst.consecutive_failures,
+                reason,
             )
 
     def forget_expired(self) -> None:
@@ -221,5 +227,6 @@ async def probe(session: aiohttp.ClientSession, inst: Instance, timeout_s: float
 
 def check_admin_key(expected: str, presented: str | None) -> None:
     if not expected or presented is None or not hmac.compare_digest(expected.encode(), presented.encode()):
-        raise ProxyError(403, "a valid X-API-Key is required to change the fleet", stage="registry",
-                         error_type="forbidden")
+        raise ProxyError(
+            403, "a valid X-API-Key is required to change the fleet", stage="registry", error_type="forbidden"
+        )

@@ -10,7 +10,9 @@ from aiohttp import web
 log = logging.getLogger("epd_proxy.relay")
 
 
-async def relay(request: web.Request, upstream: aiohttp.ClientResponse, extra_headers: dict[str, str]) -> web.StreamResponse:
+async def relay(
+    request: web.Request, upstream: aiohttp.ClientResponse, extra_headers: dict[str, str]
+) -> web.StreamResponse:
     """Chunks are forwarded as they arrive, never re-split or decoded, so multibyte characters
     and SSE framing reach the client exactly as vLLM wrote them."""
     content_type = upstream.headers.get("Content-Type", "application/json")

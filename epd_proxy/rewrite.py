@@ -6,7 +6,8 @@ EC connector, so megabytes of media are not parsed and decoded a second time.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from epd_proxy.extract import AUDIO_TYPES, EMBEDS_TYPE, MediaItem
 from epd_proxy.match import ItemMatch, Matches

@@ -10,7 +10,8 @@ import bisect
 import hashlib
 import math
 import random
-from typing import Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from epd_proxy.backends import Instance
 

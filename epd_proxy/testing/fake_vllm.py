@@ -260,16 +260,24 @@ class FakeVLLM:
                 "remote_host": "127.0.0.1",
                 "remote_port": 5600,
             }
-            return _json({"id": completion_id, "object": "chat.completion", "choices": [], "usage": usage,
-                          "kv_transfer_params": kv})
+            return _json(
+                {
+                    "id": completion_id,
+                    "object": "chat.completion",
+                    "choices": [],
+                    "usage": usage,
+                    "kv_transfer_params": kv,
+                }
+            )
         if not body.get("stream"):
             return _json(
                 {
                     "id": completion_id,
                     "object": "chat.completion",
                     "model": body.get("model"),
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": answer},
-                                 "finish_reason": "stop"}],
+                    "choices": [
+                        {"index": 0, "message": {"role": "assistant", "content": answer}, "finish_reason": "stop"}
+                    ],
                     "usage": usage,
                 }
             )
@@ -279,13 +287,24 @@ class FakeVLLM:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await response.prepare(request)
         events = [
-            {"id": completion_id, "object": "chat.completion.chunk", "model": model,
-             "choices": [{"index": 0, "delta": {"content": answer[i : i + self.tokens_per_chunk]},
-                          "finish_reason": None}]}
+            {
+                "id": completion_id,
+                "object": "chat.completion.chunk",
+                "model": model,
+                "choices": [
+                    {"index": 0, "delta": {"content": answer[i : i + self.tokens_per_chunk]}, "finish_reason": None}
+                ],
+            }
             for i in range(0, len(answer), self.tokens_per_chunk)
         ]
-        events.append({"id": completion_id, "object": "chat.completion.chunk", "model": model,
-                       "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+        events.append(
+            {
+                "id": completion_id,
+                "object": "chat.completion.chunk",
+                "model": model,
+                "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+            }
+        )
         payload = b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n"
         # Odd-sized writes cut through multibyte characters and SSE frames on purpose.
         for start in range(0, len(payload), 7):

@@ -72,8 +72,14 @@ async def make_stack():
         await proxy.start_server()
         servers.append(proxy)
         stack = Stack(
-            fake_encoders, fake_consumers, fake_prefills, store, str(proxy.make_url("")).rstrip("/"),
-            aiohttp.ClientSession(), servers, urls,
+            fake_encoders,
+            fake_consumers,
+            fake_prefills,
+            store,
+            str(proxy.make_url("")).rstrip("/"),
+            aiohttp.ClientSession(),
+            servers,
+            urls,
         )
         stacks.append(stack)
         return stack

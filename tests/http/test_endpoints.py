@@ -57,7 +57,10 @@ async def test_profiling_reaches_every_instance(make_stack):
         (b'"text"', "JSON object"),
         (b"{}", "'messages'"),
         (b'{"messages": [{"role": "user", "content": [42]}]}', "must be an object"),
-        (b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": ""}}]}]}', "image_url.url"),
+        (
+            b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": ""}}]}]}',
+            "image_url.url",
+        ),
         (b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', "image_url.url"),
         (b"\xff\xfe", "not valid JSON"),
     ],

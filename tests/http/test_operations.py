@@ -46,7 +46,9 @@ async def test_dynamic_fleet_starts_empty_and_routes_once_registered(dynamic_pro
         assert resp.status == 503
     async with client.post("/instances", json={"role": "encode", "url": "http://x"}) as resp:
         assert resp.status == 403
-    async with client.post("/instances", json={"role": "encode", "url": "http://x"}, headers={"X-API-Key": "wrong"}) as resp:
+    async with client.post(
+        "/instances", json={"role": "encode", "url": "http://x"}, headers={"X-API-Key": "wrong"}
+    ) as resp:
         assert resp.status == 403
     pd, pd_url = await start_fake("pd")
     async with client.post("/instances", json={"role": "prefill_decode", "url": pd_url}, headers=KEY) as resp:
@@ -140,7 +142,7 @@ async def test_metrics_show_stages_fan_out_and_failover(make_stack):
     assert "epd_encoder_items_per_subrequest_count 3.0" in text
     for stage in ("encode", "decode_ttfb", "total"):
         assert f'epd_stage_seconds_count{{stage="{stage}"}} 1.0' in text
-    assert 'epd_instance_inflight{instance=' in text
+    assert "epd_instance_inflight{instance=" in text
 
 
 async def test_admission_control_answers_503_with_retry_after(make_stack):

@@ -11,7 +11,12 @@ def parse(*argv, env=None):
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
-    return config_from_args(parser.parse_args(["--encode-servers-urls", "http://e0,http://e1/", "--decode-servers-urls", "http://d0", *argv]), env or {})
+    return config_from_args(
+        parser.parse_args(
+            ["--encode-servers-urls", "http://e0,http://e1/", "--decode-servers-urls", "http://d0", *argv]
+        ),
+        env or {},
+    )
 
 
 @pytest.mark.parametrize("value", ["none", "disable", "", "  ", "NONE"])
@@ -21,7 +26,13 @@ def test_prefill_disabled_spellings(value):
 
 
 def test_reference_flags_and_env():
-    config = parse("--no-rewrite", "--decode-retries", "3", "--log-requests", env={"ENCODER_MAX_BATCH_SIZE": "2", "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "30"})
+    config = parse(
+        "--no-rewrite",
+        "--decode-retries",
+        "3",
+        "--log-requests",
+        env={"ENCODER_MAX_BATCH_SIZE": "2", "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "30"},
+    )
     assert config.encode_urls == ("http://e0", "http://e1")
     assert (config.rewrite, config.decode_retries, config.log_requests) == (False, 3, True)
     assert config.encoder_max_batch_size == 2
@@ -29,7 +40,9 @@ def test_reference_flags_and_env():
     assert parse("--encoder-max-batch-size", "4", env={"ENCODER_MAX_BATCH_SIZE": "2"}).encoder_max_batch_size == 4
 
 
-@pytest.mark.parametrize("keep_alive, pooled", [("0.1", 0.05), ("1", 0.5), ("5", 2.5), ("30", 15), ("0", None), ("-1", None)])
+@pytest.mark.parametrize(
+    "keep_alive, pooled", [("0.1", 0.05), ("1", 0.5), ("5", 2.5), ("30", 15), ("0", None), ("-1", None)]
+)
 def test_pool_lifetime_stays_below_the_servers(keep_alive, pooled):
     assert parse(env={"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": keep_alive}).pool_keep_alive_s == pooled
 
@@ -63,7 +76,18 @@ def test_cli_exits_with_a_message_on_bad_topology(capsys):
     from epd_proxy.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
-        main(["serve", "--encode-servers-urls", "http://e", "--decode-servers-urls", "http://d",
-              "--ec-consumer-zmq-addrs", "tcp://a:1", "--prefill-servers-urls", "http://p"])
+        main(
+            [
+                "serve",
+                "--encode-servers-urls",
+                "http://e",
+                "--decode-servers-urls",
+                "http://d",
+                "--ec-consumer-zmq-addrs",
+                "tcp://a:1",
+                "--prefill-servers-urls",
+                "http://p",
+            ]
+        )
     assert exit_info.value.code == 2
     assert "E+PD only" in capsys.readouterr().err

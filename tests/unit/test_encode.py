@@ -7,15 +7,26 @@ from tests.media import chat, image
 
 def test_encoder_body_carries_only_media_and_the_processing_options():
     body = chat(
-        image("A"), image("B"), seed=3, temperature=0, max_tokens=99,
-        mm_processor_kwargs={"size": {"shortest_edge": 1}}, media_io_kwargs={"image": {"rgba_background_color": [0, 0, 0]}},
-        priority=-1, session_id="s1",
+        image("A"),
+        image("B"),
+        seed=3,
+        temperature=0,
+        max_tokens=99,
+        mm_processor_kwargs={"size": {"shortest_edge": 1}},
+        media_io_kwargs={"image": {"rgba_background_color": [0, 0, 0]}},
+        priority=-1,
+        session_id="s1",
     )
     items = extract_media(body)
     sub = encoder_body(body, items, send_uuid=True)
     assert sub == {
         "model": "tiny-vlm",
-        "messages": [{"role": "user", "content": [{**items[0].part, "uuid": items[0].uuid}, {**items[1].part, "uuid": items[1].uuid}]}],
+        "messages": [
+            {
+                "role": "user",
+                "content": [{**items[0].part, "uuid": items[0].uuid}, {**items[1].part, "uuid": items[1].uuid}],
+            }
+        ],
         "stream": False,
         "mm_processor_kwargs": {"size": {"shortest_edge": 1}},
         "media_io_kwargs": {"image": {"rgba_background_color": [0, 0, 0]}},
@@ -29,7 +40,10 @@ def test_push_mode_names_the_consumer_and_one_transfer_id_per_item_in_order():
     body = chat(image("A"), image("A"))
     items = extract_media(body)
     sub = encoder_body(body, items, send_uuid=False, transfer_ids=["t1", "t2"], consumer_zmq="tcp://c:1")
-    assert sub["ec_transfer_params"] == {"consumer_zmq": "tcp://c:1", "ec_items": [{"transfer_id": "t1"}, {"transfer_id": "t2"}]}
+    assert sub["ec_transfer_params"] == {
+        "consumer_zmq": "tcp://c:1",
+        "ec_items": [{"transfer_id": "t1"}, {"transfer_id": "t2"}],
+    }
     assert sub["messages"][0]["content"][0] is items[0].part
 
 

@@ -21,7 +21,10 @@ def test_items_come_from_every_message_in_order():
     }
     items = extract_media(body)
     assert [(i.index, i.kind, i.message_index, i.part_index) for i in items] == [
-        (0, "image_url", 1, 0), (1, "audio_url", 1, 2), (2, "video_url", 2, 0), (3, "input_audio", 3, 0),
+        (0, "image_url", 1, 0),
+        (1, "audio_url", 1, 2),
+        (2, "video_url", 2, 0),
+        (3, "input_audio", 3, 0),
     ]
 
 
@@ -48,11 +51,20 @@ def test_client_uuid_only_counts_when_trusted():
         ({"messages": []}, "'messages'"),
         ({"messages": ["hi"]}, "messages[0] must be an object"),
         ({"messages": [{"role": "user", "content": ["hi"]}]}, "content[0] must be an object"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "without a 'image_url.url'"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "without a 'image_url.url'",
+        ),
         ({"messages": [{"role": "user", "content": [{"type": "video_url"}]}]}, "without a 'video_url.url'"),
-        ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"format": "wav"}}]}]}, "input_audio.data"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"format": "wav"}}]}]},
+            "input_audio.data",
+        ),
         ({"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, "'stream'"),
-        (chat({"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 2, 2]}, "uuid": "x"}), "embeddings references"),
+        (
+            chat({"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 2, 2]}, "uuid": "x"}),
+            "embeddings references",
+        ),
         (chat(ec_transfer_params={"h": {}}), "ec_transfer_params"),
         (chat(kv_transfer_params={"remote_block_ids": [1]}), "kv_transfer_params"),
     ],

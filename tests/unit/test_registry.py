@@ -23,8 +23,12 @@ def reg(registry, role, url, **extra):
 
 
 def test_static_e_pd_makes_prefill_decode_consumers_with_their_dp_addresses():
-    config = Config(encode_urls=("http://e",), decode_urls=("http://a", "http://b"),
-                    ec_consumer_zmq_addrs=("z0", "z1", "z2", "z3"), ec_consumer_dp_size=2)
+    config = Config(
+        encode_urls=("http://e",),
+        decode_urls=("http://a", "http://b"),
+        ec_consumer_zmq_addrs=("z0", "z1", "z2", "z3"),
+        ec_consumer_dp_size=2,
+    )
     fleet = Registry.from_config(config)
     a, b = fleet.live("prefill_decode")
     assert (a.zmq_addrs, b.zmq_addrs, a.dp_size) == (("z0", "z1"), ("z2", "z3"), 2)
@@ -32,7 +36,9 @@ def test_static_e_pd_makes_prefill_decode_consumers_with_their_dp_addresses():
 
 
 def test_static_e_p_d_roles():
-    fleet = Registry.from_config(Config(encode_urls=("http://e",), prefill_urls=("http://p",), decode_urls=("http://d",)))
+    fleet = Registry.from_config(
+        Config(encode_urls=("http://e",), prefill_urls=("http://p",), decode_urls=("http://d",))
+    )
     assert [i.role for i in fleet.all()] == ["encode", "prefill", "decode"]
 
 

@@ -18,7 +18,9 @@ def matched(items, metadata_by_index, handles=None):
 
 def test_flatten_one_level_per_key():
     assert flatten_metadata({"image_grid_thw": [[1, 2, 2]], "n": [3], "s": 5}) == {
-        "image_grid_thw": [1, 2, 2], "n": [3], "s": 5,
+        "image_grid_thw": [1, 2, 2],
+        "n": [3],
+        "s": 5,
     }
 
 

@@ -18,7 +18,12 @@ def test_round_robin_cursor_is_shared_across_requests():
     singles = [rr.choose(encoders, ["k"])[0].url for _ in range(4)]
     assert singles == ["http://e0", "http://e1", "http://e2", "http://e0"]
     # item k of the next request goes to (cursor + k) mod n
-    assert [e.url for e in rr.choose(encoders, ["a", "b", "c", "d"])] == ["http://e1", "http://e2", "http://e0", "http://e1"]
+    assert [e.url for e in rr.choose(encoders, ["a", "b", "c", "d"])] == [
+        "http://e1",
+        "http://e2",
+        "http://e0",
+        "http://e1",
+    ]
     assert rr.choose(encoders, ["z"])[0].url == "http://e2"
 
 
