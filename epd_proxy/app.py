@@ -15,7 +15,7 @@ from aiohttp import web
 from epd_proxy.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE, Instance, make_session
 from epd_proxy.config import Config
 from epd_proxy.errors import BadRequest, ProxyError, UpstreamError, describe
-from epd_proxy.extract import extract_media, validate_request
+from epd_proxy.extract import OFFLOAD_HASH_BYTES, extract_media, validate_request
 from epd_proxy.metrics import Metrics
 from epd_proxy.pipeline import Pipeline, Trace
 from epd_proxy.registry import Registry, check_admin_key, probe
@@ -110,8 +110,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise ProxyError(413, f"request body exceeds {config.max_body_bytes} bytes", stage="request") from None
-        body = validate_request(parse_json_body(raw), trust_client_fields=config.trust_client_fields)
-        items = extract_media(body, honour_client_uuid=config.trust_client_fields)
+        body = validate_request(
+            parse_json_body(raw), trust_client_fields=config.trust_client_fields, max_media_items=config.max_media_items
+        )
+        if len(raw) > OFFLOAD_HASH_BYTES:
+            items = await asyncio.to_thread(extract_media, body, honour_client_uuid=config.trust_client_fields)
+        else:
+            items = extract_media(body, honour_client_uuid=config.trust_client_fields)
         trace.items = len(items)
         route = state.pipeline.choose_route(request_id)
         with route.decoder.busy():

@@ -52,6 +52,7 @@ def make_session(config: Config) -> aiohttp.ClientSession:
     keep_alive = config.pool_keep_alive_s
     connector = aiohttp.TCPConnector(
         limit=0,
+        limit_per_host=config.max_connections_per_backend,
         keepalive_timeout=keep_alive if keep_alive is not None else 0,
         force_close=keep_alive is None,
         enable_cleanup_closed=False,

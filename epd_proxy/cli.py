@@ -119,6 +119,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="largest accepted request body; larger gets 413 (default: %(default)s)",
     )
     ours.add_argument(
+        "--max-media-items",
+        type=int,
+        default=default("max_media_items"),
+        help="media items allowed in one request; more gets 400 (default: %(default)s)",
+    )
+    ours.add_argument(
+        "--max-connections-per-backend",
+        type=int,
+        default=default("max_connections_per_backend"),
+        help="open connections per backend instance, 0 = unlimited (default: %(default)s)",
+    )
+    ours.add_argument(
         "--trust-client-fields",
         action="store_true",
         help="accept client uuids, *_embeds parts and ec/kv_transfer_params (trusted callers only)",
@@ -167,6 +179,8 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> Config
         trust_client_fields=args.trust_client_fields,
         backend_api_key=env.get("OPENAI_API_KEY", ""),
         max_inflight=args.max_inflight,
+        max_media_items=args.max_media_items,
+        max_connections_per_backend=args.max_connections_per_backend,
         dynamic_registration=args.dynamic_registration,
         admin_api_key=env.get("ADMIN_API_KEY", ""),
         probe_interval_s=args.probe_interval,

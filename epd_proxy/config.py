@@ -41,6 +41,9 @@ class Config:
     decode_timeout_s: float | None = 600.0
     connect_timeout_s: float = 10.0
     max_body_bytes: int = 64 * 1024 * 1024
+    max_media_items: int = 256
+    # Open connections per backend instance; 0 = unlimited (requests queue for a free one).
+    max_connections_per_backend: int = 0
     # Requests in flight beyond which new ones get 503 + Retry-After; 0 = unlimited.
     max_inflight: int = 0
     dynamic_registration: bool = False

@@ -41,8 +41,37 @@ class MediaItem:
         return self.kind == "image_url"
 
 
+# Bodies above this hash their media off the event loop: sha256 runs at roughly 2 ms per MB here
+# and releases the GIL, so other requests keep flowing while a large upload is identified.
+OFFLOAD_HASH_BYTES = 256 * 1024
+_WHITESPACE = " \t\r\n\f\v"
+_DROP_WHITESPACE = str.maketrans("", "", _WHITESPACE)
+
+
 def sha256_hex(data: str) -> str:
     return hashlib.sha256(data.encode("utf-8")).hexdigest()
+
+
+def canonical_media_url(url: str) -> str:
+    """The same bytes written differently are the same item: a base64 `data:` URL loses the line
+    breaks and spaces inside its payload and gets a lower-case scheme and media type. A URL that
+    is already canonical comes back unchanged (the same object), so it hashes exactly as the
+    reference proxy hashes it. Other URLs are kept as they are.
+    """
+    if url[:5].lower() != "data:":
+        return url
+    header, comma, payload = url.partition(",")
+    if not comma:
+        return url
+    mediatype, semicolon, params = header[5:].partition(";")
+    param_list = [p.strip() for p in params.split(";")] if semicolon else []
+    is_base64 = any(p.lower() == "base64" for p in param_list)
+    canonical_params = ["base64" if p.lower() == "base64" else p for p in param_list]
+    canonical_header = "data:" + mediatype.strip().lower() + "".join(";" + p for p in canonical_params)
+    if is_base64 and any(c in payload for c in _WHITESPACE):
+        payload = payload.translate(_DROP_WHITESPACE)
+    canonical = f"{canonical_header},{payload}"
+    return url if canonical == url else canonical
 
 
 def media_url(part: dict[str, Any], kind: str) -> str | None:
@@ -64,11 +93,11 @@ def content_uuid(part: dict[str, Any], kind: str) -> str:
     """
     url = media_url(part, kind)
     if url is not None:
-        return sha256_hex(url)
+        return sha256_hex(canonical_media_url(url))
     return sha256_hex(json.dumps(part, sort_keys=True))
 
 
-def validate_request(body: Any, *, trust_client_fields: bool) -> dict[str, Any]:
+def validate_request(body: Any, *, trust_client_fields: bool, max_media_items: int = 0) -> dict[str, Any]:
     """Reject what vLLM would choke on later with a clear 400, before any backend is called."""
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
@@ -84,6 +113,7 @@ def validate_request(body: Any, *, trust_client_fields: bool) -> dict[str, Any]:
                     f"'{name}' is set by the proxy, not by clients "
                     "(start the proxy with --trust-client-fields if a trusted router sits in front)"
                 )
+    media_items = 0
     for m, message in enumerate(messages):
         if not isinstance(message, dict):
             raise BadRequest(f"messages[{m}] must be an object")
@@ -94,6 +124,10 @@ def validate_request(body: Any, *, trust_client_fields: bool) -> dict[str, Any]:
             if not isinstance(part, dict):
                 raise BadRequest(f"messages[{m}].content[{p}] must be an object")
             kind = part.get("type")
+            if kind in EMBEDS_TYPE:
+                media_items += 1
+                if max_media_items and media_items > max_media_items:
+                    raise BadRequest(f"the request has more than {max_media_items} media items")
             if kind in URL_MEDIA_TYPES:
                 url = media_url(part, kind)
                 if not url:

@@ -78,3 +78,29 @@ def test_bad_requests_are_named(body, complaint):
 def test_trusted_callers_may_send_engine_fields():
     body = chat({"type": "image_embeds", "image_embeds": {}, "uuid": "x"}, ec_transfer_params={"h": {}})
     assert validate_request(body, trust_client_fields=True) is body
+
+
+def test_canonical_data_urls_hash_like_the_reference():
+    from epd_proxy.extract import canonical_media_url
+
+    canonical = "data:image/png;base64,iVBORw0KGgo="
+    assert canonical_media_url(canonical) is canonical
+    assert canonical_media_url("DATA:Image/PNG;BASE64,iVBO\nRw0K\r\nGgo=") == canonical
+    assert canonical_media_url("data:image/png;base64, iVBORw0K Ggo=") == canonical
+    plain = "https://Example.com/A B.png"
+    assert canonical_media_url(plain) is plain
+    # non-base64 payloads keep their spaces: they are data
+    assert canonical_media_url("data:text/plain,a b") == "data:text/plain,a b"
+
+
+def test_line_breaks_do_not_change_an_items_identity():
+    one = {"type": "image_url", "image_url": {"url": "data:image/png;base64,QUJDRA=="}}
+    wrapped = {"type": "image_url", "image_url": {"url": "data:image/PNG;base64,QUJD\nRA=="}}
+    a, b = extract_media(chat(one, wrapped))
+    assert a.uuid == b.uuid == hashlib.sha256(b"data:image/png;base64,QUJDRA==").hexdigest()
+
+
+def test_media_item_limit():
+    with pytest.raises(BadRequest, match="more than 2 media items"):
+        validate_request(chat(image("A"), image("B"), image("C")), trust_client_fields=False, max_media_items=2)
+    validate_request(chat(image("A"), image("B")), trust_client_fields=False, max_media_items=2)
