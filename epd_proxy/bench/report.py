@@ -1,0 +1,255 @@
+"""Summaries, the markdown table, results.json and the chart."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from epd_proxy.bench import procs
+
+
+def _sum(blocks: list[dict], key: str) -> float:
+    return sum(b.get(key, 0) for b in blocks)
+
+
+def summarise(arm, peak_rss: dict[str, float]) -> dict[str, Any]:
+    from epd_proxy.bench.runner import percentile
+
+    blocks = arm.blocks
+    lat = sorted(arm.latencies_ms)
+    measured = _sum(blocks, "measured")
+    ok = measured - _sum(blocks, "errors")
+    window = _sum(blocks, "window_s")
+    everything = max(1, _sum(blocks, "all_requests"))
+    wall = max(1e-9, _sum(blocks, "wall_s"))
+    subreq = _sum(blocks, "encoder_subrequests")
+    out: dict[str, Any] = {
+        "name": arm.name, "kind": arm.kind, "note": arm.note, "cluster": arm.cluster,
+        "encoder_max_batch_size": arm.batch if arm.kind == "proxy" else None, "workers": arm.workers,
+        "blocks": len(blocks), "measured": measured, "errors": measured - ok,
+        "req_per_s": ok / window if window else float("nan"),
+        "lat_mean_ms": sum(lat) / len(lat) if lat else float("nan"),
+        "lat_p50_ms": percentile(lat, 50), "lat_p90_ms": percentile(lat, 90), "lat_p99_ms": percentile(lat, 99),
+        "lat_max_ms": lat[-1] if lat else float("nan"),
+    }
+    if arm.kind == "real":
+        return out
+    out.update({
+        "encoder_subrequests_per_round": subreq / len(blocks) if blocks else 0,
+        "encoder_subrequests_per_request": subreq / measured if measured else 0,
+        "images_per_subrequest": _sum(blocks, "encoder_images") / subreq if subreq else None,
+        "pd_requests_per_round": _sum(blocks, "pd_requests") / len(blocks) if blocks else 0,
+        "pd_raw_images": _sum(blocks, "pd_raw_images"),
+        "pd_kb_per_request": _sum(blocks, "pd_bytes") / 1024 / measured if measured else 0,
+        "proxy_cpu_ms_per_request": _sum(blocks, "proxy_cpu_s") * 1000 / everything if arm.kind == "proxy" else None,
+        "proxy_cpu_util": _sum(blocks, "proxy_cpu_s") / wall if arm.kind == "proxy" else None,
+        "proxy_peak_rss_mb": peak_rss.get(arm.name),
+        "loadgen_cpu_ms_per_request": _sum(blocks, "loadgen_cpu_s") * 1000 / everything,
+        "fakes_cpu_ms_per_request": _sum(blocks, "fakes_cpu_s") * 1000 / everything,
+        "core_busy": {str(c): sum(b["core_busy"][c] * b["wall_s"] for b in blocks) / wall
+                      for c in (blocks[0]["core_busy"] if blocks else {})},
+    })
+    return out
+
+
+def _ratio(a: Any, b: Any) -> float | None:
+    if a is None or b is None or not b or (isinstance(a, float) and math.isnan(a)):
+        return None
+    return a / b
+
+
+def build(bench, arms: list, floor: dict[str, float], peak_rss: dict[str, float], pool) -> dict[str, Any]:
+    summaries = [summarise(arm, peak_rss) for arm in arms if not arm.skipped]
+    first = summaries[0] if summaries else None
+    direct = next((s for s in summaries if s["kind"] == "direct"), None)
+    for s in summaries:
+        if first is not None:
+            s["vs_first"] = {
+                "req_per_s": _ratio(s["req_per_s"], first["req_per_s"]),
+                "lat_p50": _ratio(s["lat_p50_ms"], first["lat_p50_ms"]),
+                "lat_p99": _ratio(s["lat_p99_ms"], first["lat_p99_ms"]),
+                "proxy_cpu_per_request": _ratio(s.get("proxy_cpu_ms_per_request"), first.get("proxy_cpu_ms_per_request")),
+                "encoder_subrequests": _ratio(s.get("encoder_subrequests_per_round"),
+                                              first.get("encoder_subrequests_per_round")),
+            }
+        if direct is not None and s["kind"] == "proxy" and s["cluster"] == direct["cluster"]:
+            s["added_latency_ms"] = {"p50": s["lat_p50_ms"] - direct["lat_p50_ms"],
+                                     "p99": s["lat_p99_ms"] - direct["lat_p99_ms"]}
+    a = bench.args
+    result = {
+        "preset": bench.preset,
+        "settings": {
+            "seed": a.seed, "pool_size": bench.pool_size, "concurrency": bench.concurrency,
+            "measured_per_round": bench.requests, "rounds": bench.rounds, "warmup": bench.warmup,
+            "encoders": a.encoders, "encoder_ms": a.encoder_ms, "encoder_image_ms": a.encoder_image_ms,
+            "pd_ms": a.pd_ms, "clients": a.clients, "pinned": bench.pin,
+            "proxy_cpus": a.proxy_cpus if bench.pin else None, "harness_cpus": a.harness_cpus if bench.pin else None,
+            "cpu_count": __import__("os").cpu_count(),
+        },
+        "workload": {
+            "bodies": len(pool.bodies), "mean_images_per_request": pool.mean_images,
+            "max_images_per_request": max(pool.images_per_request),
+            "mean_image_kb": sum(pool.image_bytes) / len(pool.image_bytes) / 1024,
+            "min_image_kb": min(pool.image_bytes) / 1024, "max_image_kb": max(pool.image_bytes) / 1024,
+            "mean_body_kb": sum(map(len, pool.bodies)) / len(pool.bodies) / 1024,
+        },
+        "floor": floor,
+        "arms": summaries,
+        "skipped": {arm.name: arm.skipped for arm in arms if arm.skipped},
+        "notes": bench.notes,
+    }
+    result["table_md"] = table(result)
+    return result
+
+
+def _f(value: Any, fmt: str = "{:.1f}") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return fmt.format(value)
+
+
+def table(result: dict[str, Any]) -> str:
+    s = result["settings"]
+    lines = [
+        f"EPD proxy benchmark ({result['preset']}): concurrency {s['concurrency']}, {s['rounds']} interleaved rounds "
+        f"x {s['measured_per_round']} measured requests per arm, {s['encoders']} fake encoders "
+        f"({s['encoder_ms']:g} ms + {s['encoder_image_ms']:g} ms/image), PD {s['pd_ms']:g} ms; "
+        f"{result['workload']['mean_images_per_request']:.2f} images/request, "
+        f"{result['workload']['mean_body_kb']:.0f} KB/body",
+        "",
+        "| arm | req/s | mean ms | p50 ms | p99 ms | errors | enc sub-req/round | sub-req/req | images/sub-req "
+        "| proxy CPU ms/req | proxy core % | proxy peak RSS MB | loadgen CPU ms/req | fakes CPU ms/req | core0 % | core1 % |",
+        "|---" * 16 + "|",
+    ]
+    for a in result["arms"]:
+        busy = a.get("core_busy") or {}
+        lines.append("| " + " | ".join([
+            a["name"], _f(a["req_per_s"]), _f(a["lat_mean_ms"]), _f(a["lat_p50_ms"]), _f(a["lat_p99_ms"]),
+            str(a["errors"]), _f(a.get("encoder_subrequests_per_round"), "{:.0f}"),
+            _f(a.get("encoder_subrequests_per_request"), "{:.2f}"), _f(a.get("images_per_subrequest"), "{:.2f}"),
+            _f(a.get("proxy_cpu_ms_per_request"), "{:.2f}"),
+            _f(a["proxy_cpu_util"] * 100 if a.get("proxy_cpu_util") is not None else None, "{:.0f}"),
+            _f(a.get("proxy_peak_rss_mb"), "{:.0f}"),
+            _f(a.get("loadgen_cpu_ms_per_request"), "{:.2f}"), _f(a.get("fakes_cpu_ms_per_request"), "{:.2f}"),
+            _f(busy.get("0", None) * 100 if "0" in busy else None, "{:.0f}"),
+            _f(busy.get("1", None) * 100 if "1" in busy else None, "{:.0f}"),
+        ]) + " |")
+    lines += ["", "| arm | req/s x | p50 x | p99 x | proxy CPU/req x | enc sub-req x | added p50 ms | added p99 ms |",
+              "|---" * 8 + "|"]
+    for a in result["arms"]:
+        v = a.get("vs_first", {})
+        added = a.get("added_latency_ms", {})
+        lines.append("| " + " | ".join([
+            a["name"], _f(v.get("req_per_s"), "{:.2f}"), _f(v.get("lat_p50"), "{:.2f}"), _f(v.get("lat_p99"), "{:.2f}"),
+            _f(v.get("proxy_cpu_per_request"), "{:.2f}"), _f(v.get("encoder_subrequests"), "{:.2f}"),
+            _f(added.get("p50")), _f(added.get("p99")),
+        ]) + " |")
+    f = result["floor"]
+    lines += [
+        "",
+        f"JSON floor (one core, same bodies): orjson.loads+dumps {f['json_loads_dumps_ms_per_request']:.2f} ms/request; "
+        f"sha256 of the image URLs {f['sha256_urls_ms_per_request']:.2f} ms/request ({f['mean_body_kb']:.0f} KB/body).",
+        "Ratios are to the first arm; added latency = proxy arm minus the direct arm (it includes the fake encoders' "
+        "cost). CPU ms/req counts warm-up and cool-down requests too.",
+    ]
+    for name, why in result["skipped"].items():
+        lines.append(f"Skipped arm {name}: {why}.")
+    for note in result["notes"]:
+        lines.append(f"Note: {note}")
+    return "\n".join(lines)
+
+
+def write(out: Path, result: dict[str, Any], arms: list, chart: bool = True) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
+    (out / "table.md").write_text(result["table_md"] + "\n")
+    (out / "latencies.json").write_bytes(orjson.dumps(
+        {arm.name: [round(x, 3) for x in arm.latencies_ms] for arm in arms if not arm.skipped}))
+    if chart:
+        draw_chart(out / "chart.png", result, arms)
+
+
+def draw_chart(path: Path, result: dict[str, Any], arms: list) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [arm for arm in arms if not arm.skipped and arm.latencies_ms]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    for arm in shown:
+        lat = sorted(arm.latencies_ms)
+        ys = [(i + 1) / len(lat) for i in range(len(lat))]
+        left.plot(lat, ys, label=arm.name)
+    left.set_xscale("log")
+    left.set_xlabel("latency (ms, log)")
+    left.set_ylabel("fraction of requests")
+    left.set_title("latency distribution (CDF)")
+    left.grid(True, which="both", alpha=0.3)
+    left.legend()
+    by_name = {a["name"]: a for a in result["arms"]}
+    names = [arm.name for arm in shown]
+    rates = [by_name[n]["req_per_s"] for n in names]
+    bars = right.bar(names, rates, color="tab:blue")
+    for bar, name in zip(bars, names):
+        cpu = by_name[name].get("proxy_cpu_ms_per_request")
+        label = f"{bar.get_height():.0f}" + (f"\n{cpu:.2f} ms CPU/req" if cpu else "")
+        right.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+                       fontsize=8)
+    right.set_ylabel("requests / s")
+    right.set_title("throughput per arm (closed loop)")
+    right.tick_params(axis="x", rotation=20)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+_FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^()]*?)(?::(?P<line>\d+))?\)$")
+
+
+def _short(frame: str) -> str:
+    m = _FRAME.match(frame.strip())
+    if not m:
+        return frame.strip()
+    file = m.group("file")
+    for marker in ("site-packages/", "lib/python3"):
+        if marker in file:
+            file = file.split(marker, 1)[1]
+            break
+    else:
+        file = file.rsplit("/", 2)[-1] if "epd_proxy" not in file else "epd_proxy/" + file.split("epd_proxy/", 1)[-1]
+    return f"{m.group('func')} ({file})"
+
+
+def summarise_profile(raw: Path, top: int = 30) -> str:
+    """py-spy's collapsed stacks -> the functions with the most self and inclusive samples."""
+    own: Counter[str] = Counter()
+    inclusive: Counter[str] = Counter()
+    total = 0
+    for line in raw.read_text(errors="replace").splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        total += n
+        frames = [_short(f) for f in stack.split(";")]
+        frames = [f for f in frames if not f.startswith("process ") and not f.startswith("thread ")]
+        if frames:
+            own[frames[-1]] += n
+        for f in set(frames):
+            inclusive[f] += n
+    if not total:
+        return "py-spy recorded no samples\n"
+    lines = [f"py-spy samples: {total}", "", "## self time", "", "| % | function |", "|---|---|"]
+    lines += [f"| {100 * n / total:.1f} | `{f}` |" for f, n in own.most_common(top)]
+    lines += ["", "## inclusive time", "", "| % | function |", "|---|---|"]
+    lines += [f"| {100 * n / total:.1f} | `{f}` |" for f, n in inclusive.most_common(top)]
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["build", "write", "summarise_profile", "procs"]

@@ -1,0 +1,445 @@
+"""`python -m epd_proxy.bench`: start fakes and proxies, drive interleaved arms, write results.
+
+Layout on a 2-core machine: every proxy is pinned to core 0 and everything else (this process,
+the fake backends, the load generators) to core 1, so proxy CPU is never shared with the harness
+and the harness's own load is visible as core 1's busy share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from epd_proxy.bench import procs
+from epd_proxy.bench.loadgen import Block, ClientPool
+from epd_proxy.bench.workload import WorkloadSpec, get_pool
+
+COST, FREE = "cost", "free"
+
+
+@dataclass(frozen=True)
+class Preset:
+    pool_size: int
+    concurrency: int
+    requests: int  # measured requests per block (one "round" of an arm)
+    rounds: int
+    warmup: int
+    real_requests: int
+
+
+PRESETS = {
+    "quick": Preset(pool_size=24, concurrency=16, requests=48, rounds=2, warmup=16, real_requests=8),
+    "full": Preset(pool_size=128, concurrency=96, requests=768, rounds=4, warmup=96, real_requests=32),
+}
+
+
+@dataclass
+class Arm:
+    name: str
+    kind: str  # "proxy" | "direct" | "real"
+    cluster: str = COST
+    batch: int = 0
+    workers: int = 1
+    note: str = ""
+    skipped: str | None = None
+    port: int = 0
+    host: str = "127.0.0.1"
+    proc: subprocess.Popen | None = None
+    blocks: list[dict[str, Any]] = field(default_factory=list)
+    latencies_ms: list[float] = field(default_factory=list)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m epd_proxy.bench", description=__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small counts, < 60 s, for CI smoke tests")
+    p.add_argument("--out", type=Path, default=None, help="results folder (default ./results/bench-<timestamp>)")
+    p.add_argument("--cache-dir", type=Path, default=Path("work/bench-cache"), help="request-pool cache")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--pool-size", type=int, default=None, help="distinct request bodies")
+    p.add_argument("--concurrency", type=int, default=None, help="closed-loop connections")
+    p.add_argument("--requests", type=int, default=None, help="measured requests per arm per round")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (A B C, C B A, ...)")
+    p.add_argument("--warmup", type=int, default=None, help="unmeasured requests before each block")
+    p.add_argument("--encoders", type=int, default=4)
+    p.add_argument("--encoder-ms", type=float, default=2.0, help="fake encoder cost per sub-request")
+    p.add_argument("--encoder-image-ms", type=float, default=1.5, help="fake encoder cost per image")
+    p.add_argument("--pd-ms", type=float, default=5.0, help="fake PD answer time")
+    p.add_argument("--arms", default="batched,per-item,direct,saturation,workers",
+                   help="comma-separated subset of batched, per-item, direct, saturation, workers")
+    p.add_argument("--workers", type=int, default=2, help="proxy processes in the workers arm")
+    p.add_argument("--clients", type=int, default=1, help="load generator processes")
+    p.add_argument("--proxy-cpus", default="0", help="cores the proxies are pinned to")
+    p.add_argument("--harness-cpus", default="1", help="cores for fakes and load generators")
+    p.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
+    p.add_argument("--real-stack-url", default=None,
+                   help="also measure an already-running proxy in front of real vLLM (tiny images)")
+    p.add_argument("--real-requests", type=int, default=None)
+    p.add_argument("--real-concurrency", type=int, default=4)
+    p.add_argument("--profile-arm", default=None,
+                   help="record this arm's proxy with py-spy (needs py-spy); writes a flame graph and top frames")
+    p.add_argument("--no-chart", action="store_true")
+    return p.parse_args(argv)
+
+
+def _cpus(spec: str) -> set[int]:
+    return {int(c) for c in spec.split(",") if c.strip()}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(url: str, timeout: float = 5.0) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return resp.read()
+
+
+def wait_ready(url: str, proc: subprocess.Popen, deadline_s: float = 60.0) -> None:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url} exited with status {proc.returncode} before it was ready")
+        try:
+            http_get(url, timeout=2.0)
+            return
+        except (urllib.error.URLError, OSError):
+            time.sleep(0.1)
+    raise RuntimeError(f"{url} not ready within {deadline_s:.0f} s")
+
+
+def proxy_supports_workers() -> bool:
+    out = subprocess.run([sys.executable, "-m", "epd_proxy", "serve", "--help"], capture_output=True, text=True)
+    return "--workers" in out.stdout
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    k = min(len(sorted_values) - 1, max(0, round(q / 100 * (len(sorted_values) - 1))))
+    return sorted_values[k]
+
+
+def json_floor(bodies: list[bytes], repeat: int) -> dict[str, float]:
+    """What a proxy must spend per request at the very least: parse the body once and write it
+    once (orjson), plus hash every image URL (the content uuid)."""
+    import hashlib
+
+    parsed = [orjson.loads(b) for b in bodies]
+    start = time.process_time()
+    for _ in range(repeat):
+        for raw in bodies:
+            orjson.dumps(orjson.loads(raw))
+    json_ms = (time.process_time() - start) * 1000 / (repeat * len(bodies))
+    urls = [[p["image_url"]["url"].encode() for m in body["messages"] for p in m["content"] if p.get("type") == "image_url"]
+            for body in parsed]
+    start = time.process_time()
+    for _ in range(repeat):
+        for group in urls:
+            for url in group:
+                hashlib.sha256(url).hexdigest()
+    sha_ms = (time.process_time() - start) * 1000 / (repeat * len(bodies))
+    return {"json_loads_dumps_ms_per_request": json_ms, "sha256_urls_ms_per_request": sha_ms,
+            "mean_body_kb": sum(map(len, bodies)) / len(bodies) / 1024}
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        preset = PRESETS["quick" if args.quick else "full"]
+        self.pool_size = args.pool_size or preset.pool_size
+        self.concurrency = args.concurrency or preset.concurrency
+        self.requests = args.requests or preset.requests
+        self.rounds = args.rounds or preset.rounds
+        self.warmup = preset.warmup if args.warmup is None else args.warmup
+        self.real_requests = args.real_requests or preset.real_requests
+        self.preset = "quick" if args.quick else "full"
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        self.out: Path = args.out or Path("results") / f"bench-{stamp}"
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.children: list[subprocess.Popen] = []
+        self.fake_ports: dict[str, int] = {}
+        self.fakes: subprocess.Popen | None = None
+        self.clients: ClientPool | None = None
+        self.pin = not args.no_pin and (os.cpu_count() or 1) >= 2 and hasattr(os, "sched_setaffinity")
+        self.notes: list[str] = []
+        self.profile: subprocess.Popen | None = None
+
+    # -- processes -------------------------------------------------------------------------------
+    def start_fakes(self) -> None:
+        a = self.args
+        servers = []
+        for cluster, enc_ms, img_ms, pd_ms in ((COST, a.encoder_ms, a.encoder_image_ms, a.pd_ms), (FREE, 0, 0, 0)):
+            for i in range(a.encoders):
+                servers.append({"name": f"{cluster}-e{i}", "role": "encode", "per_request_ms": enc_ms,
+                                "per_image_ms": img_ms})
+            servers.append({"name": f"{cluster}-pd", "role": "pd", "delay_ms": pd_ms})
+        self.fakes = subprocess.Popen([sys.executable, "-m", "epd_proxy.bench.fakes", orjson.dumps({"servers": servers})],
+                                      stdout=subprocess.PIPE, text=True)
+        self.children.append(self.fakes)
+        line = self.fakes.stdout.readline()
+        if not line:
+            raise RuntimeError("fake backends failed to start")
+        self.fake_ports = orjson.loads(line)["ports"]
+
+    def fake_names(self, cluster: str) -> tuple[list[str], str]:
+        return [f"{cluster}-e{i}" for i in range(self.args.encoders)], f"{cluster}-pd"
+
+    def start_proxy(self, arm: Arm) -> None:
+        encoders, pd = self.fake_names(arm.cluster)
+        arm.port = free_port()
+        cmd = [
+            sys.executable, "-m", "epd_proxy", "serve", "--host", "127.0.0.1", "--port", str(arm.port),
+            "--encode-servers-urls", ",".join(f"http://127.0.0.1:{self.fake_ports[e]}" for e in encoders),
+            "--decode-servers-urls", f"http://127.0.0.1:{self.fake_ports[pd]}",
+            "--encoder-max-batch-size", str(arm.batch), "--log-level", "WARNING",
+        ]
+        if arm.workers > 1:
+            cmd += ["--workers", str(arm.workers)]
+        cpus = _cpus(self.args.proxy_cpus)
+        preexec = (lambda: os.sched_setaffinity(0, cpus)) if self.pin else None
+        log = open(self.out / f"proxy-{arm.name}.log", "wb")
+        arm.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=preexec)
+        self.children.append(arm.proc)
+        wait_ready(f"http://127.0.0.1:{arm.port}/v1/models", arm.proc)
+
+    def stats(self, cluster: str) -> dict[str, dict]:
+        encoders, pd = self.fake_names(cluster)
+        return {name: orjson.loads(http_get(f"http://127.0.0.1:{self.fake_ports[name]}/stats"))
+                for name in (*encoders, pd)}
+
+    # -- arms ------------------------------------------------------------------------------------
+    def build_arms(self) -> list[Arm]:
+        wanted = [a.strip() for a in self.args.arms.split(",") if a.strip()]
+        arms = []
+        for name in wanted:
+            if name == "batched":
+                arms.append(Arm("batched", "proxy", COST, batch=0, note="--encoder-max-batch-size 0"))
+            elif name == "per-item":
+                arms.append(Arm("per-item", "proxy", COST, batch=1, note="--encoder-max-batch-size 1"))
+            elif name == "direct":
+                arms.append(Arm("direct", "direct", COST, note="client -> PD fake, no proxy, no encoders"))
+            elif name == "saturation":
+                arms.append(Arm("saturation", "proxy", FREE, batch=0, note="batched, fake costs 0: proxy-bound"))
+            elif name == "workers":
+                arm = Arm(f"workers-{self.args.workers}", "proxy", FREE, batch=0, workers=self.args.workers,
+                          note=f"batched, fake costs 0, --workers {self.args.workers}")
+                if not proxy_supports_workers():
+                    arm.skipped = "`epd-proxy serve --help` has no --workers flag"
+                elif self.pin and len(_cpus(self.args.proxy_cpus)) < 2:
+                    arm.note += f" (all workers share core(s) {self.args.proxy_cpus})"
+                arms.append(arm)
+            else:
+                raise SystemExit(f"unknown arm {name!r}")
+        return arms
+
+    def schedule(self, round_no: int, arm_no: int) -> list[tuple[int, str]]:
+        n = self.pool_size
+        # Every arm sends the same measured bodies in a round; rounds walk on through the pool.
+        offset = (round_no * self.requests) % n
+        measured = [((offset + i) % n, f"m{round_no}.{arm_no}-{i}") for i in range(self.requests)]
+        warm = [((offset + n // 2 + i) % n, f"w{round_no}.{arm_no}-{i}") for i in range(self.warmup)]
+        cool = [((offset + i) % n, f"c{round_no}.{arm_no}-{i}") for i in range(self.concurrency)]
+        return warm + measured + cool
+
+    def run_block(self, arm: Arm, round_no: int, arm_no: int) -> None:
+        schedule = self.schedule(round_no, arm_no)
+        target_port = arm.port if arm.kind == "proxy" else self.fake_ports[self.fake_names(arm.cluster)[1]]
+        before_stats = self.stats(arm.cluster)
+        proxy_pid = arm.proc.pid if arm.proc else None
+        cpu0 = procs.tree_cpu_seconds(proxy_pid) if proxy_pid else 0.0
+        gen0 = sum(procs.cpu_seconds(p) for p in self.clients.pids)
+        fake0 = procs.cpu_seconds(self.fakes.pid)
+        cores0 = procs.core_busy()
+        wall0 = time.perf_counter()
+        results = self.clients.run(Block("127.0.0.1", target_port, "/v1/chat/completions", self.concurrency, schedule))
+        wall = time.perf_counter() - wall0
+        cores1 = procs.core_busy()
+        cpu = (procs.tree_cpu_seconds(proxy_pid) - cpu0) if proxy_pid else 0.0
+        gen = sum(procs.cpu_seconds(p) for p in self.clients.pids) - gen0
+        fake = procs.cpu_seconds(self.fakes.pid) - fake0
+        after_stats = self.stats(arm.cluster)
+        measured = [r for r in results if r[0].startswith("m")]
+        ok = [r for r in measured if r[3] == 200]
+        window = max(r[2] for r in measured) - min(r[1] for r in measured)
+        arm.latencies_ms.extend((r[2] - r[1]) * 1000 for r in ok)
+        encoders, pd = self.fake_names(arm.cluster)
+
+        def delta(name: str, key: str, tag: str = "m") -> int:
+            return after_stats[name][key].get(tag, 0) - before_stats[name][key].get(tag, 0)
+
+        block = {
+            "round": round_no,
+            "measured": len(measured),
+            "errors": len(measured) - len(ok),
+            "all_requests": len(results),
+            "all_errors": sum(1 for r in results if r[3] != 200),
+            "window_s": window,
+            "wall_s": wall,
+            "encoder_subrequests": sum(delta(e, "requests") for e in encoders),
+            "encoder_images": sum(delta(e, "images") for e in encoders),
+            "pd_requests": delta(pd, "requests"),
+            "pd_embeds": delta(pd, "images"),
+            "pd_raw_images": delta(pd, "raw_images"),
+            "pd_bytes": delta(pd, "bytes_in"),
+            "proxy_cpu_s": cpu,
+            "loadgen_cpu_s": gen,
+            "fakes_cpu_s": fake,
+            "core_busy": {c: (cores1[c][0] - cores0[c][0]) / max(1e-9, cores1[c][1] - cores0[c][1]) for c in cores1},
+        }
+        arm.blocks.append(block)
+        if block["all_errors"]:
+            self.notes.append(f"{arm.name} round {round_no}: {block['all_errors']} non-200 answers")
+
+    # -- real stack --------------------------------------------------------------------------------
+    def real_model(self, url: str) -> str:
+        try:
+            data = orjson.loads(http_get(f"{url}/v1/models", timeout=30))
+            return data["data"][0]["id"]
+        except Exception as exc:  # the stack's own model name is only a convenience
+            self.notes.append(f"real stack: /v1/models failed ({exc!r}); sending model 'bench-vlm'")
+            return "bench-vlm"
+
+    def run_real(self, arm: Arm, url: str) -> None:
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(url)
+        schedule = [(i % self.real_pool_size, f"w-real-{i}") for i in range(2)]
+        schedule += [(i % self.real_pool_size, f"m-real-{i}") for i in range(self.real_requests)]
+        started = time.perf_counter()
+        results = self.clients.run(Block(parts.hostname, parts.port or 80, "/v1/chat/completions",
+                                         self.args.real_concurrency, schedule, pool="real"))
+        measured = [r for r in results if r[0].startswith("m")]
+        ok = [r for r in measured if r[3] == 200]
+        arm.latencies_ms.extend((r[2] - r[1]) * 1000 for r in ok)
+        arm.blocks.append({
+            "round": 0, "measured": len(measured), "errors": len(measured) - len(ok),
+            "all_requests": len(results), "all_errors": sum(1 for r in results if r[3] != 200),
+            "window_s": (max(r[2] for r in measured) - min(r[1] for r in measured)) if measured else 0.0,
+            "wall_s": time.perf_counter() - started,
+        })
+
+    # -- profiling -------------------------------------------------------------------------------
+    def start_profile(self, arm: Arm) -> None:
+        import shutil
+
+        exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+        if not Path(exe).exists():
+            self.notes.append("--profile-arm: py-spy not found (pip install py-spy)")
+            return
+        self.profile_raw = self.out / f"profile-{arm.name}.txt"
+        self.profile = subprocess.Popen(
+            [exe, "record", "--pid", str(arm.proc.pid), "--rate", "200", "--nonblocking", "--subprocesses",
+             "--format", "raw", "--output", str(self.profile_raw)],
+            stdout=subprocess.DEVNULL, stderr=open(self.out / "py-spy.log", "wb"),
+        )
+
+    def stop_profile(self) -> None:
+        import signal
+
+        if self.profile is None:
+            return
+        self.profile.send_signal(signal.SIGINT)
+        try:
+            self.profile.wait(30)
+        except subprocess.TimeoutExpired:
+            self.profile.kill()
+        if self.profile_raw.exists():
+            from epd_proxy.bench.report import summarise_profile
+
+            (self.out / "profile-top.md").write_text(summarise_profile(self.profile_raw))
+
+    # -- main ------------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        a = self.args
+        if self.pin:
+            os.sched_setaffinity(0, _cpus(a.harness_cpus))
+        t0 = time.perf_counter()
+        pool = get_pool(WorkloadSpec(seed=a.seed, requests=self.pool_size), a.cache_dir)
+        self.pool_size = len(pool.bodies)
+        pool_paths = {"main": str(pool.path)}
+        print(f"workload: {len(pool.bodies)} bodies, {pool.mean_images:.2f} images/request, "
+              f"{sum(pool.image_bytes) / len(pool.image_bytes) / 1024:.0f} KB/image, "
+              f"{sum(map(len, pool.bodies)) / len(pool.bodies) / 1024:.0f} KB/body "
+              f"(ready in {time.perf_counter() - t0:.1f} s; {pool.path})", flush=True)
+        if a.real_stack_url:
+            model = self.real_model(a.real_stack_url.rstrip("/"))
+            real = get_pool(WorkloadSpec(seed=a.seed, requests=16, tiny=True, model=model), a.cache_dir)
+            self.real_pool_size = len(real.bodies)
+            pool_paths["real"] = str(real.path)
+        floor = json_floor(pool.bodies, repeat=3 if a.quick else 10)
+        arms = self.build_arms()
+        active = [arm for arm in arms if arm.skipped is None]
+        for arm in arms:
+            if arm.skipped:
+                print(f"arm {arm.name}: SKIPPED ({arm.skipped})", flush=True)
+        try:
+            self.start_fakes()
+            for arm in active:
+                if arm.kind == "proxy":
+                    self.start_proxy(arm)
+            self.clients = ClientPool(a.clients, pool_paths)
+            profiled = next((arm for arm in active if arm.name == a.profile_arm), None)
+            if a.profile_arm and profiled is None:
+                self.notes.append(f"--profile-arm {a.profile_arm}: no such active proxy arm")
+            if profiled is not None and profiled.proc is not None:
+                self.start_profile(profiled)
+            for r in range(self.rounds):
+                # A B C then C B A: a drift over the run hits every arm about equally.
+                order = list(enumerate(active)) if r % 2 == 0 else list(reversed(list(enumerate(active))))
+                for i, arm in order:
+                    self.run_block(arm, r, i)
+                    b = arm.blocks[-1]
+                    print(f"round {r + 1}/{self.rounds} {arm.name:>12}: {b['measured'] / b['window_s']:8.1f} req/s, "
+                          f"errors {b['errors']}", flush=True)
+            self.stop_profile()
+            if a.real_stack_url:
+                real_arm = Arm("real-stack", "real", note=a.real_stack_url)
+                self.run_real(real_arm, a.real_stack_url.rstrip("/"))
+                arms.append(real_arm)
+            peak = {arm.name: procs.peak_rss_mb(arm.proc.pid) for arm in active if arm.proc}
+        finally:
+            self.shutdown()
+        from epd_proxy.bench import report
+
+        result = report.build(self, arms, floor, peak, pool)
+        report.write(self.out, result, arms, chart=not a.no_chart)
+        return result
+
+    def shutdown(self) -> None:
+        if self.profile is not None and self.profile.poll() is None:
+            self.profile.kill()
+        if self.clients is not None:
+            self.clients.close()
+        for proc in reversed(self.children):
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in reversed(self.children):
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    bench = Bench(args)
+    result = bench.run()
+    print()
+    print(result["table_md"])
+    print(f"results: {bench.out}")
+    return 0
