@@ -151,7 +151,12 @@ class FakeVLLM:
         return web.Response(status=200)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        body = orjson.loads(await request.read())
+        try:
+            body = orjson.loads(await request.read())
+            if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+                raise ValueError("messages must be a list")
+        except ValueError as exc:
+            return _engine_error(f"invalid request: {exc}", status=400)
         self.requests.append(Seen({k.lower(): v for k, v in request.headers.items()}, body))
         try:
             injected = await self.faults.apply(request)
@@ -164,6 +169,9 @@ class FakeVLLM:
             # The caller went away: what a backend sees when the proxy cancels its sub-request.
             self.cancelled += 1
             raise
+        except (KeyError, TypeError, AttributeError, ValueError, IndexError) as exc:
+            # vLLM validates requests with pydantic and answers 400; so does the fake.
+            return _engine_error(f"invalid request: {type(exc).__name__}: {exc}", status=400)
 
     # -- encoder ---------------------------------------------------------------------------------
     def _encode(self, body: dict[str, Any]) -> web.Response:

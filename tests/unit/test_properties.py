@@ -1,0 +1,121 @@
+"""Properties of the pure core, for any input hypothesis can think of."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from epd_proxy.backends import Instance
+from epd_proxy.extract import extract_media
+from epd_proxy.match import Matches, match_group
+from epd_proxy.plan import plan_groups
+from epd_proxy.rewrite import rewrite_request
+from epd_proxy.routing import RoundRobin
+
+KINDS = st.sampled_from(["image_url", "image_url", "image_url", "audio_url", "video_url", "input_audio"])
+NAMES = st.sampled_from("ABCDEFGH")
+
+
+def part(kind: str, name: str) -> dict:
+    if kind == "input_audio":
+        return {"type": kind, "input_audio": {"data": name * 4, "format": "wav"}}
+    return {"type": kind, kind: {"url": f"https://m/{name}"}}
+
+
+texts = st.text(max_size=20).map(lambda t: {"type": "text", "text": t})
+media = st.tuples(KINDS, NAMES).map(lambda kn: part(*kn))
+contents = st.lists(st.one_of(texts, media), max_size=8)
+messages = st.lists(
+    st.one_of(st.text(max_size=10), contents).map(lambda c: {"role": "user", "content": c}), min_size=1, max_size=4
+)
+bodies = st.builds(lambda ms, seed: {"model": "m", "messages": ms, "seed": seed}, messages, st.integers(0, 9))
+
+
+@settings(max_examples=300, deadline=None)
+@given(body=bodies, n_encoders=st.integers(1, 5), cap=st.integers(0, 4), cursor=st.integers(0, 10))
+def test_plan_covers_every_item_once_keeps_round_robin_order_and_respects_the_cap(body, n_encoders, cap, cursor):
+    items = extract_media(body)
+    encoders = [Instance(f"http://e{i}", "encode") for i in range(n_encoders)]
+    policy = RoundRobin()
+    policy.choose(encoders, ["warm"] * cursor)
+    assignment = policy.choose(encoders, [i.uuid for i in items])
+    assert assignment == [encoders[(cursor + k) % n_encoders] for k in range(len(items))]
+    groups = plan_groups(items, assignment, cap)
+    covered = sorted(i for g in groups for i in g.indices)
+    assert covered == list(range(len(items)))
+    for group in groups:
+        assert all(assignment[i] is group.encoder for i in group.indices)
+        assert list(group.indices) == sorted(group.indices)
+        if len(group.indices) > 1:
+            assert all(items[i].kind == "image_url" for i in group.indices)
+        if cap:
+            assert len(group.indices) <= cap
+
+
+def encoder_reply(group_items, derive: bool) -> dict:
+    """What an encoder reports: one key per distinct item, all positions under it."""
+    params: dict = {}
+    for position, item in enumerate(group_items):
+        key = f"derived-{item.uuid}" if derive else item.uuid
+        entry = params.setdefault(key, {"metadata": {"grid": [[1, position + 1, 2]]}, "item_indices": []})
+        entry["item_indices"].append(position)
+    return params
+
+
+@settings(max_examples=200, deadline=None)
+@given(names=st.lists(NAMES, min_size=1, max_size=10), derive=st.booleans(), seed=st.integers(0, 1000))
+def test_any_permutation_of_response_keys_maps_back_identically(names, derive, seed):
+    items = extract_media({"messages": [{"role": "user", "content": [part("image_url", n) for n in names]}]})
+    params = encoder_reply(items, derive)
+    ids = [f"t{i}" for i in range(len(items))]
+    reference = Matches()
+    match_group(items, ids, params, reference)
+    keys = list(params)
+    random.Random(seed).shuffle(keys)
+    shuffled = Matches()
+    match_group(items, ids, {k: params[k] for k in keys}, shuffled)
+    assert shuffled.items == reference.items and shuffled.handles == reference.handles
+    for position, item in enumerate(items):
+        expected = f"derived-{item.uuid}" if derive else item.uuid
+        assert reference.items[item.index].ec_mm_hash == expected
+        assert reference.items[item.index].transfer_id == ids[position]
+
+
+@settings(max_examples=300, deadline=None)
+@given(body=bodies, matched_mask=st.lists(st.booleans(), max_size=40), rewrite=st.booleans())
+def test_rewriting_never_touches_non_media_content_and_never_mutates_its_input(body, matched_mask, rewrite):
+    items = extract_media(body)
+    matches = Matches()
+    for item, hit in zip(items, matched_mask):
+        if hit:
+            match_group([item], [f"t{item.index}"], {f"h{item.index}": {"metadata": {"g": [[1, 2, 3]]}}}, matches)
+    before = copy.deepcopy(body)
+    out = rewrite_request(body, items, matches, rewrite=rewrite)
+    assert body == before
+    assert {k: v for k, v in out.items() if k not in ("messages", "ec_transfer_params")} == {
+        k: v for k, v in body.items() if k != "messages"
+    }
+    media_positions = {(i.message_index, i.part_index) for i in items}
+    assert len(out["messages"]) == len(body["messages"])
+    for m, (new, old) in enumerate(zip(out["messages"], body["messages"])):
+        assert {k: v for k, v in new.items() if k != "content"} == {k: v for k, v in old.items() if k != "content"}
+        if not isinstance(old["content"], list):
+            assert new["content"] == old["content"]
+            continue
+        for p, (new_part, old_part) in enumerate(zip(new["content"], old["content"])):
+            if (m, p) not in media_positions:
+                assert new_part == old_part
+    if rewrite:
+        hits = [i for i in items if i.index in matches.items]
+        referenced = [
+            p
+            for msg in out["messages"]
+            if isinstance(msg["content"], list)
+            for p in msg["content"]
+            if p.get("type", "").endswith("_embeds")
+        ]
+        has_audio_gap = any(i.kind in ("audio_url", "input_audio") for i in items) and len(hits) < len(items)
+        assert len(referenced) == (0 if has_audio_gap else len(hits))
