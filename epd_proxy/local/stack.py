@@ -434,7 +434,21 @@ class LocalStack:
             self.stop()
             raise
         self.timings["ready_s"] = time.monotonic() - t0
+        self._write_timings()
         return self
+
+    def _write_timings(self) -> None:
+        # Kept for CI artefacts: startup drifts a lot with machine load.
+        data = {
+            "timings_s": {k: round(v, 2) for k, v in self.timings.items()},
+            "healthy_after_s": {
+                m.name: round(m.healthy_at - m.started_at, 2)
+                for m in self.all_processes()
+                if m.healthy_at is not None
+            },
+            "pss_mib": {k: round(v) for k, v in self.memory_report().items()},
+        }
+        (self.work_dir / "timings.json").write_text(json.dumps(data, indent=2))
 
     def dead(self) -> list[Managed]:
         return [m for m in self.all_processes() if m.proc is not None and not m.alive()]

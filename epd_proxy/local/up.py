@@ -99,6 +99,8 @@ def ready_banner(stack: LocalStack) -> str:
     if stack.baseline_url:
         lines.append(f"  baseline: {stack.baseline_url}")
     lines += [
+        "  memory:   " + ", ".join(f"{k} {v:.0f} MiB" for k, v in stack.memory_report().items())
+        + " (PSS)",
         f"  logs:     {stack.log_dir}",
         f"  EC store: {stack.ec_store}",
         "",
