@@ -51,6 +51,9 @@ def summarise(arm, peak_rss: dict[str, float]) -> dict[str, Any]:
         "proxy_peak_rss_mb": peak_rss.get(arm.name),
         "loadgen_cpu_ms_per_request": _sum(blocks, "loadgen_cpu_s") * 1000 / everything,
         "fakes_cpu_ms_per_request": _sum(blocks, "fakes_cpu_s") * 1000 / everything,
+        "harness_cpu_ms_per_request": _sum(blocks, "harness_cpu_s") * 1000 / everything,
+        "other_load": {k: sum(b["other_load"][k] * b["wall_s"] for b in blocks) / wall
+                       for k in (blocks[0].get("other_load") or {} if blocks else {})},
         "core_busy": {str(c): sum(b["core_busy"][c] * b["wall_s"] for b in blocks) / wall
                       for c in (blocks[0]["core_busy"] if blocks else {})},
     })
@@ -113,6 +116,12 @@ def _f(value: Any, fmt: str = "{:.1f}") -> str:
     return fmt.format(value)
 
 
+def _other(load: dict[str, float] | None) -> str:
+    if not load:
+        return "-"
+    return f"{100 * load['proxy_cores']:.0f} / {100 * load['harness_cores']:.0f}"
+
+
 def table(result: dict[str, Any]) -> str:
     s = result["settings"]
     lines = [
@@ -123,8 +132,8 @@ def table(result: dict[str, Any]) -> str:
         f"{result['workload']['mean_body_kb']:.0f} KB/body",
         "",
         "| arm | req/s | mean ms | p50 ms | p99 ms | errors | enc sub-req/round | sub-req/req | images/sub-req "
-        "| proxy CPU ms/req | proxy core % | proxy peak RSS MB | loadgen CPU ms/req | fakes CPU ms/req | core0 % | core1 % |",
-        "|---" * 16 + "|",
+        "| proxy CPU ms/req | proxy core % | proxy peak RSS MB | loadgen CPU ms/req | fakes CPU ms/req | core0 % | core1 % | other load proxy/harness cores % |",
+        "|---" * 17 + "|",
     ]
     for a in result["arms"]:
         busy = a.get("core_busy") or {}
@@ -138,6 +147,7 @@ def table(result: dict[str, Any]) -> str:
             _f(a.get("loadgen_cpu_ms_per_request"), "{:.2f}"), _f(a.get("fakes_cpu_ms_per_request"), "{:.2f}"),
             _f(busy.get("0", None) * 100 if "0" in busy else None, "{:.0f}"),
             _f(busy.get("1", None) * 100 if "1" in busy else None, "{:.0f}"),
+            _other(a.get("other_load")),
         ]) + " |")
     lines += ["", "| arm | req/s x | p50 x | p99 x | proxy CPU/req x | enc sub-req x | added p50 ms | added p99 ms |",
               "|---" * 8 + "|"]
@@ -155,7 +165,8 @@ def table(result: dict[str, Any]) -> str:
         f"JSON floor (one core, same bodies): orjson.loads+dumps {f['json_loads_dumps_ms_per_request']:.2f} ms/request; "
         f"sha256 of the image URLs {f['sha256_urls_ms_per_request']:.2f} ms/request ({f['mean_body_kb']:.0f} KB/body).",
         "Ratios are to the first arm; added latency = proxy arm minus the direct arm (it includes the fake encoders' "
-        "cost). CPU ms/req counts warm-up and cool-down requests too.",
+        "cost). CPU ms/req counts warm-up and cool-down requests too. Other load = core busy time none of the "
+        "benchmark's processes account for (other tenants, kernel); high values mean a disturbed run.",
     ]
     for name, why in result["skipped"].items():
         lines.append(f"Skipped arm {name}: {why}.")
@@ -171,7 +182,10 @@ def write(out: Path, result: dict[str, Any], arms: list, chart: bool = True) -> 
     (out / "latencies.json").write_bytes(orjson.dumps(
         {arm.name: [round(x, 3) for x in arm.latencies_ms] for arm in arms if not arm.skipped}))
     if chart:
-        draw_chart(out / "chart.png", result, arms)
+        try:
+            draw_chart(out / "chart.png", result, arms)
+        except ImportError as exc:
+            print(f"no chart: {exc} (pip install matplotlib)")
 
 
 def draw_chart(path: Path, result: dict[str, Any], arms: list) -> None:

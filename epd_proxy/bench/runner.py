@@ -263,6 +263,7 @@ class Bench:
         cpu0 = procs.tree_cpu_seconds(proxy_pid) if proxy_pid else 0.0
         gen0 = sum(procs.cpu_seconds(p) for p in self.clients.pids)
         fake0 = procs.cpu_seconds(self.fakes.pid)
+        self0 = procs.cpu_seconds(os.getpid())
         cores0 = procs.core_busy()
         wall0 = time.perf_counter()
         results = self.clients.run(Block("127.0.0.1", target_port, "/v1/chat/completions", self.concurrency, schedule))
@@ -271,6 +272,7 @@ class Bench:
         cpu = (procs.tree_cpu_seconds(proxy_pid) - cpu0) if proxy_pid else 0.0
         gen = sum(procs.cpu_seconds(p) for p in self.clients.pids) - gen0
         fake = procs.cpu_seconds(self.fakes.pid) - fake0
+        own = procs.cpu_seconds(os.getpid()) - self0
         after_stats = self.stats(arm.cluster)
         measured = [r for r in results if r[0].startswith("m")]
         ok = [r for r in measured if r[3] == 200]
@@ -298,8 +300,18 @@ class Bench:
             "proxy_cpu_s": cpu,
             "loadgen_cpu_s": gen,
             "fakes_cpu_s": fake,
+            "harness_cpu_s": gen + fake + own,
             "core_busy": {c: (cores1[c][0] - cores0[c][0]) / max(1e-9, cores1[c][1] - cores0[c][1]) for c in cores1},
         }
+        if self.pin:
+            # Busy time on a core set that none of our processes explains: other tenants, kernel work.
+            # Large values mean the run was disturbed and its numbers deserve less trust.
+            busy = block["core_busy"]
+            proxy_cpus, harness_cpus = _cpus(self.args.proxy_cpus), _cpus(self.args.harness_cpus)
+            block["other_load"] = {
+                "proxy_cores": sum(busy.get(c, 0) for c in proxy_cpus) - cpu / wall,
+                "harness_cores": sum(busy.get(c, 0) for c in harness_cpus) - (gen + fake + own) / wall,
+            }
         arm.blocks.append(block)
         if block["all_errors"]:
             self.notes.append(f"{arm.name} round {round_no}: {block['all_errors']} non-200 answers")

@@ -1,0 +1,46 @@
+"""The benchmark runs end to end with tiny counts, writes its results, and sees batching work.
+
+No timing assertions: CI machines are shared and noisy. Sub-request counts are exact, because the
+fakes count only requests whose id marks them as measured.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_quick_bench_writes_results_and_batching_sends_fewer_subrequests(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    cmd = [
+        sys.executable, "-m", "epd_proxy.bench", "--quick",
+        "--out", str(out), "--cache-dir", str(tmp_path / "cache"),
+        "--pool-size", "8", "--requests", "16", "--rounds", "2", "--warmup", "4", "--concurrency", "4",
+        "--arms", "batched,per-item,direct",
+    ]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+    for name in ("results.json", "table.md", "chart.png", "latencies.json"):
+        assert (out / name).stat().st_size > 0, name
+    result = json.loads((out / "results.json").read_text())
+    arms = {a["name"]: a for a in result["arms"]}
+    assert set(arms) == {"batched", "per-item", "direct"}
+    for arm in arms.values():
+        assert arm["errors"] == 0
+        assert arm["measured"] == 32
+        # Every measured request reached PD exactly once, whichever path it took.
+        assert arm["pd_requests_per_round"] == 16
+
+    batched, per_item = arms["batched"], arms["per-item"]
+    assert batched["encoder_subrequests_per_round"] < per_item["encoder_subrequests_per_round"]
+    # Per-item sends one image per sub-request; batching packs several into some of them.
+    assert per_item["images_per_subrequest"] == 1.0
+    assert batched["images_per_subrequest"] > 1.0
+    # Through the proxy PD gets embeddings references only, never the raw images.
+    assert batched["pd_raw_images"] == 0 and per_item["pd_raw_images"] == 0
+    assert arms["direct"]["encoder_subrequests_per_round"] == 0
+    assert "| batched |" in (out / "table.md").read_text()
+    assert "| batched |" in run.stdout
