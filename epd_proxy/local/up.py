@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import base64
+import json
 import shlex
 import signal
 import sys
+import struct
 import time
+import zlib
 from pathlib import Path
 
 from epd_proxy.local.stack import LocalStack, StackConfig
@@ -82,13 +86,52 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
     )
 
 
+def tiny_png_data_url(size: int = 56, rgb: tuple[int, int, int] = (200, 40, 40)) -> str:
+    """A solid-colour PNG as a data URL, built with the standard library.
+
+    The example must work offline, where the encoders cannot fetch http(s)
+    images; 56x56 is the smallest picture the tiny model's processor keeps.
+    """
+    raw = b"".join(b"\x00" + bytes(rgb) * size for _ in range(size))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(data)) + kind + data
+            + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+        )
+
+    png = (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", size, size, 8, 2, 0, 0, 0))
+        + chunk(b"IDAT", zlib.compress(raw, 9))
+        + chunk(b"IEND", b"")
+    )
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
 def ready_banner(stack: LocalStack) -> str:
     url = stack.proxy_url
     model = stack.model_name
-    body = (
-        '{"model": "%s", "max_tokens": 16, "messages": [{"role": "user", "content": ['
-        '{"type": "text", "text": "What is in the picture?"}, '
-        '{"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]}' % model
+    image = tiny_png_data_url()
+    # The tiny model's random weights emit byte noise; restricting sampling
+    # to a-z (its token ids are the byte values) gives readable output.
+    tiny = stack.config.model is None
+    extra = {"allowed_token_ids": list(range(ord("a"), ord("z") + 1))} if tiny else {}
+    body = json.dumps(
+        {
+            "model": model,
+            "max_tokens": 16,
+            **extra,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "What is in the picture?"},
+                        {"type": "image_url", "image_url": {"url": image}},
+                    ],
+                }
+            ],
+        }
     )
     lines = [
         "",
@@ -104,17 +147,18 @@ def ready_banner(stack: LocalStack) -> str:
         f"  logs:     {stack.log_dir}",
         f"  EC store: {stack.ec_store}",
         "",
-        "Try it (image URLs must be reachable by the encoders; data: URLs always work):",
+        "Try it (http(s) image URLs must be reachable from the encoders):",
         f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\",
         f"    -d {shlex.quote(body)}",
         "",
         "  from openai import OpenAI",
         f'  client = OpenAI(base_url="{url}/v1", api_key="none")',
         "  r = client.chat.completions.create(",
-        f'      model="{model}", max_tokens=16,',
+        f'      model="{model}", max_tokens=16,'
+        + (' extra_body={"allowed_token_ids": list(range(97, 123))},' if tiny else ""),
         '      messages=[{"role": "user", "content": [',
         '          {"type": "text", "text": "What is in the picture?"},',
-        '          {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}]}])',
+        '          {"type": "image_url", "image_url": {"url": "%s"}}]}])' % image,
         "  print(r.choices[0].message.content)",
         "",
         "Ctrl-C stops every server.",

@@ -66,3 +66,17 @@ def test_stack_urls():
     assert st.encoder_urls == [f"http://127.0.0.1:{p}" for p in (9001, 9002, 9003)]
     assert st.baseline_url == "http://127.0.0.1:9004"
     assert st.proxy_url == "http://127.0.0.1:9100"
+
+
+def test_ready_banner_examples_are_runnable():
+    from epd_proxy.local.up import ready_banner, tiny_png_data_url
+
+    st = LocalStack(StackConfig(encoders=1, port=8123, work_dir=Path("/nonexistent/w")))
+    st.timings["ready_s"] = 1.0
+    text = ready_banner(st)
+    curl = [ln for ln in text.splitlines() if ln.strip().startswith("-d ")][0]
+    body = json.loads(shlex.split(curl.strip())[1])
+    assert body["model"] == "tiny-vlm"
+    assert body["messages"][0]["content"][1]["image_url"]["url"] == tiny_png_data_url()
+    assert body["allowed_token_ids"] == list(range(97, 123))
+    assert 'base_url="http://127.0.0.1:8123/v1"' in text
