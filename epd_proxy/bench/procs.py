@@ -32,18 +32,32 @@ def tree(pid: int, limit: int = 256) -> list[int]:
     return out
 
 
-def cpu_seconds(pid: int) -> float:
+def cpu_split(pid: int) -> tuple[float, float]:
+    """(user, system) seconds."""
     try:
         raw = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return 0.0
+        return 0.0, 0.0
     # The command name may contain spaces: fields are counted after its closing parenthesis.
     fields = raw[raw.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) * TICK_S
+    return int(fields[11]) * TICK_S, int(fields[12]) * TICK_S
+
+
+def cpu_seconds(pid: int) -> float:
+    return sum(cpu_split(pid))
+
+
+def tree_cpu_split(pid: int) -> tuple[float, float]:
+    user = system = 0.0
+    for p in tree(pid):
+        u, s = cpu_split(p)
+        user += u
+        system += s
+    return user, system
 
 
 def tree_cpu_seconds(pid: int) -> float:
-    return sum(cpu_seconds(p) for p in tree(pid))
+    return sum(tree_cpu_split(pid))
 
 
 def peak_rss_mb(pid: int) -> float:

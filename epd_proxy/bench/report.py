@@ -47,6 +47,8 @@ def summarise(arm, peak_rss: dict[str, float]) -> dict[str, Any]:
         "pd_raw_images": _sum(blocks, "pd_raw_images"),
         "pd_kb_per_request": _sum(blocks, "pd_bytes") / 1024 / measured if measured else 0,
         "proxy_cpu_ms_per_request": _sum(blocks, "proxy_cpu_s") * 1000 / everything if arm.kind == "proxy" else None,
+        "proxy_sys_share": (_sum(blocks, "proxy_sys_s") / _sum(blocks, "proxy_cpu_s")
+                            if arm.kind == "proxy" and _sum(blocks, "proxy_cpu_s") else None),
         "proxy_cpu_util": _sum(blocks, "proxy_cpu_s") / wall if arm.kind == "proxy" else None,
         "proxy_peak_rss_mb": peak_rss.get(arm.name),
         "loadgen_cpu_ms_per_request": _sum(blocks, "loadgen_cpu_s") * 1000 / everything,
@@ -132,8 +134,8 @@ def table(result: dict[str, Any]) -> str:
         f"{result['workload']['mean_body_kb']:.0f} KB/body",
         "",
         "| arm | req/s | mean ms | p50 ms | p99 ms | errors | enc sub-req/round | sub-req/req | images/sub-req "
-        "| proxy CPU ms/req | proxy core % | proxy peak RSS MB | loadgen CPU ms/req | fakes CPU ms/req | core0 % | core1 % | other load proxy/harness cores % |",
-        "|---" * 17 + "|",
+        "| proxy CPU ms/req | of it kernel % | proxy core % | proxy peak RSS MB | loadgen CPU ms/req | fakes CPU ms/req | core0 % | core1 % | other load proxy/harness cores % |",
+        "|---" * 18 + "|",
     ]
     for a in result["arms"]:
         busy = a.get("core_busy") or {}
@@ -142,6 +144,7 @@ def table(result: dict[str, Any]) -> str:
             str(a["errors"]), _f(a.get("encoder_subrequests_per_round"), "{:.0f}"),
             _f(a.get("encoder_subrequests_per_request"), "{:.2f}"), _f(a.get("images_per_subrequest"), "{:.2f}"),
             _f(a.get("proxy_cpu_ms_per_request"), "{:.2f}"),
+            _f(a["proxy_sys_share"] * 100 if a.get("proxy_sys_share") is not None else None, "{:.0f}"),
             _f(a["proxy_cpu_util"] * 100 if a.get("proxy_cpu_util") is not None else None, "{:.0f}"),
             _f(a.get("proxy_peak_rss_mb"), "{:.0f}"),
             _f(a.get("loadgen_cpu_ms_per_request"), "{:.2f}"), _f(a.get("fakes_cpu_ms_per_request"), "{:.2f}"),

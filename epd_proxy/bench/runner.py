@@ -260,7 +260,7 @@ class Bench:
         target_port = arm.port if arm.kind == "proxy" else self.fake_ports[self.fake_names(arm.cluster)[1]]
         before_stats = self.stats(arm.cluster)
         proxy_pid = arm.proc.pid if arm.proc else None
-        cpu0 = procs.tree_cpu_seconds(proxy_pid) if proxy_pid else 0.0
+        user0, sys0 = procs.tree_cpu_split(proxy_pid) if proxy_pid else (0.0, 0.0)
         gen0 = sum(procs.cpu_seconds(p) for p in self.clients.pids)
         fake0 = procs.cpu_seconds(self.fakes.pid)
         self0 = procs.cpu_seconds(os.getpid())
@@ -269,7 +269,8 @@ class Bench:
         results = self.clients.run(Block("127.0.0.1", target_port, "/v1/chat/completions", self.concurrency, schedule))
         wall = time.perf_counter() - wall0
         cores1 = procs.core_busy()
-        cpu = (procs.tree_cpu_seconds(proxy_pid) - cpu0) if proxy_pid else 0.0
+        user1, sys1 = procs.tree_cpu_split(proxy_pid) if proxy_pid else (0.0, 0.0)
+        cpu = (user1 - user0) + (sys1 - sys0)
         gen = sum(procs.cpu_seconds(p) for p in self.clients.pids) - gen0
         fake = procs.cpu_seconds(self.fakes.pid) - fake0
         own = procs.cpu_seconds(os.getpid()) - self0
@@ -298,6 +299,7 @@ class Bench:
             "pd_raw_images": delta(pd, "raw_images"),
             "pd_bytes": delta(pd, "bytes_in"),
             "proxy_cpu_s": cpu,
+            "proxy_sys_s": sys1 - sys0,
             "loadgen_cpu_s": gen,
             "fakes_cpu_s": fake,
             "harness_cpu_s": gen + fake + own,
