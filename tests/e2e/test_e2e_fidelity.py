@@ -170,6 +170,36 @@ def test_text_only_skips_encoders(stack):
     assert settled_encoder_total(stack.encoder_urls) == before
 
 
+def test_single_image_requests_rotate_over_encoders(stack):
+    """Consecutive one-image requests must not all land on encoder 0."""
+    from .e2e_helpers import finished_requests
+
+    before = [finished_requests(u) for u in stack.encoder_urls]
+    for img in fresh(2):
+        chat_ok(stack.proxy_url, chat_body([img]))
+    settled_encoder_total(stack.encoder_urls, sum(before) + 2)
+    after = [finished_requests(u) for u in stack.encoder_urls]
+    assert [a - b for a, b in zip(after, before)] == [1, 1]
+
+
+def test_concurrent_requests_do_not_mix(stack):
+    """Interleaved requests with different images each get their own answer."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    bodies = [chat_body([img]) for img in fresh(3)]
+    bodies += [chat_body([img]) for img in fresh(2, fmt="JPEG")]
+    bodies += [chat_body(fresh(3)), chat_body(fresh(2), mm_processor_kwargs=SMALL_SIZE_KWARGS)]
+    want = [comparable(chat_ok(stack.baseline_url, b)) for b in bodies]
+    assert len({text_of_c(w) for w in want}) > 1
+    with ThreadPoolExecutor(max_workers=len(bodies)) as pool:
+        got = list(pool.map(lambda b: comparable(chat_ok(stack.proxy_url, b)), bodies))
+    assert got == want
+
+
+def text_of_c(c: dict) -> str:
+    return c["choices"][0]["message"]["content"]
+
+
 # ------------------------------------------------------ negative control, LAST
 def test_zz_negative_control_options_not_forwarded(stack):
     """The pre-fix proxy behaviour (options dropped on the way to E) must fail.

@@ -80,3 +80,33 @@ def test_ready_banner_examples_are_runnable():
     assert body["messages"][0]["content"][1]["image_url"]["url"] == tiny_png_data_url()
     assert body["allowed_token_ids"] == list(range(97, 123))
     assert 'base_url="http://127.0.0.1:8123/v1"' in text
+
+
+def test_stale_groups_from_a_killed_run_are_stopped():
+    import os
+    import time
+
+    from epd_proxy.local.stack import STATE_FILE
+    from epd_proxy.local.supervisor import group_alive
+
+    repo = Path(__file__).resolve().parents[2]
+    work = repo / "work" / "reap-test"
+    work.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-c", "import time; time.sleep(300)"]
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    try:
+        time.sleep(0.3)
+        (work / STATE_FILE).write_text(json.dumps(
+            {"processes": [{"name": "pd", "pgid": proc.pid, "cmd": cmd},
+                           # not ours: command differs, must be left alone
+                           {"name": "x", "pgid": os.getpid(), "cmd": ["nope"]}]}))
+        st = LocalStack(StackConfig(work_dir=work, stop_grace=2.0), progress_stream=open(os.devnull, "w"))
+        st._reap_stale()
+        assert proc.wait(timeout=5) is not None
+        assert not group_alive(proc.pid)
+        assert not (work / STATE_FILE).exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        import shutil
+        shutil.rmtree(work, ignore_errors=True)
