@@ -200,6 +200,45 @@ def text_of_c(c: dict) -> str:
     return c["choices"][0]["message"]["content"]
 
 
+def test_proxy_refuses_client_embeds_references(stack):
+    """A made-up ``image_embeds`` uuid would kill PD's engine; the proxy must stop it."""
+    from epd_proxy.local.supervisor import http_ok
+
+    bogus = "f" * 64
+    body = chat_body([])
+    body["messages"][0]["content"].append(
+        {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 6, 8]}, "uuid": bogus}
+    )
+    status, data = post_json(stack.proxy_url, body)
+    assert 400 <= status < 500, (status, data)
+    status, data = post_json(
+        stack.proxy_url, chat_body(fresh(1), ec_transfer_params={bogus: {"metadata": {}}})
+    )
+    assert 400 <= status < 500, (status, data)
+    assert http_ok(stack.by_name("pd").health_url), "PD died"
+    chat_ok(stack.proxy_url, chat_body(fresh(1)))
+
+
+def test_client_uuid_cannot_alias_another_image(stack):
+    """A client uuid naming another picture's EC entry must not change the answer."""
+    a, b = fresh(2)
+    before = store_entries(stack.ec_store)
+    chat_ok(stack.proxy_url, chat_body([a]))  # publishes A's embedding
+    new = [h for h, ok in store_entries(stack.ec_store).items() if ok and h not in before]
+    assert len(new) == 1, new
+    a_hash = new[0]
+    want_b = chat_ok(stack.baseline_url, chat_body([b]))
+    want_a = chat_ok(stack.baseline_url, chat_body([a]))
+    assert text_of(want_a) != text_of(want_b)
+    body = chat_body([b])
+    body["messages"][0]["content"][1]["uuid"] = a_hash
+    status, data = post_json(stack.proxy_url, body)
+    if status == 200:
+        assert comparable(data) == comparable(want_b)
+    else:
+        assert 400 <= status < 500, (status, data)
+
+
 # ------------------------------------------------------ negative control, LAST
 def test_zz_negative_control_options_not_forwarded(stack):
     """The pre-fix proxy behaviour (options dropped on the way to E) must fail.
