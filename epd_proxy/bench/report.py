@@ -33,6 +33,8 @@ def summarise(arm, peak_rss: dict[str, float]) -> dict[str, Any]:
         "encoder_max_batch_size": arm.batch if arm.kind == "proxy" else None, "workers": arm.workers,
         "blocks": len(blocks), "measured": measured, "errors": measured - ok,
         "req_per_s": ok / window if window else float("nan"),
+        # Per-round rates show how much a shared machine disturbed the run; the median resists it.
+        "req_per_s_rounds": [b["measured"] / b["window_s"] for b in blocks if b.get("window_s")],
         "lat_mean_ms": sum(lat) / len(lat) if lat else float("nan"),
         "lat_p50_ms": percentile(lat, 50), "lat_p90_ms": percentile(lat, 90), "lat_p99_ms": percentile(lat, 99),
         "lat_max_ms": lat[-1] if lat else float("nan"),
@@ -60,6 +62,14 @@ def summarise(arm, peak_rss: dict[str, float]) -> dict[str, Any]:
                       for c in (blocks[0]["core_busy"] if blocks else {})},
     })
     return out
+
+
+def _median(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def _ratio(a: Any, b: Any) -> float | None:
@@ -92,7 +102,7 @@ def build(bench, arms: list, floor: dict[str, float], peak_rss: dict[str, float]
             "seed": a.seed, "pool_size": bench.pool_size, "concurrency": bench.concurrency,
             "measured_per_round": bench.requests, "rounds": bench.rounds, "warmup": bench.warmup,
             "encoders": a.encoders, "encoder_ms": a.encoder_ms, "encoder_image_ms": a.encoder_image_ms,
-            "pd_ms": a.pd_ms, "clients": a.clients, "pinned": bench.pin,
+            "pd_ms": a.pd_ms, "clients": a.clients, "proxy_env": a.proxy_env, "pinned": bench.pin,
             "proxy_cpus": a.proxy_cpus if bench.pin else None, "harness_cpus": a.harness_cpus if bench.pin else None,
             "cpu_count": __import__("os").cpu_count(),
         },
@@ -118,6 +128,12 @@ def _f(value: Any, fmt: str = "{:.1f}") -> str:
     return fmt.format(value)
 
 
+def _rounds(rates: list[float] | None) -> str:
+    if not rates:
+        return "-"
+    return f"{_median(rates):.0f} ({min(rates):.0f}-{max(rates):.0f})"
+
+
 def _other(load: dict[str, float] | None) -> str:
     if not load:
         return "-"
@@ -133,14 +149,14 @@ def table(result: dict[str, Any]) -> str:
         f"{result['workload']['mean_images_per_request']:.2f} images/request, "
         f"{result['workload']['mean_body_kb']:.0f} KB/body",
         "",
-        "| arm | req/s | mean ms | p50 ms | p99 ms | errors | enc sub-req/round | sub-req/req | images/sub-req "
+        "| arm | req/s | req/s rounds median (min-max) | mean ms | p50 ms | p99 ms | errors | enc sub-req/round | sub-req/req | images/sub-req "
         "| proxy CPU ms/req | of it kernel % | proxy core % | proxy peak RSS MB | loadgen CPU ms/req | fakes CPU ms/req | core0 % | core1 % | other load proxy/harness cores % |",
-        "|---" * 18 + "|",
+        "|---" * 19 + "|",
     ]
     for a in result["arms"]:
         busy = a.get("core_busy") or {}
         lines.append("| " + " | ".join([
-            a["name"], _f(a["req_per_s"]), _f(a["lat_mean_ms"]), _f(a["lat_p50_ms"]), _f(a["lat_p99_ms"]),
+            a["name"], _f(a["req_per_s"]), _rounds(a.get("req_per_s_rounds")), _f(a["lat_mean_ms"]), _f(a["lat_p50_ms"]), _f(a["lat_p99_ms"]),
             str(a["errors"]), _f(a.get("encoder_subrequests_per_round"), "{:.0f}"),
             _f(a.get("encoder_subrequests_per_request"), "{:.2f}"), _f(a.get("images_per_subrequest"), "{:.2f}"),
             _f(a.get("proxy_cpu_ms_per_request"), "{:.2f}"),

@@ -89,6 +89,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--real-concurrency", type=int, default=4)
     p.add_argument("--profile-arm", default=None,
                    help="record this arm's proxy with py-spy (needs py-spy); writes a flame graph and top frames")
+    p.add_argument("--profile-native", action="store_true", help="py-spy --native: include C frames")
+    p.add_argument("--proxy-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra environment for the proxies (repeatable), e.g. to try interpreter settings")
     p.add_argument("--no-chart", action="store_true")
     return p.parse_args(argv)
 
@@ -212,7 +215,11 @@ class Bench:
         cpus = _cpus(self.args.proxy_cpus)
         preexec = (lambda: os.sched_setaffinity(0, cpus)) if self.pin else None
         log = open(self.out / f"proxy-{arm.name}.log", "wb")
-        arm.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=preexec)
+        env = dict(os.environ)
+        for pair in self.args.proxy_env:
+            key, _, value = pair.partition("=")
+            env[key] = value
+        arm.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=preexec, env=env)
         self.children.append(arm.proc)
         wait_ready(f"http://127.0.0.1:{arm.port}/v1/models", arm.proc)
 
@@ -355,9 +362,12 @@ class Bench:
             self.notes.append("--profile-arm: py-spy not found (pip install py-spy)")
             return
         self.profile_raw = self.out / f"profile-{arm.name}.txt"
+        cmd = [exe, "record", "--pid", str(arm.proc.pid), "--rate", "200", "--subprocesses",
+               "--format", "raw", "--output", str(self.profile_raw)]
+        # --native must pause the process to unwind C stacks; plain sampling need not.
+        cmd.append("--native" if self.args.profile_native else "--nonblocking")
         self.profile = subprocess.Popen(
-            [exe, "record", "--pid", str(arm.proc.pid), "--rate", "200", "--nonblocking", "--subprocesses",
-             "--format", "raw", "--output", str(self.profile_raw)],
+            cmd,
             stdout=subprocess.DEVNULL, stderr=open(self.out / "py-spy.log", "wb"),
         )
 
@@ -417,8 +427,11 @@ class Bench:
                 for i, arm in order:
                     self.run_block(arm, r, i)
                     b = arm.blocks[-1]
+                    other = b.get("other_load")
+                    disturbed = (f", other load on proxy/harness cores {100 * other['proxy_cores']:.0f}%/"
+                                 f"{100 * other['harness_cores']:.0f}%") if other else ""
                     print(f"round {r + 1}/{self.rounds} {arm.name:>12}: {b['measured'] / b['window_s']:8.1f} req/s, "
-                          f"errors {b['errors']}", flush=True)
+                          f"errors {b['errors']}{disturbed}", flush=True)
             self.stop_profile()
             if a.real_stack_url:
                 real_arm = Arm("real-stack", "real", note=a.real_stack_url)
