@@ -335,6 +335,12 @@ class LocalStack:
             data = json.loads(state.read_text())
         except (OSError, ValueError):
             return
+        owner = data.get("owner_pid")
+        if isinstance(owner, int) and owner != os.getpid() and _pid_alive(owner):
+            raise StackError(
+                f"{self.work_dir} is in use by a running stack (supervisor pid {owner}); "
+                "stop it or pick another --work-dir"
+            )
         stale = []
         for entry in data.get("processes", []):
             pgid = entry.get("pgid")
@@ -355,6 +361,7 @@ class LocalStack:
 
     def _write_state(self) -> None:
         data = {
+            "owner_pid": os.getpid(),
             "processes": [
                 {"name": m.name, "pgid": m.pgid, "cmd": m.cmd}
                 for m in self.all_processes()
@@ -463,6 +470,8 @@ class LocalStack:
         for m in started:
             m.proc = None
         (self.work_dir / STATE_FILE).unlink(missing_ok=True)
+        # vLLM's per-run IPC socket folders are useless once it is down.
+        shutil.rmtree(self.work_dir / "tmp", ignore_errors=True)
 
     def restart(self, name: str, timeout: float | None = None) -> None:
         """Restart one instance (e.g. a PD whose engine died) and wait for it."""
@@ -488,6 +497,16 @@ class LocalStack:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class _PidOnly:

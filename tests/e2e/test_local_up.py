@@ -82,6 +82,25 @@ def test_ready_banner_examples_are_runnable():
     assert 'base_url="http://127.0.0.1:8123/v1"' in text
 
 
+def test_work_dir_of_a_live_stack_is_not_taken_over():
+    import pytest
+
+    from epd_proxy.local.stack import STATE_FILE
+    from epd_proxy.local.supervisor import StackError
+
+    repo = Path(__file__).resolve().parents[2]
+    work = repo / "work" / "busy-test"
+    work.mkdir(parents=True, exist_ok=True)
+    # pid 1 stands for a supervisor that is still running
+    (work / STATE_FILE).write_text(json.dumps({"owner_pid": 1, "processes": []}))
+    try:
+        with pytest.raises(StackError, match="in use"):
+            LocalStack(StackConfig(work_dir=work))._reap_stale()
+    finally:
+        import shutil
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def test_stale_groups_from_a_killed_run_are_stopped():
     import os
     import time
