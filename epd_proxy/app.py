@@ -174,7 +174,7 @@ def _finish(metrics: Metrics, trace: Trace, status: int, route: Any) -> None:
 
 async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    candidates = state.fleet.live(PREFILL_DECODE) or state.fleet.live(DECODE)
+    candidates = state.fleet.candidates(PREFILL_DECODE) or state.fleet.candidates(DECODE)
     if not candidates:
         return error_response(ProxyError(503, "no live decode instance", stage="route"))
     decoder = state.policies[DECODE].choose(candidates, ("models",))[0]

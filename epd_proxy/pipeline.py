@@ -79,13 +79,13 @@ class Pipeline:
     def choose_route(self, request_id: str) -> Route:
         fleet = self.fleet
         keys = (request_id,)
-        candidates = fleet.live(PREFILL_DECODE) or fleet.live(DECODE)
+        candidates = fleet.candidates(PREFILL_DECODE) or fleet.candidates(DECODE)
         if not candidates:
             raise _unavailable("no live decode instance")
         decoder = self.policies[DECODE].choose(candidates, keys)[0]
         prefill = None
         if decoder.role == DECODE:
-            prefills = fleet.live(PREFILL)
+            prefills = fleet.candidates(PREFILL)
             if not prefills:
                 raise _unavailable("no live prefill instance for the standalone decode instance")
             prefill = self.policies[PREFILL].choose(prefills, keys)[0]
@@ -112,7 +112,7 @@ class Pipeline:
         if not items:
             return matches
         started = time.perf_counter()
-        encoders = self.fleet.live(ENCODE)
+        encoders = self.fleet.candidates(ENCODE)
         if not encoders:
             raise _unavailable("the request has media but no encoder is live")
         assignment = self.policies[ENCODE].choose(encoders, [item.uuid for item in items])

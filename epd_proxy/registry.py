@@ -89,6 +89,15 @@ class Registry:
     def live(self, role: str) -> list[Instance]:
         return self._live[role]
 
+    def candidates(self, role: str) -> list[Instance]:
+        """Live instances of a role. In static mode, when all of them are evicted, all of them:
+        the operator listed them, and trying one beats refusing every request until the next
+        probe; dynamic mode answers 503 instead, as the reference does."""
+        live = self._live[role]
+        if live or self.dynamic:
+            return live
+        return [inst for inst in self._records.values() if inst.role == role]
+
     def all(self) -> Iterable[Instance]:
         return self._records.values()
 

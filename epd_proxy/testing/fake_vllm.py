@@ -97,6 +97,10 @@ class Faults:
             )
         return None
 
+    def break_stream(self) -> bool:
+        """Whether the next stream should be cut halfway (connection reset after status 200)."""
+        return False
+
 
 @dataclass
 class Seen:
@@ -117,6 +121,7 @@ class FakeVLLM:
         handles: dict[str, Any] | None = None,
         tokens_per_chunk: int = 3,
         stream_pause_s: float = 0.0,
+        record: bool = True,
     ) -> None:
         self.role = role
         self.store = store
@@ -124,6 +129,8 @@ class FakeVLLM:
         self.handles = handles or {}
         self.tokens_per_chunk = tokens_per_chunk
         self.stream_pause_s = stream_pause_s
+        # Long runs (soak, benchmarks) turn recording off so the fake's memory stays flat.
+        self.record = record
         self.faults = Faults()
         self.healthy = True
         self.requests: list[Seen] = []
@@ -157,7 +164,8 @@ class FakeVLLM:
                 raise ValueError("messages must be a list")
         except ValueError as exc:
             return _engine_error(f"invalid request: {exc}", status=400)
-        self.requests.append(Seen({k.lower(): v for k, v in request.headers.items()}, body))
+        if self.record:
+            self.requests.append(Seen({k.lower(): v for k, v in request.headers.items()}, body))
         try:
             injected = await self.faults.apply(request)
             if injected is not None:
@@ -315,7 +323,11 @@ class FakeVLLM:
         )
         payload = b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n"
         # Odd-sized writes cut through multibyte characters and SSE frames on purpose.
+        cut_at = len(payload) // 2 if self.faults.break_stream() else None
         for start in range(0, len(payload), 7):
+            if cut_at is not None and start >= cut_at:
+                request.transport.close()
+                raise InjectedDrop("fault injected: stream cut halfway")
             await response.write(payload[start : start + 7])
             await asyncio.sleep(self.stream_pause_s)
         await response.write_eof()

@@ -125,3 +125,15 @@ def test_evicted_instances_are_forgotten_after_the_ttl_and_removal_is_terminal()
     assert list(fleet.all()) == []
     fleet.record_success(inst)  # a late probe result
     assert fleet.live("encode") == []
+
+
+def test_static_mode_still_tries_an_all_evicted_role_dynamic_mode_does_not():
+    static = Registry.from_config(Config(encode_urls=("http://e",), decode_urls=("http://d",), fail_threshold=1))
+    [encoder] = static.live("encode")
+    static.record_failure(encoder, "x")
+    assert static.live("encode") == [] and static.candidates("encode") == [encoder]
+    fleet = dynamic(fail_threshold=1)
+    reg(fleet, "encode", "http://e")
+    [inst] = fleet.live("encode")
+    fleet.record_failure(inst, "x")
+    assert fleet.candidates("encode") == []
