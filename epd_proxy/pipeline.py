@@ -118,24 +118,11 @@ class Pipeline:
         assignment = self.policies[ENCODE].choose(encoders, [item.uuid for item in items])
         groups = plan_groups(items, assignment, self.config.encoder_max_batch_size)
         trace.encoder_requests += len(groups)
-        tasks = [asyncio.create_task(self._encode_group(body, items, group, route, trace)) for group in groups]
-        try:
-            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        except asyncio.CancelledError:
-            for task in tasks:
-                task.cancel()
-            raise
-        if pending:
-            # Fail fast: one failed group fails the request, so the others are not worth waiting for.
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-        for task in tasks:
-            if task.done() and not task.cancelled() and task.exception() is not None:
-                raise task.exception()  # type: ignore[misc]
+        results = await _all_or_first_failure(
+            [self._encode_group(body, items, group, route, trace) for group in groups]
+        )
         audio_in_video = _truthy_option(body, "use_audio_in_video")
-        for group, task in zip(groups, tasks):
-            reply, transfer_ids = task.result()
+        for group, (reply, transfer_ids) in zip(groups, results):
             match_group(
                 [items[i] for i in group.indices],
                 transfer_ids,
@@ -259,6 +246,19 @@ class Pipeline:
                     attempts,
                 )
         raise AssertionError("unreachable")
+
+
+async def _all_or_first_failure(coros: list) -> list:
+    """Run concurrently; the first failure cancels the rest (one failed group fails the request,
+    so the others are not worth waiting for) and is raised as itself, not as a group."""
+    if len(coros) == 1:
+        return [await coros[0]]
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(coro) for coro in coros]
+    except BaseExceptionGroup as failures:
+        raise failures.exceptions[0] from None
+    return [task.result() for task in tasks]
 
 
 def _truthy_option(body: dict[str, Any], name: str) -> bool:
