@@ -41,6 +41,12 @@ def summarise(arm, peak_rss: dict[str, float]) -> dict[str, Any]:
     }
     if arm.kind == "real":
         return out
+    for key, values in (("unloaded", arm.unloaded_ms), ("unloaded_free", arm.unloaded_free_ms)):
+        if values:
+            ordered = sorted(values)
+            out[f"{key}_p50_ms"] = percentile(ordered, 50)
+            out[f"{key}_p99_ms"] = percentile(ordered, 99)
+            out[f"{key}_mean_ms"] = sum(ordered) / len(ordered)
     out.update({
         "encoder_subrequests_per_round": subreq / len(blocks) if blocks else 0,
         "encoder_subrequests_per_request": subreq / measured if measured else 0,
@@ -95,6 +101,14 @@ def build(bench, arms: list, floor: dict[str, float], peak_rss: dict[str, float]
         if direct is not None and s["kind"] == "proxy" and s["cluster"] == direct["cluster"]:
             s["added_latency_ms"] = {"p50": s["lat_p50_ms"] - direct["lat_p50_ms"],
                                      "p99": s["lat_p99_ms"] - direct["lat_p99_ms"]}
+        if direct is not None and s["kind"] == "proxy" and "unloaded_p50_ms" in s:
+            base = "unloaded" if s["cluster"] == direct["cluster"] else "unloaded_free"
+            if f"{base}_p50_ms" in direct:
+                s["added_unloaded_ms"] = {"p50": s["unloaded_p50_ms"] - direct[f"{base}_p50_ms"],
+                                          "p99": s["unloaded_p99_ms"] - direct[f"{base}_p99_ms"]}
+        cpu = s.get("proxy_cpu_ms_per_request")
+        # What one fully busy core would sustain at this CPU cost: steadier than req/s on a shared box.
+        s["req_per_s_per_proxy_core"] = 1000 / cpu if cpu else None
     a = bench.args
     result = {
         "preset": bench.preset,
@@ -126,6 +140,13 @@ def _f(value: Any, fmt: str = "{:.1f}") -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     return fmt.format(value)
+
+
+def _unloaded(a: dict[str, Any], q: str) -> str:
+    main = _f(a.get(f"unloaded_{q}_ms"))
+    if f"unloaded_free_{q}_ms" in a:
+        return f"{main} (costs 0: {_f(a[f'unloaded_free_{q}_ms'])})"
+    return main
 
 
 def _rounds(rates: list[float] | None) -> str:
@@ -168,23 +189,28 @@ def table(result: dict[str, Any]) -> str:
             _f(busy.get("1", None) * 100 if "1" in busy else None, "{:.0f}"),
             _other(a.get("other_load")),
         ]) + " |")
-    lines += ["", "| arm | req/s x | p50 x | p99 x | proxy CPU/req x | enc sub-req x | added p50 ms | added p99 ms |",
-              "|---" * 8 + "|"]
+    lines += ["", "| arm | req/s x | p50 x | p99 x | proxy CPU/req x | enc sub-req x | added p50 ms | added p99 ms "
+              "| req/s per proxy core (1000/CPU ms) | unloaded p50 ms | unloaded p99 ms | added unloaded p50 ms "
+              "| added unloaded p99 ms |",
+              "|---" * 13 + "|"]
     for a in result["arms"]:
         v = a.get("vs_first", {})
         added = a.get("added_latency_ms", {})
         lines.append("| " + " | ".join([
             a["name"], _f(v.get("req_per_s"), "{:.2f}"), _f(v.get("lat_p50"), "{:.2f}"), _f(v.get("lat_p99"), "{:.2f}"),
             _f(v.get("proxy_cpu_per_request"), "{:.2f}"), _f(v.get("encoder_subrequests"), "{:.2f}"),
-            _f(added.get("p50")), _f(added.get("p99")),
+            _f(added.get("p50")), _f(added.get("p99")), _f(a.get("req_per_s_per_proxy_core"), "{:.0f}"),
+            _unloaded(a, "p50"), _unloaded(a, "p99"),
+            _f(a.get("added_unloaded_ms", {}).get("p50")), _f(a.get("added_unloaded_ms", {}).get("p99")),
         ]) + " |")
     f = result["floor"]
     lines += [
         "",
         f"JSON floor (one core, same bodies): orjson.loads+dumps {f['json_loads_dumps_ms_per_request']:.2f} ms/request; "
         f"sha256 of the image URLs {f['sha256_urls_ms_per_request']:.2f} ms/request ({f['mean_body_kb']:.0f} KB/body).",
-        "Ratios are to the first arm; added latency = proxy arm minus the direct arm (it includes the fake encoders' "
-        "cost). CPU ms/req counts warm-up and cool-down requests too. Other load = core busy time none of the "
+        "Ratios are to the first arm; added latency = proxy arm minus the direct arm under the same load (it includes "
+        "the fake encoders' cost and the queueing a slower arm builds up in a closed loop). Unloaded = one request in "
+        "flight; for zero-cost arms the added unloaded latency is against the zero-cost PD, i.e. the proxy alone. CPU ms/req counts warm-up and cool-down requests too. Other load = core busy time none of the "
         "benchmark's processes account for (other tenants, kernel); high values mean a disturbed run.",
     ]
     for name, why in result["skipped"].items():

@@ -36,11 +36,14 @@ class Preset:
     rounds: int
     warmup: int
     real_requests: int
+    unloaded_requests: int  # per arm per round, one at a time
 
 
 PRESETS = {
-    "quick": Preset(pool_size=24, concurrency=16, requests=48, rounds=2, warmup=16, real_requests=8),
-    "full": Preset(pool_size=128, concurrency=96, requests=768, rounds=4, warmup=96, real_requests=32),
+    "quick": Preset(pool_size=24, concurrency=16, requests=48, rounds=2, warmup=16, real_requests=8,
+                    unloaded_requests=8),
+    "full": Preset(pool_size=128, concurrency=96, requests=768, rounds=4, warmup=96, real_requests=32,
+                   unloaded_requests=64),
 }
 
 
@@ -58,6 +61,9 @@ class Arm:
     proc: subprocess.Popen | None = None
     blocks: list[dict[str, Any]] = field(default_factory=list)
     latencies_ms: list[float] = field(default_factory=list)
+    # One request in flight: no queueing anywhere, so differences between arms are path costs.
+    unloaded_ms: list[float] = field(default_factory=list)
+    unloaded_free_ms: list[float] = field(default_factory=list)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -83,6 +89,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--proxy-cpus", default="0", help="cores the proxies are pinned to")
     p.add_argument("--harness-cpus", default="1", help="cores for fakes and load generators")
     p.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
+    p.add_argument("--unloaded-requests", type=int, default=None,
+                   help="requests per arm per round sent one at a time for unloaded latency (0 = skip)")
     p.add_argument("--real-stack-url", default=None,
                    help="also measure an already-running proxy in front of real vLLM (tiny images)")
     p.add_argument("--real-requests", type=int, default=None)
@@ -169,6 +177,7 @@ class Bench:
         self.rounds = args.rounds or preset.rounds
         self.warmup = preset.warmup if args.warmup is None else args.warmup
         self.real_requests = args.real_requests or preset.real_requests
+        self.unloaded_requests = preset.unloaded_requests if args.unloaded_requests is None else args.unloaded_requests
         self.preset = "quick" if args.quick else "full"
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.out: Path = args.out or Path("results") / f"bench-{stamp}"
@@ -261,6 +270,24 @@ class Bench:
         warm = [((offset + n // 2 + i) % n, f"w{round_no}.{arm_no}-{i}") for i in range(self.warmup)]
         cool = [((offset + i) % n, f"c{round_no}.{arm_no}-{i}") for i in range(self.concurrency)]
         return warm + measured + cool
+
+    def run_unloaded(self, arm: Arm, round_no: int, arm_no: int) -> None:
+        """Latency with one request in flight. Tag "u" keeps these out of the fakes' measured counts."""
+        n = self.pool_size
+        offset = (round_no * self.unloaded_requests) % n
+        schedule = [((offset + n // 2) % n, f"w{round_no}.{arm_no}-u")]
+        schedule += [((offset + i) % n, f"u{round_no}.{arm_no}-{i}") for i in range(self.unloaded_requests)]
+        targets = [(arm.port, arm.unloaded_ms)] if arm.kind == "proxy" else [
+            (self.fake_ports[self.fake_names(COST)[1]], arm.unloaded_ms),
+            # The zero-cost PD is the floor for the zero-cost proxy arms: their difference is the proxy alone.
+            (self.fake_ports[self.fake_names(FREE)[1]], arm.unloaded_free_ms),
+        ]
+        for port, sink in targets:
+            results = self.clients.run(Block("127.0.0.1", port, "/v1/chat/completions", 1, schedule))
+            sink.extend((r[2] - r[1]) * 1000 for r in results if r[0].startswith("u") and r[3] == 200)
+            errors = sum(1 for r in results if r[3] != 200)
+            if errors:
+                self.notes.append(f"{arm.name} unloaded round {round_no}: {errors} non-200 answers")
 
     def run_block(self, arm: Arm, round_no: int, arm_no: int) -> None:
         schedule = self.schedule(round_no, arm_no)
@@ -432,6 +459,9 @@ class Bench:
                                  f"{100 * other['harness_cores']:.0f}%") if other else ""
                     print(f"round {r + 1}/{self.rounds} {arm.name:>12}: {b['measured'] / b['window_s']:8.1f} req/s, "
                           f"errors {b['errors']}{disturbed}", flush=True)
+                if self.unloaded_requests > 0:
+                    for i, arm in order:
+                        self.run_unloaded(arm, r, i)
             self.stop_profile()
             if a.real_stack_url:
                 real_arm = Arm("real-stack", "real", note=a.real_stack_url)
