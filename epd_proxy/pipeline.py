@@ -209,7 +209,9 @@ class Pipeline:
         push_mode = route.consumer_zmq is not None
         config = self.config
         attempts = config.decode_retries + 1
-        for attempt in range(1, attempts + 1):
+        attempt = 0
+        while True:
+            attempt += 1
             trace.attempts = attempt
             matches = await self.encode(body, items, route, trace)
             prepared = rewrite_request(body, items, matches, rewrite=config.rewrite, push_mode=push_mode)
@@ -245,7 +247,6 @@ class Pipeline:
                     attempt + 1,
                     attempts,
                 )
-        raise AssertionError("unreachable")
 
 
 async def _all_or_first_failure(coros: list) -> list:
