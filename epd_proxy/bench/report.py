@@ -285,16 +285,28 @@ def _short(frame: str) -> str:
     return f"{m.group('func')} ({file})"
 
 
+def _idle(stack: str) -> bool:
+    """Waiting is not work: py-spy sometimes samples a thread-pool worker blocked on its queue, or
+    (with --native) the event loop inside epoll_wait."""
+    if "_queue_SimpleQueue_get" in stack or "epoll_wait" in stack:
+        return True
+    leaf = stack.rsplit(";", 1)[-1]
+    return leaf.startswith("_worker (") and "concurrent/futures/thread.py" in leaf
+
+
 def summarise_profile(raw: Path, top: int = 30) -> str:
     """py-spy's collapsed stacks -> the functions with the most self and inclusive samples."""
     own: Counter[str] = Counter()
     inclusive: Counter[str] = Counter()
-    total = 0
+    total = idle = 0
     for line in raw.read_text(errors="replace").splitlines():
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
             continue
         n = int(count)
+        if _idle(stack):
+            idle += n
+            continue
         total += n
         frames = [_short(f) for f in stack.split(";")]
         frames = [f for f in frames if not f.startswith("process ") and not f.startswith("thread ")]
@@ -304,7 +316,7 @@ def summarise_profile(raw: Path, top: int = 30) -> str:
             inclusive[f] += n
     if not total:
         return "py-spy recorded no samples\n"
-    lines = [f"py-spy samples: {total}", "", "## self time", "", "| % | function |", "|---|---|"]
+    lines = [f"py-spy busy samples: {total} (idle samples left out: {idle})", "", "## self time", "", "| % | function |", "|---|---|"]
     lines += [f"| {100 * n / total:.1f} | `{f}` |" for f, n in own.most_common(top)]
     lines += ["", "## inclusive time", "", "| % | function |", "|---|---|"]
     lines += [f"| {100 * n / total:.1f} | `{f}` |" for f, n in inclusive.most_common(top)]

@@ -223,12 +223,12 @@ class Bench:
             cmd += ["--workers", str(arm.workers)]
         cpus = _cpus(self.args.proxy_cpus)
         preexec = (lambda: os.sched_setaffinity(0, cpus)) if self.pin else None
-        log = open(self.out / f"proxy-{arm.name}.log", "wb")
         env = dict(os.environ)
         for pair in self.args.proxy_env:
             key, _, value = pair.partition("=")
             env[key] = value
-        arm.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=preexec, env=env)
+        with open(self.out / f"proxy-{arm.name}.log", "wb") as log:
+            arm.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=preexec, env=env)
         self.children.append(arm.proc)
         wait_ready(f"http://127.0.0.1:{arm.port}/v1/models", arm.proc)
 
@@ -393,10 +393,8 @@ class Bench:
                "--format", "raw", "--output", str(self.profile_raw)]
         # --native must pause the process to unwind C stacks; plain sampling need not.
         cmd.append("--native" if self.args.profile_native else "--nonblocking")
-        self.profile = subprocess.Popen(
-            cmd,
-            stdout=subprocess.DEVNULL, stderr=open(self.out / "py-spy.log", "wb"),
-        )
+        with open(self.out / "py-spy.log", "wb") as log:
+            self.profile = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
 
     def stop_profile(self) -> None:
         import signal
