@@ -196,6 +196,10 @@ class LocalStack:
             "VLLM_CACHE_ROOT": str(w / "cache" / "vllm"),
             "TORCHINDUCTOR_CACHE_DIR": str(w / "cache" / "inductor"),
             "HF_HOME": str(w / "cache" / "hf"),
+            # Anything else that honours the XDG cache root (triton, outlines,
+            # matplotlib's font cache via MPLCONFIGDIR) stays in the work dir too.
+            "XDG_CACHE_HOME": str(w / "cache"),
+            "MPLCONFIGDIR": str(w / "cache" / "matplotlib"),
         }
 
     def _vllm_cmd(self, name: str, ec_role: str | None) -> list[str]:
