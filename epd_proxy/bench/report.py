@@ -35,6 +35,7 @@ def summarise(arm, peak_rss: dict[str, float]) -> dict[str, Any]:
         "req_per_s": ok / window if window else float("nan"),
         # Per-round rates show how much a shared machine disturbed the run; the median resists it.
         "req_per_s_rounds": [b["measured"] / b["window_s"] for b in blocks if b.get("window_s")],
+        **_clean(arm, blocks),
         "lat_mean_ms": sum(lat) / len(lat) if lat else float("nan"),
         "lat_p50_ms": percentile(lat, 50), "lat_p90_ms": percentile(lat, 90), "lat_p99_ms": percentile(lat, 99),
         "lat_max_ms": lat[-1] if lat else float("nan"),
@@ -68,6 +69,20 @@ def summarise(arm, peak_rss: dict[str, float]) -> dict[str, Any]:
                       for c in (blocks[0]["core_busy"] if blocks else {})},
     })
     return out
+
+
+# A block counts as undisturbed when other tenants used less than this share of our cores.
+CLEAN_OTHER_LOAD = 0.10
+
+
+def _clean(arm, blocks: list[dict]) -> dict[str, Any]:
+    """req/s over the blocks nobody else disturbed. The direct arm runs nothing on the proxy
+    cores, so only the harness cores count for it."""
+    keys = ("harness_cores",) if arm.kind == "direct" else ("proxy_cores", "harness_cores")
+    clean = [b for b in blocks if b.get("other_load") and all(b["other_load"][k] < CLEAN_OTHER_LOAD for k in keys)]
+    window = sum(b["window_s"] for b in clean)
+    ok = sum(b["measured"] - b["errors"] for b in clean)
+    return {"clean_blocks": len(clean), "req_per_s_clean": ok / window if window else None}
 
 
 def _median(values: list[float]) -> float | None:
@@ -161,8 +176,17 @@ def _other(load: dict[str, float] | None) -> str:
     return f"{100 * load['proxy_cores']:.0f} / {100 * load['harness_cores']:.0f}"
 
 
+def _pct(value: float | None) -> str:
+    return _f(value * 100 if value is not None else None, "{:.0f}")
+
+
+def _grid(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
 def table(result: dict[str, Any]) -> str:
     s = result["settings"]
+    arms = result["arms"]
     lines = [
         f"EPD proxy benchmark ({result['preset']}): concurrency {s['concurrency']}, {s['rounds']} interleaved rounds "
         f"x {s['measured_per_round']} measured requests per arm, {s['encoders']} fake encoders "
@@ -170,39 +194,36 @@ def table(result: dict[str, Any]) -> str:
         f"{result['workload']['mean_images_per_request']:.2f} images/request, "
         f"{result['workload']['mean_body_kb']:.0f} KB/body",
         "",
-        "| arm | req/s | req/s rounds median (min-max) | mean ms | p50 ms | p99 ms | errors | enc sub-req/round | sub-req/req | images/sub-req "
-        "| proxy CPU ms/req | of it kernel % | proxy core % | proxy peak RSS MB | loadgen CPU ms/req | fakes CPU ms/req | core0 % | core1 % | other load proxy/harness cores % |",
-        "|---" * 19 + "|",
     ]
-    for a in result["arms"]:
-        busy = a.get("core_busy") or {}
-        lines.append("| " + " | ".join([
-            a["name"], _f(a["req_per_s"]), _rounds(a.get("req_per_s_rounds")), _f(a["lat_mean_ms"]), _f(a["lat_p50_ms"]), _f(a["lat_p99_ms"]),
-            str(a["errors"]), _f(a.get("encoder_subrequests_per_round"), "{:.0f}"),
-            _f(a.get("encoder_subrequests_per_request"), "{:.2f}"), _f(a.get("images_per_subrequest"), "{:.2f}"),
-            _f(a.get("proxy_cpu_ms_per_request"), "{:.2f}"),
-            _f(a["proxy_sys_share"] * 100 if a.get("proxy_sys_share") is not None else None, "{:.0f}"),
-            _f(a["proxy_cpu_util"] * 100 if a.get("proxy_cpu_util") is not None else None, "{:.0f}"),
-            _f(a.get("proxy_peak_rss_mb"), "{:.0f}"),
-            _f(a.get("loadgen_cpu_ms_per_request"), "{:.2f}"), _f(a.get("fakes_cpu_ms_per_request"), "{:.2f}"),
-            _f(busy.get("0", None) * 100 if "0" in busy else None, "{:.0f}"),
-            _f(busy.get("1", None) * 100 if "1" in busy else None, "{:.0f}"),
-            _other(a.get("other_load")),
-        ]) + " |")
-    lines += ["", "| arm | req/s x | p50 x | p99 x | proxy CPU/req x | enc sub-req x | added p50 ms | added p99 ms "
-              "| req/s per proxy core (1000/CPU ms) | unloaded p50 ms | unloaded p99 ms | added unloaded p50 ms "
-              "| added unloaded p99 ms |",
-              "|---" * 13 + "|"]
-    for a in result["arms"]:
-        v = a.get("vs_first", {})
-        added = a.get("added_latency_ms", {})
-        lines.append("| " + " | ".join([
-            a["name"], _f(v.get("req_per_s"), "{:.2f}"), _f(v.get("lat_p50"), "{:.2f}"), _f(v.get("lat_p99"), "{:.2f}"),
-            _f(v.get("proxy_cpu_per_request"), "{:.2f}"), _f(v.get("encoder_subrequests"), "{:.2f}"),
-            _f(added.get("p50")), _f(added.get("p99")), _f(a.get("req_per_s_per_proxy_core"), "{:.0f}"),
-            _unloaded(a, "p50"), _unloaded(a, "p99"),
-            _f(a.get("added_unloaded_ms", {}).get("p50")), _f(a.get("added_unloaded_ms", {}).get("p99")),
-        ]) + " |")
+    lines += _grid(
+        ["arm", "req/s", "req/s per round: median (min-max)", "req/s undisturbed rounds (n)", "mean ms", "p50 ms",
+         "p99 ms", "errors", "unloaded p50 ms", "unloaded p99 ms"],
+        [[a["name"], _f(a["req_per_s"]), _rounds(a.get("req_per_s_rounds")),
+          f"{_f(a.get('req_per_s_clean'))} ({a.get('clean_blocks', 0)})", _f(a["lat_mean_ms"]), _f(a["lat_p50_ms"]),
+          _f(a["lat_p99_ms"]), str(a["errors"]), _unloaded(a, "p50"), _unloaded(a, "p99")] for a in arms],
+    )
+    lines.append("")
+    lines += _grid(
+        ["arm", "enc sub-req/round", "sub-req/req", "images/sub-req", "proxy CPU ms/req", "of it kernel %",
+         "req/s per proxy core (1000/CPU ms)", "proxy core %", "proxy peak RSS MB", "loadgen CPU ms/req",
+         "fakes CPU ms/req", "core0 %", "core1 %", "other load proxy/harness cores %"],
+        [[a["name"], _f(a.get("encoder_subrequests_per_round"), "{:.0f}"),
+          _f(a.get("encoder_subrequests_per_request"), "{:.2f}"), _f(a.get("images_per_subrequest"), "{:.2f}"),
+          _f(a.get("proxy_cpu_ms_per_request"), "{:.2f}"), _pct(a.get("proxy_sys_share")),
+          _f(a.get("req_per_s_per_proxy_core"), "{:.0f}"), _pct(a.get("proxy_cpu_util")),
+          _f(a.get("proxy_peak_rss_mb"), "{:.0f}"), _f(a.get("loadgen_cpu_ms_per_request"), "{:.2f}"),
+          _f(a.get("fakes_cpu_ms_per_request"), "{:.2f}"), _pct((a.get("core_busy") or {}).get("0")),
+          _pct((a.get("core_busy") or {}).get("1")), _other(a.get("other_load"))] for a in arms],
+    )
+    lines.append("")
+    lines += _grid(
+        ["arm", "req/s x", "p50 x", "p99 x", "proxy CPU/req x", "enc sub-req x", "added p50 ms", "added p99 ms",
+         "added unloaded p50 ms", "added unloaded p99 ms"],
+        [[a["name"], *(_f(a.get("vs_first", {}).get(k), "{:.2f}")
+                       for k in ("req_per_s", "lat_p50", "lat_p99", "proxy_cpu_per_request", "encoder_subrequests")),
+          _f(a.get("added_latency_ms", {}).get("p50")), _f(a.get("added_latency_ms", {}).get("p99")),
+          _f(a.get("added_unloaded_ms", {}).get("p50")), _f(a.get("added_unloaded_ms", {}).get("p99"))] for a in arms],
+    )
     f = result["floor"]
     lines += [
         "",
@@ -211,7 +232,8 @@ def table(result: dict[str, Any]) -> str:
         "Ratios are to the first arm; added latency = proxy arm minus the direct arm under the same load (it includes "
         "the fake encoders' cost and the queueing a slower arm builds up in a closed loop). Unloaded = one request in "
         "flight; for zero-cost arms the added unloaded latency is against the zero-cost PD, i.e. the proxy alone. CPU ms/req counts warm-up and cool-down requests too. Other load = core busy time none of the "
-        "benchmark's processes account for (other tenants, kernel); high values mean a disturbed run.",
+        "benchmark's processes account for (other tenants, kernel); high values mean a disturbed run, and "
+        f"'undisturbed rounds' pools only the rounds where it stayed under {100 * CLEAN_OTHER_LOAD:.0f}%.",
     ]
     for name, why in result["skipped"].items():
         lines.append(f"Skipped arm {name}: {why}.")
