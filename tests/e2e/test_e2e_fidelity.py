@@ -239,6 +239,43 @@ def test_client_uuid_cannot_alias_another_image(stack):
         assert 400 <= status < 500, (status, data)
 
 
+# ------------------------------------------- encoder failover (stops encoder-1)
+def _proxy_metric(proxy_url: str, name: str) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(proxy_url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_zy_encoder_stopped_mid_run_fails_over(stack):
+    """One of two encoders dies during a run: every request still succeeds with the baseline's
+    exact answer, and the proxy's /metrics count the failovers. encoder-1 is brought back after."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from epd_proxy.local.supervisor import stop_groups
+
+    images = fresh(8)
+    bodies = [chat_body([img]) for img in images[:6]] + [chat_body(images[6:])]
+    wanted = [chat_ok(stack.baseline_url, b) for b in bodies]
+    before = _proxy_metric(stack.proxy_url, "epd_encoder_failovers_total")
+
+    assert_same(chat_ok(stack.proxy_url, bodies[0]), wanted[0])
+    victim = stack.by_name("encoder-1")
+    stop_groups([victim], grace=10)
+    try:
+        # Right after the stop, before any health probe notices: single-image requests rotate
+        # over both encoders, so some land on the dead one and must fail over.
+        with ThreadPoolExecutor(3) as pool:
+            results = list(pool.map(lambda b: post_json(stack.proxy_url, b), bodies[1:]))
+        for (status, data), want in zip(results, wanted[1:]):
+            assert status == 200, data
+            assert_same(data, want)
+        assert _proxy_metric(stack.proxy_url, "epd_encoder_failovers_total") > before
+    finally:
+        stack.restart("encoder-1")
+
+
 # ------------------------------------------------------ negative control, LAST
 def test_zz_negative_control_options_not_forwarded(stack):
     """The pre-fix proxy behaviour (options dropped on the way to E) must fail.
