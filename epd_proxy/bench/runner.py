@@ -56,6 +56,7 @@ class Arm:
     workers: int = 1
     note: str = ""
     skipped: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
     port: int = 0
     host: str = "127.0.0.1"
     proc: subprocess.Popen | None = None
@@ -100,6 +101,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile-native", action="store_true", help="py-spy --native: include C frames")
     p.add_argument("--proxy-env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment for the proxies (repeatable), e.g. to try interpreter settings")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+                   help="one more zero-cost batched arm whose proxy gets this environment, interleaved with "
+                        "the others: A/B a change against the saturation arm in one run (repeatable)")
     p.add_argument("--no-chart", action="store_true")
     return p.parse_args(argv)
 
@@ -227,6 +231,7 @@ class Bench:
         for pair in self.args.proxy_env:
             key, _, value = pair.partition("=")
             env[key] = value
+        env.update(arm.env)
         with open(self.out / f"proxy-{arm.name}.log", "wb") as log:
             arm.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=preexec, env=env)
         self.children.append(arm.proc)
@@ -260,6 +265,10 @@ class Bench:
                 arms.append(arm)
             else:
                 raise SystemExit(f"unknown arm {name!r}")
+        for spec in self.args.variant:
+            name, _, pairs = spec.partition(":")
+            env = dict(pair.partition("=")[::2] for pair in pairs.split(",") if "=" in pair)
+            arms.append(Arm(name, "proxy", FREE, batch=0, env=env, note=f"like saturation, env {pairs}"))
         return arms
 
     def schedule(self, round_no: int, arm_no: int) -> list[tuple[int, str]]:
