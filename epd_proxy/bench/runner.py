@@ -206,7 +206,10 @@ class Bench:
         self.fakes = subprocess.Popen([sys.executable, "-m", "epd_proxy.bench.fakes", orjson.dumps({"servers": servers})],
                                       stdout=subprocess.PIPE, text=True)
         self.children.append(self.fakes)
-        line = self.fakes.stdout.readline()
+        import select
+
+        ready, _, _ = select.select([self.fakes.stdout], [], [], 60)
+        line = self.fakes.stdout.readline() if ready else ""
         if not line:
             raise RuntimeError("fake backends failed to start")
         self.fake_ports = orjson.loads(line)["ports"]
