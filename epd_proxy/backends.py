@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import aiohttp
+from yarl import URL
 
 from epd_proxy.config import Config
 
@@ -31,6 +32,11 @@ class Instance:
     # Unregistered: terminal, a late probe result must not revive it.
     removed: bool = False
     _dp_cursor: int = field(default=0, repr=False)
+    # Parsed once: building a URL object per sub-request shows up in profiles.
+    chat_url: URL = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.chat_url = URL(f"{self.url}/v1/chat/completions")
 
     def next_dp_rank(self) -> int:
         rank = self._dp_cursor % self.dp_size

@@ -24,10 +24,11 @@ async def open_decode(
     timeout_s: float | None,
 ) -> aiohttp.ClientResponse:
     """A 2xx response whose body is still unread; the caller must release it."""
-    url = f"{decoder.url}/v1/chat/completions"
+    data = orjson.dumps(body)
     try:
+        # Only the wait for headers is bounded: a long stream after them is legitimate.
         async with asyncio.timeout(timeout_s):
-            resp = await session.post(url, data=orjson.dumps(body), headers=headers)
+            resp = await session.post(decoder.chat_url, data=data, headers=headers)
     except TimeoutError:
         raise BackendUnreachable(
             f"Decode did not answer within {timeout_s:g}s", stage="decode", backend=decoder.url, timed_out=True

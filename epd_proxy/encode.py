@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,12 +23,21 @@ log = logging.getLogger("epd_proxy.encode")
 FORWARDED_FIELDS = ("mm_processor_kwargs", "media_io_kwargs", "priority", "session_id")
 
 
-def new_transfer_id() -> str:
-    return os.urandom(16).hex()
+class IdMint:
+    """Transfer ids and child request ids from a per-process random stream seeded by the OS.
 
+    They must be unique, not secret; drawing from the OS per id costs a system call each, and a
+    request mints several.
+    """
 
-def child_request_id(request_id: str, first_index: int) -> str:
-    return f"{request_id}:{first_index}:{os.urandom(3).hex()}"
+    def __init__(self) -> None:
+        self._rng = random.Random(os.urandom(32))
+
+    def transfer_id(self) -> str:
+        return f"{self._rng.getrandbits(128):032x}"
+
+    def child_request_id(self, request_id: str, first_index: int) -> str:
+        return f"{request_id}:{first_index}:{self._rng.getrandbits(24):06x}"
 
 
 def encoder_body(
@@ -69,19 +78,22 @@ async def post_encoder(
     encoder: Instance,
     body: dict[str, Any],
     request_id: str,
-    timeout_s: float | None,
+    timeout: aiohttp.ClientTimeout,
 ) -> EncoderReply:
-    url = f"{encoder.url}/v1/chat/completions"
     headers = {"x-request-id": request_id, "Content-Type": "application/json"}
     with encoder.busy():
         try:
-            async with asyncio.timeout(timeout_s):
-                async with session.post(url, data=orjson.dumps(body), headers=headers) as resp:
-                    raw = await resp.read()
-                    status = resp.status
+            async with session.post(
+                encoder.chat_url, data=orjson.dumps(body), headers=headers, timeout=timeout
+            ) as resp:
+                raw = await resp.read()
+                status = resp.status
         except TimeoutError:
             raise BackendUnreachable(
-                f"Encoder request timed out after {timeout_s:g}s", stage="encode", backend=encoder.url, timed_out=True
+                f"Encoder request timed out after {timeout.total:g}s",
+                stage="encode",
+                backend=encoder.url,
+                timed_out=True,
             ) from None
         except aiohttp.ClientError as exc:
             raise BackendUnreachable(

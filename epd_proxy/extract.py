@@ -60,18 +60,23 @@ def canonical_media_url(url: str) -> str:
     """
     if url[:5].lower() != "data:":
         return url
-    header, comma, payload = url.partition(",")
-    if not comma:
+    comma = url.find(",")
+    if comma < 0:
         return url
+    header = url[:comma]
     mediatype, semicolon, params = header[5:].partition(";")
     param_list = [p.strip() for p in params.split(";")] if semicolon else []
     is_base64 = any(p.lower() == "base64" for p in param_list)
-    canonical_params = ["base64" if p.lower() == "base64" else p for p in param_list]
-    canonical_header = "data:" + mediatype.strip().lower() + "".join(";" + p for p in canonical_params)
-    if is_base64 and any(c in payload for c in _WHITESPACE):
+    canonical_header = "data:" + mediatype.strip().lower()
+    canonical_header += "".join(";base64" if p.lower() == "base64" else ";" + p for p in param_list)
+    # str.find is a memchr-speed scan; slicing or rebuilding a megabyte payload is what costs.
+    dirty = is_base64 and any(url.find(c, comma + 1) >= 0 for c in _WHITESPACE)
+    if not dirty and canonical_header == header:
+        return url
+    payload = url[comma + 1 :]
+    if dirty:
         payload = payload.translate(_DROP_WHITESPACE)
-    canonical = f"{canonical_header},{payload}"
-    return url if canonical == url else canonical
+    return f"{canonical_header},{payload}"
 
 
 def media_url(part: dict[str, Any], kind: str) -> str | None:

@@ -18,7 +18,7 @@ import aiohttp
 from epd_proxy.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE, Instance
 from epd_proxy.config import Config
 from epd_proxy.decode import open_decode
-from epd_proxy.encode import EncoderReply, child_request_id, encoder_body, new_transfer_id, post_encoder
+from epd_proxy.encode import EncoderReply, IdMint, encoder_body, post_encoder
 from epd_proxy.errors import BackendUnreachable, ProxyError, UpstreamError
 from epd_proxy.extract import MediaItem
 from epd_proxy.match import Matches, match_group
@@ -75,6 +75,13 @@ class Pipeline:
         self.session = session
         self.policies = policies
         self.metrics = metrics
+        self.ids = IdMint()
+        self.encode_timeout = aiohttp.ClientTimeout(
+            total=config.encode_timeout_s, sock_connect=config.connect_timeout_s
+        )
+        self.prefill_timeout = aiohttp.ClientTimeout(
+            total=config.prefill_timeout_s, sock_connect=config.connect_timeout_s
+        )
 
     def choose_route(self, request_id: str) -> Route:
         fleet = self.fleet
@@ -148,7 +155,7 @@ class Pipeline:
         encoder = group.encoder
         tried: list[Instance] = []
         while True:
-            transfer_ids = [new_transfer_id() for _ in group_items]
+            transfer_ids = [self.ids.transfer_id() for _ in group_items]
             sub_body = encoder_body(
                 body,
                 group_items,
@@ -166,8 +173,8 @@ class Pipeline:
                         self.session,
                         encoder,
                         sub_body,
-                        child_request_id(trace.request_id, group.indices[0]),
-                        self.config.encode_timeout_s,
+                        self.ids.child_request_id(trace.request_id, group.indices[0]),
+                        self.encode_timeout,
                     ),
                 )
                 return reply, transfer_ids
@@ -221,7 +228,7 @@ class Pipeline:
                     started = time.perf_counter()
                     kv = await self._call(
                         route.prefill,
-                        run_prefill(self.session, route.prefill, prepared, prefill_headers, config.prefill_timeout_s),
+                        run_prefill(self.session, route.prefill, prepared, prefill_headers, self.prefill_timeout),
                     )
                     trace.prefill_s += time.perf_counter() - started
                     if kv:

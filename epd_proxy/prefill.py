@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import aiohttp
@@ -18,20 +17,19 @@ async def run_prefill(
     prefill: Instance,
     prepared: dict[str, Any],
     headers: dict[str, str],
-    timeout_s: float | None,
+    timeout: aiohttp.ClientTimeout,
 ) -> dict[str, Any] | None:
     """The `kv_transfer_params` prefill returned, or None. Errors keep prefill's own status."""
-    url = f"{prefill.url}/v1/chat/completions"
+    data = orjson.dumps(prefill_request(prepared))
     with prefill.busy():
         try:
-            async with asyncio.timeout(timeout_s):
-                async with session.post(url, data=orjson.dumps(prefill_request(prepared)), headers=headers) as resp:
-                    raw = await resp.read()
-                    if resp.status != 200:
-                        raise UpstreamError(resp.status, raw, resp.content_type, stage="prefill", backend=prefill.url)
+            async with session.post(prefill.chat_url, data=data, headers=headers, timeout=timeout) as resp:
+                raw = await resp.read()
+                if resp.status != 200:
+                    raise UpstreamError(resp.status, raw, resp.content_type, stage="prefill", backend=prefill.url)
         except TimeoutError:
             raise BackendUnreachable(
-                f"Prefill timed out after {timeout_s:g}s", stage="prefill", backend=prefill.url, timed_out=True
+                f"Prefill timed out after {timeout.total:g}s", stage="prefill", backend=prefill.url, timed_out=True
             ) from None
         except aiohttp.ClientError as exc:
             raise BackendUnreachable(

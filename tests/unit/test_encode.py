@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from epd_proxy.encode import child_request_id, encoder_body
+from epd_proxy.encode import IdMint, encoder_body
 from epd_proxy.extract import extract_media
 from tests.media import chat, image
 
@@ -48,7 +48,13 @@ def test_push_mode_names_the_consumer_and_one_transfer_id_per_item_in_order():
 
 
 def test_child_ids_name_the_parent_and_first_item():
-    rid = child_request_id("req", 4)
+    mint = IdMint()
+    rid = mint.child_request_id("req", 4)
     parent, first, suffix = rid.split(":")
     assert (parent, first, len(suffix)) == ("req", "4", 6)
-    assert child_request_id("req", 4) != rid
+    assert mint.child_request_id("req", 4) != rid
+
+
+def test_transfer_ids_are_unique_within_and_across_mints():
+    ids = {IdMint().transfer_id() for _ in range(50)} | {m.transfer_id() for m in [IdMint()] for _ in range(1000)}
+    assert len(ids) == 1050 and all(len(i) == 32 for i in ids)
