@@ -10,6 +10,7 @@ import aiohttp
 from yarl import URL
 
 from epd_proxy.config import Config
+from epd_proxy.errors import BackendUnreachable, describe
 
 ENCODE, PREFILL, DECODE, PREFILL_DECODE = "encode", "prefill", "decode", "prefill_decode"
 ROLES = (ENCODE, PREFILL, DECODE, PREFILL_DECODE)
@@ -73,3 +74,17 @@ def make_session(config: Config) -> aiohttp.ClientSession:
         skip_auto_headers=("Accept-Encoding",),
         cookie_jar=aiohttp.DummyCookieJar(),
     )
+
+
+@contextmanager
+def reaching(instance: Instance, stage: str, what: str, timeout_s: float | None) -> Iterator[None]:
+    """No answer at all (refused, reset, timed out) becomes BackendUnreachable naming the stage;
+    an answer, even an error, passes through untouched."""
+    try:
+        yield
+    except TimeoutError:
+        raise BackendUnreachable(
+            f"{what} timed out after {timeout_s:g}s", stage=stage, backend=instance.url, timed_out=True
+        ) from None
+    except aiohttp.ClientError as exc:
+        raise BackendUnreachable(f"{what} failed: {describe(exc)}", stage=stage, backend=instance.url) from None

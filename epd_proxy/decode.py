@@ -12,8 +12,8 @@ from typing import Any
 import aiohttp
 import orjson
 
-from epd_proxy.backends import Instance
-from epd_proxy.errors import BackendUnreachable, UpstreamError, describe
+from epd_proxy.backends import Instance, reaching
+from epd_proxy.errors import UpstreamError
 
 
 async def open_decode(
@@ -25,18 +25,10 @@ async def open_decode(
 ) -> aiohttp.ClientResponse:
     """A 2xx response whose body is still unread; the caller must release it."""
     data = orjson.dumps(body)
-    try:
-        # Only the wait for headers is bounded: a long stream after them is legitimate.
+    # Only the wait for headers is bounded: a long stream after them is legitimate.
+    with reaching(decoder, "decode", "Decode request", timeout_s):
         async with asyncio.timeout(timeout_s):
             resp = await session.post(decoder.chat_url, data=data, headers=headers)
-    except TimeoutError:
-        raise BackendUnreachable(
-            f"Decode did not answer within {timeout_s:g}s", stage="decode", backend=decoder.url, timed_out=True
-        ) from None
-    except aiohttp.ClientError as exc:
-        raise BackendUnreachable(
-            f"Decode request failed: {describe(exc)}", stage="decode", backend=decoder.url
-        ) from None
     if resp.status >= 400:
         try:
             raw = await resp.read()

@@ -12,8 +12,8 @@ from typing import Any
 import aiohttp
 import orjson
 
-from epd_proxy.backends import Instance
-from epd_proxy.errors import BackendUnreachable, ProxyError, describe
+from epd_proxy.backends import Instance, reaching
+from epd_proxy.errors import ProxyError
 from epd_proxy.extract import MediaItem
 
 log = logging.getLogger("epd_proxy.encode")
@@ -81,24 +81,10 @@ async def post_encoder(
     timeout: aiohttp.ClientTimeout,
 ) -> EncoderReply:
     headers = {"x-request-id": request_id, "Content-Type": "application/json"}
-    with encoder.busy():
-        try:
-            async with session.post(
-                encoder.chat_url, data=orjson.dumps(body), headers=headers, timeout=timeout
-            ) as resp:
-                raw = await resp.read()
-                status = resp.status
-        except TimeoutError:
-            raise BackendUnreachable(
-                f"Encoder request timed out after {timeout.total:g}s",
-                stage="encode",
-                backend=encoder.url,
-                timed_out=True,
-            ) from None
-        except aiohttp.ClientError as exc:
-            raise BackendUnreachable(
-                f"Encoder request failed: {describe(exc)}", stage="encode", backend=encoder.url
-            ) from None
+    with encoder.busy(), reaching(encoder, "encode", "Encoder request", timeout.total):
+        async with session.post(encoder.chat_url, data=orjson.dumps(body), headers=headers, timeout=timeout) as resp:
+            raw = await resp.read()
+            status = resp.status
     if status != 200:
         text = raw.decode("utf-8", "replace")[:2000]
         raise ProxyError(status, f"Encoder request failed: {text}", stage="encode", backend=encoder.url)

@@ -7,8 +7,8 @@ from typing import Any
 import aiohttp
 import orjson
 
-from epd_proxy.backends import Instance
-from epd_proxy.errors import BackendUnreachable, ProxyError, UpstreamError, describe
+from epd_proxy.backends import Instance, reaching
+from epd_proxy.errors import ProxyError, UpstreamError
 from epd_proxy.rewrite import prefill_request
 
 
@@ -21,20 +21,11 @@ async def run_prefill(
 ) -> dict[str, Any] | None:
     """The `kv_transfer_params` prefill returned, or None. Errors keep prefill's own status."""
     data = orjson.dumps(prefill_request(prepared))
-    with prefill.busy():
-        try:
-            async with session.post(prefill.chat_url, data=data, headers=headers, timeout=timeout) as resp:
-                raw = await resp.read()
-                if resp.status != 200:
-                    raise UpstreamError(resp.status, raw, resp.content_type, stage="prefill", backend=prefill.url)
-        except TimeoutError:
-            raise BackendUnreachable(
-                f"Prefill timed out after {timeout.total:g}s", stage="prefill", backend=prefill.url, timed_out=True
-            ) from None
-        except aiohttp.ClientError as exc:
-            raise BackendUnreachable(
-                f"Prefill request failed: {describe(exc)}", stage="prefill", backend=prefill.url
-            ) from None
+    with prefill.busy(), reaching(prefill, "prefill", "Prefill request", timeout.total):
+        async with session.post(prefill.chat_url, data=data, headers=headers, timeout=timeout) as resp:
+            raw = await resp.read()
+            if resp.status != 200:
+                raise UpstreamError(resp.status, raw, resp.content_type, stage="prefill", backend=prefill.url)
     try:
         parsed = orjson.loads(raw)
     except orjson.JSONDecodeError:
