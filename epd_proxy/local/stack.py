@@ -27,6 +27,7 @@ from epd_proxy.local.supervisor import (
     Progress,
     StackError,
     group_alive,
+    pid_alive,
     port_free,
     pss_kib,
     stop_groups,
@@ -340,7 +341,7 @@ class LocalStack:
         except (OSError, ValueError):
             return
         owner = data.get("owner_pid")
-        if isinstance(owner, int) and owner != os.getpid() and _pid_alive(owner):
+        if isinstance(owner, int) and owner != os.getpid() and pid_alive(owner):
             raise StackError(
                 f"{self.work_dir} is in use by a running stack (supervisor pid {owner}); "
                 "stop it or pick another --work-dir"
@@ -501,16 +502,6 @@ class LocalStack:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class _PidOnly:

@@ -77,14 +77,23 @@ class Managed:
         return "\n".join(data.splitlines()[-lines:])
 
 
-def group_alive(pgid: int) -> bool:
+def _exists(send_signal, ident: int) -> bool:
+    """Signal 0 probes existence; a permission error still means someone is there."""
     try:
-        os.killpg(pgid, 0)
+        send_signal(ident, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
     return True
+
+
+def group_alive(pgid: int) -> bool:
+    return _exists(os.killpg, pgid)
+
+
+def pid_alive(pid: int) -> bool:
+    return _exists(os.kill, pid)
 
 
 def stop_groups(items: Sequence[Managed], grace: float = 15.0) -> None:
