@@ -18,6 +18,8 @@ import pytest
 from epd_proxy.local.stack import LocalStack, StackConfig
 from epd_proxy.local.supervisor import find_free_port_block, http_ok
 
+from .e2e_helpers import comparable
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -64,3 +66,44 @@ def _pd_alive(request):
     if not pd.alive() or not http_ok(pd.health_url):
         st.restart("pd")
     yield
+
+
+class FidelityTable:
+    """Every proxy-vs-baseline comparison, asserted and kept for the closing table
+    (written to <work>/fidelity.md and printed at the end of the session)."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, str, str, str, str, bool]] = []
+
+    def check(self, case: str, got: dict, want: dict) -> None:
+        g, w = comparable(got), comparable(want)
+        text = lambda c: c["choices"][0]["message"]["content"] if c["choices"] else ""  # noqa: E731
+        logprobs = "n/a" if w["choices"][0]["logprobs"] is None else (
+            "same" if g["choices"][0]["logprobs"] == w["choices"][0]["logprobs"] else "DIFFERENT")
+        usage = "same" if g["usage"] == w["usage"] else "DIFFERENT"
+        self.rows.append((case, text(w), text(g), usage, logprobs, g == w))
+        assert g == w, f"{case}: proxy answer differs from the baseline"
+
+    def record_text(self, case: str, got_text: str, want_text: str, usage_same: bool) -> None:
+        self.rows.append((case, want_text, got_text, "same" if usage_same else "DIFFERENT", "n/a",
+                          got_text == want_text and usage_same))
+
+    def markdown(self) -> str:
+        lines = ["| case | baseline | EPD via proxy | usage | logprobs | match |", "|---|---|---|---|---|---|"]
+        lines += [f"| {c} | `{b}` | `{e}` | {u} | {lp} | {'yes' if m else 'NO'} |" for c, b, e, u, lp, m in self.rows]
+        return "\n".join(lines) + "\n"
+
+
+@pytest.fixture(scope="session")
+def fidelity(stack, request):
+    table = FidelityTable()
+    yield table
+    if table.rows:
+        report = table.markdown()
+        (stack.work_dir / "fidelity.md").write_text(report)
+        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line("")
+            reporter.write_line(f"[e2e] fidelity, proxy (2 encoders + PD) vs one plain vLLM ({stack.work_dir}/fidelity.md):")
+            for line in report.splitlines():
+                reporter.write_line(line)

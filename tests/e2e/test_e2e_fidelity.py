@@ -69,14 +69,14 @@ def test_baseline_is_sensitive_to_inputs(stack):
 
 
 # ------------------------------------------------------------------ fidelity
-def test_one_image_default_options(stack):
+def test_one_image_default_options(stack, fidelity):
     (a,) = fresh(1)
     before_store = store_entries(stack.ec_store)
     before_enc = encoder_total(stack.encoder_urls)
     body = chat_body([a], logprobs=True, top_logprobs=3)
     got = chat_ok(stack.proxy_url, body)
     want = chat_ok(stack.baseline_url, body)
-    assert_same(got, want)
+    fidelity.check("one image, default options", got, want)
     assert got["choices"][0]["logprobs"]["content"], "logprobs were requested"
     assert settled_encoder_total(stack.encoder_urls, before_enc + 1) == before_enc + 1
 
@@ -85,7 +85,7 @@ def test_one_image_default_options(stack):
     assert set(new) <= set(loaded_hashes(stack.log_path("pd"))), "PD did not load E's embedding"
 
 
-def test_rgba_with_processing_options(stack):
+def test_rgba_with_processing_options(stack, fidelity):
     """Non-default size (other grid) + RGBA background: derived engine hashes."""
     (r,) = fresh(1, mode="RGBA")
     before_store = store_entries(stack.ec_store)
@@ -93,7 +93,7 @@ def test_rgba_with_processing_options(stack):
     body = chat_body([r], logprobs=True, top_logprobs=2, **opts)
     got = chat_ok(stack.proxy_url, body)
     want = chat_ok(stack.baseline_url, body)
-    assert_same(got, want)
+    fidelity.check("RGBA PNG, size + rgba_background_color", got, want)
     # The grid really is the small one: 12 image tokens instead of 48.
     default = chat_ok(stack.baseline_url, chat_body([r], media_io_kwargs=BLACK_BG))
     assert got["usage"]["prompt_tokens"] == default["usage"]["prompt_tokens"] - 36
@@ -107,7 +107,7 @@ def test_rgba_with_processing_options(stack):
 
 @pytest.mark.parametrize("options", [{}, {"mm_processor_kwargs": SMALL_SIZE_KWARGS}],
                          ids=["default", "small-size"])
-def test_five_images_with_repeat_over_two_encoders(stack, options):
+def test_five_images_with_repeat_over_two_encoders(stack, fidelity, options):
     a, b, c, d = fresh(4)
     images = [a, b, a, c, d]
     before_store = store_entries(stack.ec_store)
@@ -116,7 +116,7 @@ def test_five_images_with_repeat_over_two_encoders(stack, options):
     got = chat_ok(stack.proxy_url, body)
     after_enc = settled_encoder_total(stack.encoder_urls, before_enc + 2)
     want = chat_ok(stack.baseline_url, body)
-    assert_same(got, want)
+    fidelity.check(f"A B A C D over 2 encoders, {'size option' if options else 'default options'}", got, want)
     # Round robin over 2 encoders, no batch cap: one sub-request per encoder.
     assert after_enc - before_enc == 2
 
@@ -126,7 +126,7 @@ def test_five_images_with_repeat_over_two_encoders(stack, options):
     assert set(new) <= set(loaded_hashes(stack.log_path("pd"))), "PD encoded by itself"
 
 
-def test_streaming_through_proxy_matches(stack):
+def test_streaming_through_proxy_matches(stack, fidelity):
     from openai import OpenAI
 
     a, b = fresh(2)
@@ -153,6 +153,12 @@ def test_streaming_through_proxy_matches(stack):
                 pieces.append(ch.delta.content)
             if ch.finish_reason:
                 finish = ch.finish_reason
+    fidelity.record_text(
+        "two images, streamed (openai client)",
+        "".join(pieces),
+        text_of(want),
+        usage is not None and usage.prompt_tokens == want["usage"]["prompt_tokens"],
+    )
     assert "".join(pieces) == text_of(want)
     assert finish == want["choices"][0]["finish_reason"]
     assert usage is not None
@@ -160,12 +166,12 @@ def test_streaming_through_proxy_matches(stack):
     assert usage.completion_tokens == want["usage"]["completion_tokens"]
 
 
-def test_text_only_skips_encoders(stack):
+def test_text_only_skips_encoders(stack, fidelity):
     before = settled_encoder_total(stack.encoder_urls)
     body = chat_body([], text="Say something about nothing.", logprobs=True, top_logprobs=2)
     got = chat_ok(stack.proxy_url, body)
     want = chat_ok(stack.baseline_url, body)
-    assert_same(got, want)
+    fidelity.check("text only", got, want)
     time.sleep(0.5)
     assert settled_encoder_total(stack.encoder_urls) == before
 
