@@ -184,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         raise _Stop()
 
     old_term = signal.signal(signal.SIGTERM, on_term)
+    # Explicitly, because a shell starting us in the background hands us SIGINT ignored.
+    old_int = signal.signal(signal.SIGINT, on_term)
     old_hup = signal.signal(signal.SIGHUP, on_term) if hasattr(signal, "SIGHUP") else None
     try:
         stack.start()
@@ -207,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stack.stop()
         signal.signal(signal.SIGTERM, old_term)
+        signal.signal(signal.SIGINT, old_int)
         if old_hup is not None:
             signal.signal(signal.SIGHUP, old_hup)
 
