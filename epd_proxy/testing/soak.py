@@ -74,7 +74,9 @@ class ChaosFaults(Faults):
 
 
 def _image(i: int) -> dict[str, Any]:
-    data = base64.b64encode(os.urandom(64) + i.to_bytes(2, "big")).decode()
+    # A fixed set of 40 images: the fake EC store (like vLLM's example connector) never evicts,
+    # so unique images would grow the harness's memory and blur the proxy's.
+    data = base64.b64encode(random.Random(i).randbytes(64)).decode()
     return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}
 
 
