@@ -68,8 +68,12 @@ class Counters:
         self.bytes_in: dict[str, int] = defaultdict(int)
 
     def as_dict(self) -> dict:
-        return {"requests": self.requests, "images": self.images, "raw_images": self.raw_images,
-                "bytes_in": self.bytes_in}
+        return {
+            "requests": self.requests,
+            "images": self.images,
+            "raw_images": self.raw_images,
+            "bytes_in": self.bytes_in,
+        }
 
 
 def _tag(head: bytes) -> str:
@@ -83,8 +87,9 @@ def _route(head: bytes) -> bytes:
 
 
 class FakeServer:
-    def __init__(self, name: str, role: str, per_request_ms: float = 0.0, per_image_ms: float = 0.0,
-                 delay_ms: float = 0.0) -> None:
+    def __init__(
+        self, name: str, role: str, per_request_ms: float = 0.0, per_image_ms: float = 0.0, delay_ms: float = 0.0
+    ) -> None:
         self.name = name
         self.role = role
         self.per_request_s = per_request_ms / 1000
@@ -136,14 +141,21 @@ class FakeServer:
                 entry = params[k] = {"metadata": {"image_grid_thw": [_grid(key)]}, "item_indices": []}
             entry["item_indices"].append(position)
         self.completions += 1
-        payload = response(200, orjson.dumps({
-            "id": f"chatcmpl-enc-{self.completions}",
-            "object": "chat.completion",
-            "model": "bench-vlm",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": ""}, "finish_reason": "length"}],
-            "usage": {"prompt_tokens": 1, "completion_tokens": 0, "total_tokens": 1},
-            "ec_transfer_params": params or None,
-        }))
+        payload = response(
+            200,
+            orjson.dumps(
+                {
+                    "id": f"chatcmpl-enc-{self.completions}",
+                    "object": "chat.completion",
+                    "model": "bench-vlm",
+                    "choices": [
+                        {"index": 0, "message": {"role": "assistant", "content": ""}, "finish_reason": "length"}
+                    ],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 0, "total_tokens": 1},
+                    "ec_transfer_params": params or None,
+                }
+            ),
+        )
         cost = self.per_request_s + self.per_image_s * len(keys)
         if cost <= 0:
             return payload
@@ -159,10 +171,13 @@ class FakeServer:
         c.raw_images[tag] += body.count(b'"image_url"')
         c.bytes_in[tag] += len(body)
         self.completions += 1
-        payload = response(200, b'{"id":"chatcmpl-pd-%d","object":"chat.completion","model":"bench-vlm",'
-                                b'"choices":[{"index":0,"message":{"role":"assistant","content":"fine"},'
-                                b'"finish_reason":"stop"}],"usage":{"prompt_tokens":64,"completion_tokens":1,'
-                                b'"total_tokens":65}}' % self.completions)
+        payload = response(
+            200,
+            b'{"id":"chatcmpl-pd-%d","object":"chat.completion","model":"bench-vlm",'
+            b'"choices":[{"index":0,"message":{"role":"assistant","content":"fine"},'
+            b'"finish_reason":"stop"}],"usage":{"prompt_tokens":64,"completion_tokens":1,'
+            b'"total_tokens":65}}' % self.completions,
+        )
         return self._later(self.delay_s, payload)
 
 
@@ -171,10 +186,16 @@ async def serve(spec: dict) -> None:
     ports = {}
     servers = []
     for entry in spec["servers"]:
-        fake = FakeServer(entry["name"], entry["role"], entry.get("per_request_ms", 0.0),
-                          entry.get("per_image_ms", 0.0), entry.get("delay_ms", 0.0))
-        server = await loop.create_server(lambda f=fake: ServerProtocol(f.handle), "127.0.0.1",
-                                          entry.get("port", 0), backlog=1024)
+        fake = FakeServer(
+            entry["name"],
+            entry["role"],
+            entry.get("per_request_ms", 0.0),
+            entry.get("per_image_ms", 0.0),
+            entry.get("delay_ms", 0.0),
+        )
+        server = await loop.create_server(
+            lambda f=fake: ServerProtocol(f.handle), "127.0.0.1", entry.get("port", 0), backlog=1024
+        )
         servers.append(server)
         ports[entry["name"]] = server.sockets[0].getsockname()[1]
     sys.stdout.write(orjson.dumps({"ports": ports}).decode() + "\n")

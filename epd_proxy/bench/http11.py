@@ -9,7 +9,7 @@ critical path. Both peers here are ours or aiohttp, which always send Content-Le
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+from collections.abc import Callable
 
 MAX_HEAD = 64 * 1024
 
@@ -73,10 +73,13 @@ def header(head: bytes, name: bytes) -> bytes | None:
 
 def response(status: int, body: bytes, content_type: bytes = b"application/json") -> bytes:
     reason = b"OK" if status == 200 else b"ERR"
-    return b"".join((
-        b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n" % (status, reason, content_type, len(body)),
-        body,
-    ))
+    return b"".join(
+        (
+            b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n"
+            % (status, reason, content_type, len(body)),
+            body,
+        )
+    )
 
 
 class ServerProtocol(asyncio.Protocol):
@@ -178,9 +181,13 @@ class ClientConnection(asyncio.Protocol):
 
 def request_head(method: str, host: str, path: str, length: int, extra: bytes = b"") -> bytes:
     return (
-        f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {length}\r\n"
-    ).encode() + extra + b"\r\n"
+        (
+            f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {length}\r\n"
+        ).encode()
+        + extra
+        + b"\r\n"
+    )
 
 
 async def connect(host: str, port: int) -> ClientConnection:

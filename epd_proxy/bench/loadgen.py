@@ -12,9 +12,9 @@ import asyncio
 import multiprocessing as mp
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from epd_proxy.bench.http11 import connect, request_head
 

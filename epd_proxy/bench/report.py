@@ -29,15 +29,23 @@ def summarise(arm, peak_rss: dict[str, float]) -> dict[str, Any]:
     wall = max(1e-9, _sum(blocks, "wall_s"))
     subreq = _sum(blocks, "encoder_subrequests")
     out: dict[str, Any] = {
-        "name": arm.name, "kind": arm.kind, "note": arm.note, "cluster": arm.cluster,
-        "encoder_max_batch_size": arm.batch if arm.kind == "proxy" else None, "workers": arm.workers,
-        "blocks": len(blocks), "measured": measured, "errors": measured - ok,
+        "name": arm.name,
+        "kind": arm.kind,
+        "note": arm.note,
+        "cluster": arm.cluster,
+        "encoder_max_batch_size": arm.batch if arm.kind == "proxy" else None,
+        "workers": arm.workers,
+        "blocks": len(blocks),
+        "measured": measured,
+        "errors": measured - ok,
         "req_per_s": ok / window if window else float("nan"),
         # Per-round rates show how much a shared machine disturbed the run; the median resists it.
         "req_per_s_rounds": [b["measured"] / b["window_s"] for b in blocks if b.get("window_s")],
         **_clean(arm, blocks),
         "lat_mean_ms": sum(lat) / len(lat) if lat else float("nan"),
-        "lat_p50_ms": percentile(lat, 50), "lat_p90_ms": percentile(lat, 90), "lat_p99_ms": percentile(lat, 99),
+        "lat_p50_ms": percentile(lat, 50),
+        "lat_p90_ms": percentile(lat, 90),
+        "lat_p99_ms": percentile(lat, 99),
         "lat_max_ms": lat[-1] if lat else float("nan"),
     }
     if arm.kind == "real":
@@ -48,26 +56,37 @@ def summarise(arm, peak_rss: dict[str, float]) -> dict[str, Any]:
             out[f"{key}_p50_ms"] = percentile(ordered, 50)
             out[f"{key}_p99_ms"] = percentile(ordered, 99)
             out[f"{key}_mean_ms"] = sum(ordered) / len(ordered)
-    out.update({
-        "encoder_subrequests_per_round": subreq / len(blocks) if blocks else 0,
-        "encoder_subrequests_per_request": subreq / measured if measured else 0,
-        "images_per_subrequest": _sum(blocks, "encoder_images") / subreq if subreq else None,
-        "pd_requests_per_round": _sum(blocks, "pd_requests") / len(blocks) if blocks else 0,
-        "pd_raw_images": _sum(blocks, "pd_raw_images"),
-        "pd_kb_per_request": _sum(blocks, "pd_bytes") / 1024 / measured if measured else 0,
-        "proxy_cpu_ms_per_request": _sum(blocks, "proxy_cpu_s") * 1000 / everything if arm.kind == "proxy" else None,
-        "proxy_sys_share": (_sum(blocks, "proxy_sys_s") / _sum(blocks, "proxy_cpu_s")
-                            if arm.kind == "proxy" and _sum(blocks, "proxy_cpu_s") else None),
-        "proxy_cpu_util": _sum(blocks, "proxy_cpu_s") / wall if arm.kind == "proxy" else None,
-        "proxy_peak_rss_mb": peak_rss.get(arm.name),
-        "loadgen_cpu_ms_per_request": _sum(blocks, "loadgen_cpu_s") * 1000 / everything,
-        "fakes_cpu_ms_per_request": _sum(blocks, "fakes_cpu_s") * 1000 / everything,
-        "harness_cpu_ms_per_request": _sum(blocks, "harness_cpu_s") * 1000 / everything,
-        "other_load": {k: sum(b["other_load"][k] * b["wall_s"] for b in blocks) / wall
-                       for k in (blocks[0].get("other_load") or {} if blocks else {})},
-        "core_busy": {str(c): sum(b["core_busy"][c] * b["wall_s"] for b in blocks) / wall
-                      for c in (blocks[0]["core_busy"] if blocks else {})},
-    })
+    out.update(
+        {
+            "encoder_subrequests_per_round": subreq / len(blocks) if blocks else 0,
+            "encoder_subrequests_per_request": subreq / measured if measured else 0,
+            "images_per_subrequest": _sum(blocks, "encoder_images") / subreq if subreq else None,
+            "pd_requests_per_round": _sum(blocks, "pd_requests") / len(blocks) if blocks else 0,
+            "pd_raw_images": _sum(blocks, "pd_raw_images"),
+            "pd_kb_per_request": _sum(blocks, "pd_bytes") / 1024 / measured if measured else 0,
+            "proxy_cpu_ms_per_request": _sum(blocks, "proxy_cpu_s") * 1000 / everything
+            if arm.kind == "proxy"
+            else None,
+            "proxy_sys_share": (
+                _sum(blocks, "proxy_sys_s") / _sum(blocks, "proxy_cpu_s")
+                if arm.kind == "proxy" and _sum(blocks, "proxy_cpu_s")
+                else None
+            ),
+            "proxy_cpu_util": _sum(blocks, "proxy_cpu_s") / wall if arm.kind == "proxy" else None,
+            "proxy_peak_rss_mb": peak_rss.get(arm.name),
+            "loadgen_cpu_ms_per_request": _sum(blocks, "loadgen_cpu_s") * 1000 / everything,
+            "fakes_cpu_ms_per_request": _sum(blocks, "fakes_cpu_s") * 1000 / everything,
+            "harness_cpu_ms_per_request": _sum(blocks, "harness_cpu_s") * 1000 / everything,
+            "other_load": {
+                k: sum(b["other_load"][k] * b["wall_s"] for b in blocks) / wall
+                for k in (blocks[0].get("other_load") or {} if blocks else {})
+            },
+            "core_busy": {
+                str(c): sum(b["core_busy"][c] * b["wall_s"] for b in blocks) / wall
+                for c in (blocks[0]["core_busy"] if blocks else {})
+            },
+        }
+    )
     return out
 
 
@@ -109,18 +128,25 @@ def build(bench, arms: list, floor: dict[str, float], peak_rss: dict[str, float]
                 "req_per_s": _ratio(s["req_per_s"], first["req_per_s"]),
                 "lat_p50": _ratio(s["lat_p50_ms"], first["lat_p50_ms"]),
                 "lat_p99": _ratio(s["lat_p99_ms"], first["lat_p99_ms"]),
-                "proxy_cpu_per_request": _ratio(s.get("proxy_cpu_ms_per_request"), first.get("proxy_cpu_ms_per_request")),
-                "encoder_subrequests": _ratio(s.get("encoder_subrequests_per_round"),
-                                              first.get("encoder_subrequests_per_round")),
+                "proxy_cpu_per_request": _ratio(
+                    s.get("proxy_cpu_ms_per_request"), first.get("proxy_cpu_ms_per_request")
+                ),
+                "encoder_subrequests": _ratio(
+                    s.get("encoder_subrequests_per_round"), first.get("encoder_subrequests_per_round")
+                ),
             }
         if direct is not None and s["kind"] == "proxy" and s["cluster"] == direct["cluster"]:
-            s["added_latency_ms"] = {"p50": s["lat_p50_ms"] - direct["lat_p50_ms"],
-                                     "p99": s["lat_p99_ms"] - direct["lat_p99_ms"]}
+            s["added_latency_ms"] = {
+                "p50": s["lat_p50_ms"] - direct["lat_p50_ms"],
+                "p99": s["lat_p99_ms"] - direct["lat_p99_ms"],
+            }
         if direct is not None and s["kind"] == "proxy" and "unloaded_p50_ms" in s:
             base = "unloaded" if s["cluster"] == direct["cluster"] else "unloaded_free"
             if f"{base}_p50_ms" in direct:
-                s["added_unloaded_ms"] = {"p50": s["unloaded_p50_ms"] - direct[f"{base}_p50_ms"],
-                                          "p99": s["unloaded_p99_ms"] - direct[f"{base}_p99_ms"]}
+                s["added_unloaded_ms"] = {
+                    "p50": s["unloaded_p50_ms"] - direct[f"{base}_p50_ms"],
+                    "p99": s["unloaded_p99_ms"] - direct[f"{base}_p99_ms"],
+                }
         cpu = s.get("proxy_cpu_ms_per_request")
         # What one fully busy core would sustain at this CPU cost: steadier than req/s on a shared box.
         s["req_per_s_per_proxy_core"] = 1000 / cpu if cpu else None
@@ -128,18 +154,30 @@ def build(bench, arms: list, floor: dict[str, float], peak_rss: dict[str, float]
     result = {
         "preset": bench.preset,
         "settings": {
-            "seed": a.seed, "pool_size": bench.pool_size, "concurrency": bench.concurrency,
-            "measured_per_round": bench.requests, "rounds": bench.rounds, "warmup": bench.warmup,
-            "encoders": a.encoders, "encoder_ms": a.encoder_ms, "encoder_image_ms": a.encoder_image_ms,
-            "pd_ms": a.pd_ms, "clients": a.clients, "proxy_env": a.proxy_env, "pinned": bench.pin,
-            "proxy_cpus": a.proxy_cpus if bench.pin else None, "harness_cpus": a.harness_cpus if bench.pin else None,
+            "seed": a.seed,
+            "pool_size": bench.pool_size,
+            "concurrency": bench.concurrency,
+            "measured_per_round": bench.requests,
+            "rounds": bench.rounds,
+            "warmup": bench.warmup,
+            "encoders": a.encoders,
+            "encoder_ms": a.encoder_ms,
+            "encoder_image_ms": a.encoder_image_ms,
+            "pd_ms": a.pd_ms,
+            "clients": a.clients,
+            "proxy_env": a.proxy_env,
+            "pinned": bench.pin,
+            "proxy_cpus": a.proxy_cpus if bench.pin else None,
+            "harness_cpus": a.harness_cpus if bench.pin else None,
             "cpu_count": __import__("os").cpu_count(),
         },
         "workload": {
-            "bodies": len(pool.bodies), "mean_images_per_request": pool.mean_images,
+            "bodies": len(pool.bodies),
+            "mean_images_per_request": pool.mean_images,
             "max_images_per_request": max(pool.images_per_request),
             "mean_image_kb": sum(pool.image_bytes) / len(pool.image_bytes) / 1024,
-            "min_image_kb": min(pool.image_bytes) / 1024, "max_image_kb": max(pool.image_bytes) / 1024,
+            "min_image_kb": min(pool.image_bytes) / 1024,
+            "max_image_kb": max(pool.image_bytes) / 1024,
             "mean_body_kb": sum(map(len, pool.bodies)) / len(pool.bodies) / 1024,
         },
         "floor": floor,
@@ -196,33 +234,100 @@ def table(result: dict[str, Any]) -> str:
         "",
     ]
     lines += _grid(
-        ["arm", "req/s", "req/s per round: median (min-max)", "req/s undisturbed rounds (n)", "mean ms", "p50 ms",
-         "p99 ms", "errors", "unloaded p50 ms", "unloaded p99 ms"],
-        [[a["name"], _f(a["req_per_s"]), _rounds(a.get("req_per_s_rounds")),
-          f"{_f(a.get('req_per_s_clean'))} ({a.get('clean_blocks', 0)})", _f(a["lat_mean_ms"]), _f(a["lat_p50_ms"]),
-          _f(a["lat_p99_ms"]), str(a["errors"]), _unloaded(a, "p50"), _unloaded(a, "p99")] for a in arms],
+        [
+            "arm",
+            "req/s",
+            "req/s per round: median (min-max)",
+            "req/s undisturbed rounds (n)",
+            "mean ms",
+            "p50 ms",
+            "p99 ms",
+            "errors",
+            "unloaded p50 ms",
+            "unloaded p99 ms",
+        ],
+        [
+            [
+                a["name"],
+                _f(a["req_per_s"]),
+                _rounds(a.get("req_per_s_rounds")),
+                f"{_f(a.get('req_per_s_clean'))} ({a.get('clean_blocks', 0)})",
+                _f(a["lat_mean_ms"]),
+                _f(a["lat_p50_ms"]),
+                _f(a["lat_p99_ms"]),
+                str(a["errors"]),
+                _unloaded(a, "p50"),
+                _unloaded(a, "p99"),
+            ]
+            for a in arms
+        ],
     )
     lines.append("")
     lines += _grid(
-        ["arm", "enc sub-req/round", "sub-req/req", "images/sub-req", "proxy CPU ms/req", "of it kernel %",
-         "req/s per proxy core (1000/CPU ms)", "proxy core %", "proxy peak RSS MB", "loadgen CPU ms/req",
-         "fakes CPU ms/req", "core0 %", "core1 %", "other load proxy/harness cores %"],
-        [[a["name"], _f(a.get("encoder_subrequests_per_round"), "{:.0f}"),
-          _f(a.get("encoder_subrequests_per_request"), "{:.2f}"), _f(a.get("images_per_subrequest"), "{:.2f}"),
-          _f(a.get("proxy_cpu_ms_per_request"), "{:.2f}"), _pct(a.get("proxy_sys_share")),
-          _f(a.get("req_per_s_per_proxy_core"), "{:.0f}"), _pct(a.get("proxy_cpu_util")),
-          _f(a.get("proxy_peak_rss_mb"), "{:.0f}"), _f(a.get("loadgen_cpu_ms_per_request"), "{:.2f}"),
-          _f(a.get("fakes_cpu_ms_per_request"), "{:.2f}"), _pct((a.get("core_busy") or {}).get("0")),
-          _pct((a.get("core_busy") or {}).get("1")), _other(a.get("other_load"))] for a in arms],
+        [
+            "arm",
+            "enc sub-req/round",
+            "sub-req/req",
+            "images/sub-req",
+            "proxy CPU ms/req",
+            "of it kernel %",
+            "req/s per proxy core (1000/CPU ms)",
+            "proxy core %",
+            "proxy peak RSS MB",
+            "loadgen CPU ms/req",
+            "fakes CPU ms/req",
+            "core0 %",
+            "core1 %",
+            "other load proxy/harness cores %",
+        ],
+        [
+            [
+                a["name"],
+                _f(a.get("encoder_subrequests_per_round"), "{:.0f}"),
+                _f(a.get("encoder_subrequests_per_request"), "{:.2f}"),
+                _f(a.get("images_per_subrequest"), "{:.2f}"),
+                _f(a.get("proxy_cpu_ms_per_request"), "{:.2f}"),
+                _pct(a.get("proxy_sys_share")),
+                _f(a.get("req_per_s_per_proxy_core"), "{:.0f}"),
+                _pct(a.get("proxy_cpu_util")),
+                _f(a.get("proxy_peak_rss_mb"), "{:.0f}"),
+                _f(a.get("loadgen_cpu_ms_per_request"), "{:.2f}"),
+                _f(a.get("fakes_cpu_ms_per_request"), "{:.2f}"),
+                _pct((a.get("core_busy") or {}).get("0")),
+                _pct((a.get("core_busy") or {}).get("1")),
+                _other(a.get("other_load")),
+            ]
+            for a in arms
+        ],
     )
     lines.append("")
     lines += _grid(
-        ["arm", "req/s x", "p50 x", "p99 x", "proxy CPU/req x", "enc sub-req x", "added p50 ms", "added p99 ms",
-         "added unloaded p50 ms", "added unloaded p99 ms"],
-        [[a["name"], *(_f(a.get("vs_first", {}).get(k), "{:.2f}")
-                       for k in ("req_per_s", "lat_p50", "lat_p99", "proxy_cpu_per_request", "encoder_subrequests")),
-          _f(a.get("added_latency_ms", {}).get("p50")), _f(a.get("added_latency_ms", {}).get("p99")),
-          _f(a.get("added_unloaded_ms", {}).get("p50")), _f(a.get("added_unloaded_ms", {}).get("p99"))] for a in arms],
+        [
+            "arm",
+            "req/s x",
+            "p50 x",
+            "p99 x",
+            "proxy CPU/req x",
+            "enc sub-req x",
+            "added p50 ms",
+            "added p99 ms",
+            "added unloaded p50 ms",
+            "added unloaded p99 ms",
+        ],
+        [
+            [
+                a["name"],
+                *(
+                    _f(a.get("vs_first", {}).get(k), "{:.2f}")
+                    for k in ("req_per_s", "lat_p50", "lat_p99", "proxy_cpu_per_request", "encoder_subrequests")
+                ),
+                _f(a.get("added_latency_ms", {}).get("p50")),
+                _f(a.get("added_latency_ms", {}).get("p99")),
+                _f(a.get("added_unloaded_ms", {}).get("p50")),
+                _f(a.get("added_unloaded_ms", {}).get("p99")),
+            ]
+            for a in arms
+        ],
     )
     f = result["floor"]
     lines += [
@@ -246,8 +351,9 @@ def write(out: Path, result: dict[str, Any], arms: list, chart: bool = True) -> 
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
     (out / "table.md").write_text(result["table_md"] + "\n")
-    (out / "latencies.json").write_bytes(orjson.dumps(
-        {arm.name: [round(x, 3) for x in arm.latencies_ms] for arm in arms if not arm.skipped}))
+    (out / "latencies.json").write_bytes(
+        orjson.dumps({arm.name: [round(x, 3) for x in arm.latencies_ms] for arm in arms if not arm.skipped})
+    )
     if chart:
         try:
             draw_chart(out / "chart.png", result, arms)
@@ -280,8 +386,9 @@ def draw_chart(path: Path, result: dict[str, Any], arms: list) -> None:
     for bar, name in zip(bars, names):
         cpu = by_name[name].get("proxy_cpu_ms_per_request")
         label = f"{bar.get_height():.0f}" + (f"\n{cpu:.2f} ms CPU/req" if cpu else "")
-        right.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
-                       fontsize=8)
+        right.annotate(
+            label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8
+        )
     right.set_ylabel("requests / s")
     right.set_title("throughput per arm (closed loop)")
     right.tick_params(axis="x", rotation=20)
@@ -338,7 +445,14 @@ def summarise_profile(raw: Path, top: int = 30) -> str:
             inclusive[f] += n
     if not total:
         return "py-spy recorded no samples\n"
-    lines = [f"py-spy busy samples: {total} (idle samples left out: {idle})", "", "## self time", "", "| % | function |", "|---|---|"]
+    lines = [
+        f"py-spy busy samples: {total} (idle samples left out: {idle})",
+        "",
+        "## self time",
+        "",
+        "| % | function |",
+        "|---|---|",
+    ]
     lines += [f"| {100 * n / total:.1f} | `{f}` |" for f, n in own.most_common(top)]
     lines += ["", "## inclusive time", "", "| % | function |", "|---|---|"]
     lines += [f"| {100 * n / total:.1f} | `{f}` |" for f, n in inclusive.most_common(top)]

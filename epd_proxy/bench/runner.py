@@ -40,10 +40,12 @@ class Preset:
 
 
 PRESETS = {
-    "quick": Preset(pool_size=24, concurrency=16, requests=48, rounds=2, warmup=16, real_requests=8,
-                    unloaded_requests=8),
-    "full": Preset(pool_size=128, concurrency=96, requests=768, rounds=4, warmup=96, real_requests=32,
-                   unloaded_requests=64),
+    "quick": Preset(
+        pool_size=24, concurrency=16, requests=48, rounds=2, warmup=16, real_requests=8, unloaded_requests=8
+    ),
+    "full": Preset(
+        pool_size=128, concurrency=96, requests=768, rounds=4, warmup=96, real_requests=32, unloaded_requests=64
+    ),
 }
 
 
@@ -68,8 +70,9 @@ class Arm:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m epd_proxy.bench", description=__doc__,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m epd_proxy.bench", description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--quick", action="store_true", help="small counts, < 60 s, for CI smoke tests")
     p.add_argument("--out", type=Path, default=None, help="results folder (default ./results/bench-<timestamp>)")
     p.add_argument("--cache-dir", type=Path, default=Path("work/bench-cache"), help="request-pool cache")
@@ -83,27 +86,50 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--encoder-ms", type=float, default=2.0, help="fake encoder cost per sub-request")
     p.add_argument("--encoder-image-ms", type=float, default=1.5, help="fake encoder cost per image")
     p.add_argument("--pd-ms", type=float, default=5.0, help="fake PD answer time")
-    p.add_argument("--arms", default="batched,per-item,direct,saturation,workers",
-                   help="comma-separated subset of batched, per-item, direct, saturation, workers")
+    p.add_argument(
+        "--arms",
+        default="batched,per-item,direct,saturation,workers",
+        help="comma-separated subset of batched, per-item, direct, saturation, workers",
+    )
     p.add_argument("--workers", type=int, default=2, help="proxy processes in the workers arm")
     p.add_argument("--clients", type=int, default=1, help="load generator processes")
     p.add_argument("--proxy-cpus", default="0", help="cores the proxies are pinned to")
     p.add_argument("--harness-cpus", default="1", help="cores for fakes and load generators")
     p.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
-    p.add_argument("--unloaded-requests", type=int, default=None,
-                   help="requests per arm per round sent one at a time for unloaded latency (0 = skip)")
-    p.add_argument("--real-stack-url", default=None,
-                   help="also measure an already-running proxy in front of real vLLM (tiny images)")
+    p.add_argument(
+        "--unloaded-requests",
+        type=int,
+        default=None,
+        help="requests per arm per round sent one at a time for unloaded latency (0 = skip)",
+    )
+    p.add_argument(
+        "--real-stack-url",
+        default=None,
+        help="also measure an already-running proxy in front of real vLLM (tiny images)",
+    )
     p.add_argument("--real-requests", type=int, default=None)
     p.add_argument("--real-concurrency", type=int, default=4)
-    p.add_argument("--profile-arm", default=None,
-                   help="record this arm's proxy with py-spy (needs py-spy); writes a flame graph and top frames")
+    p.add_argument(
+        "--profile-arm",
+        default=None,
+        help="record this arm's proxy with py-spy (needs py-spy); writes a flame graph and top frames",
+    )
     p.add_argument("--profile-native", action="store_true", help="py-spy --native: include C frames")
-    p.add_argument("--proxy-env", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra environment for the proxies (repeatable), e.g. to try interpreter settings")
-    p.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
-                   help="one more zero-cost batched arm whose proxy gets this environment, interleaved with "
-                        "the others: A/B a change against the saturation arm in one run (repeatable)")
+    p.add_argument(
+        "--proxy-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra environment for the proxies (repeatable), e.g. to try interpreter settings",
+    )
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+        help="one more zero-cost batched arm whose proxy gets this environment, interleaved with "
+        "the others: A/B a change against the saturation arm in one run (repeatable)",
+    )
     p.add_argument("--no-chart", action="store_true")
     return p.parse_args(argv)
 
@@ -159,16 +185,21 @@ def json_floor(bodies: list[bytes], repeat: int) -> dict[str, float]:
         for raw in bodies:
             orjson.dumps(orjson.loads(raw))
     json_ms = (time.process_time() - start) * 1000 / (repeat * len(bodies))
-    urls = [[p["image_url"]["url"].encode() for m in body["messages"] for p in m["content"] if p.get("type") == "image_url"]
-            for body in parsed]
+    urls = [
+        [p["image_url"]["url"].encode() for m in body["messages"] for p in m["content"] if p.get("type") == "image_url"]
+        for body in parsed
+    ]
     start = time.process_time()
     for _ in range(repeat):
         for group in urls:
             for url in group:
                 hashlib.sha256(url).hexdigest()
     sha_ms = (time.process_time() - start) * 1000 / (repeat * len(bodies))
-    return {"json_loads_dumps_ms_per_request": json_ms, "sha256_urls_ms_per_request": sha_ms,
-            "mean_body_kb": sum(map(len, bodies)) / len(bodies) / 1024}
+    return {
+        "json_loads_dumps_ms_per_request": json_ms,
+        "sha256_urls_ms_per_request": sha_ms,
+        "mean_body_kb": sum(map(len, bodies)) / len(bodies) / 1024,
+    }
 
 
 class Bench:
@@ -200,11 +231,15 @@ class Bench:
         servers = []
         for cluster, enc_ms, img_ms, pd_ms in ((COST, a.encoder_ms, a.encoder_image_ms, a.pd_ms), (FREE, 0, 0, 0)):
             for i in range(a.encoders):
-                servers.append({"name": f"{cluster}-e{i}", "role": "encode", "per_request_ms": enc_ms,
-                                "per_image_ms": img_ms})
+                servers.append(
+                    {"name": f"{cluster}-e{i}", "role": "encode", "per_request_ms": enc_ms, "per_image_ms": img_ms}
+                )
             servers.append({"name": f"{cluster}-pd", "role": "pd", "delay_ms": pd_ms})
-        self.fakes = subprocess.Popen([sys.executable, "-m", "epd_proxy.bench.fakes", orjson.dumps({"servers": servers})],
-                                      stdout=subprocess.PIPE, text=True)
+        self.fakes = subprocess.Popen(
+            [sys.executable, "-m", "epd_proxy.bench.fakes", orjson.dumps({"servers": servers})],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         self.children.append(self.fakes)
         import select
 
@@ -221,10 +256,22 @@ class Bench:
         encoders, pd = self.fake_names(arm.cluster)
         arm.port = free_port()
         cmd = [
-            sys.executable, "-m", "epd_proxy", "serve", "--host", "127.0.0.1", "--port", str(arm.port),
-            "--encode-servers-urls", ",".join(f"http://127.0.0.1:{self.fake_ports[e]}" for e in encoders),
-            "--decode-servers-urls", f"http://127.0.0.1:{self.fake_ports[pd]}",
-            "--encoder-max-batch-size", str(arm.batch), "--log-level", "WARNING",
+            sys.executable,
+            "-m",
+            "epd_proxy",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(arm.port),
+            "--encode-servers-urls",
+            ",".join(f"http://127.0.0.1:{self.fake_ports[e]}" for e in encoders),
+            "--decode-servers-urls",
+            f"http://127.0.0.1:{self.fake_ports[pd]}",
+            "--encoder-max-batch-size",
+            str(arm.batch),
+            "--log-level",
+            "WARNING",
         ]
         if arm.workers > 1:
             cmd += ["--workers", str(arm.workers)]
@@ -242,8 +289,9 @@ class Bench:
 
     def stats(self, cluster: str) -> dict[str, dict]:
         encoders, pd = self.fake_names(cluster)
-        return {name: orjson.loads(http_get(f"http://127.0.0.1:{self.fake_ports[name]}/stats"))
-                for name in (*encoders, pd)}
+        return {
+            name: orjson.loads(http_get(f"http://127.0.0.1:{self.fake_ports[name]}/stats")) for name in (*encoders, pd)
+        }
 
     # -- arms ------------------------------------------------------------------------------------
     def build_arms(self) -> list[Arm]:
@@ -259,8 +307,14 @@ class Bench:
             elif name == "saturation":
                 arms.append(Arm("saturation", "proxy", FREE, batch=0, note="batched, fake costs 0: proxy-bound"))
             elif name == "workers":
-                arm = Arm(f"workers-{self.args.workers}", "proxy", FREE, batch=0, workers=self.args.workers,
-                          note=f"batched, fake costs 0, --workers {self.args.workers}")
+                arm = Arm(
+                    f"workers-{self.args.workers}",
+                    "proxy",
+                    FREE,
+                    batch=0,
+                    workers=self.args.workers,
+                    note=f"batched, fake costs 0, --workers {self.args.workers}",
+                )
                 if not proxy_supports_workers():
                     arm.skipped = "`epd-proxy serve --help` has no --workers flag"
                 elif self.pin and len(_cpus(self.args.proxy_cpus)) < 2:
@@ -289,11 +343,15 @@ class Bench:
         offset = (round_no * self.unloaded_requests) % n
         schedule = [((offset + n // 2) % n, f"w{round_no}.{arm_no}-u")]
         schedule += [((offset + i) % n, f"u{round_no}.{arm_no}-{i}") for i in range(self.unloaded_requests)]
-        targets = [(arm.port, arm.unloaded_ms)] if arm.kind == "proxy" else [
-            (self.fake_ports[self.fake_names(COST)[1]], arm.unloaded_ms),
-            # The zero-cost PD is the floor for the zero-cost proxy arms: their difference is the proxy alone.
-            (self.fake_ports[self.fake_names(FREE)[1]], arm.unloaded_free_ms),
-        ]
+        targets = (
+            [(arm.port, arm.unloaded_ms)]
+            if arm.kind == "proxy"
+            else [
+                (self.fake_ports[self.fake_names(COST)[1]], arm.unloaded_ms),
+                # The zero-cost PD is the floor for the zero-cost proxy arms: their difference is the proxy alone.
+                (self.fake_ports[self.fake_names(FREE)[1]], arm.unloaded_free_ms),
+            ]
+        )
         for port, sink in targets:
             results = self.clients.run(Block("127.0.0.1", port, "/v1/chat/completions", 1, schedule))
             sink.extend((r[2] - r[1]) * 1000 for r in results if r[0].startswith("u") and r[3] == 200)
@@ -380,17 +438,30 @@ class Bench:
         schedule = [(i % self.real_pool_size, f"w-real-{i}") for i in range(2)]
         schedule += [(i % self.real_pool_size, f"m-real-{i}") for i in range(self.real_requests)]
         started = time.perf_counter()
-        results = self.clients.run(Block(parts.hostname, parts.port or 80, "/v1/chat/completions",
-                                         self.args.real_concurrency, schedule, pool="real"))
+        results = self.clients.run(
+            Block(
+                parts.hostname,
+                parts.port or 80,
+                "/v1/chat/completions",
+                self.args.real_concurrency,
+                schedule,
+                pool="real",
+            )
+        )
         measured = [r for r in results if r[0].startswith("m")]
         ok = [r for r in measured if r[3] == 200]
         arm.latencies_ms.extend((r[2] - r[1]) * 1000 for r in ok)
-        arm.blocks.append({
-            "round": 0, "measured": len(measured), "errors": len(measured) - len(ok),
-            "all_requests": len(results), "all_errors": sum(1 for r in results if r[3] != 200),
-            "window_s": (max(r[2] for r in measured) - min(r[1] for r in measured)) if measured else 0.0,
-            "wall_s": time.perf_counter() - started,
-        })
+        arm.blocks.append(
+            {
+                "round": 0,
+                "measured": len(measured),
+                "errors": len(measured) - len(ok),
+                "all_requests": len(results),
+                "all_errors": sum(1 for r in results if r[3] != 200),
+                "window_s": (max(r[2] for r in measured) - min(r[1] for r in measured)) if measured else 0.0,
+                "wall_s": time.perf_counter() - started,
+            }
+        )
 
     # -- profiling -------------------------------------------------------------------------------
     def start_profile(self, arm: Arm) -> None:
@@ -401,8 +472,19 @@ class Bench:
             self.notes.append("--profile-arm: py-spy not found (pip install py-spy)")
             return
         self.profile_raw = self.out / f"profile-{arm.name}.txt"
-        cmd = [exe, "record", "--pid", str(arm.proc.pid), "--rate", "200", "--subprocesses",
-               "--format", "raw", "--output", str(self.profile_raw)]
+        cmd = [
+            exe,
+            "record",
+            "--pid",
+            str(arm.proc.pid),
+            "--rate",
+            "200",
+            "--subprocesses",
+            "--format",
+            "raw",
+            "--output",
+            str(self.profile_raw),
+        ]
         # --native must pause the process to unwind C stacks; plain sampling need not.
         cmd.append("--native" if self.args.profile_native else "--nonblocking")
         with open(self.out / "py-spy.log", "wb") as log:
@@ -432,10 +514,13 @@ class Bench:
         pool = get_pool(WorkloadSpec(seed=a.seed, requests=self.pool_size), a.cache_dir)
         self.pool_size = len(pool.bodies)
         pool_paths = {"main": str(pool.path)}
-        print(f"workload: {len(pool.bodies)} bodies, {pool.mean_images:.2f} images/request, "
-              f"{sum(pool.image_bytes) / len(pool.image_bytes) / 1024:.0f} KB/image, "
-              f"{sum(map(len, pool.bodies)) / len(pool.bodies) / 1024:.0f} KB/body "
-              f"(ready in {time.perf_counter() - t0:.1f} s; {pool.path})", flush=True)
+        print(
+            f"workload: {len(pool.bodies)} bodies, {pool.mean_images:.2f} images/request, "
+            f"{sum(pool.image_bytes) / len(pool.image_bytes) / 1024:.0f} KB/image, "
+            f"{sum(map(len, pool.bodies)) / len(pool.bodies) / 1024:.0f} KB/body "
+            f"(ready in {time.perf_counter() - t0:.1f} s; {pool.path})",
+            flush=True,
+        )
         if a.real_stack_url:
             model = self.real_model(a.real_stack_url.rstrip("/"))
             real = get_pool(WorkloadSpec(seed=a.seed, requests=16, tiny=True, model=model), a.cache_dir)
@@ -465,10 +550,19 @@ class Bench:
                     self.run_block(arm, r, i)
                     b = arm.blocks[-1]
                     other = b.get("other_load")
-                    disturbed = (f", other load on proxy/harness cores {100 * other['proxy_cores']:.0f}%/"
-                                 f"{100 * other['harness_cores']:.0f}%") if other else ""
-                    print(f"round {r + 1}/{self.rounds} {arm.name:>12}: {b['measured'] / b['window_s']:8.1f} req/s, "
-                          f"errors {b['errors']}{disturbed}", flush=True)
+                    disturbed = (
+                        (
+                            f", other load on proxy/harness cores {100 * other['proxy_cores']:.0f}%/"
+                            f"{100 * other['harness_cores']:.0f}%"
+                        )
+                        if other
+                        else ""
+                    )
+                    print(
+                        f"round {r + 1}/{self.rounds} {arm.name:>12}: {b['measured'] / b['window_s']:8.1f} req/s, "
+                        f"errors {b['errors']}{disturbed}",
+                        flush=True,
+                    )
                 if self.unloaded_requests > 0:
                     for i, arm in order:
                         self.run_unloaded(arm, r, i)

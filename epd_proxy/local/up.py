@@ -7,8 +7,8 @@ import base64
 import json
 import shlex
 import signal
-import sys
 import struct
+import sys
 import time
 import zlib
 from pathlib import Path
@@ -41,26 +41,32 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="logs, EC store, caches (default ./work/local-stack)",
     )
-    p.add_argument("--base-port", type=int, default=8200,
-                   help="PD port; encoders use the next ports, then the baseline (default 8200)")
+    p.add_argument(
+        "--base-port",
+        type=int,
+        default=8200,
+        help="PD port; encoders use the next ports, then the baseline (default 8200)",
+    )
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--baseline", action="store_true",
-                   help="also start a plain vLLM instance (no EC role) for comparisons")
+    p.add_argument(
+        "--baseline", action="store_true", help="also start a plain vLLM instance (no EC role) for comparisons"
+    )
     p.add_argument("--health-timeout", type=float, default=240.0, help="seconds (default 240)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--limit-mm-per-prompt", default='{"image": 16}')
-    p.add_argument("--no-lean", dest="lean", action="store_false",
-                   help="drop --enforce-eager and the small PD KV cache (real hardware)")
-    p.add_argument("--pd-debug-log", action="store_true",
-                   help="run PD with VLLM_LOGGING_LEVEL=DEBUG (shows EC cache loads)")
-    p.add_argument("--vllm-args", default="",
-                   help="extra arguments for every vLLM server, one shell-quoted string")
-    p.add_argument("--proxy-args", default="",
-                   help="extra arguments for `epd-proxy serve`, one shell-quoted string")
-    p.add_argument("--keep-ec-store", action="store_true",
-                   help="do not clear the EC store folder at start")
-    p.add_argument("--dry-run", action="store_true",
-                   help="print the shell commands that would run, then exit")
+    p.add_argument(
+        "--no-lean",
+        dest="lean",
+        action="store_false",
+        help="drop --enforce-eager and the small PD KV cache (real hardware)",
+    )
+    p.add_argument(
+        "--pd-debug-log", action="store_true", help="run PD with VLLM_LOGGING_LEVEL=DEBUG (shows EC cache loads)"
+    )
+    p.add_argument("--vllm-args", default="", help="extra arguments for every vLLM server, one shell-quoted string")
+    p.add_argument("--proxy-args", default="", help="extra arguments for `epd-proxy serve`, one shell-quoted string")
+    p.add_argument("--keep-ec-store", action="store_true", help="do not clear the EC store folder at start")
+    p.add_argument("--dry-run", action="store_true", help="print the shell commands that would run, then exit")
     return p
 
 
@@ -95,10 +101,7 @@ def tiny_png_data_url(size: int = 56, rgb: tuple[int, int, int] = (200, 40, 40))
     raw = b"".join(b"\x00" + bytes(rgb) * size for _ in range(size))
 
     def chunk(kind: bytes, data: bytes) -> bytes:
-        return (
-            struct.pack(">I", len(data)) + kind + data
-            + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-        )
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
 
     png = (
         b"\x89PNG\r\n\x1a\n"
@@ -142,8 +145,7 @@ def ready_banner(stack: LocalStack) -> str:
     if stack.baseline_url:
         lines.append(f"  baseline: {stack.baseline_url}")
     lines += [
-        "  memory:   " + ", ".join(f"{k} {v:.0f} MiB" for k, v in stack.memory_report().items())
-        + " (PSS)",
+        "  memory:   " + ", ".join(f"{k} {v:.0f} MiB" for k, v in stack.memory_report().items()) + " (PSS)",
         f"  logs:     {stack.log_dir}",
         f"  EC store: {stack.ec_store}",
         "",
@@ -158,7 +160,7 @@ def ready_banner(stack: LocalStack) -> str:
         + (' extra_body={"allowed_token_ids": list(range(97, 123))},' if tiny else ""),
         '      messages=[{"role": "user", "content": [',
         '          {"type": "text", "text": "What is in the picture?"},',
-        '          {"type": "image_url", "image_url": {"url": "%s"}}]}])' % image,
+        '          {"type": "image_url", "image_url": {"url": "' + image + '"}}]}])',
         "  print(r.choices[0].message.content)",
         "",
         "Ctrl-C stops every server.",

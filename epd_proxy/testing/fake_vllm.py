@@ -81,6 +81,11 @@ class Faults:
     fail_body: str = "injected failure"
     delay_s: float = 0.0
 
+    def fail_next(self, times: int = 1, status: int = 500, body: str | None = None) -> None:
+        self.fail_times, self.fail_status = times, status
+        if body is not None:
+            self.fail_body = body
+
     async def apply(self, request: web.Request) -> web.Response | None:
         if self.delay_s:
             await asyncio.sleep(self.delay_s)

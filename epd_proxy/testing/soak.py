@@ -52,13 +52,13 @@ class ChaosFaults(Faults):
         roll = self.rng.random()
         if roll < 0.04:
             self.injected["drop"] += 1
-            self.fail_times, self.fail_status = 1, 0
+            self.fail_next(1, 0)
         elif roll < 0.08:
             self.injected["http_500"] += 1
-            self.fail_times, self.fail_status = 1, 500
+            self.fail_next(1, 500)
         elif roll < 0.11:
             self.injected["http_503"] += 1
-            self.fail_times, self.fail_status = 1, 503
+            self.fail_next(1, 503)
         elif roll < 0.13:
             self.injected["stall"] += 1
             await asyncio.sleep(STALL_S)

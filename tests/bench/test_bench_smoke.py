@@ -15,10 +15,26 @@ from pathlib import Path
 def test_quick_bench_writes_results_and_batching_sends_fewer_subrequests(tmp_path: Path) -> None:
     out = tmp_path / "results"
     cmd = [
-        sys.executable, "-m", "epd_proxy.bench", "--quick",
-        "--out", str(out), "--cache-dir", str(tmp_path / "cache"),
-        "--pool-size", "8", "--requests", "16", "--rounds", "2", "--warmup", "4", "--concurrency", "4",
-        "--arms", "batched,per-item,direct",
+        sys.executable,
+        "-m",
+        "epd_proxy.bench",
+        "--quick",
+        "--out",
+        str(out),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--pool-size",
+        "8",
+        "--requests",
+        "16",
+        "--rounds",
+        "2",
+        "--warmup",
+        "4",
+        "--concurrency",
+        "4",
+        "--arms",
+        "batched,per-item,direct",
     ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

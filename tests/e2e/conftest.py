@@ -78,15 +78,26 @@ class FidelityTable:
     def check(self, case: str, got: dict, want: dict) -> None:
         g, w = comparable(got), comparable(want)
         text = lambda c: c["choices"][0]["message"]["content"] if c["choices"] else ""  # noqa: E731
-        logprobs = "n/a" if w["choices"][0]["logprobs"] is None else (
-            "same" if g["choices"][0]["logprobs"] == w["choices"][0]["logprobs"] else "DIFFERENT")
+        logprobs = (
+            "n/a"
+            if w["choices"][0]["logprobs"] is None
+            else ("same" if g["choices"][0]["logprobs"] == w["choices"][0]["logprobs"] else "DIFFERENT")
+        )
         usage = "same" if g["usage"] == w["usage"] else "DIFFERENT"
         self.rows.append((case, text(w), text(g), usage, logprobs, g == w))
         assert g == w, f"{case}: proxy answer differs from the baseline"
 
     def record_text(self, case: str, got_text: str, want_text: str, usage_same: bool) -> None:
-        self.rows.append((case, want_text, got_text, "same" if usage_same else "DIFFERENT", "n/a",
-                          got_text == want_text and usage_same))
+        self.rows.append(
+            (
+                case,
+                want_text,
+                got_text,
+                "same" if usage_same else "DIFFERENT",
+                "n/a",
+                got_text == want_text and usage_same,
+            )
+        )
 
     def markdown(self) -> str:
         lines = ["| case | baseline | EPD via proxy | usage | logprobs | match |", "|---|---|---|---|---|---|"]
@@ -104,6 +115,8 @@ def fidelity(stack, request):
         reporter = request.config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
             reporter.write_line("")
-            reporter.write_line(f"[e2e] fidelity, proxy (2 encoders + PD) vs one plain vLLM ({stack.work_dir}/fidelity.md):")
+            reporter.write_line(
+                f"[e2e] fidelity, proxy (2 encoders + PD) vs one plain vLLM ({stack.work_dir}/fidelity.md):"
+            )
             for line in report.splitlines():
                 reporter.write_line(line)

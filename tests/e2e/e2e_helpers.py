@@ -111,7 +111,7 @@ def text_of(resp: dict) -> str:
     return resp["choices"][0]["message"]["content"]
 
 
-_METRIC_RE = re.compile(r'^vllm:request_success_total\{([^}]*)\}\s+([0-9.eE+-]+)$', re.M)
+_METRIC_RE = re.compile(r"^vllm:request_success_total\{([^}]*)\}\s+([0-9.eE+-]+)$", re.M)
 
 
 def finished_requests(base_url: str) -> float:
@@ -147,11 +147,7 @@ def store_entries(store: Path) -> dict[str, bool]:
     """EC store folders -> whether they hold a saved embedding."""
     if not store.exists():
         return {}
-    return {
-        p.name: (p / "encoder_cache.safetensors").is_file()
-        for p in store.iterdir()
-        if p.is_dir()
-    }
+    return {p.name: (p / "encoder_cache.safetensors").is_file() for p in store.iterdir() if p.is_dir()}
 
 
 def loaded_hashes(pd_log: Path) -> list[str]:

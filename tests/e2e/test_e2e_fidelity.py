@@ -14,8 +14,8 @@ import pytest
 
 from .e2e_helpers import (
     BLACK_BG,
-    MODEL,
     LOWERCASE_IDS,
+    MODEL,
     SMALL_SIZE_KWARGS,
     chat_body,
     chat_ok,
@@ -105,8 +105,7 @@ def test_rgba_with_processing_options(stack, fidelity):
     assert set(new) <= set(loaded_hashes(stack.log_path("pd")))
 
 
-@pytest.mark.parametrize("options", [{}, {"mm_processor_kwargs": SMALL_SIZE_KWARGS}],
-                         ids=["default", "small-size"])
+@pytest.mark.parametrize("options", [{}, {"mm_processor_kwargs": SMALL_SIZE_KWARGS}], ids=["default", "small-size"])
 def test_five_images_with_repeat_over_two_encoders(stack, fidelity, options):
     a, b, c, d = fresh(4)
     images = [a, b, a, c, d]
@@ -217,9 +216,7 @@ def test_proxy_refuses_client_embeds_references(stack):
     )
     status, data = post_json(stack.proxy_url, body)
     assert 400 <= status < 500, (status, data)
-    status, data = post_json(
-        stack.proxy_url, chat_body(fresh(1), ec_transfer_params={bogus: {"metadata": {}}})
-    )
+    status, data = post_json(stack.proxy_url, chat_body(fresh(1), ec_transfer_params={bogus: {"metadata": {}}}))
     assert 400 <= status < 500, (status, data)
     assert http_ok(stack.by_name("pd").health_url), "PD died"
     chat_ok(stack.proxy_url, chat_body(fresh(1)))
@@ -297,8 +294,7 @@ def test_zz_negative_control_options_not_forwarded(stack):
     uuid = hashlib.sha256(x.encode()).hexdigest()
     enc_body = {
         "model": MODEL,
-        "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": x}, "uuid": uuid}]}],
+        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": x}, "uuid": uuid}]}],
         "stream": False,
     }
     enc = chat_ok(stack.encoder_urls[0], enc_body)
@@ -309,9 +305,7 @@ def test_zz_negative_control_options_not_forwarded(stack):
         for k, val in params[uuid]["metadata"].items()
     }
     pd_body = chat_body([], **opts)
-    pd_body["messages"][0]["content"].append(
-        {"type": "image_embeds", "image_embeds": meta, "uuid": uuid}
-    )
+    pd_body["messages"][0]["content"].append({"type": "image_embeds", "image_embeds": meta, "uuid": uuid})
     pd_body["allowed_token_ids"] = LOWERCASE_IDS
     status, data = post_json(stack.pd_url, pd_body, timeout=60)
     if status == 200:

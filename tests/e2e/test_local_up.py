@@ -24,8 +24,9 @@ def test_cores_spread_when_plenty():
 
 def test_dry_run_is_shell(capsys):
     work = Path("/nonexistent-epd-dry-run/w")
-    rc = up_main(["--encoders", "2", "--baseline", "--dry-run", "--work-dir", str(work),
-                  "--port", "8123", "--base-port", "8300"])
+    rc = up_main(
+        ["--encoders", "2", "--baseline", "--dry-run", "--work-dir", str(work), "--port", "8123", "--base-port", "8300"]
+    )
     assert rc == 0
     out = capsys.readouterr().out
     assert not work.exists(), "dry run must not touch the disk"
@@ -60,8 +61,7 @@ def test_local_package_imports_without_torch():
 
 
 def test_stack_urls():
-    st = LocalStack(StackConfig(encoders=3, baseline=True, base_port=9000, port=9100,
-                                work_dir=Path("/nonexistent/w")))
+    st = LocalStack(StackConfig(encoders=3, baseline=True, base_port=9000, port=9100, work_dir=Path("/nonexistent/w")))
     assert st.pd_url == "http://127.0.0.1:9000"
     assert st.encoder_urls == [f"http://127.0.0.1:{p}" for p in (9001, 9002, 9003)]
     assert st.baseline_url == "http://127.0.0.1:9004"
@@ -98,6 +98,7 @@ def test_work_dir_of_a_live_stack_is_not_taken_over():
             LocalStack(StackConfig(work_dir=work))._reap_stale()
     finally:
         import shutil
+
         shutil.rmtree(work, ignore_errors=True)
 
 
@@ -115,10 +116,17 @@ def test_stale_groups_from_a_killed_run_are_stopped():
     proc = subprocess.Popen(cmd, start_new_session=True)
     try:
         time.sleep(0.3)
-        (work / STATE_FILE).write_text(json.dumps(
-            {"processes": [{"name": "pd", "pgid": proc.pid, "cmd": cmd},
-                           # not ours: command differs, must be left alone
-                           {"name": "x", "pgid": os.getpid(), "cmd": ["nope"]}]}))
+        (work / STATE_FILE).write_text(
+            json.dumps(
+                {
+                    "processes": [
+                        {"name": "pd", "pgid": proc.pid, "cmd": cmd},
+                        # not ours: command differs, must be left alone
+                        {"name": "x", "pgid": os.getpid(), "cmd": ["nope"]},
+                    ]
+                }
+            )
+        )
         st = LocalStack(StackConfig(work_dir=work, stop_grace=2.0), progress_stream=open(os.devnull, "w"))
         st._reap_stale()
         assert proc.wait(timeout=5) is not None
@@ -128,4 +136,5 @@ def test_stale_groups_from_a_killed_run_are_stopped():
         if proc.poll() is None:
             proc.kill()
         import shutil
+
         shutil.rmtree(work, ignore_errors=True)

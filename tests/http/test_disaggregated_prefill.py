@@ -23,9 +23,7 @@ async def test_prefill_gets_one_token_copy_and_decode_gets_its_kv_params(make_st
 
 async def test_prefill_error_keeps_its_status_and_message(make_stack):
     stack = await make_stack(encoders=1, prefills=1)
-    stack.prefills[0].faults.fail_times = 1
-    stack.prefills[0].faults.fail_status = 400
-    stack.prefills[0].faults.fail_body = "prompt too long for prefill"
+    stack.prefills[0].faults.fail_next(1, 400, "prompt too long for prefill")
     async with await stack.chat(chat(image("A"))) as resp:
         assert resp.status == 400
         assert resp.headers["x-epd-stage"] == "prefill"
@@ -35,7 +33,7 @@ async def test_prefill_error_keeps_its_status_and_message(make_stack):
 
 async def test_prefill_500_re_encodes_and_retries(make_stack):
     stack = await make_stack(encoders=1, prefills=1, decode_retries=1)
-    stack.prefills[0].faults.fail_times = 1
+    stack.prefills[0].faults.fail_next()
     async with await stack.chat(chat(image("A"))) as resp:
         assert resp.status == 200
     assert len(stack.encoder_requests()) == 2 and len(stack.prefills[0].requests) == 2
@@ -43,7 +41,7 @@ async def test_prefill_500_re_encodes_and_retries(make_stack):
 
 async def test_a_retry_never_inherits_the_previous_attempts_kv_or_transfer_ids(make_stack):
     stack = await make_stack(encoders=1, prefills=1, decode_retries=1)
-    stack.pd.faults.fail_times = 1
+    stack.pd.faults.fail_next()
     async with await stack.chat(chat(image("A"))) as resp:
         assert resp.status == 200
     first, second = (seen.body for seen in stack.pd.requests)

@@ -16,8 +16,7 @@ async def error_of(resp):
 
 async def test_encoder_transport_error_is_502_when_no_other_encoder(make_stack):
     stack = await make_stack(encoders=1)
-    stack.encoders[0].faults.fail_times = 1
-    stack.encoders[0].faults.fail_status = 0  # drop the connection
+    stack.encoders[0].faults.fail_next(1, 0)  # drop the connection
     async with await stack.chat(chat(image("A"))) as resp:
         assert resp.status == 502
         error = await error_of(resp)
@@ -36,8 +35,7 @@ async def test_encoder_refusing_connections_is_502(make_stack):
 @pytest.mark.parametrize("status", [400, 413, 503])
 async def test_encoder_non_200_keeps_its_status_when_not_failed_over(make_stack, status):
     stack = await make_stack(encoders=1)
-    stack.encoders[0].faults.fail_times = 1
-    stack.encoders[0].faults.fail_status = status
+    stack.encoders[0].faults.fail_next(1, status)
     async with await stack.chat(chat(image("A"))) as resp:
         assert resp.status == status
         assert "Encoder request failed" in (await error_of(resp))["message"]
@@ -45,8 +43,7 @@ async def test_encoder_non_200_keeps_its_status_when_not_failed_over(make_stack,
 
 async def test_encoder_5xx_fails_over_to_another_encoder(make_stack):
     stack = await make_stack(encoders=2)
-    stack.encoders[0].faults.fail_times = 1
-    stack.encoders[0].faults.fail_status = 503
+    stack.encoders[0].faults.fail_next(1, 503)
     async with await stack.chat(chat(image("A"))) as resp:
         assert resp.status == 200
     assert len(stack.encoders[0].requests) == 1 and len(stack.encoders[1].requests) == 1
@@ -56,8 +53,7 @@ async def test_encoder_5xx_fails_over_to_another_encoder(make_stack):
 
 async def test_encoder_4xx_is_not_failed_over(make_stack):
     stack = await make_stack(encoders=2)
-    stack.encoders[0].faults.fail_times = 1
-    stack.encoders[0].faults.fail_status = 400
+    stack.encoders[0].faults.fail_next(1, 400)
     async with await stack.chat(chat(image("A"))) as resp:
         assert resp.status == 400
     assert stack.encoders[1].requests == []
@@ -65,8 +61,7 @@ async def test_encoder_4xx_is_not_failed_over(make_stack):
 
 async def test_one_failed_group_cancels_the_others(make_stack):
     stack = await make_stack(encoders=2, encoder_failovers=0)
-    stack.encoders[0].faults.fail_times = 1
-    stack.encoders[0].faults.fail_status = 400
+    stack.encoders[0].faults.fail_next(1, 400)
     stack.encoders[1].faults.delay_s = 5
     async with asyncio.timeout(3):
         async with await stack.chat(chat(image("A"), image("B"))) as resp:
@@ -96,7 +91,7 @@ async def test_hanging_decode_times_out_with_504(make_stack):
 
 async def test_decode_500_is_retried_then_reported(make_stack):
     stack = await make_stack(encoders=1, decode_retries=2)
-    stack.pd.faults.fail_times = 5
+    stack.pd.faults.fail_next(5)
     async with await stack.chat(chat(image("A"))) as resp:
         assert resp.status == 500
         assert resp.headers["x-epd-stage"] == "decode"
@@ -106,8 +101,7 @@ async def test_decode_500_is_retried_then_reported(make_stack):
 
 async def test_decode_4xx_is_not_retried(make_stack):
     stack = await make_stack(encoders=1, decode_retries=3)
-    stack.pd.faults.fail_times = 1
-    stack.pd.faults.fail_status = 400
+    stack.pd.faults.fail_next(1, 400)
     async with await stack.chat(chat(image("A"))) as resp:
         assert resp.status == 400
     assert len(stack.pd.requests) == 1
@@ -123,8 +117,7 @@ async def test_decode_unreachable_is_502(make_stack):
 
 async def test_encoder_answering_non_json_leaves_media_raw(make_stack):
     stack = await make_stack(encoders=1)
-    stack.encoders[0].faults.fail_times = 1
-    stack.encoders[0].faults.fail_status = 200
+    stack.encoders[0].faults.fail_next(1, 200)
     async with await stack.chat(chat(image("A"))) as resp:
         assert resp.status == 200
     part = stack.pd.requests[0].body["messages"][0]["content"][1]

@@ -35,8 +35,7 @@ async def test_streaming_completion(make_stack):
 
 async def test_errors_surface_as_openai_exceptions(make_stack):
     stack = await make_stack(encoders=1)
-    stack.encoders[0].faults.fail_times = 1
-    stack.encoders[0].faults.fail_status = 400
+    stack.encoders[0].faults.fail_next(1, 400)
     async with client_for(stack) as client:
         with pytest.raises(openai.BadRequestError) as err:
             await client.chat.completions.create(model="tiny-vlm", messages=MESSAGES, stream=True)

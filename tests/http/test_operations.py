@@ -109,16 +109,14 @@ async def test_probes_evict_a_failing_encoder_and_bring_it_back(make_stack):
 
 async def test_live_transport_failures_evict_and_relayed_errors_do_not(make_stack):
     stack = await make_stack(encoders=2, probe_interval_s=0, fail_threshold=2, encoder_failovers=1)
-    stack.encoders[1].faults.fail_times = 2
-    stack.encoders[1].faults.fail_status = 0
+    stack.encoders[1].faults.fail_next(2, 0)
     for _ in range(4):
         async with await stack.chat(chat(image("A"))) as resp:
             assert resp.status == 200  # each failure fails over to encoder 0
     async with stack.client.get(stack.url + "/health") as resp:
         body = await resp.json()
     assert body["instances"][stack.backend_urls["e"][1]]["in_rotation"] is False
-    stack.pd.faults.fail_times = 5
-    stack.pd.faults.fail_status = 400
+    stack.pd.faults.fail_next(5, 400)
     for _ in range(3):
         async with await stack.chat(chat()) as resp:
             assert resp.status == 400
@@ -129,8 +127,7 @@ async def test_live_transport_failures_evict_and_relayed_errors_do_not(make_stac
 
 async def test_metrics_show_stages_fan_out_and_failover(make_stack):
     stack = await make_stack(encoders=2)
-    stack.encoders[0].faults.fail_times = 1
-    stack.encoders[0].faults.fail_status = 503
+    stack.encoders[0].faults.fail_next(1, 503)
     async with await stack.chat(chat(image("A"), image("B"), image("C"))) as resp:
         assert resp.status == 200
     async with stack.client.get(stack.url + "/metrics") as resp:

@@ -35,8 +35,7 @@ async def test_stream_is_relayed_byte_for_byte(make_stack):
 
 async def test_stream_failure_before_decode_is_a_real_error_status(make_stack):
     stack = await make_stack(encoders=1)
-    stack.encoders[0].faults.fail_times = 1
-    stack.encoders[0].faults.fail_status = 400
+    stack.encoders[0].faults.fail_next(1, 400)
     async with await stack.chat(chat(image("A"), stream=True)) as resp:
         assert resp.status == 400
         assert resp.headers["Content-Type"].startswith("application/json")
@@ -45,7 +44,7 @@ async def test_stream_failure_before_decode_is_a_real_error_status(make_stack):
 
 async def test_stream_retries_on_decode_500_before_first_byte(make_stack):
     stack = await make_stack(encoders=1, decode_retries=1)
-    stack.pd.faults.fail_times = 1
+    stack.pd.faults.fail_next()
     async with await stack.chat(chat(image("A"), stream=True)) as resp:
         assert resp.status == 200
         assert (await read_stream(resp)).endswith(b"data: [DONE]\n\n")
@@ -54,9 +53,7 @@ async def test_stream_retries_on_decode_500_before_first_byte(make_stack):
 
 async def test_stream_decode_error_keeps_decodes_status_and_body(make_stack):
     stack = await make_stack(encoders=1, decode_retries=0)
-    stack.pd.faults.fail_times = 1
-    stack.pd.faults.fail_status = 503
-    stack.pd.faults.fail_body = "overloaded"
+    stack.pd.faults.fail_next(1, 503, "overloaded")
     async with await stack.chat(chat(image("A"), stream=True)) as resp:
         assert resp.status == 503
         assert (await resp.json())["error"]["message"] == "overloaded"
