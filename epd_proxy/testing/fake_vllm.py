@@ -142,6 +142,8 @@ class FakeVLLM:
         self.loaded_from_cache = 0
         self.encoded_locally = 0
         self.cancelled = 0
+        self.active = 0
+        self.max_active = 0
         self._ids = itertools.count()
 
     def app(self) -> web.Application:
@@ -171,6 +173,8 @@ class FakeVLLM:
             return _engine_error(f"invalid request: {exc}", status=400)
         if self.record:
             self.requests.append(Seen({k.lower(): v for k, v in request.headers.items()}, body))
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
         try:
             injected = await self.faults.apply(request)
             if injected is not None:
@@ -185,6 +189,8 @@ class FakeVLLM:
         except (KeyError, TypeError, AttributeError, ValueError, IndexError) as exc:
             # vLLM validates requests with pydantic and answers 400; so does the fake.
             return _engine_error(f"invalid request: {type(exc).__name__}: {exc}", status=400)
+        finally:
+            self.active -= 1
 
     # -- encoder ---------------------------------------------------------------------------------
     def _encode(self, body: dict[str, Any]) -> web.Response:

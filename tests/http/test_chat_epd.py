@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import orjson
 import pytest
 
 from tests.media import audio, chat, image
@@ -138,3 +139,31 @@ async def test_connector_handles_are_keyed_by_the_engine_hash(make_stack):
     assert set(engine_hashes) == set(stack.store.entries)
     for h in engine_hashes:
         assert params[h]["peer_host"] == "10.1.1.1" and params[h]["size_bytes"] == 4096
+
+
+async def test_the_fake_consumer_fails_where_vllm_fails(make_stack):
+    """The fakes must be able to catch the bugs the proxy tests are about."""
+    stack = await make_stack(encoders=1)
+    part = image("A")
+    uuid = "0" * 64
+
+    async def post(url, body):
+        async with stack.client.post(url + "/v1/chat/completions", json=body) as resp:
+            return resp.status, await resp.text()
+
+    missing = chat({"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 4, 4]}, "uuid": uuid})
+    status, text = await post(stack.pd_url, missing)
+    assert status == 500 and "Expected number of multimodal embeddings" in text
+
+    # The pre-fix proxy: the encoder gets no options, so it stores under the bare uuid, while PD
+    # (which gets the options) derives another identifier and finds nothing.
+    status, text = await post(stack.backend_urls["e"][0], chat({**part, "uuid": uuid}))
+    grid = orjson.loads(text)["ec_transfer_params"][uuid]["metadata"]["image_grid_thw"][0]
+    reference = chat({"type": "image_embeds", "image_embeds": {"image_grid_thw": grid}, "uuid": uuid})
+    assert (await post(stack.pd_url, reference))[0] == 200
+    status, text = await post(stack.pd_url, {**reference, "mm_processor_kwargs": SIZE})
+    assert status == 500 and "Expected number of multimodal embeddings" in text
+
+    wrong_grid = chat({"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 2, 2]}, "uuid": uuid})
+    status, text = await post(stack.pd_url, wrong_grid)
+    assert status == 500 and "multimodal tokens to 1 placeholders" in text

@@ -122,3 +122,24 @@ async def test_encoder_answering_non_json_leaves_media_raw(make_stack):
         assert resp.status == 200
     part = stack.pd.requests[0].body["messages"][0]["content"][1]
     assert part["type"] == "image_url" and stack.pd.encoded_locally == 1
+
+
+async def test_hanging_prefill_times_out_with_504(make_stack):
+    stack = await make_stack(encoders=1, prefills=1, prefill_timeout_s=0.2)
+    stack.prefills[0].faults.delay_s = 30
+    async with asyncio.timeout(5):
+        async with await stack.chat(chat(image("A"))) as resp:
+            assert resp.status == 504
+            error = await error_of(resp)
+    assert error["stage"] == "prefill" and "timed out" in error["message"]
+    assert stack.pd.requests == []
+
+
+async def test_connections_per_backend_are_capped(make_stack):
+    stack = await make_stack(encoders=1, max_connections_per_backend=1)
+    stack.pd.faults.delay_s = 0.1
+    responses = await asyncio.gather(*(stack.chat(chat()) for _ in range(4)))
+    assert [r.status for r in responses] == [200] * 4
+    for r in responses:
+        r.release()
+    assert stack.pd.max_active == 1
