@@ -121,10 +121,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     route = None
     try:
         raw = await read_body(request, config.max_body_bytes)
+        size = len(raw)
+        parsed = parse_json_body(raw)
+        # The parsed body holds the same media; the raw copy need not live as long as the request.
+        del raw
         body = validate_request(
-            parse_json_body(raw), trust_client_fields=config.trust_client_fields, max_media_items=config.max_media_items
+            parsed, trust_client_fields=config.trust_client_fields, max_media_items=config.max_media_items
         )
-        if len(raw) > OFFLOAD_HASH_BYTES:
+        if size > OFFLOAD_HASH_BYTES:
             items = await asyncio.to_thread(extract_media, body, honour_client_uuid=config.trust_client_fields)
         else:
             items = extract_media(body, honour_client_uuid=config.trust_client_fields)
