@@ -83,8 +83,10 @@ def reaching(instance: Instance, stage: str, what: str, timeout_s: float | None)
     try:
         yield
     except TimeoutError:
+        # With the stage limit off, only the connect timeout can fire.
+        limit = f"after {timeout_s:g}s" if timeout_s is not None else "while connecting"
         raise BackendUnreachable(
-            f"{what} timed out after {timeout_s:g}s", stage=stage, backend=instance.url, timed_out=True
+            f"{what} timed out {limit}", stage=stage, backend=instance.url, timed_out=True
         ) from None
     except aiohttp.ClientError as exc:
         raise BackendUnreachable(f"{what} failed: {describe(exc)}", stage=stage, backend=instance.url) from None
