@@ -91,13 +91,3 @@ def test_cli_exits_with_a_message_on_bad_topology(capsys):
         )
     assert exit_info.value.code == 2
     assert "E+PD only" in capsys.readouterr().err
-
-
-def test_a_timeout_with_the_stage_limit_off_is_still_described():
-    from epd_proxy.backends import Instance, reaching
-    from epd_proxy.errors import BackendUnreachable
-
-    with pytest.raises(BackendUnreachable, match="timed out while connecting") as err:
-        with reaching(Instance("http://e", "encode"), "encode", "Encoder request", None):
-            raise TimeoutError
-    assert err.value.status == 504
