@@ -102,6 +102,15 @@ def content_uuid(part: dict[str, Any], kind: str) -> str:
     return sha256_hex(json.dumps(part, sort_keys=True))
 
 
+def part_kind(part: dict[str, Any]) -> Any:
+    """The part's `type`; like vLLM, a part without one is typed by its single media key
+    (`{"image_url": ...}`), so such media is disaggregated too."""
+    if "type" in part:
+        return part["type"]
+    keys = [key for key in MEDIA_TYPES if key in part]
+    return keys[0] if len(keys) == 1 else None
+
+
 def validate_request(body: Any, *, trust_client_fields: bool, max_media_items: int = 0) -> dict[str, Any]:
     """Reject what vLLM would choke on later with a clear 400, before any backend is called."""
     if not isinstance(body, dict):
@@ -128,7 +137,9 @@ def validate_request(body: Any, *, trust_client_fields: bool, max_media_items: i
         for p, part in enumerate(content):
             if not isinstance(part, dict):
                 raise BadRequest(f"messages[{m}].content[{p}] must be an object")
-            kind = part.get("type")
+            if "type" in part and not isinstance(part["type"], str):
+                raise BadRequest(f"messages[{m}].content[{p}].type must be a string")
+            kind = part_kind(part)
             if kind in EMBEDS_TYPE:
                 media_items += 1
                 if max_media_items and media_items > max_media_items:
@@ -157,7 +168,7 @@ def extract_media(body: dict[str, Any], *, honour_client_uuid: bool = False) -> 
         if not isinstance(content, list):
             continue
         for p, part in enumerate(content):
-            kind = part.get("type")
+            kind = part_kind(part)
             if kind not in EMBEDS_TYPE:
                 continue
             client_uuid = part.get("uuid") if honour_client_uuid else None

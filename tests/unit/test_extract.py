@@ -61,6 +61,8 @@ def test_client_uuid_only_counts_when_trusted():
             "input_audio.data",
         ),
         ({"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, "'stream'"),
+        ({"messages": [{"content": [{"type": []}]}]}, "type must be a string"),
+        ({"messages": [{"content": [{"type": None}]}]}, "type must be a string"),
         (
             chat({"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 2, 2]}, "uuid": "x"}),
             "embeddings references",
@@ -104,3 +106,11 @@ def test_media_item_limit():
     with pytest.raises(BadRequest, match="more than 2 media items"):
         validate_request(chat(image("A"), image("B"), image("C")), trust_client_fields=False, max_media_items=2)
     validate_request(chat(image("A"), image("B")), trust_client_fields=False, max_media_items=2)
+
+
+def test_parts_without_a_type_are_typed_by_their_media_key():
+    body = chat({"image_url": {"url": "https://m/a.png"}}, {"text": "plain"})
+    [item] = extract_media(validate_request(body, trust_client_fields=False))
+    assert item.kind == "image_url" and item.part_index == 1
+    with pytest.raises(BadRequest, match="image_url.url"):
+        validate_request(chat({"image_url": {}}), trust_client_fields=False)
