@@ -1,0 +1,85 @@
+"""`epd-proxy serve` as a real process, single and with --workers, in front of fake servers."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+
+from epd_proxy.testing.fake_vllm import ECStore, FakeVLLM
+from tests.media import chat, image
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def children_of(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_serve_process_answers_and_stops_on_sigterm(workers):
+    store = ECStore()
+    fakes = [FakeVLLM("encode", store), FakeVLLM("pd", store)]
+    servers = [TestServer(f.app()) for f in fakes]
+    for server in servers:
+        await server.start_server()
+    e_url, pd_url = (str(s.make_url("")).rstrip("/") for s in servers)
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "epd_proxy",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--encode-servers-urls",
+            e_url,
+            "--decode-servers-urls",
+            pd_url,
+            "--workers",
+            str(workers),
+            "--log-level",
+            "WARNING",
+        ],
+    )
+    try:
+        async with aiohttp.ClientSession() as client:
+            for _ in range(100):
+                try:
+                    async with client.get(f"http://127.0.0.1:{port}/health") as resp:
+                        if resp.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.1)
+            else:
+                pytest.fail("proxy did not become healthy")
+            for n in range(6):
+                async with client.post(
+                    f"http://127.0.0.1:{port}/v1/chat/completions", json=chat(image(str(n)))
+                ) as resp:
+                    assert resp.status == 200, await resp.text()
+        assert len(fakes[0].requests) == 6 and fakes[1].loaded_from_cache == 6
+        if workers > 1:
+            assert len(children_of(proc.pid)) >= workers
+    finally:
+        proc.terminate()
+        assert await asyncio.to_thread(proc.wait, 15) is not None
+        for server in servers:
+            await server.close()
+    # No worker outlived the parent: nobody listens on the port any more.
+    with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port), timeout=2):
+        pass
