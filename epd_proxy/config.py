@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -107,10 +106,6 @@ class Config:
                 object.__setattr__(self, name, None)
 
     @property
-    def disaggregated_prefill(self) -> bool:
-        return bool(self.prefill_urls)
-
-    @property
     def pool_keep_alive_s(self) -> float | None:
         """How long an idle backend connection may stay pooled; None means never reuse."""
         if self.backend_keep_alive_s <= 0:
@@ -118,28 +113,22 @@ class Config:
         return self.backend_keep_alive_s / 2
 
 
-def env_int(env: Mapping[str, str], name: str, default: int) -> int:
+def _env_number(env: Mapping[str, str], name: str, default, kind, what: str):
     raw = env.get(name, "").strip()
     if not raw:
         return default
     try:
-        return int(raw)
+        return kind(raw)
     except ValueError as exc:
-        raise ConfigError(f"{name} must be an integer, got {raw!r}") from exc
+        raise ConfigError(f"{name} must be {what}, got {raw!r}") from exc
+
+
+def env_int(env: Mapping[str, str], name: str, default: int) -> int:
+    return _env_number(env, name, default, int, "an integer")
 
 
 def env_float(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        return float(raw)
-    except ValueError as exc:
-        raise ConfigError(f"{name} must be a number, got {raw!r}") from exc
-
-
-def default_env() -> Mapping[str, str]:
-    return os.environ
+    return _env_number(env, name, default, float, "a number")
 
 
 def default(name: str):

@@ -22,7 +22,7 @@ def parse(*argv, env=None):
 @pytest.mark.parametrize("value", ["none", "disable", "", "  ", "NONE"])
 def test_prefill_disabled_spellings(value):
     assert split_urls(value) == ()
-    assert parse("--prefill-servers-urls", value).disaggregated_prefill is False
+    assert parse("--prefill-servers-urls", value).prefill_urls == ()
 
 
 def test_reference_flags_and_env():
