@@ -160,14 +160,14 @@ def _finish(metrics: Metrics, trace: Trace, status: int, route: Any) -> None:
     """One log line and the stage histograms per request."""
     total_s = time.perf_counter() - trace.started
     metrics.requests.labels(str(status)).inc()
-    stage = metrics.stage_seconds
-    stage.labels("total").observe(total_s)
+    stage = metrics.stage
+    stage["total"].observe(total_s)
     if trace.encoder_requests:
-        stage.labels("encode").observe(trace.encode_s)
+        stage["encode"].observe(trace.encode_s)
     if trace.prefill_s:
-        stage.labels("prefill").observe(trace.prefill_s)
+        stage["prefill"].observe(trace.prefill_s)
     if trace.decode_ttfb_s:
-        stage.labels("decode_ttfb").observe(trace.decode_ttfb_s)
+        stage["decode_ttfb"].observe(trace.decode_ttfb_s)
     if not access_log.isEnabledFor(logging.INFO):
         return
     fields = {
