@@ -189,7 +189,7 @@ def _finish(metrics: Metrics, trace: Trace, status: int, route: Any) -> None:
 
 async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    candidates = state.fleet.candidates(PREFILL_DECODE) or state.fleet.candidates(DECODE)
+    candidates = state.fleet.decoders()
     if not candidates:
         return error_response(ProxyError(503, "no live decode instance", stage="route"))
     decoder = state.policies[DECODE].choose(candidates, ("models",))[0]

@@ -15,7 +15,7 @@ from typing import Any
 
 import aiohttp
 
-from epd_proxy.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE, Instance
+from epd_proxy.backends import DECODE, ENCODE, PREFILL, Instance
 from epd_proxy.config import Config
 from epd_proxy.decode import open_decode
 from epd_proxy.encode import EncoderReply, IdMint, encoder_body, post_encoder
@@ -86,7 +86,7 @@ class Pipeline:
     def choose_route(self, request_id: str) -> Route:
         fleet = self.fleet
         keys = (request_id,)
-        candidates = fleet.candidates(PREFILL_DECODE) or fleet.candidates(DECODE)
+        candidates = fleet.decoders()
         if not candidates:
             raise _unavailable("no live decode instance")
         decoder = self.policies[DECODE].choose(candidates, keys)[0]

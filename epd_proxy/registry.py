@@ -98,6 +98,10 @@ class Registry:
             return live
         return [inst for inst in self._records.values() if inst.role == role]
 
+    def decoders(self) -> list[Instance]:
+        """Where a request's answer comes from: combined PD instances first, else split decoders."""
+        return self.candidates(PREFILL_DECODE) or self.candidates(DECODE)
+
     def all(self) -> Iterable[Instance]:
         return self._records.values()
 
