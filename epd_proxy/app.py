@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 import uuid
@@ -15,7 +16,7 @@ from aiohttp import web
 from epd_proxy.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE, Instance, make_session
 from epd_proxy.config import Config
 from epd_proxy.errors import BadRequest, ProxyError, UpstreamError, describe
-from epd_proxy.extract import OFFLOAD_HASH_BYTES, extract_media, validate_request
+from epd_proxy.extract import OFFLOAD_HASH_BYTES, normalise_request
 from epd_proxy.metrics import Metrics
 from epd_proxy.pipeline import Pipeline, Trace
 from epd_proxy.registry import Registry, check_admin_key, probe
@@ -90,6 +91,31 @@ async def read_body(request: web.Request, limit: int) -> bytearray:
     return body
 
 
+def bearer_token_matches(expected: str, authorization: str | None) -> bool:
+    """Constant-time, like `vllm serve --api-key`: only `Authorization: Bearer <key>` counts."""
+    if not authorization or not authorization.startswith("Bearer "):
+        return False
+    return hmac.compare_digest(expected.encode(), authorization[7:].encode())
+
+
+def requires_api_key(handler, api_key: str):
+    """The OpenAI routes answer only callers presenting --api-key (401 otherwise)."""
+
+    async def guarded(request: web.Request) -> web.StreamResponse:
+        if not bearer_token_matches(api_key, request.headers.get("Authorization")):
+            return error_response(
+                ProxyError(
+                    401,
+                    "a valid 'Authorization: Bearer <key>' header is required",
+                    stage="request",
+                    error_type="authentication_error",
+                )
+            )
+        return await handler(request)
+
+    return guarded
+
+
 def parse_json_body(raw: bytes | bytearray) -> Any:
     try:
         return orjson.loads(raw)
@@ -125,13 +151,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         parsed = parse_json_body(raw)
         # The parsed body holds the same media; the raw copy need not live as long as the request.
         del raw
-        body = validate_request(
-            parsed, trust_client_fields=config.trust_client_fields, max_media_items=config.max_media_items
-        )
+        options = {"trust_client_fields": config.trust_client_fields, "max_media_items": config.max_media_items}
         if size > OFFLOAD_HASH_BYTES:
-            items = await asyncio.to_thread(extract_media, body, honour_client_uuid=config.trust_client_fields)
+            normalised = await asyncio.to_thread(normalise_request, parsed, **options)
         else:
-            items = extract_media(body, honour_client_uuid=config.trust_client_fields)
+            normalised = normalise_request(parsed, **options)
+        body, items = normalised.body, normalised.items
         trace.items = len(items)
         route = state.pipeline.choose_route(request_id)
         with route.decoder.busy():
@@ -263,10 +288,19 @@ def profile_handler(action: str):
     async def handler(request: web.Request) -> web.Response:
         """Every instance of every stage, concurrently (the reference picked one at random)."""
         state = request.app[STATE]
+        config = state.config
+        # Profiling slows every engine: an admin action. A proxy with neither key stays the
+        # reference's open drop-in; one that authenticates clients needs the admin key here.
+        if config.admin_api_key or config.api_key:
+            try:
+                check_admin_key(config.admin_api_key, request.headers.get("X-API-Key"))
+            except ProxyError as exc:
+                return error_response(exc)
         payload = await request.read() or b"{}"
         everyone = [inst for inst in state.fleet.all() if inst.live]
+        profile_key = config.profile_api_key or config.backend_api_key
         results = await asyncio.gather(
-            *(_profile_one(state.session, inst, action, payload, state.config.backend_api_key) for inst in everyone)
+            *(_profile_one(state.session, inst, action, payload, profile_key) for inst in everyone)
         )
         # Static mode answers in the reference's shape (encode/prefill/decode); dynamic mode by role.
         dynamic = state.config.dynamic_registration
@@ -335,8 +369,9 @@ def create_app(config: Config) -> web.Application:
         await state.close()
 
     app.cleanup_ctx.append(lifespan)
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_get("/v1/models", list_models)
+    guard = (lambda handler: requires_api_key(handler, config.api_key)) if config.api_key else (lambda handler: handler)
+    app.router.add_post("/v1/chat/completions", guard(chat_completions))
+    app.router.add_get("/v1/models", guard(list_models))
     app.router.add_get("/health", health)
     app.router.add_post("/start_profile", profile_handler("start_profile"))
     app.router.add_post("/stop_profile", profile_handler("stop_profile"))

@@ -137,6 +137,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="accept client uuids, *_embeds parts and ec/kv_transfer_params (trusted callers only)",
     )
     ours.add_argument(
+        "--api-key",
+        default=None,
+        help="clients must send 'Authorization: Bearer <key>' on /v1/* (401 otherwise), as `vllm serve --api-key`; "
+        "prefer env EPD_API_KEY, which this flag overrides (a flag shows in the process list)",
+    )
+    ours.add_argument(
+        "--backend-api-key",
+        default=None,
+        help="bearer token the proxy sends to every backend and health probe (vLLM started with --api-key); "
+        "prefer env EPD_BACKEND_API_KEY, which this flag overrides",
+    )
+    ours.add_argument(
         "--max-inflight",
         type=int,
         default=default("max_inflight"),
@@ -178,7 +190,11 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> Config
         encoder_failovers=args.encoder_failovers,
         max_body_bytes=args.max_body_bytes,
         trust_client_fields=args.trust_client_fields,
-        backend_api_key=env.get("OPENAI_API_KEY", ""),
+        api_key=args.api_key if args.api_key is not None else env.get("EPD_API_KEY", ""),
+        backend_api_key=args.backend_api_key
+        if args.backend_api_key is not None
+        else env.get("EPD_BACKEND_API_KEY", ""),
+        profile_api_key=env.get("OPENAI_API_KEY", ""),
         max_inflight=args.max_inflight,
         max_media_items=args.max_media_items,
         max_connections_per_backend=args.max_connections_per_backend,

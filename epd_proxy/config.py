@@ -61,8 +61,12 @@ class Config:
     encode_policy: str = "round_robin"
     prefill_policy: str = "least_loaded"
     decode_policy: str = "least_loaded"
-    # Bearer token for backend calls (vLLM started with --api-key); also used for profiling.
+    # Bearer token for every backend call and probe (vLLM started with --api-key).
     backend_api_key: str = ""
+    # Bearer token for profiling calls only ($OPENAI_API_KEY, as in the reference proxy).
+    profile_api_key: str = ""
+    # Clients must present `Authorization: Bearer <api_key>` on /v1/* when set.
+    api_key: str = ""
 
     def __post_init__(self) -> None:
         if self.dynamic_registration:

@@ -1,6 +1,13 @@
-"""Step 1: find the media items of a chat request and give each its content identity.
+"""Step 1: one normalising pass over the client's request.
 
-An item's global index (message order, then content order) is the key every later step uses.
+Every content part gets exactly one kind, decided as the pinned vLLM's chat parser decides it
+(`vllm/renderers/chat_utils.py`, `_parse_chat_message_content_mm_part` in vLLM 0.32): by `type`
+when it names a known part type and the part has no `uuid`, otherwise by the first media key
+present. The proxy adds its own `uuid` to the media it forwards, which switches vLLM to the
+key-based reading, so a part that the two readings would classify differently is refused rather
+than guessed. Later steps (plan, encoder bodies, rewrite) see only what this pass returns: the
+cleaned body and its media items. An item's global index (message order, then content order) is
+the key every later step uses.
 """
 
 from __future__ import annotations
@@ -12,8 +19,9 @@ from typing import Any
 
 from epd_proxy.errors import BadRequest
 
-URL_MEDIA_TYPES = ("image_url", "audio_url", "video_url")
-MEDIA_TYPES = (*URL_MEDIA_TYPES, "input_audio")
+# Media the proxy disaggregates, by the kind vLLM assigns; `input_image` (Responses-style) is read
+# by vLLM as an image URL and is normalised to an `image_url` part.
+URL_MEDIA_KINDS = ("image_url", "audio_url", "video_url")
 EMBEDS_TYPE = {
     "image_url": "image_embeds",
     "audio_url": "audio_embeds",
@@ -21,9 +29,28 @@ EMBEDS_TYPE = {
     "video_url": "video_embeds",
 }
 AUDIO_TYPES = ("audio_url", "input_audio")
-EMBEDS_TYPES = frozenset(EMBEDS_TYPE.values())
-# Fields only an encoder or a trusted router may set: a forged embeds reference whose hash is not
-# in the encoder cache kills a vLLM consumer engine, and forged transfer params steer KV/EC pulls.
+# vLLM's key-based reading tries these keys in this order (a part with no `type`, or with a uuid).
+KEY_ORDER = (
+    "image_url",
+    "image_pil",
+    "image_embeds",
+    "audio_embeds",
+    "video_embeds",
+    "prompt_embeds",
+    "audio_url",
+    "input_audio",
+    "video_url",
+    "tool_reference",
+)
+TEXT_TYPES = frozenset({"text", "input_text", "output_text", "refusal", "thinking"})
+# Parts that make the engine use data the proxy did not see: embeddings (a reference whose hash is
+# not in the encoder cache kills a vLLM consumer engine) and in-process PIL images, which over
+# HTTP can only be empty cache references.
+REFERENCE_KINDS = frozenset({"image_embeds", "audio_embeds", "video_embeds", "prompt_embeds", "image_pil"})
+KNOWN_TYPES = TEXT_TYPES | frozenset(KEY_ORDER) | {"input_image"}
+# Which kind a `type` stands for when deciding whether a part names more than one kind.
+_SAME_KIND = {"input_image": "image_url", **{t: "text" for t in TEXT_TYPES}}
+# Fields only an encoder or a trusted router may set: forged transfer params steer KV/EC pulls.
 ENGINE_ONLY_FIELDS = ("ec_transfer_params", "kv_transfer_params")
 
 
@@ -31,6 +58,7 @@ ENGINE_ONLY_FIELDS = ("ec_transfer_params", "kv_transfer_params")
 class MediaItem:
     index: int
     kind: str
+    # The part as forwarded: the client's part without its uuid (and `input_image` as `image_url`).
     part: dict[str, Any]
     uuid: str
     message_index: int
@@ -39,6 +67,13 @@ class MediaItem:
     @property
     def is_image(self) -> bool:
         return self.kind == "image_url"
+
+
+@dataclass(frozen=True, slots=True)
+class NormalisedRequest:
+    # The client's body with client uuids removed; untouched messages are the client's own objects.
+    body: dict[str, Any]
+    items: list[MediaItem]
 
 
 # Bodies above this hash their media off the event loop: sha256 runs at roughly 2 ms per MB here
@@ -102,17 +137,50 @@ def content_uuid(part: dict[str, Any], kind: str) -> str:
     return sha256_hex(json.dumps(part, sort_keys=True))
 
 
-def part_kind(part: dict[str, Any]) -> Any:
-    """The part's `type`; like vLLM, a part without one is typed by its single media key
-    (`{"image_url": ...}`), so such media is disaggregated too."""
-    if "type" in part:
-        return part["type"]
-    keys = [key for key in MEDIA_TYPES if key in part]
-    return keys[0] if len(keys) == 1 else None
+def part_kind(part: dict[str, Any], where: str) -> str:
+    """The one kind vLLM gives this part, or a 400 when readings could differ or none applies."""
+    part_type = part.get("type")
+    if part_type is not None and not isinstance(part_type, str):
+        raise BadRequest(f"{where}.type must be a string")
+    keys = [key for key in KEY_ORDER if key in part]
+    named = {_SAME_KIND.get(key, key) for key in keys}
+    if part_type is not None:
+        if part_type not in KNOWN_TYPES:
+            raise BadRequest(
+                f"{where} has the unsupported type {part_type!r}; supported: {', '.join(sorted(KNOWN_TYPES))}"
+            )
+        named.add(_SAME_KIND.get(part_type, part_type))
+    if len(named) > 1:
+        raise BadRequest(
+            f"{where} names more than one kind ({', '.join(sorted(named))}); "
+            "send one kind per part, as vLLM may read it as any of them"
+        )
+    if part_type is not None:
+        return part_type
+    if not keys:
+        raise BadRequest(f"{where} has no 'type' and no media field")
+    return keys[0]
 
 
-def validate_request(body: Any, *, trust_client_fields: bool, max_media_items: int = 0) -> dict[str, Any]:
-    """Reject what vLLM would choke on later with a clear 400, before any backend is called."""
+def _forwarded_media_part(part: dict[str, Any], kind: str, where: str) -> tuple[str, dict[str, Any]]:
+    """(item kind, the part as the proxy forwards it); a media part without its data is a 400,
+    since vLLM would read it as a data-less cache reference."""
+    if kind == "input_audio":
+        audio = part.get("input_audio")
+        if not isinstance(audio, dict) or not isinstance(audio.get("data"), str) or not audio["data"]:
+            raise BadRequest(f"{where} is 'input_audio' without 'input_audio.data'")
+        return kind, part
+    if kind == "input_image":
+        url = media_url(part, "image_url")
+        if not url:
+            raise BadRequest(f"{where} is 'input_image' without an 'image_url'")
+        return "image_url", {"type": "image_url", "image_url": {"url": url}}
+    if not media_url(part, kind):
+        raise BadRequest(f"{where} is '{kind}' without a '{kind}.url'")
+    return kind, part
+
+
+def _check_top_level(body: Any, trust_client_fields: bool) -> list[Any]:
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     messages = body.get("messages")
@@ -127,51 +195,65 @@ def validate_request(body: Any, *, trust_client_fields: bool, max_media_items: i
                     f"'{name}' is set by the proxy, not by clients "
                     "(start the proxy with --trust-client-fields if a trusted router sits in front)"
                 )
-    media_items = 0
+    return messages
+
+
+def normalise_request(body: Any, *, trust_client_fields: bool = False, max_media_items: int = 0) -> NormalisedRequest:
+    """Validate, classify every part, strip client uuids (unless trusted) and collect the media.
+
+    Untrusted (the default): embeddings and PIL parts are a 400 whatever their `type`, and no
+    client `uuid` survives, so everything the proxy forwards names only media it hashed itself.
+    Trusted (`--trust-client-fields`, behind a router that sets them): such parts pass through
+    untouched and a client uuid becomes the item's identity, as in the reference proxy.
+    """
+    messages = _check_top_level(body, trust_client_fields)
+    items: list[MediaItem] = []
+    cleaned_messages: list[Any] | None = None
     for m, message in enumerate(messages):
         if not isinstance(message, dict):
             raise BadRequest(f"messages[{m}] must be an object")
         content = message.get("content")
         if not isinstance(content, list):
             continue
+        cleaned_content: list[Any] | None = None
         for p, part in enumerate(content):
-            if not isinstance(part, dict):
-                raise BadRequest(f"messages[{m}].content[{p}] must be an object")
-            if "type" in part and not isinstance(part["type"], str):
-                raise BadRequest(f"messages[{m}].content[{p}].type must be a string")
-            kind = part_kind(part)
-            if kind in EMBEDS_TYPE:
-                media_items += 1
-                if max_media_items and media_items > max_media_items:
-                    raise BadRequest(f"the request has more than {max_media_items} media items")
-            if kind in URL_MEDIA_TYPES:
-                url = media_url(part, kind)
-                if not url:
-                    raise BadRequest(f"messages[{m}].content[{p}] is '{kind}' without a '{kind}.url'")
-            elif kind == "input_audio":
-                audio = part.get("input_audio")
-                if not isinstance(audio, dict) or not isinstance(audio.get("data"), str):
-                    raise BadRequest(f"messages[{m}].content[{p}] is 'input_audio' without 'input_audio.data'")
-            elif kind in EMBEDS_TYPES and not trust_client_fields:
-                raise BadRequest(
-                    f"messages[{m}].content[{p}] is '{kind}': embeddings references are made by the proxy, "
-                    "not sent by clients"
-                )
-    return body
-
-
-def extract_media(body: dict[str, Any], *, honour_client_uuid: bool = False) -> list[MediaItem]:
-    """All media items in global order. Assumes `validate_request` accepted the body."""
-    items: list[MediaItem] = []
-    for m, message in enumerate(body["messages"]):
-        content = message.get("content")
-        if not isinstance(content, list):
-            continue
-        for p, part in enumerate(content):
-            kind = part_kind(part)
-            if kind not in EMBEDS_TYPE:
+            if isinstance(part, str):  # vLLM reads a bare string as a text part
                 continue
-            client_uuid = part.get("uuid") if honour_client_uuid else None
-            uuid = client_uuid if isinstance(client_uuid, str) and client_uuid else content_uuid(part, kind)
-            items.append(MediaItem(len(items), kind, part, uuid, m, p))
-    return items
+            where = f"messages[{m}].content[{p}]"
+            if not isinstance(part, dict):
+                raise BadRequest(f"{where} must be an object or a string")
+            kind = part_kind(part, where)
+            client_uuid = part.get("uuid")
+            if kind in REFERENCE_KINDS:
+                if not trust_client_fields:
+                    raise BadRequest(
+                        f"{where} is read by vLLM as '{kind}': embeddings and cache references are made by "
+                        "the proxy, not sent by clients"
+                    )
+                continue
+            forwarded = part
+            if "uuid" in part and not trust_client_fields:
+                forwarded = {key: value for key, value in part.items() if key != "uuid"}
+            if kind in TEXT_TYPES or kind == "tool_reference":
+                pass
+            else:
+                item_kind, forwarded = _forwarded_media_part(forwarded, kind, where)
+                if max_media_items and len(items) >= max_media_items:
+                    raise BadRequest(f"the request has more than {max_media_items} media items")
+                if trust_client_fields and isinstance(client_uuid, str) and client_uuid:
+                    uuid = client_uuid
+                else:
+                    uuid = content_uuid(forwarded, item_kind)
+                    if "uuid" in forwarded:  # trusted but unusable: the proxy's identity replaces it
+                        forwarded = {key: value for key, value in forwarded.items() if key != "uuid"}
+                items.append(MediaItem(len(items), item_kind, forwarded, uuid, m, p))
+            if forwarded is not part:
+                if cleaned_content is None:
+                    cleaned_content = list(content)
+                cleaned_content[p] = forwarded
+        if cleaned_content is not None:
+            if cleaned_messages is None:
+                cleaned_messages = list(messages)
+            cleaned_messages[m] = {**message, "content": cleaned_content}
+    cleaned = body if cleaned_messages is None else {**body, "messages": cleaned_messages}
+    return NormalisedRequest(cleaned, items)

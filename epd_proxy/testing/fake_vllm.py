@@ -20,6 +20,41 @@ from aiohttp import web
 MEDIA_KEYS = {"image_url": "image", "audio_url": "audio", "input_audio": "audio", "video_url": "video"}
 EMBEDS_KEYS = {"image_embeds": "image", "audio_embeds": "audio", "video_embeds": "video"}
 GRID_FIELD = {"image": "image_grid_thw", "video": "video_grid_thw", "audio": "audio_feature_lengths"}
+# How vLLM 0.32 gives a content part its kind (vllm/renderers/chat_utils.py): from `type` only when
+# the type is known and the part has no uuid; otherwise from the first of these keys present. Kept
+# apart from the proxy's own classifier on purpose, so a test can catch the two disagreeing.
+VLLM_KEY_ORDER = (
+    "image_url",
+    "image_pil",
+    "image_embeds",
+    "audio_embeds",
+    "video_embeds",
+    "prompt_embeds",
+    "audio_url",
+    "input_audio",
+    "video_url",
+    "tool_reference",
+)
+VLLM_PART_TYPES = frozenset(
+    {"text", "thinking", "input_text", "output_text", "input_image", "refusal", *VLLM_KEY_ORDER}
+)
+
+
+def vllm_part_kind(part: Any) -> str:
+    """The kind vLLM's chat parser reads; ValueError (a 400 from the fake) where vLLM refuses."""
+    if isinstance(part, str):
+        return "text"
+    part_type, uuid = part.get("type"), part.get("uuid")
+    if isinstance(part_type, str) and part_type in VLLM_PART_TYPES and uuid is None:
+        return "image_url" if part_type == "input_image" else part_type
+    if part_type is None or uuid is not None:
+        for key in VLLM_KEY_ORDER:
+            if key in part:
+                return key
+        raise ValueError("Missing 'type' field in multimodal part.")
+    raise ValueError(f"Unsupported chat content part type: {part_type!r}")
+
+
 # Multibyte characters on purpose: a relay that re-chunks or decodes bytes would break them.
 ANSWER_SUFFIX = " héllo wörld 世界 🙂"
 
@@ -198,7 +233,7 @@ class FakeVLLM:
         params: dict[str, dict[str, Any]] = {}
         position = 0
         for part in body["messages"][0]["content"]:
-            kind = part.get("type")
+            kind = vllm_part_kind(part)
             if kind not in MEDIA_KEYS:
                 continue
             modality = MEDIA_KEYS[kind]
@@ -231,8 +266,13 @@ class FakeVLLM:
             if not isinstance(content, list):
                 continue
             for part in content:
-                kind = part.get("type")
-                if kind in EMBEDS_KEYS:
+                kind = vllm_part_kind(part)
+                if kind == "prompt_embeds":
+                    return _engine_error("You must set `--enable-prompt-embeds` to input `prompt_embeds`.", 400)
+                if kind in EMBEDS_KEYS or kind == "image_pil":
+                    # A data-less reference: only the encoder cache can resolve it.
+                    if kind == "image_pil":
+                        kind, part = "image_embeds", {"image_embeds": {}, "uuid": part.get("uuid")}
                     modality = EMBEDS_KEYS[kind]
                     key = identifier(part.get("uuid"), "", kwargs) if part.get("uuid") else None
                     stored = self.store.entries.get(key) if key else None

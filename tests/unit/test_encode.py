@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from epd_proxy.encode import IdMint, encoder_body
-from epd_proxy.extract import extract_media
+from epd_proxy.extract import normalise_request
 from tests.media import chat, image
 
 
@@ -17,7 +17,7 @@ def test_encoder_body_carries_only_media_and_the_processing_options():
         priority=-1,
         session_id="s1",
     )
-    items = extract_media(body)
+    items = normalise_request(body).items
     sub = encoder_body(body, items, send_uuid=True)
     assert sub == {
         "model": "tiny-vlm",
@@ -38,7 +38,7 @@ def test_encoder_body_carries_only_media_and_the_processing_options():
 
 def test_push_mode_names_the_consumer_and_one_transfer_id_per_item_in_order():
     body = chat(image("A"), image("A"))
-    items = extract_media(body)
+    items = normalise_request(body).items
     sub = encoder_body(body, items, send_uuid=False, transfer_ids=["t1", "t2"], consumer_zmq="tcp://c:1")
     assert sub["ec_transfer_params"] == {
         "consumer_zmq": "tcp://c:1",

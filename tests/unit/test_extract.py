@@ -1,13 +1,21 @@
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 
 import pytest
 
 from epd_proxy.errors import BadRequest
-from epd_proxy.extract import extract_media, validate_request
+from epd_proxy.extract import canonical_media_url, normalise_request
 from tests.media import audio, chat, image, video
+
+EMBEDS = {"image_grid_thw": [1, 4, 4]}
+URL = {"url": "https://m/a.png"}
+
+
+def items_of(body, **options):
+    return normalise_request(body, **options).items
 
 
 def test_items_come_from_every_message_in_order():
@@ -19,8 +27,7 @@ def test_items_come_from_every_message_in_order():
             {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]},
         ]
     }
-    items = extract_media(body)
-    assert [(i.index, i.kind, i.message_index, i.part_index) for i in items] == [
+    assert [(i.index, i.kind, i.message_index, i.part_index) for i in items_of(body)] == [
         (0, "image_url", 1, 0),
         (1, "audio_url", 1, 2),
         (2, "video_url", 2, 0),
@@ -30,17 +37,95 @@ def test_items_come_from_every_message_in_order():
 
 def test_uuid_is_the_reference_proxys_content_hash():
     part = image("A")
-    [item] = extract_media(chat(part))
+    [item] = items_of(chat(part))
     assert item.uuid == hashlib.sha256(part["image_url"]["url"].encode()).hexdigest()
     inline = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
-    [item] = extract_media(chat(inline))
+    [item] = items_of(chat(inline))
     assert item.uuid == hashlib.sha256(json.dumps(inline, sort_keys=True).encode()).hexdigest()
 
 
-def test_client_uuid_only_counts_when_trusted():
-    part = {**image("A"), "uuid": "client-chosen"}
-    assert extract_media(chat(part))[0].uuid != "client-chosen"
-    assert extract_media(chat(part), honour_client_uuid=True)[0].uuid == "client-chosen"
+def test_client_uuids_are_dropped_everywhere_unless_trusted():
+    body = chat(
+        {**image("A"), "uuid": "client-chosen"},
+        {"type": "text", "text": "t", "uuid": "on-text-too"},
+        "a bare string part",
+    )
+    normalised = normalise_request(body)
+    [item] = normalised.items
+    assert item.uuid == hashlib.sha256(image("A")["image_url"]["url"].encode()).hexdigest()
+    assert "uuid" not in item.part
+    assert not any(isinstance(p, dict) and "uuid" in p for p in normalised.body["messages"][0]["content"])
+    assert body["messages"][0]["content"][1]["uuid"] == "client-chosen", "the client's body is never mutated"
+    trusted = normalise_request(body, trust_client_fields=True)
+    assert trusted.items[0].uuid == "client-chosen"
+    assert trusted.body is body
+
+
+def test_untouched_bodies_are_not_copied():
+    body = chat(image("A"))
+    assert normalise_request(body).body is body
+
+
+# Each of these is read by vLLM 0.32's chat parser as an embeddings (or cache) reference: by its
+# media key when there is no type or when a uuid is present, whatever the type says.
+EMBEDS_BYPASSES = [
+    {"image_embeds": EMBEDS, "uuid": "0000deadbeef"},
+    {"image_embeds": EMBEDS},
+    {"type": "image_embeds", "image_embeds": EMBEDS},
+    {"type": "audio_embeds", "audio_embeds": {"audio_feature_lengths": [4]}},
+    {"video_embeds": EMBEDS, "uuid": "x"},
+    {"type": "prompt_embeds", "data": "AAAA"},
+    {"prompt_embeds": {}, "uuid": "x"},
+    {"image_pil": None, "uuid": "cached-image"},
+    {"type": None, "image_embeds": EMBEDS, "uuid": "x"},
+]
+
+
+@pytest.mark.parametrize("part", EMBEDS_BYPASSES)
+def test_embeddings_references_are_refused_under_any_or_no_type(part):
+    with pytest.raises(BadRequest, match="embeddings and cache references") as err:
+        normalise_request(chat(part))
+    assert "messages[0].content[1]" in err.value.message
+
+
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "text", "text": "x", "image_embeds": EMBEDS, "uuid": "u"},
+        {"type": "text", "text": "x", "image_url": URL, "uuid": "another callers hash"},
+        {"type": "text", "text": "x", "image_url": URL},
+        {"type": "image_url", "image_url": URL, "image_embeds": EMBEDS},
+        {"type": "image_url", "image_url": URL, "video_url": URL},
+        {"image_url": URL, "audio_url": URL},
+        {"type": "input_audio", "input_audio": {"data": "AA"}, "audio_url": URL},
+    ],
+)
+def test_parts_naming_more_than_one_kind_are_refused(part):
+    with pytest.raises(BadRequest, match="more than one kind"):
+        normalise_request(chat(part))
+    with pytest.raises(BadRequest, match="more than one kind"):
+        normalise_request(chat(part), trust_client_fields=True)
+
+
+@pytest.mark.parametrize(
+    "part, complaint",
+    [
+        ({"type": "", "image_embeds": EMBEDS}, "unsupported type ''"),
+        ({"type": "image", "image_url": URL}, "unsupported type 'image'"),
+        ({"type": []}, "type must be a string"),
+        ({"uuid": "only"}, "no 'type' and no media field"),
+        ({}, "no 'type' and no media field"),
+        ({"type": "image_url", "image_url": {}}, "without a 'image_url.url'"),
+        ({"image_url": None, "uuid": "cached"}, "without a 'image_url.url'"),
+        ({"type": "video_url"}, "without a 'video_url.url'"),
+        ({"type": "input_audio", "input_audio": {"format": "wav"}}, "input_audio.data"),
+        ({"type": "input_image"}, "'input_image' without"),
+    ],
+)
+def test_bad_parts_are_named(part, complaint):
+    with pytest.raises(BadRequest, match=complaint.replace("[", r"\[").replace("]", r"\]")) as err:
+        normalise_request(chat(part))
+    assert err.value.status == 400
 
 
 @pytest.mark.parametrize(
@@ -50,41 +135,57 @@ def test_client_uuid_only_counts_when_trusted():
         ({"model": "m"}, "'messages'"),
         ({"messages": []}, "'messages'"),
         ({"messages": ["hi"]}, "messages[0] must be an object"),
-        ({"messages": [{"role": "user", "content": ["hi"]}]}, "content[0] must be an object"),
-        (
-            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-            "without a 'image_url.url'",
-        ),
-        ({"messages": [{"role": "user", "content": [{"type": "video_url"}]}]}, "without a 'video_url.url'"),
-        (
-            {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"format": "wav"}}]}]},
-            "input_audio.data",
-        ),
+        ({"messages": [{"role": "user", "content": [7]}]}, "content[0] must be an object or a string"),
         ({"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, "'stream'"),
-        ({"messages": [{"content": [{"type": []}]}]}, "type must be a string"),
-        ({"messages": [{"content": [{"type": None}]}]}, "type must be a string"),
-        (
-            chat({"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 2, 2]}, "uuid": "x"}),
-            "embeddings references",
-        ),
         (chat(ec_transfer_params={"h": {}}), "ec_transfer_params"),
         (chat(kv_transfer_params={"remote_block_ids": [1]}), "kv_transfer_params"),
     ],
 )
 def test_bad_requests_are_named(body, complaint):
-    with pytest.raises(BadRequest, match=complaint.replace("[", r"\[").replace("]", r"\]")) as err:
-        validate_request(body, trust_client_fields=False)
-    assert err.value.status == 400
+    with pytest.raises(BadRequest, match=complaint.replace("[", r"\[").replace("]", r"\]")):
+        normalise_request(body)
 
 
-def test_trusted_callers_may_send_engine_fields():
-    body = chat({"type": "image_embeds", "image_embeds": {}, "uuid": "x"}, ec_transfer_params={"h": {}})
-    assert validate_request(body, trust_client_fields=True) is body
+def test_trusted_callers_may_send_engine_fields_and_references():
+    part = {"type": "image_embeds", "image_embeds": {}, "uuid": "x"}
+    body = chat(part, {"image_embeds": EMBEDS, "uuid": "y"}, ec_transfer_params={"h": {}})
+    normalised = normalise_request(body, trust_client_fields=True)
+    assert normalised.body is body and normalised.items == []
+
+
+def test_parts_without_a_type_are_typed_by_their_media_key():
+    [item] = items_of(chat({"image_url": {"url": "https://m/a.png"}}))
+    assert item.kind == "image_url" and item.part_index == 1
+    # vLLM refuses a type-less part with no media key ("Missing 'type' field"): so do we, earlier.
+    with pytest.raises(BadRequest, match="no 'type'"):
+        normalise_request(chat({"text": "plain"}))
+
+
+def test_text_like_types_are_not_media():
+    body = chat(
+        {"type": "input_text", "text": "a"},
+        {"type": "thinking", "thinking": "b"},
+        {"type": "refusal", "refusal": "c"},
+        {"type": "tool_reference", "name": "t"},
+    )
+    assert items_of(body) == []
+
+
+def test_input_image_is_an_image_url_item():
+    [item] = items_of(chat({"type": "input_image", "image_url": "https://m/a.png"}))
+    assert item.kind == "image_url"
+    assert item.part == {"type": "image_url", "image_url": {"url": "https://m/a.png"}}
+    assert item.uuid == hashlib.sha256(b"https://m/a.png").hexdigest()
+
+
+def test_the_input_is_never_mutated():
+    body = chat({**image("A"), "uuid": "u"}, {"type": "input_image", "image_url": "https://m/a.png"})
+    before = copy.deepcopy(body)
+    normalise_request(body)
+    assert body == before
 
 
 def test_canonical_data_urls_hash_like_the_reference():
-    from epd_proxy.extract import canonical_media_url
-
     canonical = "data:image/png;base64,iVBORw0KGgo="
     assert canonical_media_url(canonical) is canonical
     assert canonical_media_url("DATA:Image/PNG;BASE64,iVBO\nRw0K\r\nGgo=") == canonical
@@ -98,19 +199,11 @@ def test_canonical_data_urls_hash_like_the_reference():
 def test_line_breaks_do_not_change_an_items_identity():
     one = {"type": "image_url", "image_url": {"url": "data:image/png;base64,QUJDRA=="}}
     wrapped = {"type": "image_url", "image_url": {"url": "data:image/PNG;base64,QUJD\nRA=="}}
-    a, b = extract_media(chat(one, wrapped))
+    a, b = items_of(chat(one, wrapped))
     assert a.uuid == b.uuid == hashlib.sha256(b"data:image/png;base64,QUJDRA==").hexdigest()
 
 
 def test_media_item_limit():
     with pytest.raises(BadRequest, match="more than 2 media items"):
-        validate_request(chat(image("A"), image("B"), image("C")), trust_client_fields=False, max_media_items=2)
-    validate_request(chat(image("A"), image("B")), trust_client_fields=False, max_media_items=2)
-
-
-def test_parts_without_a_type_are_typed_by_their_media_key():
-    body = chat({"image_url": {"url": "https://m/a.png"}}, {"text": "plain"})
-    [item] = extract_media(validate_request(body, trust_client_fields=False))
-    assert item.kind == "image_url" and item.part_index == 1
-    with pytest.raises(BadRequest, match="image_url.url"):
-        validate_request(chat({"image_url": {}}), trust_client_fields=False)
+        normalise_request(chat(image("A"), image("B"), image("C")), max_media_items=2)
+    assert len(items_of(chat(image("A"), image("B")), max_media_items=2)) == 2

@@ -5,13 +5,13 @@ import itertools
 import pytest
 
 from epd_proxy.errors import ProxyError
-from epd_proxy.extract import extract_media
+from epd_proxy.extract import normalise_request
 from epd_proxy.match import Matches, match_group
 from tests.media import chat, image, video
 
 
 def items_of(*parts, **fields):
-    return extract_media(chat(*parts, **fields))
+    return normalise_request(chat(*parts, **fields)).items
 
 
 def meta(h, w):

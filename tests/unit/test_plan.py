@@ -2,13 +2,13 @@ from __future__ import annotations
 
 import pytest
 
-from epd_proxy.extract import extract_media
+from epd_proxy.extract import normalise_request
 from epd_proxy.plan import plan_groups
 from tests.media import audio, chat, image, video
 
 
 def items_of(*parts):
-    return extract_media(chat(*parts))
+    return normalise_request(chat(*parts)).items
 
 
 AACDAF = [image(n) for n in "AACDAF"]

@@ -9,11 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from epd_proxy.backends import Instance
-from epd_proxy.extract import extract_media
+from epd_proxy.encode import encoder_body
+from epd_proxy.errors import BadRequest
+from epd_proxy.extract import REFERENCE_KINDS, normalise_request
 from epd_proxy.match import Matches, match_group
 from epd_proxy.plan import plan_groups
 from epd_proxy.rewrite import rewrite_request
 from epd_proxy.routing import RoundRobin
+from epd_proxy.testing.fake_vllm import vllm_part_kind
 
 KINDS = st.sampled_from(["image_url", "image_url", "image_url", "audio_url", "video_url", "input_audio"])
 NAMES = st.sampled_from("ABCDEFGH")
@@ -37,7 +40,7 @@ bodies = st.builds(lambda ms, seed: {"model": "m", "messages": ms, "seed": seed}
 @settings(max_examples=300, deadline=None)
 @given(body=bodies, n_encoders=st.integers(1, 5), cap=st.integers(0, 4), cursor=st.integers(0, 10))
 def test_plan_covers_every_item_once_keeps_round_robin_order_and_respects_the_cap(body, n_encoders, cap, cursor):
-    items = extract_media(body)
+    items = normalise_request(body).items
     encoders = [Instance(f"http://e{i}", "encode") for i in range(n_encoders)]
     policy = RoundRobin()
     policy.choose(encoders, ["warm"] * cursor)
@@ -68,7 +71,7 @@ def encoder_reply(group_items, derive: bool) -> dict:
 @settings(max_examples=200, deadline=None)
 @given(names=st.lists(NAMES, min_size=1, max_size=10), derive=st.booleans(), seed=st.integers(0, 1000))
 def test_any_permutation_of_response_keys_maps_back_identically(names, derive, seed):
-    items = extract_media({"messages": [{"role": "user", "content": [part("image_url", n) for n in names]}]})
+    items = normalise_request({"messages": [{"role": "user", "content": [part("image_url", n) for n in names]}]}).items
     params = encoder_reply(items, derive)
     ids = [f"t{i}" for i in range(len(items))]
     reference = Matches()
@@ -87,7 +90,7 @@ def test_any_permutation_of_response_keys_maps_back_identically(names, derive, s
 @settings(max_examples=300, deadline=None)
 @given(body=bodies, matched_mask=st.lists(st.booleans(), max_size=40), rewrite=st.booleans())
 def test_rewriting_never_touches_non_media_content_and_never_mutates_its_input(body, matched_mask, rewrite):
-    items = extract_media(body)
+    items = normalise_request(body).items
     matches = Matches()
     for item, hit in zip(items, matched_mask):
         if hit:
@@ -119,3 +122,58 @@ def test_rewriting_never_touches_non_media_content_and_never_mutates_its_input(b
         ]
         has_audio_gap = any(i.kind in ("audio_url", "input_audio") for i in items) and len(hits) < len(items)
         assert len(referenced) == (0 if has_audio_gap else len(hits))
+
+
+# Adversarial parts: any mix of kind keys, with or without `type` and `uuid`, as a client may send.
+PART_KEYS = {
+    "image_url": st.sampled_from([{"url": "https://m/A"}, "https://m/B", {}, None]),
+    "audio_url": st.just({"url": "https://m/C.wav"}),
+    "video_url": st.just({"url": "https://m/D.mp4"}),
+    "input_audio": st.just({"data": "AAAA", "format": "wav"}),
+    "image_embeds": st.just({"image_grid_thw": [1, 4, 4]}),
+    "audio_embeds": st.just({}),
+    "video_embeds": st.just({}),
+    "prompt_embeds": st.just({}),
+    "image_pil": st.none(),
+    "text": st.just("hi"),
+    "data": st.just("AAAA"),
+}
+TYPES = st.sampled_from([None, "", "text", "image_url", "input_image", "image_embeds", "input_audio", "video_url"])
+adversarial_parts = st.builds(
+    lambda chosen, part_type, uuid: {
+        **chosen,
+        **({} if part_type is None else {"type": part_type}),
+        **({} if uuid is None else {"uuid": uuid}),
+    },
+    st.dictionaries(st.sampled_from(sorted(PART_KEYS)), st.none(), max_size=3).flatmap(
+        lambda keys: st.fixed_dictionaries({k: PART_KEYS[k] for k in keys})
+    ),
+    TYPES,
+    st.sampled_from([None, "client-uuid", "0" * 64]),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(parts=st.lists(adversarial_parts, min_size=1, max_size=5), rewrite=st.booleans())
+def test_nothing_forwarded_names_a_reference_or_uuid_the_proxy_did_not_make(parts, rewrite):
+    body = {"model": "m", "messages": [{"role": "user", "content": parts}]}
+    try:
+        normalised = normalise_request(body)
+    except BadRequest:
+        return
+    items = normalised.items
+    minted = {item.uuid for item in items}
+    matches = Matches()
+    for item in items:
+        match_group([item], [f"t{item.index}"], {item.uuid: {"metadata": {"g": [[1, 2, 2]]}}}, matches)
+    consumer = rewrite_request(normalised.body, items, matches, rewrite=rewrite)
+    encoders = [encoder_body(normalised.body, [item], send_uuid=rewrite) for item in items]
+    for forwarded, may_reference in [(consumer, rewrite), *((e, False) for e in encoders)]:
+        for message in forwarded["messages"]:
+            content = message["content"]
+            for part in content if isinstance(content, list) else ():
+                kind = vllm_part_kind(part)  # raises where vLLM would refuse: nothing forwarded may
+                if isinstance(part, dict) and "uuid" in part:
+                    assert part["uuid"] in minted
+                if kind in REFERENCE_KINDS:
+                    assert may_reference and kind.endswith("_embeds") and part["uuid"] in minted

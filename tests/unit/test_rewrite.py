@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import copy
 
-from epd_proxy.extract import extract_media
+from epd_proxy.extract import normalise_request
 from epd_proxy.match import ItemMatch, Matches
 from epd_proxy.rewrite import flatten_metadata, prefill_request, rewrite_request
 from tests.media import audio, chat, image
@@ -28,7 +28,7 @@ def test_matched_items_become_embeds_references_and_input_is_untouched():
     body = chat(image("A"), image("B"), seed=7, mm_processor_kwargs={"size": {"shortest_edge": 10}})
     body["messages"].insert(0, {"role": "system", "content": "be brief"})
     before = copy.deepcopy(body)
-    items = extract_media(body)
+    items = normalise_request(body).items
     out = rewrite_request(body, items, matched(items, {0: {"image_grid_thw": [[1, 4, 6]]}}, {"h0": {"x": 1}}))
     assert body == before
     content = out["messages"][1]["content"]
@@ -43,7 +43,7 @@ def test_matched_items_become_embeds_references_and_input_is_untouched():
 
 def test_audio_requests_reference_all_or_nothing():
     body = chat(image("A"), audio("s"))
-    items = extract_media(body)
+    items = normalise_request(body).items
     out = rewrite_request(body, items, matched(items, {0: {"image_grid_thw": [[1, 2, 2]]}, 1: {}}))
     content = out["messages"][0]["content"]
     assert [p["type"] for p in content[1:]] == ["image_url", "audio_url"]
@@ -56,14 +56,14 @@ def test_audio_requests_reference_all_or_nothing():
 
 def test_client_transfer_params_are_kept_under_ours_when_trusted():
     body = chat(image("A"), ec_transfer_params={"client": 1})
-    items = extract_media(body)
+    items = normalise_request(body, trust_client_fields=True).items
     out = rewrite_request(body, items, matched(items, {0: {"g": [1]}}))
     assert out["ec_transfer_params"]["client"] == 1 and out["ec_transfer_params"]["ec_items"]
 
 
 def test_no_rewrite_keeps_media_and_attaches_handles():
     body = chat(image("A"))
-    items = extract_media(body)
+    items = normalise_request(body).items
     matches = matched(items, {0: {"g": [1]}}, {"h0": {"metadata": {"g": [1]}}})
     out = rewrite_request(body, items, matches, rewrite=False)
     assert out["messages"] is body["messages"]
