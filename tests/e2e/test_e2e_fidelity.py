@@ -205,25 +205,47 @@ def text_of_c(c: dict) -> str:
     return c["choices"][0]["message"]["content"]
 
 
-def test_proxy_refuses_client_embeds_references(stack):
-    """A made-up ``image_embeds`` uuid would kill PD's engine; the proxy must stop it."""
+def _bypasses(url: str, a_hash: str) -> list[dict]:
+    """Parts vLLM's chat parser reads as embeddings or cache references (by their keys when there is
+    no type or when a uuid is present), or that name two kinds. Each one used to reach PD."""
+    grid = {"image_grid_thw": [1, 6, 8]}
+    return [
+        {"image_embeds": grid, "uuid": "0000deadbeef"},
+        {"type": "image_embeds", "image_embeds": grid, "uuid": "f" * 64},
+        {"type": "", "image_embeds": grid},
+        {"type": "text", "text": "x", "image_embeds": grid, "uuid": a_hash},
+        {"type": "text", "text": "x", "image_url": {"url": url}, "uuid": a_hash},
+        {"type": None, "image_embeds": grid, "uuid": a_hash},
+        {"image_pil": None, "uuid": a_hash},
+        {"image_url": None, "uuid": a_hash},
+        {"audio_embeds": {"audio_feature_lengths": [4]}, "uuid": "x"},
+        {"type": "prompt_embeds", "data": "AAAA"},
+    ]
+
+
+def test_proxy_refuses_every_reference_bypass_and_pd_survives(stack):
+    """Each bypass gets a 4xx from the proxy, PD's engine stays alive, and the next normal request
+    still matches the baseline exactly."""
     from epd_proxy.local.supervisor import http_ok
 
+    a, b = fresh(2)
+    before = store_entries(stack.ec_store)
+    chat_ok(stack.proxy_url, chat_body([a]))  # publishes A's embedding: a real hash to aim at
+    [a_hash] = [h for h, ok in store_entries(stack.ec_store).items() if ok and h not in before]
+    for part in _bypasses(b, a_hash):
+        body = chat_body([])
+        body["messages"][0]["content"].append(part)
+        status, data = post_json(stack.proxy_url, body)
+        assert 400 <= status < 500, (part, status, data)
     bogus = "f" * 64
-    body = chat_body([])
-    body["messages"][0]["content"].append(
-        {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 6, 8]}, "uuid": bogus}
-    )
-    status, data = post_json(stack.proxy_url, body)
-    assert 400 <= status < 500, (status, data)
-    status, data = post_json(stack.proxy_url, chat_body(fresh(1), ec_transfer_params={bogus: {"metadata": {}}}))
+    status, data = post_json(stack.proxy_url, chat_body([b], ec_transfer_params={bogus: {"metadata": {}}}))
     assert 400 <= status < 500, (status, data)
     assert http_ok(stack.by_name("pd").health_url), "PD died"
-    chat_ok(stack.proxy_url, chat_body(fresh(1)))
+    assert_same(chat_ok(stack.proxy_url, chat_body([b])), chat_ok(stack.baseline_url, chat_body([b])))
 
 
 def test_client_uuid_cannot_alias_another_image(stack):
-    """A client uuid naming another picture's EC entry must not change the answer."""
+    """A client uuid naming another picture's EC entry is dropped: the answer is the sent image's."""
     a, b = fresh(2)
     before = store_entries(stack.ec_store)
     chat_ok(stack.proxy_url, chat_body([a]))  # publishes A's embedding
@@ -233,13 +255,10 @@ def test_client_uuid_cannot_alias_another_image(stack):
     want_b = chat_ok(stack.baseline_url, chat_body([b]))
     want_a = chat_ok(stack.baseline_url, chat_body([a]))
     assert text_of(want_a) != text_of(want_b)
-    body = chat_body([b])
-    body["messages"][0]["content"][1]["uuid"] = a_hash
-    status, data = post_json(stack.proxy_url, body)
-    if status == 200:
-        assert comparable(data) == comparable(want_b)
-    else:
-        assert 400 <= status < 500, (status, data)
+    for part in ({"type": "image_url", "image_url": {"url": b}}, {"image_url": {"url": b}}):
+        body = chat_body([])
+        body["messages"][0]["content"].append({**part, "uuid": a_hash})
+        assert_same(chat_ok(stack.proxy_url, body), want_b)
 
 
 # ------------------------------------------- encoder failover (stops encoder-1)

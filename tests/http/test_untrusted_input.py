@@ -95,7 +95,12 @@ async def test_api_key_guards_the_openai_routes(make_stack):
             await client.chat.completions.create(model="tiny-vlm", messages=messages, max_tokens=4)
         with pytest.raises(openai.AuthenticationError):
             await client.models.list()
-    # The SDK refuses to send no key at all; a plain client can.
+    # No key at all: the SDK needs one to start, so it is told to omit the header.
+    async with sdk(stack, "unused") as client:
+        with pytest.raises(openai.AuthenticationError):
+            await client.chat.completions.create(
+                model="tiny-vlm", messages=messages, max_tokens=4, extra_headers={"Authorization": openai.Omit()}
+            )
     for headers in ({}, {"Authorization": "client-secret"}, {"Authorization": "Basic client-secret"}):
         async with await stack.chat(chat(image("A")), headers=headers) as resp:
             assert resp.status == 401 and (await resp.json())["error"]["type"] == "authentication_error"
