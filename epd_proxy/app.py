@@ -9,11 +9,10 @@ import time
 import uuid
 from typing import Any
 
-import aiohttp
 import orjson
 from aiohttp import web
 
-from epd_proxy.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE, Instance, make_session
+from epd_proxy.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE, Instance
 from epd_proxy.config import Config
 from epd_proxy.errors import BadRequest, ProxyError, UpstreamError, describe
 from epd_proxy.extract import OFFLOAD_HASH_BYTES, normalise_request
@@ -22,10 +21,13 @@ from epd_proxy.pipeline import Pipeline, Trace
 from epd_proxy.registry import Registry, check_admin_key, probe
 from epd_proxy.relay import relay
 from epd_proxy.routing import make_policy
+from epd_proxy.upstream import Timeouts, Upstream, UpstreamFailure
 
 log = logging.getLogger("epd_proxy.app")
 access_log = logging.getLogger("epd_proxy.request")
 CLUSTER_KEYS = {ENCODE: "encode_cluster", PREFILL: "prefill_cluster", DECODE: "decode_cluster"}
+MODELS_TIMEOUTS = Timeouts(total=10)
+PROFILE_TIMEOUTS = Timeouts(total=30)
 
 
 class ProxyState:
@@ -41,24 +43,35 @@ class ProxyState:
         }
         self.metrics = Metrics(self.fleet)
         self.inflight = 0
-        self.session: aiohttp.ClientSession | None = None
+        self.upstream: Upstream | None = None
+        # Probes get their own small pool: a backend whose request connections are all busy
+        # streaming (--max-connections-per-backend) must still answer its health checks.
+        self.probes: Upstream | None = None
         self.pipeline: Pipeline | None = None
         self._prober: asyncio.Task | None = None
 
     async def start(self) -> None:
-        self.session = make_session(self.config)
-        self.pipeline = Pipeline(self.config, self.fleet, self.session, self.policies, self.metrics)
-        if self.config.probe_interval_s > 0:
+        config = self.config
+        headers = {"Authorization": f"Bearer {config.backend_api_key}"} if config.backend_api_key else None
+        self.upstream = Upstream(
+            keep_alive_s=config.pool_keep_alive_s,
+            max_connections_per_backend=config.max_connections_per_backend,
+            headers=headers,
+        )
+        self.probes = Upstream(keep_alive_s=config.pool_keep_alive_s, headers=headers, count_inflight=False)
+        self.pipeline = Pipeline(config, self.fleet, self.upstream, self.policies, self.metrics)
+        if config.probe_interval_s > 0:
             self._prober = asyncio.create_task(
-                self.fleet.probe_forever(self.session, self.config.probe_interval_s, self.config.probe_timeout_s)
+                self.fleet.probe_forever(self.probes, config.probe_interval_s, config.probe_timeout_s)
             )
 
     async def close(self) -> None:
         if self._prober is not None:
             self._prober.cancel()
             await asyncio.gather(self._prober, return_exceptions=True)
-        if self.session is not None:
-            await self.session.close()
+        for pool in (self.upstream, self.probes):
+            if pool is not None:
+                await pool.close()
 
 
 STATE = web.AppKey("state", ProxyState)
@@ -160,12 +173,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         trace.items = len(items)
         route = state.pipeline.choose_route(request_id)
         with route.decoder.busy():
-            upstream = await state.pipeline.open(body, items, route, trace)
+            answer = await state.pipeline.open(body, items, route, trace)
             try:
-                status = upstream.status
-                return await relay(request, upstream, {"x-request-id": request_id})
+                status = answer.status
+                return await relay(request, answer, {"x-request-id": request_id})
             finally:
-                upstream.release()
+                answer.release()
     except ProxyError as exc:
         status = exc.status
         return error_response(exc, request_id)
@@ -219,17 +232,18 @@ async def list_models(request: web.Request) -> web.Response:
         return error_response(ProxyError(503, "no live decode instance", stage="route"))
     decoder = state.policies[DECODE].choose(candidates, ("models",))[0]
     try:
-        async with asyncio.timeout(10):
-            async with state.session.get(f"{decoder.url}/v1/models") as resp:
-                body = await resp.read()
-                content_type = resp.headers.get("Content-Type", "application/json")
-                return web.Response(status=resp.status, body=body, headers={"Content-Type": content_type})
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        return error_response(
-            ProxyError(
-                502, f"model list from {decoder.url} failed: {describe(exc)}", stage="decode", backend=decoder.url
-            )
+        answer = await state.upstream.call(
+            decoder,
+            "GET",
+            "/v1/models",
+            timeouts=MODELS_TIMEOUTS,
+            stage="decode",
+            what=f"model list from {decoder.url}",
+            count_inflight=False,
         )
+    except UpstreamFailure as exc:
+        return error_response(ProxyError(502, exc.message, stage="decode", backend=decoder.url))
+    return web.Response(status=answer.status, body=answer.body, headers={"Content-Type": answer.content_type})
 
 
 def stage_status(results: list[bool]) -> str:
@@ -246,7 +260,7 @@ async def health(request: web.Request) -> web.Response:
     an empty fleet is a normal state there."""
     state = request.app[STATE]
     everyone = list(state.fleet.all())
-    problems = await asyncio.gather(*(probe(state.session, inst, state.config.probe_timeout_s) for inst in everyone))
+    problems = await asyncio.gather(*(probe(state.probes, inst, state.config.probe_timeout_s) for inst in everyone))
     instances = {
         inst.url: {
             "role": inst.role,
@@ -269,19 +283,27 @@ async def health(request: web.Request) -> web.Response:
     return web.Response(body=orjson.dumps(body), status=503 if down else 200, content_type="application/json")
 
 
-async def _profile_one(session: aiohttp.ClientSession, instance: Instance, action: str, payload: bytes, api_key: str):
+async def _profile_one(upstream: Upstream, instance: Instance, action: str, payload: bytes, api_key: str):
     headers = {"Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
     try:
-        async with asyncio.timeout(30):
-            async with session.post(f"{instance.url}/{action}", data=payload, headers=headers) as resp:
-                text = (await resp.read()).decode("utf-8", "replace")
-                if resp.status == 404:
-                    return None
-                return {"status": resp.status, "body": text}
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        return {"status": None, "error": repr(exc)}
+        answer = await upstream.call(
+            instance,
+            "POST",
+            f"/{action}",
+            body=payload,
+            headers=headers,
+            timeouts=PROFILE_TIMEOUTS,
+            stage="profile",
+            what=action,
+            count_inflight=False,
+        )
+    except UpstreamFailure as exc:
+        return {"status": None, "error": exc.message}
+    if answer.status == 404:
+        return None
+    return {"status": answer.status, "body": answer.body.decode("utf-8", "replace")}
 
 
 def profile_handler(action: str):
@@ -300,7 +322,7 @@ def profile_handler(action: str):
         everyone = [inst for inst in state.fleet.all() if inst.live]
         profile_key = config.profile_api_key or config.backend_api_key
         results = await asyncio.gather(
-            *(_profile_one(state.session, inst, action, payload, profile_key) for inst in everyone)
+            *(_profile_one(state.upstream, inst, action, payload, profile_key) for inst in everyone)
         )
         # Static mode answers in the reference's shape (encode/prefill/decode); dynamic mode by role.
         dynamic = state.config.dynamic_registration

@@ -6,35 +6,36 @@ pipeline reaches a streaming client as a real HTTP error instead of a 200 stream
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
-import aiohttp
 import orjson
 
-from epd_proxy.backends import Instance, reaching
-from epd_proxy.errors import UpstreamError
+from epd_proxy.backends import CHAT_PATH, Instance
+from epd_proxy.upstream import Answer, Timeouts, Upstream, UpstreamFailure
 
 
 async def open_decode(
-    session: aiohttp.ClientSession,
-    decoder: Instance,
-    body: dict[str, Any],
-    headers: dict[str, str],
-    timeout_s: float | None,
-) -> aiohttp.ClientResponse:
-    """A 2xx response whose body is still unread; the caller must release it."""
-    data = orjson.dumps(body)
-    # Only the wait for headers is bounded: a long stream after them is legitimate.
-    with reaching(decoder, "decode", "Decode request", timeout_s):
-        async with asyncio.timeout(timeout_s):
-            resp = await session.post(decoder.chat_url, data=data, headers=headers)
-    if resp.status >= 400:
-        try:
-            raw = await resp.read()
-        except aiohttp.ClientError:
-            raw = b""
-        finally:
-            resp.release()
-        raise UpstreamError(resp.status, raw, resp.content_type, stage="decode", backend=decoder.url)
-    return resp
+    upstream: Upstream, decoder: Instance, body: dict[str, Any], headers: dict[str, str], timeouts: Timeouts
+) -> Answer:
+    """A 2xx answer whose body is still unread; the caller must release it. Only the wait for
+    headers is bounded by the decode timeout: a long stream after them is legitimate."""
+    answer = await upstream.open(
+        decoder,
+        "POST",
+        CHAT_PATH,
+        body=orjson.dumps(body),
+        headers=headers,
+        timeouts=timeouts,
+        stage="decode",
+        what="Decode request",
+        # The request has held this decoder since routing chose it (least-loaded counts it).
+        count_inflight=False,
+    )
+    if answer.status >= 400:
+        async with answer:
+            try:
+                await answer.read()
+            except UpstreamFailure:
+                pass  # the status is the answer; a body cut short only loses the details
+        raise answer.error()
+    return answer

@@ -9,12 +9,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import orjson
 
-from epd_proxy.backends import Instance, reaching
+from epd_proxy.backends import CHAT_PATH, Instance
 from epd_proxy.errors import ProxyError
 from epd_proxy.extract import MediaItem
+from epd_proxy.upstream import Timeouts, Upstream
 
 log = logging.getLogger("epd_proxy.encode")
 
@@ -74,20 +74,23 @@ class EncoderReply:
 
 
 async def post_encoder(
-    session: aiohttp.ClientSession,
-    encoder: Instance,
-    body: dict[str, Any],
-    request_id: str,
-    timeout: aiohttp.ClientTimeout,
+    upstream: Upstream, encoder: Instance, body: dict[str, Any], request_id: str, timeouts: Timeouts
 ) -> EncoderReply:
     headers = {"x-request-id": request_id, "Content-Type": "application/json"}
-    with encoder.busy(), reaching(encoder, "encode", "Encoder request", timeout.total):
-        async with session.post(encoder.chat_url, data=orjson.dumps(body), headers=headers, timeout=timeout) as resp:
-            raw = await resp.read()
-            status = resp.status
-    if status != 200:
+    answer = await upstream.call(
+        encoder,
+        "POST",
+        CHAT_PATH,
+        body=orjson.dumps(body),
+        headers=headers,
+        timeouts=timeouts,
+        stage="encode",
+        what="Encoder request",
+    )
+    raw = answer.body
+    if answer.status != 200:
         text = raw.decode("utf-8", "replace")[:2000]
-        raise ProxyError(status, f"Encoder request failed: {text}", stage="encode", backend=encoder.url)
+        raise ProxyError(answer.status, f"Encoder request failed: {text}", stage="encode", backend=encoder.url)
     try:
         parsed = orjson.loads(raw)
     except orjson.JSONDecodeError:

@@ -13,8 +13,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
-
 from epd_proxy.backends import DECODE, ENCODE, PREFILL, Instance
 from epd_proxy.config import Config
 from epd_proxy.decode import open_decode
@@ -28,6 +26,7 @@ from epd_proxy.prefill import run_prefill
 from epd_proxy.registry import Registry
 from epd_proxy.rewrite import rewrite_request
 from epd_proxy.routing import RoutingPolicy
+from epd_proxy.upstream import Timeouts, Upstream
 
 log = logging.getLogger("epd_proxy.pipeline")
 DP_RANK_HEADER = "X-data-parallel-rank"
@@ -66,22 +65,21 @@ class Pipeline:
         self,
         config: Config,
         fleet: Registry,
-        session: aiohttp.ClientSession,
+        upstream: Upstream,
         policies: dict[str, RoutingPolicy],
         metrics: Metrics,
     ) -> None:
         self.config = config
         self.fleet = fleet
-        self.session = session
+        self.upstream = upstream
         self.policies = policies
         self.metrics = metrics
         self.ids = IdMint()
-        self.encode_timeout = aiohttp.ClientTimeout(
-            total=config.encode_timeout_s, sock_connect=config.connect_timeout_s
-        )
-        self.prefill_timeout = aiohttp.ClientTimeout(
-            total=config.prefill_timeout_s, sock_connect=config.connect_timeout_s
-        )
+        # Encode and prefill answer in one piece, so their limit covers the whole exchange; decode's
+        # covers the wait for its headers, since a long stream after them is legitimate.
+        self.encode_timeouts = Timeouts(connect=config.connect_timeout_s, total=config.encode_timeout_s)
+        self.prefill_timeouts = Timeouts(connect=config.connect_timeout_s, total=config.prefill_timeout_s)
+        self.decode_timeouts = Timeouts(connect=config.connect_timeout_s, headers=config.decode_timeout_s)
 
     def choose_route(self, request_id: str) -> Route:
         fleet = self.fleet
@@ -170,11 +168,11 @@ class Pipeline:
                 reply = await self._call(
                     encoder,
                     post_encoder(
-                        self.session,
+                        self.upstream,
                         encoder,
                         sub_body,
                         self.ids.child_request_id(trace.request_id, group.indices[0]),
-                        self.encode_timeout,
+                        self.encode_timeouts,
                     ),
                 )
                 return reply, transfer_ids
@@ -228,7 +226,7 @@ class Pipeline:
                     started = time.perf_counter()
                     kv = await self._call(
                         route.prefill,
-                        run_prefill(self.session, route.prefill, prepared, prefill_headers, self.prefill_timeout),
+                        run_prefill(self.upstream, route.prefill, prepared, prefill_headers, self.prefill_timeouts),
                     )
                     trace.prefill_s += time.perf_counter() - started
                     if kv:
@@ -236,7 +234,7 @@ class Pipeline:
                 started = time.perf_counter()
                 resp = await self._call(
                     route.decoder,
-                    open_decode(self.session, route.decoder, decode_body, decode_headers, config.decode_timeout_s),
+                    open_decode(self.upstream, route.decoder, decode_body, decode_headers, self.decode_timeouts),
                 )
                 trace.decode_ttfb_s += time.perf_counter() - started
                 return resp

@@ -4,30 +4,32 @@ from __future__ import annotations
 
 from typing import Any
 
-import aiohttp
 import orjson
 
-from epd_proxy.backends import Instance, reaching
-from epd_proxy.errors import ProxyError, UpstreamError
+from epd_proxy.backends import CHAT_PATH, Instance
+from epd_proxy.errors import ProxyError
 from epd_proxy.rewrite import prefill_request
+from epd_proxy.upstream import Timeouts, Upstream
 
 
 async def run_prefill(
-    session: aiohttp.ClientSession,
-    prefill: Instance,
-    prepared: dict[str, Any],
-    headers: dict[str, str],
-    timeout: aiohttp.ClientTimeout,
+    upstream: Upstream, prefill: Instance, prepared: dict[str, Any], headers: dict[str, str], timeouts: Timeouts
 ) -> dict[str, Any] | None:
     """The `kv_transfer_params` prefill returned, or None. Errors keep prefill's own status."""
-    data = orjson.dumps(prefill_request(prepared))
-    with prefill.busy(), reaching(prefill, "prefill", "Prefill request", timeout.total):
-        async with session.post(prefill.chat_url, data=data, headers=headers, timeout=timeout) as resp:
-            raw = await resp.read()
-            if resp.status != 200:
-                raise UpstreamError(resp.status, raw, resp.content_type, stage="prefill", backend=prefill.url)
+    answer = await upstream.call(
+        prefill,
+        "POST",
+        CHAT_PATH,
+        body=orjson.dumps(prefill_request(prepared)),
+        headers=headers,
+        timeouts=timeouts,
+        stage="prefill",
+        what="Prefill request",
+    )
+    if answer.status != 200:
+        raise answer.error()
     try:
-        parsed = orjson.loads(raw)
+        parsed = orjson.loads(answer.body)
     except orjson.JSONDecodeError:
         raise ProxyError(
             502, "Prefill answered 200 with a body that is not JSON", stage="prefill", backend=prefill.url

@@ -15,11 +15,10 @@ from collections.abc import Callable, Iterable
 from typing import Any
 from urllib.parse import urlsplit
 
-import aiohttp
-
 from epd_proxy.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE, ROLES, Instance
 from epd_proxy.config import Config, ConfigError
 from epd_proxy.errors import ProxyError
+from epd_proxy.upstream import Timeouts, Upstream, UpstreamFailure
 
 log = logging.getLogger("epd_proxy.registry")
 
@@ -204,9 +203,9 @@ class Registry:
                 inst.removed = True
                 log.info("forgot %s %s: evicted for more than %gs", inst.role, url, self.evicted_ttl_s)
 
-    async def probe_once(self, session: aiohttp.ClientSession, timeout_s: float) -> None:
+    async def probe_once(self, upstream: Upstream, timeout_s: float) -> None:
         records = list(self._records.values())
-        results = await asyncio.gather(*(probe(session, inst, timeout_s) for inst in records))
+        results = await asyncio.gather(*(probe(upstream, inst, timeout_s) for inst in records))
         for inst, problem in zip(records, results):
             if inst.removed or self._records.get(inst.url) is not inst:
                 continue  # replaced or unregistered while the probe was in flight
@@ -216,26 +215,30 @@ class Registry:
                 self.record_failure(inst, problem)
         self.forget_expired()
 
-    async def probe_forever(self, session: aiohttp.ClientSession, interval_s: float, timeout_s: float) -> None:
+    async def probe_forever(self, upstream: Upstream, interval_s: float, timeout_s: float) -> None:
         while True:
             await asyncio.sleep(interval_s)
             try:
-                await self.probe_once(session, timeout_s)
+                await self.probe_once(upstream, timeout_s)
             except Exception:  # a probe round must never kill the prober
                 log.exception("health probe round failed")
 
 
-async def probe(session: aiohttp.ClientSession, inst: Instance, timeout_s: float) -> str | None:
+async def probe(upstream: Upstream, inst: Instance, timeout_s: float) -> str | None:
     """None when healthy, else why not."""
     try:
-        async with asyncio.timeout(timeout_s):
-            async with session.get(f"{inst.url}/health") as resp:
-                await resp.read()
-                return None if resp.status == 200 else f"HTTP {resp.status}"
-    except TimeoutError:
-        return f"no answer within {timeout_s:g}s"
-    except aiohttp.ClientError as exc:
-        return type(exc).__name__
+        answer = await upstream.call(
+            inst,
+            "GET",
+            "/health",
+            timeouts=Timeouts(connect=timeout_s, total=timeout_s),
+            stage="probe",
+            what="Health probe",
+            count_inflight=False,
+        )
+    except UpstreamFailure as failure:
+        return failure.reason
+    return None if answer.status == 200 else f"HTTP {answer.status}"
 
 
 def check_admin_key(expected: str, presented: str | None) -> None:

@@ -198,7 +198,7 @@ async def run(duration_s: float, concurrency: int, seed: int) -> dict[str, Any]:
     leaked_tasks = len(asyncio.all_tasks()) - baseline_tasks
     remaining_tasks = sorted(repr(t.get_coro())[:100] for t in asyncio.all_tasks() if t is not asyncio.current_task())
     leaked_sockets = _socket_count() - baseline_sockets
-    acquired = len(state.session.connector._acquired)  # noqa: SLF001 - the one place aiohttp exposes it
+    acquired = state.upstream.connections_in_use()
     leaked_inflight = sum(inst.inflight for inst in state.fleet.all()) + state.inflight
     quarter = max(1, len(rss_samples) // 4)
     rss_growth = (

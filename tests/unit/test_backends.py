@@ -2,15 +2,13 @@ from __future__ import annotations
 
 import pytest
 
-from epd_proxy.backends import Instance, reaching
-from epd_proxy.errors import BackendUnreachable
+from epd_proxy.backends import Instance
+from epd_proxy.upstream import CONNECT_TIMEOUT, UpstreamFailure
 
 
-def test_a_timeout_with_the_stage_limit_off_is_still_described():
-    with pytest.raises(BackendUnreachable, match="timed out while connecting") as err:
-        with reaching(Instance("http://e", "encode"), "encode", "Encoder request", None):
-            raise TimeoutError
-    assert err.value.status == 504
+def test_a_timeout_without_a_limit_is_still_described():
+    failure = UpstreamFailure(CONNECT_TIMEOUT, "", what="Encoder request", stage="encode", backend="http://e")
+    assert failure.status == 504 and failure.message == "Encoder request timed out while connecting"
 
 
 def test_dp_ranks_rotate_per_instance():

@@ -1,0 +1,282 @@
+"""The backend-call layer against a raw TCP peer that misbehaves on purpose: every kind of "no
+answer" is classified, nothing is left in flight, and a cancelled call closes its connection."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import pytest
+
+from epd_proxy.backends import Instance
+from epd_proxy.upstream import (
+    BROKEN,
+    CONNECT_TIMEOUT,
+    HEADERS_TIMEOUT,
+    IDLE_TIMEOUT,
+    POOL_TIMEOUT,
+    REFUSED,
+    RESET,
+    Timeouts,
+    Upstream,
+    UpstreamFailure,
+)
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+
+
+@dataclass
+class Peer:
+    url: str
+    connections: int = 0
+    closed_by_client: int = 0
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    return head + await reader.readexactly(length)
+
+
+@pytest.fixture
+async def peer():
+    servers = []
+
+    async def start(behaviour: Handler) -> Peer:
+        state = Peer("")
+
+        async def handle(reader, writer):
+            state.connections += 1
+            try:
+                await behaviour(reader, writer)
+                # Wait for the client to hang up: that is how a closed connection is observed.
+                while await reader.read(65536):
+                    pass
+                state.closed_by_client += 1
+            except (ConnectionError, asyncio.IncompleteReadError):
+                state.closed_by_client += 1
+            finally:
+                writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        servers.append(server)
+        state.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        return state
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+@pytest.fixture
+async def upstream():
+    pools = []
+
+    def make(**kwargs) -> Upstream:
+        pool = Upstream(**kwargs)
+        pools.append(pool)
+        return pool
+
+    yield make
+    for pool in pools:
+        await pool.close()
+
+
+async def call(pool: Upstream, inst: Instance, timeouts: Timeouts = Timeouts(), path: str = "/x"):
+    return await pool.call(inst, "POST", path, body=b"{}", timeouts=timeouts, stage="encode", what="Encoder request")
+
+
+async def failure_of(awaitable) -> UpstreamFailure:
+    with pytest.raises(UpstreamFailure) as err:
+        async with asyncio.timeout(10):
+            await awaitable
+    return err.value
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not condition():
+            await asyncio.sleep(0.01)
+
+
+async def answer_ok(reader, writer):
+    await read_request(reader)
+    writer.write(OK)
+
+
+async def test_an_answer_of_any_status_is_an_answer(peer, upstream):
+    async def not_found(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 4\r\n\r\nnope")
+
+    inst = Instance((await peer(not_found)).url, "encode")
+    answer = await call(upstream(), inst)
+    assert (answer.status, answer.body) == (404, b"nope")
+    assert inst.inflight == 0
+
+
+async def test_refused(upstream):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    failure = await failure_of(call(upstream(), Instance(f"http://127.0.0.1:{port}", "encode")))
+    assert failure.kind == REFUSED and failure.status == 502 and failure.stage == "encode"
+    assert failure.message.startswith("Encoder request failed")
+
+
+async def test_closed_before_any_answer_is_a_reset(peer, upstream):
+    async def hang_up(reader, writer):
+        await read_request(reader)
+        writer.close()
+
+    inst = Instance((await peer(hang_up)).url, "encode")
+    failure = await failure_of(call(upstream(), inst))
+    assert failure.kind == RESET and failure.status == 502
+    assert inst.inflight == 0
+
+
+async def test_an_answer_cut_off_is_broken(peer, upstream):
+    async def cut(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly this")
+        await writer.drain()
+        writer.close()
+
+    failure = await failure_of(call(upstream(), Instance((await peer(cut)).url, "encode")))
+    assert failure.kind == BROKEN and failure.status == 502
+
+
+async def test_headers_timeout_closes_the_connection(peer, upstream):
+    async def silent(reader, writer):
+        await read_request(reader)
+
+    backend = await peer(silent)
+    inst = Instance(backend.url, "decode")
+    failure = await failure_of(call(upstream(), inst, Timeouts(headers=0.2)))
+    assert failure.kind == HEADERS_TIMEOUT and failure.status == 504
+    assert failure.message == "Encoder request timed out after 0.2s waiting for the answer"
+    await until(lambda: backend.closed_by_client == 1)
+    assert inst.inflight == 0
+
+
+async def test_the_total_limit_covers_the_body_and_is_named(peer, upstream):
+    async def slow_body(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")
+
+    backend = await peer(slow_body)
+    failure = await failure_of(call(upstream(), Instance(backend.url, "encode"), Timeouts(total=0.3)))
+    assert failure.kind == IDLE_TIMEOUT and failure.limit_s == 0.3 and failure.status == 504
+    await until(lambda: backend.closed_by_client == 1)
+
+
+async def test_stream_idle_timeout_between_chunks(peer, upstream):
+    async def stall_after_one_chunk(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+
+    backend = await peer(stall_after_one_chunk)
+    inst = Instance(backend.url, "decode")
+    pool = upstream()
+    answer = await pool.open(inst, "POST", "/x", body=b"{}", timeouts=Timeouts(), stage="decode", what="Decode")
+    assert answer.status == 200 and inst.inflight == 1
+    received = []
+    with pytest.raises(UpstreamFailure) as err:
+        async for chunk in answer.chunks(idle_timeout=0.2):
+            received.append(chunk)
+    assert received == [b"first"] and err.value.kind == IDLE_TIMEOUT and err.value.limit_s == 0.2
+    assert inst.inflight == 0
+    await until(lambda: backend.closed_by_client == 1)
+    answer.release()  # idempotent
+    assert inst.inflight == 0
+
+
+async def test_pool_wait_is_bounded_under_the_per_backend_cap(peer, upstream):
+    async def stream_forever(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+
+    inst = Instance((await peer(stream_forever)).url, "decode")
+    pool = upstream(max_connections_per_backend=1)
+    held = await pool.open(inst, "POST", "/x", body=b"{}", timeouts=Timeouts(), stage="decode", what="Decode")
+    failure = await failure_of(call(pool, inst, Timeouts(pool=0.2)))
+    assert failure.kind == POOL_TIMEOUT and failure.status == 504
+    held.release()
+    assert inst.inflight == 0
+
+
+async def test_a_separate_pool_is_not_limited_by_the_request_pool(peer, upstream):
+    async def answer_or_stream(reader, writer):
+        request = await read_request(reader)
+        if b"/health" in request:
+            writer.write(OK)
+        else:
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+
+    inst = Instance((await peer(answer_or_stream)).url, "decode")
+    requests, probes = upstream(max_connections_per_backend=1), upstream(count_inflight=False)
+    held = await requests.open(inst, "POST", "/x", body=b"{}", timeouts=Timeouts(), stage="decode", what="Decode")
+    answer = await probes.call(inst, "GET", "/health", timeouts=Timeouts(total=2), stage="probe", what="Probe")
+    assert answer.status == 200 and inst.inflight == 1
+    held.release()
+
+
+async def test_connect_timeout(upstream):
+    # A listener that never accepts, with its accept queue full: the kernel drops further SYNs.
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []
+    for _ in range(3):
+        filler = socket.socket()
+        filler.setblocking(False)
+        try:
+            filler.connect(("127.0.0.1", port))
+        except BlockingIOError:
+            pass
+        fillers.append(filler)
+    try:
+        failure = await failure_of(
+            call(upstream(), Instance(f"http://127.0.0.1:{port}", "encode"), Timeouts(connect=0.3))
+        )
+        assert failure.kind == CONNECT_TIMEOUT and failure.limit_s == 0.3 and failure.status == 504
+        assert failure.message == "Encoder request timed out after 0.3s while connecting"
+    finally:
+        for sock in (*fillers, listener):
+            sock.close()
+
+
+async def test_cancelling_a_call_closes_its_connection(peer, upstream):
+    async def silent(reader, writer):
+        await read_request(reader)
+
+    backend = await peer(silent)
+    inst = Instance(backend.url, "encode")
+    task = asyncio.create_task(call(upstream(), inst))
+    await until(lambda: backend.connections == 1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await until(lambda: backend.closed_by_client == 1)
+    assert inst.inflight == 0
+
+
+async def test_connections_are_reused(peer, upstream):
+    async def keep_answering(reader, writer):
+        for _ in range(3):
+            await read_request(reader)
+            writer.write(OK)
+
+    backend = await peer(keep_answering)
+    pool, inst = upstream(), Instance(backend.url, "encode")
+    for _ in range(3):
+        assert (await call(pool, inst)).status == 200
+    assert backend.connections == 1
