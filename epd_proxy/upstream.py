@@ -9,18 +9,26 @@ the answer chunk by chunk, and one classification of what happened. A caller get
 
 A second pool (health probes on their own small connector, never limited by
 `--max-connections-per-backend`) is just another `Upstream`.
+
+Underneath is a lean HTTP/1.1 client: an asyncio.Protocol per connection feeding httptools'
+parser (the C parser uvicorn uses), chosen by measurement over aiohttp's client, which cost the
+proxy about as much CPU per request as everything else it does (see the README's benchmark).
+Requests are written with one `writelines`, answers are handed on as the chunks the socket gave,
+and nothing is decompressed, so relayed bytes are exactly what the backend wrote.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
+from urllib.parse import urlsplit
 
-import aiohttp
-from multidict import CIMultiDictProxy
+import httptools
 
 from epd_proxy.errors import BackendUnreachable, UpstreamError
 
@@ -91,32 +99,204 @@ class Target(Protocol):
     inflight: int
 
 
+# Reading stops while this much of an answer waits unconsumed, so a slow client cannot make the
+# proxy buffer a fast backend's whole stream.
+_PAUSE_ABOVE = 1 << 20
+_RESUME_BELOW = 1 << 18
+
+
+class Headers:
+    """An answer's headers, looked up without regard to case."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: dict[str, str]) -> None:
+        self._items = items
+
+    def get(self, name: str, default: str | None = None) -> str | None:
+        return self._items.get(name.lower(), default)
+
+    def __getitem__(self, name: str) -> str:
+        return self._items[name.lower()]
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name.lower() in self._items
+
+    def items(self):
+        return self._items.items()
+
+
+class _Closed(Exception):
+    """The connection ended; `answered` says whether any byte of the answer had arrived."""
+
+    def __init__(self, detail: str, answered: bool) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.answered = answered
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection, one exchange at a time: it parses the answer as bytes arrive and
+    wakes whoever waits for headers or for the next chunk."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.lost = False
+        self.lost_detail = ""
+        self.reused = False
+        self.idle_since = 0.0
+        self.parked_in: list[_Connection] | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.answered = False  # any byte of the current answer arrived
+        self.status = 0
+        self.header_items: list[tuple[bytes, bytes]] = []
+        self.headers_done = False
+        self.complete = False
+        self.keep_alive = False
+        self.until_eof = False
+        self.chunks: deque[bytes] = deque()
+        self.buffered = 0
+        self.paused = False
+        self.waiter: asyncio.Future | None = None
+        self.failure: Exception | None = None
+
+    # -- asyncio.Protocol ----------------------------------------------------------------------------
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.answered = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self.failure = _Closed(f"not a valid HTTP answer: {exc}", True)
+            self.transport.abort()
+            self._wake()
+
+    def eof_received(self) -> bool:
+        return False  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        if self.parked_in is not None:
+            try:
+                self.parked_in.remove(self)
+            except ValueError:
+                pass
+            self.parked_in = None
+            return
+        if self.headers_done and self.until_eof and not self.complete:
+            self.complete = True  # a body without length ends where the connection does
+        elif not self.complete and self.failure is None:
+            detail = f"{type(exc).__name__}: {exc}" if exc else "the backend closed the connection"
+            self.failure = _Closed(detail, self.answered)
+        self._wake()
+
+    def pause_writing(self) -> None:
+        pass  # requests are written whole; the transport buffers what the socket cannot take yet
+
+    def resume_writing(self) -> None:
+        pass
+
+    # -- httptools callbacks -------------------------------------------------------------------------
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.header_items.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        if status < 200:
+            self.header_items = []  # an interim answer (100 Continue): the real one follows
+            return
+        self.status = status
+        self.headers_done = True
+        framed = False
+        for name, _ in self.header_items:
+            lowered = name.lower()
+            if lowered == b"content-length" or lowered == b"transfer-encoding":
+                framed = True
+                break
+        self.until_eof = not framed and status not in (204, 304)
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+        self.buffered += len(body)
+        if self.buffered > _PAUSE_ABOVE and not self.paused:
+            self.paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        if self.headers_done:
+            self.complete = True
+            # Asked now: once the parser has moved past the message it no longer knows.
+            self.keep_alive = self.parser.should_keep_alive()
+            self._wake()
+
+    # -- for the caller ------------------------------------------------------------------------------
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def wait(self, limit: float | None) -> None:
+        """Until something happens (headers, a chunk, the end, a failure); TimeoutError after `limit`."""
+        self.waiter = waiter = self.loop.create_future()
+        try:
+            if limit is None:
+                await waiter
+            else:
+                async with asyncio.timeout(limit):
+                    await waiter
+        finally:
+            self.waiter = None
+
+    def take(self) -> bytes:
+        chunk = self.chunks.popleft()
+        self.buffered -= len(chunk)
+        if self.paused and self.buffered < _RESUME_BELOW:
+            self.paused = False
+            self.transport.resume_reading()
+        return chunk
+
+    def headers(self) -> Headers:
+        return Headers({name.decode("latin-1").lower(): value.decode("latin-1") for name, value in self.header_items})
+
+    def reusable(self) -> bool:
+        return self.complete and self.keep_alive and not self.lost and not self.until_eof
+
+    def abort(self) -> None:
+        if self.transport is not None and not self.lost:
+            self.transport.abort()
+
+
 class Answer:
     """A backend's answer: status and headers, and the body read whole (`call`) or still to be
     streamed (`open`). An open answer holds its connection until `release()`."""
 
-    __slots__ = ("status", "headers", "body", "_resp", "_call", "_done")
+    __slots__ = ("status", "headers", "body", "_conn", "_call", "_pool", "_done")
 
-    def __init__(self, resp: aiohttp.ClientResponse, call: _Call) -> None:
-        self.status = resp.status
-        self.headers: CIMultiDictProxy[str] = resp.headers
+    def __init__(self, conn: _Connection, call: _Call, pool: Upstream) -> None:
+        self.status = conn.status
+        self.headers = conn.headers()
         self.body: bytes | None = None
-        self._resp = resp
+        self._conn = conn
         self._call = call
+        self._pool = pool
         self._done = False
 
     @property
     def content_type(self) -> str:
-        return self.headers.get("Content-Type", "application/json")
+        return self.headers.get("content-type", "application/json")
 
     def error(self) -> UpstreamError:
         """This answer as the error the client gets: the backend's own status and body."""
         return UpstreamError(
-            self.status,
-            self.body or b"",
-            self.content_type,
-            stage=self._call.stage,
-            backend=self._call.target.url,
+            self.status, self.body or b"", self.content_type, stage=self._call.stage, backend=self._call.target.url
         )
 
     async def read(self, idle_timeout: float | None = None) -> bytes:
@@ -128,45 +308,39 @@ class Answer:
     async def chunks(self, idle_timeout: float | None = None) -> AsyncIterator[bytes]:
         """The body as the backend wrote it, never re-split; an UpstreamFailure (IDLE_TIMEOUT or
         BROKEN) when it stalls for `idle_timeout` seconds between two chunks or breaks off."""
-        call = self._call
-        content = self._resp.content
+        conn, call = self._conn, self._call
         idle = _smaller(idle_timeout, call.timeouts.idle)
         while True:
+            if conn.chunks:
+                yield conn.take()
+                continue
+            if conn.complete:
+                self.release()
+                return
+            if conn.failure is not None:
+                self._end(reuse=False)
+                raise call.failure(BROKEN, str(conn.failure)) from None
             limit, reported = call.budget(idle)
             try:
-                async with asyncio.timeout(limit):
-                    chunk = await content.readany()
+                await conn.wait(limit)
             except TimeoutError:
-                self._abandon()
+                self._end(reuse=False)
                 raise call.failure(IDLE_TIMEOUT, "", reported) from None
-            except aiohttp.ClientError as exc:
-                self._abandon()
-                raise call.failure(BROKEN, _describe(exc)) from None
-            if not chunk:
-                self._finish()
-                return
-            yield chunk
+            except BaseException:
+                self._end(reuse=False)
+                raise
 
     def release(self) -> None:
         """Give the connection back (or close it, if the body was not read to the end)."""
+        if not self._done:
+            self._end(reuse=self._conn.reusable() and not self._conn.chunks)
+
+    def _end(self, *, reuse: bool) -> None:
         if self._done:
             return
-        if self._resp.content.at_eof():
-            self._finish()
-        else:
-            self._abandon()
-
-    def _finish(self) -> None:
-        if not self._done:
-            self._done = True
-            self._resp.release()
-            self._call.end()
-
-    def _abandon(self) -> None:
-        if not self._done:
-            self._done = True
-            self._resp.close()
-            self._call.end()
+        self._done = True
+        self._pool._give_back(self._call.target.url, self._conn, reuse)
+        self._call.end()
 
     async def __aenter__(self) -> Answer:
         return self
@@ -218,6 +392,23 @@ class _Call:
         return UpstreamFailure(kind, detail, what=self.what, stage=self.stage, backend=self.target.url, limit_s=limit_s)
 
 
+class _Origin:
+    """Where a base URL's connections go, and the request head lines that never change for it."""
+
+    __slots__ = ("host", "port", "ssl", "host_line", "idle")
+
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        secure = parts.scheme == "https"
+        self.host = parts.hostname or ""
+        self.port = parts.port or (443 if secure else 80)
+        self.ssl: ssl.SSLContext | None = ssl.create_default_context() if secure else None
+        self.host_line = f"Host: {parts.netloc}\r\n".encode("latin-1")
+        # Most recently used last: reusing the freshest connection is least likely to hit one the
+        # backend is just closing.
+        self.idle: list[_Connection] = []
+
+
 class Upstream:
     """A connection pool to the backends and the only way to call them."""
 
@@ -229,34 +420,32 @@ class Upstream:
         headers: Mapping[str, str] | None = None,
         count_inflight: bool = True,
     ) -> None:
+        # Idle connections retire before the backend (uvicorn, 5 s) drops them, so a reused
+        # connection is almost never one the server already closed; if it is, and no byte of the
+        # answer arrived, the request goes once more on a new connection.
+        self.keep_alive_s = keep_alive_s
         self.max_connections_per_backend = max_connections_per_backend
         self.count_inflight = count_inflight
+        self._fixed_headers = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in (headers or {}).items())
+        self._origins: dict[str, _Origin] = {}
         self._slots: dict[str, asyncio.Semaphore] = {}
-        # Idle connections retire before the backend (uvicorn) drops them, so a reused connection
-        # is almost never one the server already closed; the cap is ours (see _acquire_slot).
-        connector = aiohttp.TCPConnector(
-            limit=0,
-            limit_per_host=0,
-            keepalive_timeout=keep_alive_s if keep_alive_s is not None else 0,
-            force_close=keep_alive_s is None,
-            enable_cleanup_closed=False,
-        )
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(total=None),
-            headers=dict(headers) if headers else None,
-            # Relayed bytes must arrive as the backend wrote them: ask for no compression at all.
-            auto_decompress=False,
-            skip_auto_headers=("Accept-Encoding",),
-            cookie_jar=aiohttp.DummyCookieJar(),
-        )
-        self._timeouts: dict[float | None, aiohttp.ClientTimeout] = {}
+        self._in_use = 0
+        self._sweep: asyncio.TimerHandle | None = None
+        self._closed = False
 
     def connections_in_use(self) -> int:
-        return len(self._session.connector._acquired)  # noqa: SLF001 - aiohttp exposes it nowhere else
+        return self._in_use
 
     async def close(self) -> None:
-        await self._session.close()
+        self._closed = True
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
+        for origin in self._origins.values():
+            for conn in list(origin.idle):
+                conn.parked_in = None
+                conn.abort()
+            origin.idle.clear()
 
     async def call(
         self,
@@ -303,16 +492,17 @@ class Upstream:
         count_inflight: bool | None = None,
     ) -> Answer:
         """Send and wait for the status line and headers; the body is left to stream. The caller
-        must `release()` the answer (or use it as an async context manager)."""
+        must `release()` the answer (or use it as an async context manager). `body` may be a
+        list of byte strings, written back to back without joining them."""
         call = _Call(target, stage, what, timeouts, self.count_inflight if count_inflight is None else count_inflight)
         call.begin()
         try:
             await self._acquire_slot(call)
-            resp = await self._send(call, method, path, body, headers)
+            conn = await self._exchange(call, method, path, body, headers)
         except BaseException:
             call.end()
             raise
-        return Answer(resp, call)
+        return Answer(conn, call, self)
 
     async def _acquire_slot(self, call: _Call) -> None:
         cap = self.max_connections_per_backend
@@ -321,42 +511,118 @@ class Upstream:
         slot = self._slots.get(call.target.url)
         if slot is None:
             slot = self._slots[call.target.url] = asyncio.Semaphore(cap)
-        if not slot.locked():
-            slot._value -= 1  # noqa: SLF001 - the uncontended path without a coroutine switch
-            call.slot = slot
-            return
-        limit, reported = call.budget(call.timeouts.pool)
-        try:
-            async with asyncio.timeout(limit):
-                await slot.acquire()
-        except TimeoutError:
-            raise call.failure(POOL_TIMEOUT, "", reported) from None
+        if slot.locked():
+            limit, reported = call.budget(call.timeouts.pool)
+            try:
+                async with asyncio.timeout(limit):
+                    await slot.acquire()
+            except TimeoutError:
+                raise call.failure(POOL_TIMEOUT, "", reported) from None
+        else:
+            await slot.acquire()  # free: returns without suspending
         call.slot = slot
 
-    async def _send(self, call: _Call, method, path, body, headers):
-        connect, connect_reported = call.budget(call.timeouts.connect)
-        client_timeout = self._timeouts.get(connect)
-        if client_timeout is None:
-            client_timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect)
-            if len(self._timeouts) < 64:  # remaining budgets vary; only the fixed ones are worth keeping
-                self._timeouts[connect] = client_timeout
-        limit, reported = call.budget(call.timeouts.headers)
-        data = body if body is None or isinstance(body, bytes | bytearray) else b"".join(body)
+    async def _exchange(self, call: _Call, method: str, path: str, body, headers) -> _Connection:
+        url = call.target.url
+        origin = self._origins.get(url)
+        if origin is None:
+            origin = self._origins[url] = _Origin(url)
+        parts = body if isinstance(body, list | tuple) else [body] if body else []
+        size = sum(len(part) for part in parts)
+        head = [f"{method} {path} HTTP/1.1\r\n".encode("latin-1"), origin.host_line, self._fixed_headers]
+        if headers:
+            head.append("".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode("latin-1"))
+        if size or method not in ("GET", "HEAD"):
+            head.append(b"Content-Length: %d\r\n" % size)
+        head.append(b"\r\n")
+        request = [b"".join(head), *parts]
+        fresh = False
+        while True:
+            conn = await self._connection(call, origin, fresh)
+            self._in_use += 1
+            conn.transport.writelines(request)
+            limit, reported = call.budget(call.timeouts.headers)
+            try:
+                while not conn.headers_done:
+                    if conn.failure is not None:
+                        raise conn.failure
+                    await conn.wait(limit)
+                return conn
+            except _Closed as closed:
+                self._give_back(url, conn, False)
+                if conn.reused and not closed.answered and not fresh:
+                    fresh = True  # the backend dropped an idle connection we had just picked
+                    continue
+                raise call.failure(BROKEN if closed.answered else RESET, closed.detail) from None
+            except TimeoutError:
+                self._give_back(url, conn, False)
+                raise call.failure(HEADERS_TIMEOUT, "", reported) from None
+            except BaseException:
+                self._give_back(url, conn, False)
+                raise
+
+    async def _connection(self, call: _Call, origin: _Origin, fresh: bool) -> _Connection:
+        idle = origin.idle
+        if idle and not fresh:
+            oldest_allowed = time.monotonic() - (self.keep_alive_s or 0)
+            while idle:
+                conn = idle.pop()
+                conn.parked_in = None
+                if conn.lost or conn.idle_since < oldest_allowed:
+                    conn.abort()
+                    continue
+                conn.reused = True
+                conn._reset()
+                return conn
+        loop = asyncio.get_running_loop()
+        limit, reported = call.budget(call.timeouts.connect)
         try:
             async with asyncio.timeout(limit):
-                return await self._session.request(
-                    method, call.target.url + path, data=data, headers=headers, timeout=client_timeout
+                _, conn = await loop.create_connection(
+                    lambda: _Connection(loop),
+                    origin.host,
+                    origin.port,
+                    ssl=origin.ssl,
+                    server_hostname=origin.host if origin.ssl else None,
                 )
-        except aiohttp.ConnectionTimeoutError:
-            raise call.failure(CONNECT_TIMEOUT, "", connect_reported) from None
         except TimeoutError:
-            raise call.failure(HEADERS_TIMEOUT, "", reported) from None
-        except aiohttp.ClientConnectorError as exc:
+            raise call.failure(CONNECT_TIMEOUT, "", reported) from None
+        except OSError as exc:
             raise call.failure(REFUSED, _describe(exc)) from None
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-            raise call.failure(RESET, _describe(exc)) from None
-        except aiohttp.ClientError as exc:
-            raise call.failure(BROKEN, _describe(exc)) from None
+        return conn
+
+    def _give_back(self, url: str, conn: _Connection, reuse: bool) -> None:
+        self._in_use -= 1
+        if not reuse or self.keep_alive_s is None or self._closed:
+            conn.abort()
+            return
+        origin = self._origins[url]
+        conn.idle_since = time.monotonic()
+        conn.parked_in = origin.idle
+        origin.idle.append(conn)
+        if self._sweep is None:
+            self._sweep = asyncio.get_running_loop().call_later(self.keep_alive_s, self._close_expired)
+
+    def _close_expired(self) -> None:
+        """Close connections idle for longer than keep-alive, so none outlives the backend's patience
+        and an idle proxy holds no sockets."""
+        self._sweep = None
+        oldest_allowed = time.monotonic() - self.keep_alive_s
+        remaining = False
+        for origin in self._origins.values():
+            keep = []
+            for conn in origin.idle:
+                if conn.idle_since < oldest_allowed or conn.lost:
+                    conn.parked_in = None
+                    conn.abort()
+                else:
+                    keep.append(conn)
+            origin.idle[:] = keep
+            for conn in keep:
+                conn.parked_in = origin.idle
+            remaining = remaining or bool(keep)
+        if remaining:
+            self._sweep = asyncio.get_running_loop().call_later(self.keep_alive_s / 2, self._close_expired)
 
 
 def _smaller(a: float | None, b: float | None) -> float | None:
@@ -368,6 +634,6 @@ def _smaller(a: float | None, b: float | None) -> float | None:
 
 
 def _describe(exc: BaseException) -> str:
-    """`ClientConnectorError: Cannot connect to host ...` rather than a repr full of internals."""
+    """`ConnectionRefusedError: [Errno 111] ...` rather than a repr full of internals."""
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -136,10 +136,12 @@ async def test_closed_before_any_answer_is_a_reset(peer, upstream):
         await read_request(reader)
         writer.close()
 
-    inst = Instance((await peer(hang_up)).url, "encode")
+    backend = await peer(hang_up)
+    inst = Instance(backend.url, "encode")
     failure = await failure_of(call(upstream(), inst))
     assert failure.kind == RESET and failure.status == 502
     assert inst.inflight == 0
+    assert backend.connections == 1, "a new connection that fails is not retried"
 
 
 async def test_an_answer_cut_off_is_broken(peer, upstream):
@@ -280,3 +282,67 @@ async def test_connections_are_reused(peer, upstream):
     for _ in range(3):
         assert (await call(pool, inst)).status == 200
     assert backend.connections == 1
+
+
+async def test_a_pooled_connection_dropped_before_answering_is_retried_once_on_a_new_one(peer, upstream):
+    async def answer_once_then_drop(reader, writer):
+        await read_request(reader)
+        writer.write(OK)
+        await read_request(reader)
+        writer.close()  # as a backend closing an idle connection just as the next request goes out
+
+    backend = await peer(answer_once_then_drop)
+    pool, inst = upstream(), Instance(backend.url, "encode")
+    assert (await call(pool, inst)).status == 200
+    assert (await call(pool, inst)).status == 200
+    assert backend.connections == 2
+
+
+async def test_a_pooled_connection_that_began_answering_is_not_retried(peer, upstream):
+    async def answer_once_then_break(reader, writer):
+        await read_request(reader)
+        writer.write(OK)
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 2")
+        await writer.drain()
+        writer.close()
+
+    backend = await peer(answer_once_then_break)
+    pool, inst = upstream(), Instance(backend.url, "encode")
+    assert (await call(pool, inst)).status == 200
+    failure = await failure_of(call(pool, inst))
+    assert failure.kind == BROKEN and backend.connections == 1
+
+
+async def test_idle_connections_retire_after_keep_alive(peer, upstream):
+    async def keep_answering(reader, writer):
+        while True:
+            await read_request(reader)
+            writer.write(OK)
+
+    backend = await peer(keep_answering)
+    pool, inst = upstream(keep_alive_s=0.2), Instance(backend.url, "encode")
+    assert (await call(pool, inst)).status == 200
+    await until(lambda: backend.closed_by_client == 1)
+    assert (await call(pool, inst)).status == 200
+    assert backend.connections == 2 and pool.connections_in_use() == 0
+
+
+async def test_streamed_chunks_arrive_as_written(peer, upstream):
+    sent = [b"data: 1\n\n", "data: é世\n\n".encode(), b"data: [DONE]\n\n"]
+
+    async def stream(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for piece in sent:
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+
+    inst = Instance((await peer(stream)).url, "decode")
+    async with await upstream().open(
+        inst, "POST", "/x", body=[b"{", b"}"], timeouts=Timeouts(), stage="decode", what="Decode"
+    ) as answer:
+        assert answer.content_type == "text/event-stream"
+        assert b"".join([chunk async for chunk in answer.chunks()]) == b"".join(sent)
+    assert inst.inflight == 0
