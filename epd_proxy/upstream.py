@@ -426,7 +426,9 @@ class Upstream:
         self.keep_alive_s = keep_alive_s
         self.max_connections_per_backend = max_connections_per_backend
         self.count_inflight = count_inflight
-        self._fixed_headers = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in (headers or {}).items())
+        self._fixed = dict(headers or {})
+        self._fixed_names = {name.lower() for name in self._fixed}
+        self._fixed_headers = _header_lines(self._fixed)
         self._origins: dict[str, _Origin] = {}
         self._slots: dict[str, asyncio.Semaphore] = {}
         self._in_use = 0
@@ -529,9 +531,15 @@ class Upstream:
             origin = self._origins[url] = _Origin(url)
         parts = body if isinstance(body, list | tuple) else [body] if body else []
         size = sum(len(part) for part in parts)
-        head = [f"{method} {path} HTTP/1.1\r\n".encode("latin-1"), origin.host_line, self._fixed_headers]
-        if headers:
-            head.append("".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode("latin-1"))
+        head = [f"{method} {path} HTTP/1.1\r\n".encode("latin-1"), origin.host_line]
+        if not headers:
+            head.append(self._fixed_headers)
+        elif self._fixed_names.isdisjoint(name.lower() for name in headers):
+            head += (self._fixed_headers, _header_lines(headers))
+        else:  # the call's own value of a pool-wide header (a different Authorization) wins
+            overridden = {name.lower() for name in headers}
+            kept = {name: value for name, value in self._fixed.items() if name.lower() not in overridden}
+            head.append(_header_lines({**kept, **headers}))
         if size or method not in ("GET", "HEAD"):
             head.append(b"Content-Length: %d\r\n" % size)
         head.append(b"\r\n")
@@ -623,6 +631,16 @@ class Upstream:
             remaining = remaining or bool(keep)
         if remaining:
             self._sweep = asyncio.get_running_loop().call_later(self.keep_alive_s / 2, self._close_expired)
+
+
+def _header_lines(headers: Mapping[str, str]) -> bytes:
+    lines = []
+    for name, value in headers.items():
+        if "\r" in value or "\n" in value:
+            raise ValueError(f"header {name} holds a line break")
+        lines.append(f"{name}: {value}\r\n")
+    # As aiohttp's server decoded them, so a client's request id goes on byte for byte.
+    return "".join(lines).encode("utf-8", "surrogateescape")
 
 
 def _smaller(a: float | None, b: float | None) -> float | None:

@@ -128,7 +128,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=[],
         metavar="NAME:KEY=VALUE[,KEY=VALUE]",
         help="one more zero-cost batched arm whose proxy gets this environment, interleaved with "
-        "the others: A/B a change against the saturation arm in one run (repeatable)",
+        "the others: A/B a change against the saturation arm in one run (repeatable); "
+        "NAME@batched:... runs it at the batched arm's load instead",
     )
     p.add_argument("--no-chart", action="store_true")
     return p.parse_args(argv)
@@ -325,7 +326,12 @@ class Bench:
         for spec in self.args.variant:
             name, _, pairs = spec.partition(":")
             env = dict(pair.partition("=")[::2] for pair in pairs.split(",") if "=" in pair)
-            arms.append(Arm(name, "proxy", FREE, batch=0, env=env, note=f"like saturation, env {pairs}"))
+            # NAME@batched: the variant runs at the batched arm's equal (encoder-bound) load instead.
+            name, _, like = name.partition("@")
+            if like == "batched":
+                arms.append(Arm(name, "proxy", COST, batch=0, env=env, note=f"like batched, env {pairs}"))
+            else:
+                arms.append(Arm(name, "proxy", FREE, batch=0, env=env, note=f"like saturation, env {pairs}"))
         return arms
 
     def schedule(self, round_no: int, arm_no: int) -> list[tuple[int, str]]:

@@ -346,3 +346,21 @@ async def test_streamed_chunks_arrive_as_written(peer, upstream):
         assert answer.content_type == "text/event-stream"
         assert b"".join([chunk async for chunk in answer.chunks()]) == b"".join(sent)
     assert inst.inflight == 0
+
+
+async def test_a_calls_header_replaces_the_pools_own(peer, upstream):
+    seen = []
+
+    async def record(reader, writer):
+        for _ in range(2):
+            seen.append(await read_request(reader))
+            writer.write(OK)
+
+    inst = Instance((await peer(record)).url, "encode")
+    pool = upstream(headers={"Authorization": "Bearer pool"})
+    await pool.call(inst, "GET", "/a", timeouts=Timeouts(), stage="profile", what="Profile")
+    await pool.call(
+        inst, "GET", "/b", headers={"authorization": "Bearer own"}, timeouts=Timeouts(), stage="profile", what="Profile"
+    )
+    assert b"Authorization: Bearer pool\r\n" in seen[0]
+    assert b"Bearer own" in seen[1] and b"Bearer pool" not in seen[1]
