@@ -140,24 +140,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     config = state.config
     request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-    if config.max_inflight and state.inflight >= config.max_inflight:
-        state.metrics.rejected.inc()
-        state.metrics.requests.labels("503").inc()
-        response = error_response(
-            ProxyError(
-                503,
-                f"the proxy is at its limit of {config.max_inflight} requests in flight; retry shortly",
-                stage="admission",
-                error_type="overloaded",
-            ),
-            request_id,
-        )
-        response.headers["Retry-After"] = "1"
-        return response
-    state.inflight += 1
     trace = Trace(request_id)
     status = 500
     route = None
+    admitted = False
     try:
         raw = await read_body(request, config.max_body_bytes)
         size = len(raw)
@@ -171,6 +157,17 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             normalised = normalise_request(parsed, **options)
         body, items = normalised.body, normalised.items
         trace.items = len(items)
+        # Admission counts work, not waiting: a client still sending its body holds no slot.
+        if config.max_inflight and state.inflight >= config.max_inflight:
+            state.metrics.rejected.inc()
+            raise ProxyError(
+                503,
+                f"the proxy is at its limit of {config.max_inflight} requests in flight; retry shortly",
+                stage="admission",
+                error_type="overloaded",
+            )
+        state.inflight += 1
+        admitted = True
         route = state.pipeline.choose_route(request_id)
         with route.decoder.busy():
             answer = await state.pipeline.open(body, items, route, trace)
@@ -181,7 +178,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 answer.release()
     except ProxyError as exc:
         status = exc.status
-        return error_response(exc, request_id)
+        response = error_response(exc, request_id)
+        if exc.stage == "admission":
+            response.headers["Retry-After"] = "1"
+        return response
     except asyncio.CancelledError:
         status = 499
         raise
@@ -190,7 +190,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         status = 500
         return error_response(ProxyError(500, f"Proxy error: {describe(exc)}"), request_id)
     finally:
-        state.inflight -= 1
+        if admitted:
+            state.inflight -= 1
         _finish(state.metrics, trace, status, route)
 
 

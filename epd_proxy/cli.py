@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -154,6 +153,33 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=default("max_inflight"),
         help="requests in flight beyond which new ones get 503 + Retry-After, 0 = unlimited",
     )
+    clients = parser.add_argument_group("client side (slow and greedy clients)")
+    clients.add_argument(
+        "--client-header-timeout",
+        type=float,
+        default=default("client_header_timeout_s"),
+        help="seconds for a whole request head (from accept, or from its first byte on a kept-alive "
+        "connection); then 408 and close, 0 = none (default: %(default)s)",
+    )
+    clients.add_argument(
+        "--client-body-timeout",
+        type=float,
+        default=default("client_body_timeout_s"),
+        help="seconds allowed between two reads of a request body; then 408 and close, 0 = none (default: %(default)s)",
+    )
+    clients.add_argument(
+        "--client-keepalive-timeout",
+        type=float,
+        default=default("client_keepalive_timeout_s"),
+        help="seconds an idle kept-alive client connection stays open (default: %(default)s)",
+    )
+    clients.add_argument(
+        "--max-client-connections",
+        type=int,
+        default=default("max_client_connections"),
+        help="open client connections (all workers together); more are answered 503 and closed at "
+        "accept, 0 = unlimited (default: %(default)s)",
+    )
     ours.add_argument(
         "--workers",
         type=int,
@@ -196,6 +222,10 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> Config
         else env.get("EPD_BACKEND_API_KEY", ""),
         profile_api_key=env.get("OPENAI_API_KEY", ""),
         max_inflight=args.max_inflight,
+        client_header_timeout_s=args.client_header_timeout,
+        client_body_timeout_s=args.client_body_timeout,
+        client_keepalive_timeout_s=args.client_keepalive_timeout,
+        max_client_connections=args.max_client_connections,
         max_media_items=args.max_media_items,
         max_connections_per_backend=args.max_connections_per_backend,
         dynamic_registration=args.dynamic_registration,
@@ -208,9 +238,8 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> Config
     )
 
 
-def _run_worker(config: Config, log_level: str, reuse_port: bool) -> None:
-    from aiohttp import web
-
+def _run_worker(config: Config, log_level: str, reuse_port: bool, connections=None) -> None:
+    from epd_proxy import server
     from epd_proxy.app import create_app
     from epd_proxy.logs import configure_logging
 
@@ -228,16 +257,7 @@ def _run_worker(config: Config, log_level: str, reuse_port: bool) -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(50_000, 20, 100)
-    web.run_app(
-        app,
-        host=config.host,
-        port=config.port,
-        access_log=None,
-        # A client that disconnects cancels its handler, which cancels every backend call it made.
-        handler_cancellation=True,
-        reuse_port=reuse_port or None,
-        print=lambda msg: logging.getLogger("epd_proxy").info("%s", msg.strip()),
-    )
+    server.run(app, config, reuse_port=reuse_port, shared=connections)
 
 
 def serve(config: Config, log_level: str, workers: int = 1) -> None:
@@ -249,7 +269,12 @@ def serve(config: Config, log_level: str, workers: int = 1) -> None:
 
     # Each worker owns its own state (cursor, pools, metrics); the kernel spreads connections.
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_run_worker, args=(config, log_level, True), daemon=False) for _ in range(workers)]
+    # --max-client-connections counts the port's connections, whichever worker the kernel picked.
+    connections = ctx.Value("q", 0)
+    procs = [
+        ctx.Process(target=_run_worker, args=(config, log_level, True, connections), daemon=False)
+        for _ in range(workers)
+    ]
     for proc in procs:
         proc.start()
 

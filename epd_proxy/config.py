@@ -45,6 +45,12 @@ class Config:
     max_connections_per_backend: int = 0
     # Requests in flight beyond which new ones get 503 + Retry-After; 0 = unlimited.
     max_inflight: int = 0
+    # Client side (nginx's client_header_timeout, client_body_timeout, keepalive_timeout), seconds;
+    # header and body 0 = none. Open client connections beyond max_client_connections are refused.
+    client_header_timeout_s: float = 60.0
+    client_body_timeout_s: float = 60.0
+    client_keepalive_timeout_s: float = 75.0
+    max_client_connections: int = 1024
     dynamic_registration: bool = False
     admin_api_key: str = ""
     # Health probing of every instance (both modes); interval 0 disables it.
@@ -85,6 +91,14 @@ class Config:
             raise ConfigError(f"--log-format must be text or json, got {self.log_format!r}")
         if self.max_inflight < 0:
             raise ConfigError(f"--max-inflight must be >= 0, got {self.max_inflight}")
+        for name in ("client_header_timeout_s", "client_body_timeout_s", "client_keepalive_timeout_s"):
+            if getattr(self, name) < 0:
+                flag = "--" + name.removesuffix("_s").replace("_", "-")
+                raise ConfigError(f"{flag} must be >= 0, got {getattr(self, name)}")
+        if self.max_client_connections < 0:
+            raise ConfigError(
+                f"--max-client-connections must be >= 0 (0 = unlimited), got {self.max_client_connections}"
+            )
         if self.encoder_max_batch_size < 0:
             raise ConfigError(f"ENCODER_MAX_BATCH_SIZE must be >= 0 (0 = unlimited), got {self.encoder_max_batch_size}")
         if self.ec_consumer_dp_size < 1:

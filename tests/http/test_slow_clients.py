@@ -1,0 +1,271 @@
+"""Slow and greedy clients against the proxy's own server (epd_proxy.server), driven with raw sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp.test_utils import TestServer
+
+from epd_proxy import server
+from epd_proxy.app import create_app
+from epd_proxy.config import Config
+from epd_proxy.testing.fake_vllm import ECStore, FakeVLLM
+from tests.media import chat, image
+
+DEADLINE_S = 15.0
+
+
+@dataclass
+class Served:
+    host: str
+    port: int
+    runner: server.GuardedAppRunner
+    client: aiohttp.ClientSession
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def gate(self) -> server.ConnectionGate:
+        return self.runner.gate
+
+    async def chat(self, body: dict) -> tuple[int, dict]:
+        async with self.client.post(f"{self.url}/v1/chat/completions", json=body) as resp:
+            return resp.status, await resp.json()
+
+    async def metrics(self) -> str:
+        async with self.client.get(f"{self.url}/metrics") as resp:
+            return await resp.text()
+
+    def handlers_in_progress(self) -> int:
+        return sum(1 for conn in self.runner.server.connections if conn._request_in_progress)
+
+
+@pytest.fixture
+async def serve_proxy():
+    """The proxy app behind epd_proxy.server (as `epd-proxy serve` runs it) over fake E and PD."""
+    cleanups: list[Callable[[], Awaitable[None]]] = []
+
+    async def build(**overrides) -> Served:
+        store = ECStore()
+        fakes = [TestServer(FakeVLLM("encode", store).app()), TestServer(FakeVLLM("pd", store).app())]
+        for fake in fakes:
+            await fake.start_server()
+            cleanups.append(fake.close)
+        e_url, pd_url = (str(f.make_url("")).rstrip("/") for f in fakes)
+        config = dataclasses.replace(Config(encode_urls=(e_url,), decode_urls=(pd_url,)), **overrides)
+        runner, site = await server.start(create_app(config), config, host="127.0.0.1", port=0)
+        cleanups.append(runner.cleanup)
+        client = aiohttp.ClientSession()
+        cleanups.append(client.close)
+        return Served("127.0.0.1", site.port, runner, client)
+
+    yield build
+    for cleanup in reversed(cleanups):
+        await cleanup()
+
+
+async def poll(condition: Callable[[], bool], what: str, deadline_s: float = DEADLINE_S) -> None:
+    deadline = time.monotonic() + deadline_s
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+def upload_head(length: int, path: str = "/v1/chat/completions") -> bytes:
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
+    ).encode()
+
+
+def big_body(size: int) -> bytes:
+    """A valid chat request of about `size` bytes (one large image)."""
+    body = orjson.dumps(chat(image("x")))
+    padding = size - len(body)
+    return orjson.dumps(chat(image("x" * (padding * 3 // 4))))
+
+
+async def read_until_closed(reader: asyncio.StreamReader, deadline_s: float = DEADLINE_S) -> bytes:
+    """Everything the proxy sends until it closes the connection (a reset counts as closed)."""
+    received = bytearray()
+    async with asyncio.timeout(deadline_s):
+        while True:
+            try:
+                chunk = await reader.read(65536)
+            except ConnectionResetError:
+                break
+            if not chunk:
+                break
+            received += chunk
+    return bytes(received)
+
+
+def parse_response(raw: bytes) -> tuple[int, dict[str, str], bytes]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:] if ":" in line)}
+    return int(lines[0].split()[1]), headers, body
+
+
+async def test_stalled_uploads_leave_admission_to_the_other_clients(serve_proxy):
+    proxy = await serve_proxy(max_inflight=3, client_body_timeout_s=60.0)
+    body = big_body(600_000)
+    stalled = []
+    try:
+        for _ in range(3):
+            reader, writer = await asyncio.open_connection(proxy.host, proxy.port)
+            writer.write(upload_head(len(body)) + body[: len(body) // 2])
+            await writer.drain()
+            stalled.append(writer)
+        # Their heads are parsed and their handlers run: they hold whatever a request holds while
+        # its body is still on the way.
+        await poll(lambda: proxy.handlers_in_progress() == 3, "three stalled uploads inside the proxy")
+        for round_ in range(2):  # up to the limit at once, twice
+            results = await asyncio.gather(*(proxy.chat(chat(image(f"{round_}-{n}"))) for n in range(3)))
+            assert [status for status, _ in results] == [200] * 3, results
+        assert proxy.handlers_in_progress() == 3
+    finally:
+        for writer in stalled:
+            writer.close()
+
+
+async def test_a_stalled_upload_gets_408_within_the_body_timeout(serve_proxy):
+    proxy = await serve_proxy(client_body_timeout_s=1.0)
+    body = big_body(600_000)
+    reader, writer = await asyncio.open_connection(proxy.host, proxy.port)
+    try:
+        writer.write(upload_head(len(body)) + body[: len(body) // 2])
+        await writer.drain()
+        sent = time.monotonic()
+        status, headers, answer = parse_response(await read_until_closed(reader))
+        waited = time.monotonic() - sent
+    finally:
+        writer.close()
+    assert status == 408 and headers["connection"] == "close"
+    assert orjson.loads(answer)["error"]["type"] == "timeout"
+    assert waited >= 0.9, "the body clock fired before the client had been silent for the timeout"
+    assert proxy.gate.timeouts["body"] == 1
+    assert 'epd_client_timeouts_total{kind="body"} 1.0' in await proxy.metrics()
+
+
+async def test_a_slow_but_steady_upload_is_not_cut_off(serve_proxy):
+    """nginx's meaning: the clock runs between two reads, not over the whole body."""
+    proxy = await serve_proxy(client_body_timeout_s=2.0)
+    body = orjson.dumps(chat(image("steady")))
+    pieces = [body[i : i + len(body) // 12 + 1] for i in range(0, len(body), len(body) // 12 + 1)]
+    reader, writer = await asyncio.open_connection(proxy.host, proxy.port)
+    try:
+        writer.write(upload_head(len(body)))
+        started = time.monotonic()
+        for piece in pieces:
+            writer.write(piece)
+            await writer.drain()
+            await asyncio.sleep(0.25)  # the client's pace, not a synchronisation
+        writer.write_eof()
+        status, _, answer = parse_response(await read_until_closed(reader))
+    finally:
+        writer.close()
+    assert time.monotonic() - started > 2.0, "the upload must outlast the body timeout to prove anything"
+    assert status == 200, answer
+    assert proxy.gate.timeouts["body"] == 0
+
+
+@pytest.mark.parametrize("dribble", [False, True], ids=["stalled", "slowloris"])
+async def test_a_stalled_request_head_gets_408_within_the_header_timeout(serve_proxy, dribble):
+    proxy = await serve_proxy(client_header_timeout_s=1.0)
+    reader, writer = await asyncio.open_connection(proxy.host, proxy.port)
+    started = time.monotonic()
+    closed = asyncio.ensure_future(read_until_closed(reader))
+    try:
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\n")
+        await writer.drain()
+        # A slowloris keeps sending header lines; the head clock does not start over for them.
+        while dribble and not closed.done():
+            writer.write(b"X-Slow: 1\r\n")
+            await writer.drain()
+            await asyncio.wait([closed], timeout=0.2)
+        status, headers, answer = parse_response(await closed)
+    finally:
+        writer.close()
+    waited = time.monotonic() - started
+    assert status == 408 and headers["connection"] == "close"
+    assert orjson.loads(answer)["error"]["type"] == "timeout"
+    assert 0.9 <= waited < DEADLINE_S
+    assert proxy.gate.timeouts["header"] == 1
+
+
+async def test_a_connection_that_sends_nothing_is_closed_after_the_header_timeout(serve_proxy):
+    proxy = await serve_proxy(client_header_timeout_s=1.0, client_keepalive_timeout_s=60.0)
+    reader, writer = await asyncio.open_connection(proxy.host, proxy.port)
+    started = time.monotonic()
+    try:
+        assert await read_until_closed(reader) == b""
+    finally:
+        writer.close()
+    assert time.monotonic() - started >= 0.9
+    await poll(lambda: proxy.gate.open == 0, "the proxy to forget the connection")
+
+
+async def test_an_idle_kept_alive_connection_is_closed_after_the_keepalive_timeout(serve_proxy):
+    proxy = await serve_proxy(client_keepalive_timeout_s=1.0, client_header_timeout_s=60.0)
+    reader, writer = await asyncio.open_connection(proxy.host, proxy.port)
+    try:
+        writer.write(b"GET /metrics HTTP/1.1\r\nHost: proxy\r\n\r\n")
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), DEADLINE_S)
+        _, headers, _ = parse_response(head)
+        assert head.startswith(b"HTTP/1.1 200") and headers.get("connection") != "close"
+        await asyncio.wait_for(reader.readexactly(int(headers["content-length"])), DEADLINE_S)
+        idle_since = time.monotonic()
+        assert await read_until_closed(reader) == b"", "an idle connection is closed without an answer"
+    finally:
+        writer.close()
+    assert time.monotonic() - idle_since >= 0.9
+    assert proxy.gate.timeouts["keepalive"] == 1 and proxy.gate.timeouts["header"] == 0
+
+
+async def test_connections_over_the_limit_are_refused_while_the_others_are_served(serve_proxy):
+    proxy = await serve_proxy(max_client_connections=4, client_header_timeout_s=60.0)
+    idle = [await asyncio.open_connection(proxy.host, proxy.port) for _ in range(3)]
+    try:
+        await poll(lambda: proxy.gate.open == 3, "three idle connections to be counted")
+        # The fourth: one kept-alive client connection that keeps being served.
+        client = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1))
+        try:
+            async with client.post(f"{proxy.url}/v1/chat/completions", json=chat(image("a"))) as resp:
+                assert resp.status == 200
+            for _ in range(3):
+                reader, writer = await asyncio.open_connection(proxy.host, proxy.port)
+                writer.write(b"GET /health HTTP/1.1\r\nHost: proxy\r\n\r\n")
+                refused = await read_until_closed(reader)
+                writer.close()
+                # Answered 503 at accept and closed (or just closed, if the answer lost the race).
+                if refused:
+                    status, headers, body = parse_response(refused)
+                    assert status == 503 and headers["retry-after"] == "1"
+                    assert orjson.loads(body)["error"]["type"] == "overloaded"
+            async with client.post(f"{proxy.url}/v1/chat/completions", json=chat(image("b"))) as resp:
+                assert resp.status == 200
+            async with client.get(f"{proxy.url}/metrics") as resp:
+                text = await resp.text()
+            assert "epd_client_connections_refused_total 3.0" in text
+            assert "epd_client_connections 4.0" in text
+            # A slot freed is a slot for the next client.
+            idle.pop()[1].close()
+            await poll(lambda: proxy.gate.open == 3, "the closed connection to be released")
+            async with proxy.client.get(f"{proxy.url}/health") as resp:
+                assert resp.status == 200
+        finally:
+            await client.close()
+    finally:
+        for _, writer in idle:
+            writer.close()
