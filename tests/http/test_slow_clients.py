@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -20,6 +24,7 @@ from epd_proxy.testing.fake_vllm import ECStore, FakeVLLM
 from tests.media import chat, image
 
 DEADLINE_S = 15.0
+JSON = {"Content-Type": "application/json"}
 
 
 @dataclass
@@ -269,3 +274,164 @@ async def test_connections_over_the_limit_are_refused_while_the_others_are_serve
     finally:
         for _, writer in idle:
             writer.close()
+
+
+# -- `epd-proxy serve` as a process: the limits hold there, with --workers too -------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rss_bytes(pid: int, field: str = "VmRSS") -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {field} for {pid}")
+
+
+@contextlib.asynccontextmanager
+async def serve_process(*flags: str):
+    """`epd-proxy serve` over fake E and PD; yields (process, url) once it answers /health."""
+    store = ECStore()
+    fakes = [TestServer(FakeVLLM("encode", store).app()), TestServer(FakeVLLM("pd", store).app())]
+    for fake in fakes:
+        await fake.start_server()
+    e_url, pd_url = (str(f.make_url("")).rstrip("/") for f in fakes)
+    port = free_port()
+    cmd = [sys.executable, "-m", "epd_proxy", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--encode-servers-urls", e_url, "--decode-servers-urls", pd_url, "--log-level", "WARNING", *flags]
+    proc = subprocess.Popen(cmd)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as probe:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    async with probe.get(f"{url}/health") as resp:
+                        if resp.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    pytest.fail("the proxy process did not become healthy")
+                await asyncio.sleep(0.1)
+        yield proc, url
+    finally:
+        proc.terminate()
+        await asyncio.to_thread(proc.wait, 20)
+        for fake in fakes:
+            await fake.close()
+
+
+async def stalled_upload(port: int, head: bytes, half: bytes) -> int | None:
+    """Sends a request head and half its body, then waits for the proxy to answer and close:
+    the answer's status, or None for a connection closed or reset without one."""
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    except OSError:
+        return None
+    try:
+        writer.write(head + half)
+        await writer.drain()
+        answer = await read_until_closed(reader, deadline_s=60)
+    except (ConnectionResetError, BrokenPipeError):
+        return None
+    finally:
+        writer.close()
+    return parse_response(answer)[0] if answer else None
+
+
+def metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+@pytest.mark.parametrize("limit", [40, 200])
+async def test_memory_stays_bounded_under_many_slow_uploads_and_drops_back(limit):
+    """200 uploads of 600 KB stall at half: the connection limit caps what the proxy buffers at
+    max-client-connections x max-body-bytes, and the memory is given back once they are gone.
+    Without a limit the flood adds about 90 MB, twice the bound at 40 connections; at 200
+    glibc keeps most of it unless the heap is trimmed."""
+    max_body = 1_000_000
+    flags = ("--max-client-connections", str(limit), "--max-body-bytes", str(max_body))
+    async with serve_process(*flags, "--client-body-timeout", "2") as (proc, url):
+        port = int(url.rsplit(":", 1)[1])
+        body = big_body(600_000)
+        head = upload_head(len(body))
+        # One kept-alive client holds one of the slots throughout and must be served.
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as client:
+            for _ in range(3):  # warm up with full-size requests, so the baseline includes their buffers
+                async with client.post(f"{url}/v1/chat/completions", data=body, headers=JSON) as resp:
+                    assert resp.status == 200
+            baseline = rss_bytes(proc.pid)
+            flood = asyncio.gather(*(stalled_upload(port, head, body[: len(body) // 2]) for _ in range(200)))
+            async with client.post(f"{url}/v1/chat/completions", json=chat(image("meanwhile"))) as resp:
+                assert resp.status == 200
+            answers = await flood
+            peak_growth = rss_bytes(proc.pid, "VmHWM") - baseline
+            timed_out = answers.count(408)
+            refused = len(answers) - timed_out
+            assert set(answers) <= {408, 503, None}, answers
+            # Everyone admitted had half a body buffered until the body clock closed it.
+            assert 0.75 * (limit - 1) <= timed_out <= limit - 1
+            async with client.get(f"{url}/metrics") as resp:
+                text = await resp.text()
+            assert metric(text, "epd_client_connections_refused_total") == refused
+            assert metric(text, 'epd_client_timeouts_total{kind="body"}') == timed_out
+            print(
+                f"limit {limit}: baseline {baseline / 1e6:.1f} MB, peak growth {peak_growth / 1e6:.1f} MB "
+                f"(bound {limit * max_body / 1e6:.0f} MB), {timed_out} timed out, {refused} refused"
+            )
+            assert peak_growth <= limit * max_body, f"peak RSS grew {peak_growth / 1e6:.1f} MB"
+            # Gone, and given back (within a few MB of the baseline).
+            deadline = time.monotonic() + 30
+            while rss_bytes(proc.pid) - baseline > 8e6:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"RSS stays {(rss_bytes(proc.pid) - baseline) / 1e6:.1f} MB above the baseline")
+                await asyncio.sleep(0.2)
+            print(f"limit {limit}: {(rss_bytes(proc.pid) - baseline) / 1e6:.1f} MB above the baseline after")
+            async with client.post(f"{url}/v1/chat/completions", json=chat(image("after"))) as resp:
+                assert resp.status == 200
+
+
+async def test_the_connection_limit_holds_across_workers():
+    async with serve_process("--workers", "2", "--max-client-connections", "3") as (proc, url):
+        port = int(url.rsplit(":", 1)[1])
+        held = []
+        try:
+            # Connections land on either worker; three of them fill the port's limit, whichever.
+            for _ in range(3):
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(b"GET /health HTTP/1.1\r\nHost: proxy\r\n\r\n")
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), DEADLINE_S)
+                assert head.startswith(b"HTTP/1.1 200"), head
+                held.append(writer)
+            for _ in range(6):  # enough to reach both workers
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(b"GET /health HTTP/1.1\r\nHost: proxy\r\n\r\n")
+                answer = await read_until_closed(reader)
+                writer.close()
+                assert not answer or parse_response(answer)[0] == 503
+            held.pop().close()
+            # The freed slot serves the next client, on whichever worker.
+            async with aiohttp.ClientSession() as client:
+                deadline = time.monotonic() + DEADLINE_S
+                while True:
+                    try:
+                        async with client.get(f"{url}/health") as resp:
+                            if resp.status == 200:
+                                break
+                    except aiohttp.ClientError:
+                        pass
+                    if time.monotonic() > deadline:
+                        pytest.fail("a freed connection slot was not reused")
+                    await asyncio.sleep(0.05)
+        finally:
+            for writer in held:
+                writer.close()
