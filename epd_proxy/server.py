@@ -252,7 +252,8 @@ class GuardedRequestHandler(RequestHandler):
     def _body_clock(self) -> None:
         self._body_handle = None
         body = self._body
-        if body is None or body.is_eof() or self.transport is None:
+        if body is None or body.is_eof() or self.transport is None or not self._request_in_progress:
+            # Answered already: aiohttp's lingering read (bounded by lingering_time) owns the rest.
             self._body = None
             return
         now = self._loop.time()
