@@ -219,7 +219,6 @@ class GuardedRequestHandler(RequestHandler):
             self._keepalive_handle = None
 
     def _start_head_clock(self) -> None:
-        self._head_started = False
         self._head_handle = self._loop.call_later(self._limits.header_timeout_s, self._head_clock)
 
     def _stop_head_clock(self) -> None:
