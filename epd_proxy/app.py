@@ -108,7 +108,8 @@ def bearer_token_matches(expected: str, authorization: str | None) -> bool:
     """Constant-time, like `vllm serve --api-key`: only `Authorization: Bearer <key>` counts."""
     if not authorization or not authorization.startswith("Bearer "):
         return False
-    return hmac.compare_digest(expected.encode(), authorization[7:].encode())
+    # surrogateescape: a header with bytes that are not UTF-8 is a wrong key, not a crash.
+    return hmac.compare_digest(expected.encode(), authorization[7:].encode("utf-8", "surrogateescape"))
 
 
 def requires_api_key(handler, api_key: str):
@@ -316,7 +317,7 @@ def profile_handler(action: str):
         # reference's open drop-in; one that authenticates clients needs the admin key here.
         if config.admin_api_key or config.api_key:
             try:
-                check_admin_key(config.admin_api_key, request.headers.get("X-API-Key"))
+                check_admin_key(config.admin_api_key, request.headers.get("X-API-Key"), "profile", "profile")
             except ProxyError as exc:
                 return error_response(exc)
         payload = await request.read() or b"{}"
@@ -356,7 +357,14 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def list_instances(request: web.Request) -> web.Response:
-    return web.Response(body=orjson.dumps(request.app[STATE].fleet.snapshot()), content_type="application/json")
+    state = request.app[STATE]
+    # The roster names every backend: an authenticated proxy shows it to admins only.
+    if state.config.api_key:
+        try:
+            check_admin_key(state.config.admin_api_key, request.headers.get("X-API-Key"), "read the fleet")
+        except ProxyError as exc:
+            return error_response(exc)
+    return web.Response(body=orjson.dumps(state.fleet.snapshot()), content_type="application/json")
 
 
 async def register_instance(request: web.Request) -> web.Response:

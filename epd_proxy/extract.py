@@ -52,6 +52,10 @@ KNOWN_TYPES = TEXT_TYPES | frozenset(KEY_ORDER) | {"input_image"}
 _SAME_KIND = {"input_image": "image_url", **{t: "text" for t in TEXT_TYPES}}
 # Fields only an encoder or a trusted router may set: forged transfer params steer KV/EC pulls.
 ENGINE_ONLY_FIELDS = ("ec_transfer_params", "kv_transfer_params")
+# vLLM copies `vllm_xargs` into the sampling params' extra_args and the engine reads these names
+# from there (vllm/v1/request.py), so they are engine-only inside it too; a string or list there
+# crashes the EC connector's scheduler hooks.
+ENGINE_ONLY_XARGS = (*ENGINE_ONLY_FIELDS, "kv_cache_report_mode")
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,8 +179,14 @@ def _forwarded_media_part(part: dict[str, Any], kind: str, where: str) -> tuple[
         if not url:
             raise BadRequest(f"{where} is 'input_image' without an 'image_url'")
         return "image_url", {"type": "image_url", "image_url": {"url": url}}
-    if not media_url(part, kind):
+    url = media_url(part, kind)
+    if not url:
         raise BadRequest(f"{where} is '{kind}' without a '{kind}.url'")
+    canonical = canonical_media_url(url)
+    if canonical is not url:
+        # Forward the bytes the identity names, so E and PD decode exactly what was hashed.
+        value = part[kind]
+        part = {**part, kind: {**value, "url": canonical} if isinstance(value, dict) else canonical}
     return kind, part
 
 
@@ -189,12 +199,15 @@ def _check_top_level(body: Any, trust_client_fields: bool) -> list[Any]:
     if "stream" in body and not isinstance(body["stream"], bool) and body["stream"] is not None:
         raise BadRequest("'stream' must be a boolean")
     if not trust_client_fields:
-        for name in ENGINE_ONLY_FIELDS:
-            if body.get(name) is not None:
-                raise BadRequest(
-                    f"'{name}' is set by the proxy, not by clients "
-                    "(start the proxy with --trust-client-fields if a trusted router sits in front)"
-                )
+        xargs = body.get("vllm_xargs")
+        forged = [name for name in ENGINE_ONLY_FIELDS if body.get(name) is not None]
+        if isinstance(xargs, dict):
+            forged += [f"vllm_xargs.{name}" for name in ENGINE_ONLY_XARGS if name in xargs]
+        if forged:
+            raise BadRequest(
+                f"'{forged[0]}' is set by the proxy, not by clients "
+                "(start the proxy with --trust-client-fields if a trusted router sits in front)"
+            )
     return messages
 
 

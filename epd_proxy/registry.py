@@ -241,8 +241,13 @@ async def probe(upstream: Upstream, inst: Instance, timeout_s: float) -> str | N
     return None if answer.status == 200 else f"HTTP {answer.status}"
 
 
-def check_admin_key(expected: str, presented: str | None) -> None:
-    if not expected or presented is None or not hmac.compare_digest(expected.encode(), presented.encode()):
-        raise ProxyError(
-            403, "a valid X-API-Key is required to change the fleet", stage="registry", error_type="forbidden"
-        )
+def check_admin_key(
+    expected: str, presented: str | None, action: str = "change the fleet", stage: str = "registry"
+) -> None:
+    if (
+        not expected
+        or presented is None
+        or not hmac.compare_digest(expected.encode(), presented.encode("utf-8", "surrogateescape"))
+    ):
+        hint = "" if expected else " (the proxy has no ADMIN_API_KEY set)"
+        raise ProxyError(403, f"a valid X-API-Key is required to {action}{hint}", stage=stage, error_type="forbidden")

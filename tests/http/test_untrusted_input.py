@@ -139,3 +139,36 @@ async def test_profiling_is_an_admin_action(make_stack, keys, presented, status)
     headers = {"X-API-Key": presented} if presented else {}
     async with stack.client.post(f"{stack.url}/start_profile", json={}, headers=headers) as resp:
         assert resp.status == status, await resp.text()
+
+
+async def test_a_key_that_is_not_utf8_is_a_401_not_a_crash(make_stack):
+    import asyncio
+
+    stack = await make_stack(encoders=1, api_key="client-secret")
+    host, port = stack.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\r\nConnection: close\r\n\r\n")
+    await writer.drain()
+    head = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    assert head.startswith(b"HTTP/1.1 401"), head[:200]
+
+
+async def test_an_authenticated_proxy_shows_its_roster_to_admins_only(make_stack):
+    from aiohttp.test_utils import TestServer
+
+    from epd_proxy.app import create_app
+    from epd_proxy.config import Config
+
+    config = Config(dynamic_registration=True, admin_api_key="adm", api_key="client", probe_interval_s=0)
+    server = TestServer(create_app(config))
+    await server.start_server()
+    try:
+        stack = await make_stack(encoders=1)
+        url = str(server.make_url("/instances"))
+        async with stack.client.get(url, headers={"Authorization": "Bearer client"}) as resp:
+            assert resp.status == 403
+        async with stack.client.get(url, headers={"X-API-Key": "adm"}) as resp:
+            assert resp.status == 200
+    finally:
+        await server.close()

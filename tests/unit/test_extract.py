@@ -139,6 +139,9 @@ def test_bad_parts_are_named(part, complaint):
         ({"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, "'stream'"),
         (chat(ec_transfer_params={"h": {}}), "ec_transfer_params"),
         (chat(kv_transfer_params={"remote_block_ids": [1]}), "kv_transfer_params"),
+        (chat(vllm_xargs={"kv_transfer_params": "x"}), "vllm_xargs.kv_transfer_params"),
+        (chat(vllm_xargs={"ec_transfer_params": ["y"]}), "vllm_xargs.ec_transfer_params"),
+        (chat(vllm_xargs={"kv_cache_report_mode": "full"}), "vllm_xargs.kv_cache_report_mode"),
     ],
 )
 def test_bad_requests_are_named(body, complaint):
@@ -207,3 +210,19 @@ def test_media_item_limit():
     with pytest.raises(BadRequest, match="more than 2 media items"):
         normalise_request(chat(image("A"), image("B"), image("C")), max_media_items=2)
     assert len(items_of(chat(image("A"), image("B")), max_media_items=2)) == 2
+
+
+def test_other_vllm_xargs_pass():
+    body = chat(vllm_xargs={"ngram_size": 3})
+    assert normalise_request(body).body is body
+
+
+def test_media_is_forwarded_in_the_canonical_form_its_identity_names():
+    messy = {"type": "image_url", "image_url": {"url": "DATA:image/PNG;base64,QUJD\nRA==", "detail": "auto"}}
+    [item] = items_of(chat(messy))
+    assert item.part == {"type": "image_url", "image_url": {"url": "data:image/png;base64,QUJDRA==", "detail": "auto"}}
+    assert item.uuid == hashlib.sha256(b"data:image/png;base64,QUJDRA==").hexdigest()
+    [item] = items_of(chat({"image_url": "data:image/PNG;base64,QUJDRA=="}))
+    assert item.part == {"image_url": "data:image/png;base64,QUJDRA=="}
+    clean = image("A")
+    assert items_of(chat(clean))[0].part is clean
