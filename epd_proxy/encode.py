@@ -88,7 +88,7 @@ async def post_encoder(
         what="Encoder request",
     )
     raw = answer.body
-    if answer.status != 200:
+    if not 200 <= answer.status < 300:
         text = raw.decode("utf-8", "replace")[:2000]
         raise ProxyError(answer.status, f"Encoder request failed: {text}", stage="encode", backend=encoder.url)
     try:

@@ -20,8 +20,10 @@ _POSITION_ONLY_KEYS = frozenset({"metadata", "item_indices"})
 @dataclass(frozen=True, slots=True)
 class ItemMatch:
     metadata: dict[str, Any]
-    # The identifier the engine reported; consumers look handles up by it.
-    ec_mm_hash: str
+    # The identifier the engine reported; consumers look handles up by it. None when the encoder
+    # reported nothing usable for the item: then only its transfer id is known, and a Mooncake
+    # consumer takes it by position.
+    ec_mm_hash: str | None
     transfer_id: str
 
 
@@ -52,9 +54,12 @@ def match_group(
     features (video and audio) that cannot be mapped to one item; without transfer handles to
     honour, such a video may stay raw media.
     """
-    if not params:
+    # Values that are not per-hash dicts (an older encoder's bare `ec_items` list) carry nothing
+    # the proxy can map; items without an entry stay raw media and the consumer encodes them.
+    entries = {key: value for key, value in (params or {}).items() if isinstance(value, dict)}
+    if not entries:
+        _keep_positions(items, transfer_ids, into, push_mode)
         return
-    entries = {key: value for key, value in params.items() if isinstance(value, dict)}
     by_position: dict[int, str] = {}
     if len(items) > 1:
         for key, entry in entries.items():
@@ -95,3 +100,13 @@ def match_group(
         metadata = entry.get("metadata")
         into.items[item.index] = ItemMatch(metadata if isinstance(metadata, dict) else {}, key, transfer_ids[position])
         into.handles[key] = entry
+
+
+def _keep_positions(items: Sequence[MediaItem], transfer_ids: Sequence[str], into: Matches, push_mode: bool) -> None:
+    """Items the encoder reported nothing for still hold their place in `ec_items` when a
+    Mooncake consumer resolves entries by position: the producer pushed them under the ids it was
+    given, and a missing entry would shift every later item onto a neighbour's transfer id."""
+    if not push_mode:
+        return
+    for item, transfer_id in zip(items, transfer_ids):
+        into.items.setdefault(item.index, ItemMatch({}, None, transfer_id))

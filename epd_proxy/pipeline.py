@@ -36,8 +36,10 @@ DP_RANK_HEADER = "X-data-parallel-rank"
 class Route:
     decoder: Instance
     prefill: Instance | None
-    # The EC consumer (prefill in E+P+D, else the decoder) gets the DP rank and push address.
+    # The instance whose data-parallel replica is pinned; it alone gets X-data-parallel-rank.
+    pinned: Instance
     dp_rank: int | None
+    # Where the encoders push (Mooncake): an address of the EC consumer's pinned replica.
     consumer_zmq: str | None
 
 
@@ -94,10 +96,12 @@ class Pipeline:
             if not prefills:
                 raise _unavailable("no live prefill instance for the standalone decode instance")
             prefill = self.policies[PREFILL].choose(prefills, keys)[0]
-        consumer = prefill or decoder
-        dp_rank = consumer.next_dp_rank() if consumer.dp_size > 1 else None
-        consumer_zmq = consumer.zmq_addrs[dp_rank or 0] if consumer.zmq_addrs else None
-        return Route(decoder, prefill, dp_rank, consumer_zmq)
+        # Dynamic mode pins the EC consumer (prefill in E+P+D, else the decoder) as registered;
+        # static mode's replica flags describe the decode servers, as in the reference.
+        pinned = (prefill or decoder) if fleet.dynamic else decoder
+        dp_rank = pinned.next_dp_rank() if pinned.dp_size > 1 else None
+        consumer_zmq = pinned.zmq_addrs[dp_rank or 0] if pinned.zmq_addrs else None
+        return Route(decoder, prefill, pinned, dp_rank, consumer_zmq)
 
     async def _call(self, instance: Instance, call):
         """Await a backend call, feeding its outcome to the instance's health record."""
@@ -206,11 +210,11 @@ class Pipeline:
         headers = {"x-request-id": trace.request_id, "Content-Type": "application/json"}
         prefill_headers = decode_headers = headers
         if route.dp_rank is not None:
-            consumer_headers = {**headers, DP_RANK_HEADER: str(route.dp_rank)}
-            if route.prefill is not None:
-                prefill_headers = consumer_headers
+            pinned_headers = {**headers, DP_RANK_HEADER: str(route.dp_rank)}
+            if route.pinned is route.prefill:
+                prefill_headers = pinned_headers
             else:
-                decode_headers = consumer_headers
+                decode_headers = pinned_headers
         push_mode = route.consumer_zmq is not None
         config = self.config
         attempts = config.decode_retries + 1

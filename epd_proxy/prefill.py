@@ -26,13 +26,13 @@ async def run_prefill(
         stage="prefill",
         what="Prefill request",
     )
-    if answer.status != 200:
+    if not 200 <= answer.status < 300:
         raise answer.error()
     try:
         parsed = orjson.loads(answer.body)
     except orjson.JSONDecodeError:
         raise ProxyError(
-            502, "Prefill answered 200 with a body that is not JSON", stage="prefill", backend=prefill.url
+            502, f"Prefill answered {answer.status} with a body that is not JSON", stage="prefill", backend=prefill.url
         ) from None
     params = parsed.get("kv_transfer_params") if isinstance(parsed, dict) else None
     return params if isinstance(params, dict) and params else None

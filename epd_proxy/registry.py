@@ -70,9 +70,11 @@ class Registry:
         dp, addrs = config.ec_consumer_dp_size, config.ec_consumer_zmq_addrs
         static = [Instance(url, ENCODE) for url in config.encode_urls]
         if config.prefill_urls:
-            # The EC consumer is the prefill stage (Mooncake push is E+PD only, see Config).
-            static += [Instance(url, PREFILL, dp_size=dp) for url in config.prefill_urls]
-            static += [Instance(url, DECODE) for url in config.decode_urls]
+            # The static replica flags describe the servers listed in --decode-servers-urls, so
+            # the reference pins (and names in X-data-parallel-rank) a decode replica even in
+            # E+P+D; Mooncake push, which would need the prefill's, is E+PD only (see Config).
+            static += [Instance(url, PREFILL) for url in config.prefill_urls]
+            static += [Instance(url, DECODE, dp_size=dp) for url in config.decode_urls]
         else:
             static += [
                 Instance(url, PREFILL_DECODE, zmq_addrs=tuple(addrs[i * dp : (i + 1) * dp]), dp_size=dp)

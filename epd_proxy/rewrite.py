@@ -94,8 +94,14 @@ def rewrite_request(
     return out
 
 
+# Sampling fields that contradict a single non-streamed token: vLLM rejects min_tokens > max_tokens
+# with a 400, and extra sequences (n, best_of, beam search) would only multiply prefill's work.
+_PREFILL_DROPPED = ("min_tokens", "best_of", "use_beam_search", "stream_options")
+
+
 def prefill_request(prepared: dict[str, Any]) -> dict[str, Any]:
-    """Prefill runs one token and hands its KV cache to decode."""
+    """Prefill runs one token and hands its KV cache to decode; decode samples with the client's
+    own options."""
     body = {
         **prepared,
         "kv_transfer_params": {
@@ -111,5 +117,8 @@ def prefill_request(prepared: dict[str, Any]) -> dict[str, Any]:
     }
     if "max_completion_tokens" in body:
         body["max_completion_tokens"] = 1
-    body.pop("stream_options", None)
+    if "n" in body:
+        body["n"] = 1
+    for name in _PREFILL_DROPPED:
+        body.pop(name, None)
     return body

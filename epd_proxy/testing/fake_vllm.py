@@ -4,6 +4,11 @@ They model the behaviour the proxy must get right, not the model: an encoder der
 identifier from uuid + processing options exactly when vLLM does, stores what a shared-storage EC
 connector would, and reports `item_indices`; a consumer checks every `*_embeds` reference against
 that store and fails the way vLLM does on a missing entry or a placeholder/token mismatch.
+
+Failures during generation take vLLM's shape (vllm/entrypoints/openai/chat_completion/serving.py):
+a streaming request has already answered 200 and sent its first (role) chunk when the engine
+reports `finish_reason="error"`, so the error arrives in-band as `data: {"error": {...}}` followed
+by `data: [DONE]`; a non-streaming request answers 500 with the same error object.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,17 +76,30 @@ def media_source(part: dict[str, Any], kind: str) -> str:
     return value if isinstance(value, str) else _digest(part)
 
 
-def identifier(uuid: str | None, media: str, kwargs: dict[str, Any] | None) -> str:
-    """vLLM's rule: the uuid verbatim when there are no processing options, else a derived hash."""
-    if uuid and not kwargs:
+def hash_factors(modality: str, body: dict[str, Any]) -> dict[str, Any]:
+    """What vLLM folds into an item's identifier besides the uuid (ProcessorInputs.get_mm_hashes):
+    the processor kwargs and this modality's own `media_io_kwargs`, whichever are non-empty."""
+    factors: dict[str, Any] = {}
+    media_io = body.get("media_io_kwargs")
+    if isinstance(media_io, dict) and media_io.get(modality):
+        factors["media_io_kwargs"] = {modality: media_io[modality]}
+    if body.get("mm_processor_kwargs"):
+        factors["mm_processor_kwargs"] = body["mm_processor_kwargs"]
+    return factors
+
+
+def identifier(uuid: str | None, media: str, factors: dict[str, Any] | None) -> str:
+    """vLLM's rule: the uuid verbatim when there are no hash factors, else a derived hash."""
+    if uuid and not factors:
         return uuid
-    return _digest("tiny-vlm", uuid or media, kwargs or {})
+    return _digest("tiny-vlm", uuid or media, factors or {})
 
 
-def placeholder_shape(modality: str, media: str, kwargs: dict[str, Any] | None) -> list[int]:
+def placeholder_shape(modality: str, media: str, factors: dict[str, Any] | None) -> list[int]:
     """A deterministic grid that changes with the processing options, like a resize would."""
     d = bytes.fromhex(_digest(media))
-    scale = 2 if kwargs and kwargs.get("size") else 1
+    processor_kwargs = (factors or {}).get("mm_processor_kwargs") or {}
+    scale = 2 if processor_kwargs.get("size") else 1
     if modality == "audio":
         return [8 + d[0] % 8]
     t = 2 if modality == "video" else 1
@@ -96,9 +115,11 @@ def tokens_of(modality: str, shape: list[int]) -> int:
 
 @dataclass
 class ECStore:
-    """What a shared-storage EC connector holds: identifier -> (media identity, shape)."""
+    """What a shared-storage EC connector holds: identifier -> (media identity, shape). `pushes`
+    is the Mooncake side: transfer id -> identifier of the embedding an encoder pushed under it."""
 
     entries: dict[str, tuple[str, list[int]]] = field(default_factory=dict)
+    pushes: dict[str, str] = field(default_factory=dict)
 
 
 class InjectedDrop(Exception):
@@ -108,18 +129,38 @@ class InjectedDrop(Exception):
 @dataclass
 class Faults:
     """Inject failures: the next `fail_times` requests answer `fail_status` with a vLLM error body
-    (0 drops the connection, 200 answers `fail_body` as plain text); every request waits
-    `delay_s` first."""
+    before any processing (0 drops the connection, 200 answers `fail_body` as plain text); every
+    request waits `delay_s` first.
+
+    The next `generation_errors` consumer requests fail during generation as vLLM's engine does
+    (`finish_reason="error"`): in-band after 200 when streaming, 500 otherwise. The next
+    `cut_streams` streams are cut halfway (connection reset after 200); the next `stall_streams`
+    streams send one chunk and then nothing until the caller goes away."""
 
     fail_times: int = 0
     fail_status: int = 500
     fail_body: str = "injected failure"
     delay_s: float = 0.0
+    generation_errors: int = 0
+    cut_streams: int = 0
+    stall_streams: int = 0
 
     def fail_next(self, times: int = 1, status: int = 500, body: str | None = None) -> None:
         self.fail_times, self.fail_status = times, status
         if body is not None:
             self.fail_body = body
+
+    def generation_error(self) -> bool:
+        if self.generation_errors > 0:
+            self.generation_errors -= 1
+            return True
+        return False
+
+    def stall_stream(self) -> bool:
+        if self.stall_streams > 0:
+            self.stall_streams -= 1
+            return True
+        return False
 
     async def apply(self, request: web.Request) -> web.Response | None:
         if self.delay_s:
@@ -139,6 +180,9 @@ class Faults:
 
     def break_stream(self) -> bool:
         """Whether the next stream should be cut halfway (connection reset after status 200)."""
+        if self.cut_streams > 0:
+            self.cut_streams -= 1
+            return True
         return False
 
 
@@ -162,8 +206,17 @@ class FakeVLLM:
         tokens_per_chunk: int = 3,
         stream_pause_s: float = 0.0,
         record: bool = True,
+        mooncake: bool = False,
+        legacy_params: bool = False,
+        success_status: int = 200,
     ) -> None:
         self.role = role
+        # A Mooncake EC consumer: every media item must arrive by a push under its own transfer id.
+        self.mooncake = mooncake
+        # An older encoder: `ec_transfer_params` holds only a bare `ec_items` list, no per-hash entries.
+        self.legacy_params = legacy_params
+        # A server (or something in front of it) that answers success with another 2xx.
+        self.success_status = success_status
         self.store = store
         self.report_indices = report_indices
         self.handles = handles or {}
@@ -177,6 +230,8 @@ class FakeVLLM:
         self.loaded_from_cache = 0
         self.encoded_locally = 0
         self.cancelled = 0
+        # Why each generation failed (injected, or an EC transfer the consumer could not resolve).
+        self.generation_failures: list[str] = []
         self.active = 0
         self.max_active = 0
         self._ids = itertools.count()
@@ -208,6 +263,9 @@ class FakeVLLM:
             return _engine_error(f"invalid request: {exc}", status=400)
         if self.record:
             self.requests.append(Seen({k.lower(): v for k, v in request.headers.items()}, body))
+        if self.role != "encode" and (problem := _sampling_problem(body)):
+            # vLLM's SamplingParams validation: a 400 before anything runs.
+            return _engine_error(problem, status=400)
         self.active += 1
         self.max_active = max(self.max_active, self.active)
         try:
@@ -215,7 +273,7 @@ class FakeVLLM:
             if injected is not None:
                 return injected
             if self.role == "encode":
-                return self._encode(body)
+                return self._encode(request, body)
             return await self._consume(request, body)
         except (asyncio.CancelledError, ConnectionResetError):
             # The caller went away: what a backend sees when the proxy cancels its sub-request.
@@ -228,9 +286,11 @@ class FakeVLLM:
             self.active -= 1
 
     # -- encoder ---------------------------------------------------------------------------------
-    def _encode(self, body: dict[str, Any]) -> web.Response:
-        kwargs = body.get("mm_processor_kwargs")
-        params: dict[str, dict[str, Any]] = {}
+    def _encode(self, request: web.Request, body: dict[str, Any]) -> web.Response:
+        params: dict[str, Any] = {}
+        push = body.get("ec_transfer_params") or {}
+        push_items = push.get("ec_items") or [] if push.get("consumer_zmq") else None
+        legacy_items = []
         position = 0
         for part in body["messages"][0]["content"]:
             kind = vllm_part_kind(part)
@@ -238,14 +298,26 @@ class FakeVLLM:
                 continue
             modality = MEDIA_KEYS[kind]
             media = media_source(part, kind)
-            key = identifier(part.get("uuid"), media, kwargs)
-            shape = placeholder_shape(modality, media, kwargs)
+            factors = hash_factors(modality, body)
+            key = identifier(part.get("uuid"), media, factors)
+            shape = placeholder_shape(modality, media, factors)
             self.store.entries[key] = (_digest(media), shape)
-            entry = params.setdefault(key, {"metadata": {GRID_FIELD[modality]: [shape]}, **self.handles})
-            if self.report_indices:
-                entry.setdefault("item_indices", []).append(position)
+            if push_items is not None:
+                # A Mooncake producer takes each item's transfer id by position; without one it
+                # falls back to an id of its own that no consumer can name.
+                given = push_items[position] if position < len(push_items) else {}
+                transfer_id = given.get("transfer_id") or f"{request.headers.get('x-request-id')}:{position}"
+                self.store.pushes[transfer_id] = key
+            if self.legacy_params:
+                legacy_items.append({"mm_hash": key})
+            else:
+                entry = params.setdefault(key, {"metadata": {GRID_FIELD[modality]: [shape]}, **self.handles})
+                if self.report_indices:
+                    entry.setdefault("item_indices", []).append(position)
             position += 1
-        return web.json_response(
+        if legacy_items:
+            params["ec_items"] = legacy_items
+        return _json(
             {
                 "id": f"chatcmpl-enc-{next(self._ids)}",
                 "object": "chat.completion",
@@ -253,14 +325,15 @@ class FakeVLLM:
                 "usage": {"prompt_tokens": 1, "completion_tokens": 0, "total_tokens": 1},
                 "ec_transfer_params": params or None,
             },
-            dumps=lambda o: orjson.dumps(o).decode(),
+            status=self.success_status,
         )
 
     # -- consumers -------------------------------------------------------------------------------
-    def _resolve_media(self, body: dict[str, Any]) -> list[str] | web.Response:
-        """Each media item's identity as the consumer sees it, or vLLM's error for a bad reference."""
-        kwargs = body.get("mm_processor_kwargs")
+    def _resolve_media(self, body: dict[str, Any]) -> tuple[list[str], list[str]] | web.Response:
+        """Each media item's identity and engine identifier as the consumer sees them, or vLLM's
+        error for a bad reference."""
         seen: list[str] = []
+        identifiers: list[str] = []
         for message in body["messages"]:
             content = message.get("content")
             if not isinstance(content, list):
@@ -274,7 +347,8 @@ class FakeVLLM:
                     if kind == "image_pil":
                         kind, part = "image_embeds", {"image_embeds": {}, "uuid": part.get("uuid")}
                     modality = EMBEDS_KEYS[kind]
-                    key = identifier(part.get("uuid"), "", kwargs) if part.get("uuid") else None
+                    factors = hash_factors(modality, body)
+                    key = identifier(part.get("uuid"), "", factors) if part.get("uuid") else None
                     stored = self.store.entries.get(key) if key else None
                     if stored is None:
                         return _engine_error(
@@ -290,17 +364,55 @@ class FakeVLLM:
                         )
                     self.loaded_from_cache += 1
                     seen.append(f"{media_id}:{shape}")
+                    identifiers.append(key)
                 elif kind in MEDIA_KEYS:
                     modality = MEDIA_KEYS[kind]
                     media = media_source(part, kind)
-                    shape = placeholder_shape(modality, media, kwargs)
-                    key = identifier(part.get("uuid"), media, kwargs)
+                    factors = hash_factors(modality, body)
+                    shape = placeholder_shape(modality, media, factors)
+                    key = identifier(part.get("uuid"), media, factors)
                     if key in self.store.entries:
                         self.loaded_from_cache += 1
                     else:
                         self.encoded_locally += 1
                     seen.append(f"{_digest(media)}:{shape}")
-        return seen
+                    identifiers.append(key)
+        return seen, identifiers
+
+    def _unresolved_push(self, body: dict[str, Any], identifiers: list[str]) -> str | None:
+        """Why a Mooncake consumer cannot obtain some item's embedding, or None.
+
+        Feature i takes `ec_items[i]` when its mm_hash is absent or equal to the feature's
+        identifier, else the first entry naming that identifier (vLLM's
+        ECMooncakeScheduler._request_transfer_id). The id must name a push of this very identifier
+        (vLLM refuses an id that names another encoding, or waits for a push that never comes and
+        fails the request as unavailable), and each occurrence needs its own push: two features
+        resolving to one id leave the other occurrence's reservation orphaned.
+        """
+        params = body.get("ec_transfer_params") or {}
+        items = [i for i in (params.get("ec_items") or []) if isinstance(i, dict)]
+        used: set[str] = set()
+        for index, ident in enumerate(identifiers):
+            transfer_id = None
+            candidates = ([items[index]] if index < len(items) else []) + items
+            for n, item in enumerate(candidates):
+                positional = n == 0 and index < len(items)
+                if item.get("transfer_id") and (
+                    item.get("mm_hash") == ident or (positional and item.get("mm_hash") is None)
+                ):
+                    transfer_id = str(item["transfer_id"])
+                    break
+            if transfer_id is None:
+                return f"item {index} ({ident[:16]}) has no transfer id; its push never arrives"
+            pushed = self.store.pushes.get(transfer_id)
+            if pushed is None:
+                return f"item {index}: no push under transfer id {transfer_id}"
+            if pushed != ident:
+                return f"item {index}: transfer id {transfer_id} names mm_hash {pushed[:16]}, not {ident[:16]}"
+            if transfer_id in used:
+                return f"item {index}: transfer id {transfer_id} already used by another occurrence"
+            used.add(transfer_id)
+        return None
 
     async def _consume(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         if self.role == "decode":
@@ -310,6 +422,15 @@ class FakeVLLM:
         resolved = self._resolve_media(body)
         if isinstance(resolved, web.Response):
             return resolved
+        resolved, identifiers = resolved
+        failure = "injected generation error" if self.faults.generation_error() else None
+        if failure is None and self.mooncake:
+            failure = self._unresolved_push(body, identifiers)
+        if failure is not None:
+            self.generation_failures.append(failure)
+            if body.get("stream") and self.role != "prefill":
+                return await self._stream_generation_error(request, f"chatcmpl-{next(self._ids)}", body.get("model"))
+            return _engine_error("Internal server error")
         texts = [
             part.get("text", "") if isinstance(part, dict) else ""
             for m in body["messages"]
@@ -334,7 +455,8 @@ class FakeVLLM:
                     "choices": [],
                     "usage": usage,
                     "kv_transfer_params": kv,
-                }
+                },
+                status=self.success_status,
             )
         if not body.get("stream"):
             return _json(
@@ -346,12 +468,37 @@ class FakeVLLM:
                         {"index": 0, "message": {"role": "assistant", "content": answer}, "finish_reason": "stop"}
                     ],
                     "usage": usage,
-                }
+                },
+                status=self.success_status,
             )
         return await self._stream(request, completion_id, body.get("model"), answer)
 
-    async def _stream(self, request: web.Request, completion_id: str, model: Any, answer: str) -> web.StreamResponse:
+    async def _stream_generation_error(self, request: web.Request, completion_id: str, model: Any):
+        """vLLM's stream when the engine fails the request: the role chunk of the first iteration,
+        then the GenerationError as an event, then [DONE], all after status 200."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await response.prepare(request)
+        role = {
+            "id": completion_id,
+            "object": "chat.completion.chunk",
+            "model": model,
+            "choices": [
+                {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            ],
+        }
+        error = {
+            "error": {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}
+        }
+        await response.write(b"data: " + orjson.dumps(role) + b"\n\n")
+        await response.write(b"data: " + json.dumps(error).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def _stream(self, request: web.Request, completion_id: str, model: Any, answer: str) -> web.StreamResponse:
+        response = web.StreamResponse(
+            status=self.success_status, headers={"Content-Type": "text/event-stream; charset=utf-8"}
+        )
         await response.prepare(request)
         events = [
             {
@@ -375,14 +522,29 @@ class FakeVLLM:
         payload = b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n"
         # Odd-sized writes cut through multibyte characters and SSE frames on purpose.
         cut_at = len(payload) // 2 if self.faults.break_stream() else None
+        stall = self.faults.stall_stream()
         for start in range(0, len(payload), 7):
             if cut_at is not None and start >= cut_at:
                 request.transport.close()
                 raise InjectedDrop("fault injected: stream cut halfway")
             await response.write(payload[start : start + 7])
+            if stall:
+                # Alive but silent until the caller goes away.
+                while request.transport is not None and not request.transport.is_closing():
+                    await asyncio.sleep(0.02)
+                self.cancelled += 1
+                raise InjectedDrop("fault injected: stalled stream abandoned by the caller")
             await asyncio.sleep(self.stream_pause_s)
         await response.write_eof()
         return response
+
+
+def _sampling_problem(body: dict[str, Any]) -> str | None:
+    limit = body.get("max_completion_tokens") or body.get("max_tokens")
+    min_tokens = body.get("min_tokens") or 0
+    if isinstance(limit, int) and isinstance(min_tokens, int) and min_tokens > limit:
+        return f"min_tokens must be less than or equal to max_tokens={limit}, got {min_tokens}."
+    return None
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:

@@ -52,12 +52,15 @@ async def make_stack():
         prefills: int = 0,
         decoders: int = 1,
         encoder_options: dict[str, Any] | None = None,
+        consumer_options: dict[str, Any] | None = None,
         **config_overrides: Any,
     ) -> Stack:
         store = ECStore()
+        # With consumer addresses configured the consumer is a Mooncake one: it needs every push.
+        consumer_options = {"mooncake": bool(config_overrides.get("ec_consumer_zmq_addrs")), **(consumer_options or {})}
         fake_encoders = [FakeVLLM("encode", store, **(encoder_options or {})) for _ in range(encoders)]
         fake_prefills = [FakeVLLM("prefill", store) for _ in range(prefills)]
-        fake_consumers = [FakeVLLM("decode" if prefills else "pd", store) for _ in range(decoders)]
+        fake_consumers = [FakeVLLM("decode" if prefills else "pd", store, **consumer_options) for _ in range(decoders)]
         servers = []
         urls: dict[str, list[str]] = {"e": [], "p": [], "d": []}
         for key, fakes in (("e", fake_encoders), ("p", fake_prefills), ("d", fake_consumers)):

@@ -48,3 +48,20 @@ async def test_a_retry_never_inherits_the_previous_attempts_kv_or_transfer_ids(m
     ids = [b["ec_transfer_params"]["ec_items"][0]["transfer_id"] for b in (first, second)]
     assert ids[0] != ids[1]
     assert len(stack.prefills[0].requests) == 2
+
+
+async def test_prefill_drops_sampling_constraints_that_contradict_one_token(make_stack):
+    stack = await make_stack(encoders=1, prefills=1)
+    async with await stack.chat(chat(image("A"), min_tokens=4, n=1)) as resp:
+        assert resp.status == 200, await resp.text()
+    sent = stack.prefills[0].requests[0].body
+    assert "min_tokens" not in sent and sent["max_tokens"] == 1
+    assert stack.pd.requests[0].body["min_tokens"] == 4
+
+
+async def test_backends_answering_another_2xx_are_successes(make_stack):
+    stack = await make_stack(encoders=1, prefills=1, encoder_options={"success_status": 201})
+    stack.prefills[0].success_status = 202
+    async with await stack.chat(chat(image("A"))) as resp:
+        assert resp.status == 200, await resp.text()
+    assert stack.pd.requests[0].body["messages"][0]["content"][1]["type"] == "image_embeds"

@@ -60,3 +60,82 @@ async def test_no_rewrite_with_mooncake_lists_ec_items(make_stack):
         assert resp.status == 200
     ec_items = stack.pd.requests[0].body["ec_transfer_params"]["ec_items"]
     assert [i["mm_hash"] in stack.store.entries for i in ec_items] == [True, True]
+
+
+async def test_mooncake_consumer_gets_each_occurrence_its_own_transfer_id(make_stack):
+    # One group of distinct images plus a repeat: any permutation of the ids within the group
+    # hands the consumer a transfer id that names another image's push, and vLLM fails that.
+    stack = await make_stack(encoders=1, ec_consumer_zmq_addrs=("tcp://c:1",))
+    async with await stack.chat(chat(image("A"), image("B"), image("A"), image("C"))) as resp:
+        assert resp.status == 200, await resp.text()
+    assert stack.pd.generation_failures == []
+    sub = stack.encoder_requests()[0]["ec_transfer_params"]["ec_items"]
+    sent = stack.pd.requests[0].body["ec_transfer_params"]["ec_items"]
+    assert [i["transfer_id"] for i in sent] == [i["transfer_id"] for i in sub]
+
+
+async def test_mooncake_consumer_fails_like_vllm_on_a_foreign_transfer_id(make_stack):
+    stack = await make_stack(encoders=1, ec_consumer_zmq_addrs=("tcp://c:1",), decode_retries=0)
+    async with await stack.chat(chat(image("A"), image("B"))) as resp:
+        assert resp.status == 200
+    body = stack.pd.requests[0].body
+    items = body["ec_transfer_params"]["ec_items"]
+    items[0]["transfer_id"], items[1]["transfer_id"] = items[1]["transfer_id"], items[0]["transfer_id"]
+    async with stack.client.post(stack.pd_url + "/v1/chat/completions", json=body) as resp:
+        assert resp.status == 500
+        assert (await resp.json())["error"] == {
+            "message": "Internal server error",
+            "type": "InternalServerError",
+            "param": None,
+            "code": 500,
+        }
+    assert "names mm_hash" in stack.pd.generation_failures[-1]
+
+
+async def test_legacy_encoder_items_stay_raw_and_keep_their_ec_items_position(make_stack):
+    # E0 reports per-hash entries, E1 is an older encoder whose ec_transfer_params is only a
+    # bare list. B (on E1) has no usable entry, sits before the repeated A, and must still hold
+    # its own ec_items position, or the second A resolves to the first A's transfer id.
+    stack = await make_stack(encoders=2, ec_consumer_zmq_addrs=("tcp://c:1",))
+    stack.encoders[1].legacy_params = True
+    async with await stack.chat(chat(image("A"), image("B"), image("A"))) as resp:
+        assert resp.status == 200, await resp.text()
+    assert stack.pd.generation_failures == []
+    body = stack.pd.requests[0].body
+    kinds = [part["type"] for part in body["messages"][0]["content"][1:]]
+    assert kinds == ["image_embeds", "image_url", "image_embeds"]
+    ec_items = body["ec_transfer_params"]["ec_items"]
+    assert len(ec_items) == 3 and len({i["transfer_id"] for i in ec_items}) == 3
+    assert ec_items[1]["mm_hash"] is None
+
+
+async def test_legacy_encoder_without_push_mode_leaves_media_raw(make_stack):
+    stack = await make_stack(encoders=1, encoder_options={"legacy_params": True})
+    async with await stack.chat(chat(image("A"), image("B"))) as resp:
+        assert resp.status == 200, await resp.text()
+    parts = stack.pd.requests[0].body["messages"][0]["content"][1:]
+    assert [p["type"] for p in parts] == ["image_url", "image_url"]
+    assert stack.pd.loaded_from_cache == 2
+
+
+async def test_media_io_kwargs_alone_make_the_engine_derive_the_identifier(make_stack):
+    stack = await make_stack(encoders=1)
+    body = chat(image("A"), media_io_kwargs={"image": {"mode": "RGB"}})
+    async with await stack.chat(body) as resp:
+        assert resp.status == 200, await resp.text()
+    sent = stack.pd.requests[0].body
+    part = sent["messages"][0]["content"][1]
+    (key,) = stack.store.entries
+    assert part["type"] == "image_embeds" and key != part["uuid"]
+    assert key in sent["ec_transfer_params"] and stack.pd.loaded_from_cache == 1
+
+
+async def test_static_split_prefill_pins_the_decode_replica_like_the_reference(make_stack):
+    # The static replica flags describe --decode-servers-urls: the reference sends the rank to
+    # decode, never to prefill, in E+P+D as in E+PD.
+    stack = await make_stack(encoders=1, prefills=1, ec_consumer_dp_size=2)
+    for _ in range(2):
+        async with await stack.chat(chat(image("A"))) as resp:
+            assert resp.status == 200, await resp.text()
+    assert [seen.headers.get("x-data-parallel-rank") for seen in stack.pd.requests] == ["0", "1"]
+    assert all("x-data-parallel-rank" not in seen.headers for seen in stack.prefills[0].requests)

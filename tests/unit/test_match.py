@@ -101,3 +101,26 @@ def test_video_with_audio_stays_raw_only_without_handles():
     with_handles = {k: {**v, "peer_host": "h"} for k, v in two.items()}
     with pytest.raises(ProxyError, match="cannot be matched"):
         match_group([item], ["t"], with_handles, Matches(), audio_in_video=True)
+
+
+def test_only_non_dict_values_leave_the_group_raw_instead_of_failing():
+    # An older encoder reports a bare list and no per-hash entries: nothing to map, nothing wrong.
+    items = items_of(image("A"), image("B"))
+    matches = Matches()
+    match_group(items, ["ta", "tb"], {"ec_items": [{"mm_hash": "x"}, {"mm_hash": "y"}]}, matches)
+    assert matches.items == {} and matches.handles == {}
+
+
+def test_unmatched_items_keep_their_transfer_ids_in_push_mode():
+    a, b, a2 = items_of(image("A"), image("B"), image("A"))
+    matches = Matches()
+    match_group(
+        [a, a2], ["t0", "t2"], {"hA": {"metadata": meta(1, 1), "item_indices": [0, 1]}}, matches, push_mode=True
+    )
+    match_group([b], ["t1"], {"ec_items": ["legacy"]}, matches, push_mode=True)
+    assert [(matches.items[i].ec_mm_hash, matches.items[i].transfer_id) for i in range(3)] == [
+        ("hA", "t0"),
+        (None, "t1"),
+        ("hA", "t2"),
+    ]
+    assert matches.items[1].metadata == {}

@@ -85,3 +85,25 @@ def test_prefill_runs_one_token_without_streaming():
     assert "stream_options" not in body
     assert body["kv_transfer_params"]["do_remote_decode"] is True
     assert prepared["stream"] is True and "kv_transfer_params" not in prepared
+
+
+def test_ec_items_stay_aligned_with_item_occurrences_when_an_item_has_no_metadata():
+    # B, before the repeated A, has no entry: a consumer resolving ec_items by position must
+    # still find each A under its own transfer id (Mooncake matches ec_items[i] to feature i).
+    normalised = normalise_request(chat(image("A"), image("B"), image("A")))
+    body, items = normalised.body, normalised.items
+    matches = Matches()
+    matches.items[0] = ItemMatch({"image_grid_thw": [[1, 2, 2]]}, "hA", "t0")
+    matches.items[1] = ItemMatch({}, None, "t1")
+    matches.items[2] = ItemMatch({"image_grid_thw": [[1, 2, 2]]}, "hA", "t2")
+    out = rewrite_request(body, items, matches, push_mode=True)
+    assert [i["transfer_id"] for i in out["ec_transfer_params"]["ec_items"]] == ["t0", "t1", "t2"]
+    assert out["messages"][0]["content"][2] == {**image("B"), "uuid": items[1].uuid}
+
+
+def test_prefill_drops_what_contradicts_a_single_token():
+    body = chat(image("A"), min_tokens=5, n=3, best_of=4, use_beam_search=True, stop=["x"], max_completion_tokens=9)
+    out = prefill_request(body)
+    assert (out["max_tokens"], out["max_completion_tokens"], out["n"]) == (1, 1, 1)
+    assert not {"min_tokens", "best_of", "use_beam_search"} & out.keys()
+    assert out["stop"] == ["x"] and body["min_tokens"] == 5
