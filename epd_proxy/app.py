@@ -17,9 +17,9 @@ from epd_proxy.config import Config
 from epd_proxy.errors import BadRequest, ProxyError, UpstreamError, describe
 from epd_proxy.extract import OFFLOAD_HASH_BYTES, normalise_request
 from epd_proxy.metrics import Metrics
-from epd_proxy.pipeline import Pipeline, Trace
+from epd_proxy.pipeline import ClientBody, Pipeline, Trace
 from epd_proxy.registry import Registry, check_admin_key, probe
-from epd_proxy.relay import relay
+from epd_proxy.relay import ABORTED, CLIENT_GONE, relay
 from epd_proxy.routing import make_policy
 from epd_proxy.upstream import Timeouts, Upstream, UpstreamFailure
 
@@ -169,12 +169,18 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             )
         state.inflight += 1
         admitted = True
+        # From here on only the pipeline holds the body, and it lets go once decode commits.
+        job = ClientBody(body, items)
+        del parsed, normalised, body, items
         route = state.pipeline.choose_route(request_id)
         with route.decoder.busy():
-            answer = await state.pipeline.open(body, items, route, trace)
+            answer = await state.pipeline.open(job, route, trace)
             try:
-                status = answer.status
-                return await relay(request, answer, {"x-request-id": request_id})
+                response, trace.outcome = await relay(request, answer, {"x-request-id": request_id})
+                status = {ABORTED: "aborted", CLIENT_GONE: 499}.get(trace.outcome, answer.status)
+                if trace.outcome == CLIENT_GONE:
+                    log.info("request %s: the client disconnected during the answer", request_id)
+                return response
             finally:
                 answer.release()
     except ProxyError as exc:
@@ -185,6 +191,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return response
     except asyncio.CancelledError:
         status = 499
+        trace.outcome = CLIENT_GONE
         raise
     except Exception as exc:  # the client must get JSON, whatever broke inside the proxy
         log.exception("request %s: unexpected proxy failure", request_id)
@@ -196,7 +203,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         _finish(state.metrics, trace, status, route)
 
 
-def _finish(metrics: Metrics, trace: Trace, status: int, route: Any) -> None:
+def _finish(metrics: Metrics, trace: Trace, status: int | str, route: Any) -> None:
     """One log line and the stage histograms per request."""
     total_s = time.perf_counter() - trace.started
     metrics.requests.labels(str(status)).inc()
@@ -217,6 +224,7 @@ def _finish(metrics: Metrics, trace: Trace, status: int, route: Any) -> None:
         "encoder_requests": trace.encoder_requests,
         "encoder_failovers": trace.encoder_failovers,
         "attempts": trace.attempts,
+        "outcome": trace.outcome,
         "decode": route.decoder.url if route else None,
         "prefill": route.prefill.url if route and route.prefill else None,
         "encode_ms": round(trace.encode_s * 1000, 2),

@@ -113,6 +113,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds until decode's response headers, 0 = none (default: %(default)s)",
     )
     ours.add_argument(
+        "--stream-idle-timeout",
+        type=_seconds_or_none,
+        default=default("stream_idle_timeout_s"),
+        help="longest silence between two chunks of decode's answer, 0 = none (default: %(default)s)",
+    )
+    ours.add_argument(
         "--max-body-bytes",
         type=int,
         default=default("max_body_bytes"),
@@ -210,6 +216,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> Config
         encode_timeout_s=args.encode_timeout,
         prefill_timeout_s=args.prefill_timeout,
         decode_timeout_s=args.decode_timeout,
+        stream_idle_timeout_s=args.stream_idle_timeout,
         encode_policy=args.encode_policy,
         prefill_policy=args.prefill_policy,
         decode_policy=args.decode_policy,

@@ -38,6 +38,8 @@ class Config:
     encode_timeout_s: float | None = 300.0
     prefill_timeout_s: float | None = 600.0
     decode_timeout_s: float | None = 600.0
+    # Longest silence between two chunks of decode's answer once its headers arrived.
+    stream_idle_timeout_s: float | None = 300.0
     connect_timeout_s: float = 10.0
     max_body_bytes: int = 64 * 1024 * 1024
     max_media_items: int = 256
@@ -118,7 +120,7 @@ class Config:
                     f"{expected} (decode servers {len(self.decode_urls)} x dp size {self.ec_consumer_dp_size}, "
                     "each server's replicas listed consecutively)"
                 )
-        for name in ("encode_timeout_s", "prefill_timeout_s", "decode_timeout_s"):
+        for name in ("encode_timeout_s", "prefill_timeout_s", "decode_timeout_s", "stream_idle_timeout_s"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 object.__setattr__(self, name, None)

@@ -1,24 +1,57 @@
-"""Step 7: send decode the prepared body and hand back the open response once it has answered.
+"""Step 7: send decode the prepared body and hand back its answer once it is committed.
 
 The client's status is decided only after decode's headers arrive, so a failure anywhere in the
 pipeline reaches a streaming client as a real HTTP error instead of a 200 stream that breaks off.
+vLLM itself answers a stream with 200 before the engine runs and reports a generation failure
+in-band (see sse.py), so a stream's head is held until its first generated event: until then a
+failure is still a retry or a real HTTP error.
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from epd_proxy.backends import CHAT_PATH, Instance
+from epd_proxy.sse import Verdict, judge
 from epd_proxy.upstream import Answer, Timeouts, Upstream, UpstreamFailure
+
+
+@dataclass(slots=True)
+class DecodeAnswer:
+    """Decode's 2xx answer: the bytes read while judging its head, and the rest still unread.
+    `chunks` raises UpstreamFailure when decode goes silent (`--stream-idle-timeout`) or breaks off."""
+
+    answer: Answer
+    chunks: AsyncIterator[bytes]
+    held: bytes = b""
+
+    @property
+    def status(self) -> int:
+        return self.answer.status
+
+    @property
+    def content_type(self) -> str:
+        return self.answer.content_type
+
+    @property
+    def streaming(self) -> bool:
+        return self.content_type.startswith("text/event-stream")
+
+    def release(self) -> None:
+        """Back to the pool if read to the end, else closed, so a stalled decode is let go."""
+        self.answer.release()
 
 
 async def open_decode(
     upstream: Upstream, decoder: Instance, body: dict[str, Any], headers: dict[str, str], timeouts: Timeouts
-) -> Answer:
-    """A 2xx answer whose body is still unread; the caller must release it. Only the wait for
-    headers is bounded by the decode timeout: a long stream after them is legitimate."""
+) -> DecodeAnswer:
+    """A 2xx answer whose body is still unread; the caller must release it. The decode timeout
+    bounds the wait for headers, the idle timeout each silence after them: a long stream is
+    legitimate, a silent one is not."""
     answer = await upstream.open(
         decoder,
         "POST",
@@ -38,4 +71,19 @@ async def open_decode(
             except UpstreamFailure:
                 pass  # the status is the answer; a body cut short only loses the details
         raise answer.error()
-    return answer
+    return DecodeAnswer(answer, answer.chunks())
+
+
+async def hold_head(answer: DecodeAnswer) -> dict[str, Any] | None:
+    """Read a stream until its first generated event; vLLM's in-band error object if the stream
+    reported a failure before that, else None (the answer is committed). Failures to read raise."""
+    held = bytearray()
+    async for chunk in answer.chunks:
+        held += chunk
+        verdict, error = judge(held)
+        if verdict is Verdict.HOLD:
+            continue
+        answer.held = bytes(held)
+        return error if verdict is Verdict.ERROR else None
+    answer.held = bytes(held)
+    return None

@@ -15,7 +15,7 @@ from typing import Any
 
 from epd_proxy.backends import DECODE, ENCODE, PREFILL, Instance
 from epd_proxy.config import Config
-from epd_proxy.decode import open_decode
+from epd_proxy.decode import DecodeAnswer, hold_head, open_decode
 from epd_proxy.encode import EncoderReply, IdMint, encoder_body, post_encoder
 from epd_proxy.errors import BackendUnreachable, ProxyError, UpstreamError
 from epd_proxy.extract import MediaItem
@@ -44,6 +44,19 @@ class Route:
 
 
 @dataclass(slots=True)
+class ClientBody:
+    """The client's parsed body and its media items, held only while a retry may still need them:
+    a multi-image body is megabytes of base64 that a long stream must not keep alive."""
+
+    body: dict[str, Any] | None
+    items: Sequence[MediaItem] = ()
+
+    def release(self) -> None:
+        self.body = None
+        self.items = ()
+
+
+@dataclass(slots=True)
 class Trace:
     """What one request did, for its log line and metrics."""
 
@@ -55,6 +68,9 @@ class Trace:
     encode_s: float = 0.0
     prefill_s: float = 0.0
     decode_ttfb_s: float = 0.0
+    # How the answer ended once decode committed: complete, aborted (an error event after 200),
+    # client_disconnect.
+    outcome: str = "-"
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -78,10 +94,13 @@ class Pipeline:
         self.metrics = metrics
         self.ids = IdMint()
         # Encode and prefill answer in one piece, so their limit covers the whole exchange; decode's
-        # covers the wait for its headers, since a long stream after them is legitimate.
+        # covers the wait for its headers, since a long stream after them is legitimate, and the idle
+        # limit each silence within that stream.
         self.encode_timeouts = Timeouts(connect=config.connect_timeout_s, total=config.encode_timeout_s)
         self.prefill_timeouts = Timeouts(connect=config.connect_timeout_s, total=config.prefill_timeout_s)
-        self.decode_timeouts = Timeouts(connect=config.connect_timeout_s, headers=config.decode_timeout_s)
+        self.decode_timeouts = Timeouts(
+            connect=config.connect_timeout_s, headers=config.decode_timeout_s, idle=config.stream_idle_timeout_s
+        )
 
     def choose_route(self, request_id: str) -> Route:
         fleet = self.fleet
@@ -205,8 +224,14 @@ class Pipeline:
             return None
         return min(others, key=lambda e: e.inflight)
 
-    async def open(self, body: dict[str, Any], items: Sequence[MediaItem], route: Route, trace: Trace):
-        """Run attempts until decode answers 2xx; returns decode's open response."""
+    async def open(self, job: ClientBody, route: Route, trace: Trace) -> DecodeAnswer:
+        """Run attempts until decode commits, then let go of the client's body.
+
+        Committed means a 2xx that is not a stream, or a stream whose first generated event (or
+        its end) has arrived. Another attempt (fresh encode, fresh transfer ids) follows a
+        consumer's 500, or a stream that reports an error in-band before generating anything,
+        which is how vLLM reports the same failure once it has answered 200.
+        """
         headers = {"x-request-id": trace.request_id, "Content-Type": "application/json"}
         prefill_headers = decode_headers = headers
         if route.dp_rank is not None:
@@ -222,8 +247,8 @@ class Pipeline:
         while True:
             attempt += 1
             trace.attempts = attempt
-            matches = await self.encode(body, items, route, trace)
-            prepared = rewrite_request(body, items, matches, rewrite=config.rewrite, push_mode=push_mode)
+            matches = await self.encode(job.body, job.items, route, trace)
+            prepared = rewrite_request(job.body, job.items, matches, rewrite=config.rewrite, push_mode=push_mode)
             try:
                 decode_body = prepared
                 if route.prefill is not None:
@@ -236,26 +261,42 @@ class Pipeline:
                     if kv:
                         decode_body = {**prepared, "kv_transfer_params": kv}
                 started = time.perf_counter()
-                resp = await self._call(
+                answer = await self._call(
                     route.decoder,
                     open_decode(self.upstream, route.decoder, decode_body, decode_headers, self.decode_timeouts),
                 )
+                in_band = None
+                if answer.streaming:
+                    try:
+                        in_band = await self._call(route.decoder, hold_head(answer))
+                    except BaseException:
+                        answer.release()
+                        raise
                 trace.decode_ttfb_s += time.perf_counter() - started
-                return resp
+                if in_band is not None and attempt < attempts:
+                    answer.release()
+                    self._note_retry(trace, "decode", "reported an error in its stream", in_band.get("message"))
+                    continue
+                job.release()
+                return answer
             except UpstreamError as exc:
                 # A consumer answers 500 when an embedding it was promised never arrived:
                 # re-encoding republishes it, so 500 (and only 500) is worth another attempt.
                 if exc.status != 500 or attempt == attempts:
                     raise
-                self.metrics.retries.labels(exc.stage).inc()
-                log.warning(
-                    "request %s: %s answered 500 (%s); re-encoding, attempt %d of %d",
-                    trace.request_id,
-                    exc.stage,
-                    exc.message[:200],
-                    attempt + 1,
-                    attempts,
-                )
+                self._note_retry(trace, exc.stage, "answered 500", exc.message)
+
+    def _note_retry(self, trace: Trace, stage: str, what: str, message: Any) -> None:
+        self.metrics.retries.labels(stage).inc()
+        log.warning(
+            "request %s: %s %s (%s); re-encoding, attempt %d of %d",
+            trace.request_id,
+            stage,
+            what,
+            str(message)[:200],
+            trace.attempts + 1,
+            self.config.decode_retries + 1,
+        )
 
 
 async def _all_or_first_failure(coros: list) -> list:

@@ -459,18 +459,20 @@ class FakeVLLM:
                 status=self.success_status,
             )
         if not body.get("stream"):
-            return _json(
-                {
-                    "id": completion_id,
-                    "object": "chat.completion",
-                    "model": body.get("model"),
-                    "choices": [
-                        {"index": 0, "message": {"role": "assistant", "content": answer}, "finish_reason": "stop"}
-                    ],
-                    "usage": usage,
-                },
-                status=self.success_status,
-            )
+            completion = {
+                "id": completion_id,
+                "object": "chat.completion",
+                "model": body.get("model"),
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": answer}, "finish_reason": "stop"}],
+                "usage": usage,
+            }
+            cut, stall = self.faults.break_stream(), self.faults.stall_stream()
+            if not (cut or stall):
+                return _json(completion, status=self.success_status)
+            # The body breaks off (or goes silent) after the headers: chunked, in pieces.
+            response = web.StreamResponse(status=self.success_status, headers={"Content-Type": "application/json"})
+            await response.prepare(request)
+            return await self._write_paced(request, response, orjson.dumps(completion), cut, stall)
         return await self._stream(request, completion_id, body.get("model"), answer)
 
     async def _stream_generation_error(self, request: web.Request, completion_id: str, model: Any):
@@ -500,7 +502,17 @@ class FakeVLLM:
             status=self.success_status, headers={"Content-Type": "text/event-stream; charset=utf-8"}
         )
         await response.prepare(request)
+        # vLLM's first event carries the role only; generated text follows.
+        role = {"role": "assistant", "content": ""}
         events = [
+            {
+                "id": completion_id,
+                "object": "chat.completion.chunk",
+                "model": model,
+                "choices": [{"index": 0, "delta": role, "logprobs": None, "finish_reason": None}],
+            }
+        ]
+        events += [
             {
                 "id": completion_id,
                 "object": "chat.completion.chunk",
@@ -520,20 +532,26 @@ class FakeVLLM:
             }
         )
         payload = b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n"
-        # Odd-sized writes cut through multibyte characters and SSE frames on purpose.
-        cut_at = len(payload) // 2 if self.faults.break_stream() else None
-        stall = self.faults.stall_stream()
+        return await self._write_paced(
+            request, response, payload, self.faults.break_stream(), self.faults.stall_stream()
+        )
+
+    async def _write_paced(
+        self, request: web.Request, response: web.StreamResponse, payload: bytes, cut: bool, stall: bool
+    ) -> web.StreamResponse:
+        """Odd-sized writes cut through multibyte characters and SSE frames on purpose. A cut
+        resets the connection halfway; a stall goes silent halfway until the caller goes away."""
+        halfway = len(payload) // 2
         for start in range(0, len(payload), 7):
-            if cut_at is not None and start >= cut_at:
+            if start >= halfway and cut:
                 request.transport.close()
                 raise InjectedDrop("fault injected: stream cut halfway")
-            await response.write(payload[start : start + 7])
-            if stall:
-                # Alive but silent until the caller goes away.
+            if start >= halfway and stall:
                 while request.transport is not None and not request.transport.is_closing():
                     await asyncio.sleep(0.02)
                 self.cancelled += 1
                 raise InjectedDrop("fault injected: stalled stream abandoned by the caller")
+            await response.write(payload[start : start + 7])
             await asyncio.sleep(self.stream_pause_s)
         await response.write_eof()
         return response
