@@ -26,6 +26,7 @@ import orjson
 from epd_proxy.bench.http11 import ServerProtocol, header, response
 
 UUID_KEY = b'"uuid":"'
+STREAM_KEY = b'"stream":true'
 OK_EMPTY = response(200, b"")
 
 
@@ -171,6 +172,8 @@ class FakeServer:
         c.raw_images[tag] += body.count(b'"image_url"')
         c.bytes_in[tag] += len(body)
         self.completions += 1
+        if STREAM_KEY in body:
+            return self._stream()
         payload = response(
             200,
             b'{"id":"chatcmpl-pd-%d","object":"chat.completion","model":"bench-vlm",'
@@ -179,6 +182,20 @@ class FakeServer:
             b'"total_tokens":65}}' % self.completions,
         )
         return self._later(self.delay_s, payload)
+
+    def _stream(self):
+        """A long stream: the role event and the first token at once, the rest after the delay
+        (an answer being generated), so a proxy holds each streamed request that long."""
+        n = self.completions
+        head = b'data: {"id":"chatcmpl-pd-%d","object":"chat.completion.chunk","model":"bench-vlm","choices":' % n
+        first = (
+            head + b'[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n'
+            b"" + head + b'[{"index":0,"delta":{"content":"fi"},"finish_reason":null}]}\n\n'
+        )
+        rest = head + b'[{"index":0,"delta":{"content":"ne"},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n'
+        whole = response(200, first + rest, b"text/event-stream")
+        split = len(whole) - len(rest)
+        return whole[:split], self._later(self.delay_s, whole[split:])
 
 
 async def serve(spec: dict) -> None:

@@ -29,6 +29,8 @@ class Block:
     concurrency: int
     schedule: list[tuple[int, str]]
     pool: str = "main"
+    # Ask for streamed answers (the cached bodies are non-streaming JSON objects).
+    stream: bool = False
 
 
 async def _run_block(bodies: list[bytes], block: Block) -> list[tuple[str, float, float, int]]:
@@ -36,12 +38,15 @@ async def _run_block(bodies: list[bytes], block: Block) -> list[tuple[str, float
     todo: Iterator[tuple[int, str]] = iter(block.schedule)
     hostport = f"{block.host}:{block.port}"
     heads = {}
+    streamed: dict[int, bytes] = {}
 
     async def worker() -> None:
         conn = None
         try:
             for index, rid in todo:
                 body = bodies[index]
+                if block.stream:
+                    body = streamed.get(index) or streamed.setdefault(index, body[:-1] + b',"stream":true}')
                 head = heads.get(index)
                 if head is None:
                     head = heads[index] = request_head("POST", hostport, block.path, len(body))
@@ -113,7 +118,8 @@ class ClientPool:
         n = len(self._conns)
         per = [block.concurrency // n + (1 if i < block.concurrency % n else 0) for i in range(n)]
         for i, conn in enumerate(self._conns):
-            conn.send(("run", Block(block.host, block.port, block.path, per[i], block.schedule[i::n], block.pool)))
+            part = Block(block.host, block.port, block.path, per[i], block.schedule[i::n], block.pool, block.stream)
+            conn.send(("run", part))
         results = []
         for conn in self._conns:
             _, part = conn.recv()

@@ -126,10 +126,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--variant",
         action="append",
         default=[],
-        metavar="NAME:KEY=VALUE[,KEY=VALUE]",
-        help="one more zero-cost batched arm whose proxy gets this environment, interleaved with "
-        "the others: A/B a change against the saturation arm in one run (repeatable); "
-        "NAME@batched:... runs it at the batched arm's load instead",
+        metavar="NAME[@ARM]:KEY=VALUE[,KEY=VALUE]",
+        help="one more arm like ARM (saturation, batched or per-item; default saturation) whose proxy "
+        "gets this environment, interleaved with the others: A/B a change against ARM in one run, "
+        "e.g. another checkout's code with PYTHONPATH (repeatable)",
+    )
+    p.add_argument(
+        "--stream",
+        action="store_true",
+        help='send "stream": true; the PD fakes then answer a first token at once and the rest after --pd-ms',
     )
     p.add_argument("--no-chart", action="store_true")
     return p.parse_args(argv)
@@ -323,15 +328,16 @@ class Bench:
                 arms.append(arm)
             else:
                 raise SystemExit(f"unknown arm {name!r}")
+        like = {"saturation": (FREE, 0), "batched": (COST, 0), "per-item": (COST, 1)}
         for spec in self.args.variant:
             name, _, pairs = spec.partition(":")
+            name, _, base = name.partition("@")
+            base = base or "saturation"
+            if base not in like:
+                raise SystemExit(f"--variant {spec!r}: can be like {', '.join(like)}, not {base!r}")
+            cluster, batch = like[base]
             env = dict(pair.partition("=")[::2] for pair in pairs.split(",") if "=" in pair)
-            # NAME@batched: the variant runs at the batched arm's equal (encoder-bound) load instead.
-            name, _, like = name.partition("@")
-            if like == "batched":
-                arms.append(Arm(name, "proxy", COST, batch=0, env=env, note=f"like batched, env {pairs}"))
-            else:
-                arms.append(Arm(name, "proxy", FREE, batch=0, env=env, note=f"like saturation, env {pairs}"))
+            arms.append(Arm(name, "proxy", cluster, batch=batch, env=env, note=f"like {base}, env {pairs}"))
         return arms
 
     def schedule(self, round_no: int, arm_no: int) -> list[tuple[int, str]]:
@@ -359,7 +365,9 @@ class Bench:
             ]
         )
         for port, sink in targets:
-            results = self.clients.run(Block("127.0.0.1", port, "/v1/chat/completions", 1, schedule))
+            results = self.clients.run(
+                Block("127.0.0.1", port, "/v1/chat/completions", 1, schedule, stream=self.args.stream)
+            )
             sink.extend((r[2] - r[1]) * 1000 for r in results if r[0].startswith("u") and r[3] == 200)
             errors = sum(1 for r in results if r[3] != 200)
             if errors:
@@ -376,7 +384,10 @@ class Bench:
         self0 = procs.cpu_seconds(os.getpid())
         cores0 = procs.core_busy()
         wall0 = time.perf_counter()
-        results = self.clients.run(Block("127.0.0.1", target_port, "/v1/chat/completions", self.concurrency, schedule))
+        block = Block(
+            "127.0.0.1", target_port, "/v1/chat/completions", self.concurrency, schedule, stream=self.args.stream
+        )
+        results = self.clients.run(block)
         wall = time.perf_counter() - wall0
         cores1 = procs.core_busy()
         user1, sys1 = procs.tree_cpu_split(proxy_pid) if proxy_pid else (0.0, 0.0)
