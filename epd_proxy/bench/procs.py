@@ -62,11 +62,20 @@ def tree_cpu_seconds(pid: int) -> float:
 
 def peak_rss_mb(pid: int) -> float:
     """VmHWM summed over the tree: workers are separate address spaces."""
+    return _status_mb(pid, "VmHWM:")
+
+
+def rss_mb(pid: int) -> float:
+    """VmRSS now, summed over the tree."""
+    return _status_mb(pid, "VmRSS:")
+
+
+def _status_mb(pid: int, field: str) -> float:
     total = 0
     for p in tree(pid):
         try:
             for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
+                if line.startswith(field):
                     total += int(line.split()[1])
         except OSError:
             continue

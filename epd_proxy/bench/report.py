@@ -13,6 +13,13 @@ import orjson
 from epd_proxy.bench import procs
 
 
+def _median(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
 def _sum(blocks: list[dict], key: str) -> float:
     return sum(b.get(key, 0) for b in blocks)
 
@@ -74,6 +81,7 @@ def summarise(arm, peak_rss: dict[str, float]) -> dict[str, Any]:
             ),
             "proxy_cpu_util": _sum(blocks, "proxy_cpu_s") / wall if arm.kind == "proxy" else None,
             "proxy_peak_rss_mb": peak_rss.get(arm.name),
+            "proxy_rss_under_load_mb": _median([x for b in blocks for x in b.get("proxy_rss_samples_mb", ())]),
             "loadgen_cpu_ms_per_request": _sum(blocks, "loadgen_cpu_s") * 1000 / everything,
             "fakes_cpu_ms_per_request": _sum(blocks, "fakes_cpu_s") * 1000 / everything,
             "harness_cpu_ms_per_request": _sum(blocks, "harness_cpu_s") * 1000 / everything,
@@ -274,6 +282,7 @@ def table(result: dict[str, Any]) -> str:
             "req/s per proxy core (1000/CPU ms)",
             "proxy core %",
             "proxy peak RSS MB",
+            "proxy RSS under load MB (median)",
             "loadgen CPU ms/req",
             "fakes CPU ms/req",
             "core0 %",
@@ -291,6 +300,7 @@ def table(result: dict[str, Any]) -> str:
                 _f(a.get("req_per_s_per_proxy_core"), "{:.0f}"),
                 _pct(a.get("proxy_cpu_util")),
                 _f(a.get("proxy_peak_rss_mb"), "{:.0f}"),
+                _f(a.get("proxy_rss_under_load_mb"), "{:.0f}"),
                 _f(a.get("loadgen_cpu_ms_per_request"), "{:.2f}"),
                 _f(a.get("fakes_cpu_ms_per_request"), "{:.2f}"),
                 _pct((a.get("core_busy") or {}).get("0")),

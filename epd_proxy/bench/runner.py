@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -387,7 +388,23 @@ class Bench:
         block = Block(
             "127.0.0.1", target_port, "/v1/chat/completions", self.concurrency, schedule, stream=self.args.stream
         )
-        results = self.clients.run(block)
+        # RSS while the block runs (the peak alone mostly shows the first burst of parsing).
+        rss_samples: list[float] = []
+        sampling = threading.Event()
+
+        def sample_rss() -> None:
+            while not sampling.wait(0.25):
+                rss_samples.append(procs.rss_mb(proxy_pid))
+
+        sampler = threading.Thread(target=sample_rss, daemon=True) if proxy_pid else None
+        if sampler is not None:
+            sampler.start()
+        try:
+            results = self.clients.run(block)
+        finally:
+            sampling.set()
+            if sampler is not None:
+                sampler.join()
         wall = time.perf_counter() - wall0
         cores1 = procs.core_busy()
         user1, sys1 = procs.tree_cpu_split(proxy_pid) if proxy_pid else (0.0, 0.0)
@@ -416,6 +433,7 @@ class Bench:
             "encoder_subrequests": sum(delta(e, "requests") for e in encoders),
             "encoder_images": sum(delta(e, "images") for e in encoders),
             "pd_requests": delta(pd, "requests"),
+            "proxy_rss_samples_mb": rss_samples,
             "pd_embeds": delta(pd, "images"),
             "pd_raw_images": delta(pd, "raw_images"),
             "pd_bytes": delta(pd, "bytes_in"),

@@ -1,0 +1,172 @@
+"""Failure semantics against real vLLM: its in-band stream errors and a decode that dies mid-stream.
+
+How vLLM 0.32 (CPU build) can be made to fail a generation on purpose, with no Mooncake: a
+request whose `image_embeds` reference names an identifier PD's encoder cache already holds with
+another number of embeddings is finished with `finish_reason="error"`
+(Scheduler._reject_on_encoder_cache_embed_mismatch). Streaming, that is a 200 whose events are the
+role chunk, `data: {"error": ...}` and `[DONE]`; that is the in-band error the proxy must treat
+like a 500. (The transient case the retry exists for, a Mooncake push that never arrives, needs
+the Mooncake transfer engine, which the CPU build does not have.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from epd_proxy.local.supervisor import http_ok
+
+from .e2e_helpers import chat_body, chat_ok, finished_requests, make_image
+
+pytestmark = pytest.mark.e2e
+
+SEEDS = iter(range(20_000, 30_000))
+
+
+def stream_events(url: str, body: dict, on_first_content=None, timeout: float = 120.0) -> tuple[int, list]:
+    """Status and the parsed SSE events of a streaming request (raw text for non-JSON data)."""
+    req = urllib.request.Request(
+        url.rstrip("/") + "/v1/chat/completions",
+        data=json.dumps({**body, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    events: list = []
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        status = resp.status
+        buffer = b""
+        while True:
+            chunk = resp.read1(65536)
+            if not chunk:
+                break
+            buffer += chunk
+            while b"\n\n" in buffer:
+                frame, buffer = buffer.split(b"\n\n", 1)
+                if not frame.startswith(b"data: "):
+                    continue
+                data = frame[6:].decode()
+                event = data if data == "[DONE]" else json.loads(data)
+                events.append(event)
+                if on_first_content is not None and _content(event):
+                    on_first_content()
+                    on_first_content = None
+    return status, events
+
+
+def _content(event) -> str:
+    if not isinstance(event, dict) or not event.get("choices"):
+        return ""
+    return event["choices"][0].get("delta", {}).get("content") or ""
+
+
+def _metric(url: str, prefix: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def trusting_proxy(stack):
+    """A second proxy in front of the same servers that lets a client send `image_embeds`
+    references (what a trusted router in front may do), with one decode retry."""
+    port = _free_port()
+    log = open(stack.work_dir / "trusting-proxy.log", "wb")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "epd_proxy",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--encode-servers-urls",
+            ",".join(stack.encoder_urls),
+            "--decode-servers-urls",
+            stack.pd_url,
+            "--trust-client-fields",
+            "--decode-retries",
+            "1",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while not http_ok(url + "/metrics"):
+        assert proc.poll() is None and time.monotonic() < deadline, "trusting proxy did not start"
+        time.sleep(0.2)
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(15)
+        log.close()
+
+
+def test_vllm_in_band_error_is_retried_then_relayed_as_sent(stack, trusting_proxy):
+    image = make_image(next(SEEDS))
+    # Publish the image: PD's encoder cache now holds its identifier with 48 embeddings.
+    chat_ok(stack.proxy_url, chat_body([image]))
+    uuid = hashlib.sha256(image.encode()).hexdigest()
+    body = chat_body([])
+    # A grid that claims 24 embeddings for the same identifier: vLLM fails the generation.
+    body["messages"][0]["content"].append(
+        {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 8, 12]}, "uuid": uuid}
+    )
+
+    direct_status, direct = stream_events(stack.pd_url, body)
+    assert direct_status == 200
+    errors = [e for e in direct if isinstance(e, dict) and "error" in e]
+    if not errors:
+        pytest.fail(f"vLLM did not fail the generation in-band; its events: {direct!r}")
+    assert direct[-1] == "[DONE]" and not any(_content(e) for e in direct)
+
+    retries = _metric(trusting_proxy, 'epd_retries_total{stage="decode"}')
+    pd_before = finished_requests(stack.pd_url)
+    status, via_proxy = stream_events(trusting_proxy, body)
+    assert status == 200
+    # The first attempt's error was held back and retried; the second one is relayed as vLLM sent it.
+    assert _metric(trusting_proxy, 'epd_retries_total{stage="decode"}') == retries + 1
+    assert [e for e in via_proxy if isinstance(e, dict) and "error" in e] == errors
+    assert via_proxy[-1] == "[DONE]"
+    deadline = time.monotonic() + 10
+    while finished_requests(stack.pd_url) < pd_before + 2 and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert finished_requests(stack.pd_url) >= pd_before + 2
+    assert http_ok(stack.by_name("pd").health_url), "PD died"
+
+
+def test_pd_killed_mid_stream_ends_in_an_error_event_counted_as_aborted(stack):
+    image = make_image(next(SEEDS))
+    body = chat_body([image], max_tokens=1500, ignore_eos=True)
+    aborted = _metric(stack.proxy_url, 'epd_requests_total{status="aborted"}')
+    pd = stack.by_name("pd")
+
+    def kill_pd():
+        os.killpg(pd.pgid, signal.SIGKILL)
+
+    started = time.monotonic()
+    status, events = stream_events(stack.proxy_url, body, on_first_content=kill_pd)
+    assert status == 200
+    assert any(_content(e) for e in events), events[:3]
+    error = events[-2]["error"]
+    assert events[-1] == "[DONE]" and error["stage"] == "decode" and error["code"] == 502, events[-3:]
+    assert time.monotonic() - started < 60
+    assert _metric(stack.proxy_url, 'epd_requests_total{status="aborted"}') == aborted + 1
