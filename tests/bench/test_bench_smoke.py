@@ -60,3 +60,44 @@ def test_quick_bench_writes_results_and_batching_sends_fewer_subrequests(tmp_pat
     assert arms["direct"]["encoder_subrequests_per_round"] == 0
     assert "| batched |" in (out / "table.md").read_text()
     assert "| batched |" in run.stdout
+
+
+def test_quick_streaming_bench_relays_every_stream_and_samples_rss(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    cmd = [
+        sys.executable,
+        "-m",
+        "epd_proxy.bench",
+        "--quick",
+        "--stream",
+        "--no-chart",
+        "--out",
+        str(out),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--pool-size",
+        "4",
+        "--requests",
+        "8",
+        "--rounds",
+        "1",
+        "--warmup",
+        "2",
+        "--concurrency",
+        "4",
+        "--pd-ms",
+        "300",
+        "--arms",
+        "batched",
+        "--variant",
+        "again@batched:EPD_UNUSED=1",
+    ]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    arms = {a["name"]: a for a in json.loads((out / "results.json").read_text())["arms"]}
+    assert set(arms) == {"batched", "again"}
+    for arm in arms.values():
+        # Each streamed answer (chunked by the proxy) was read to its end and counted.
+        assert arm["errors"] == 0 and arm["measured"] == 8 and arm["pd_requests_per_round"] == 8
+        assert arm["proxy_rss_under_load_mb"] > 0
+    assert arms["again"]["encoder_subrequests_per_round"] == arms["batched"]["encoder_subrequests_per_round"]
