@@ -16,9 +16,11 @@ from epd_proxy.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE, Instance
 from epd_proxy.config import Config
 from epd_proxy.errors import BadRequest, ProxyError, UpstreamError, describe
 from epd_proxy.extract import OFFLOAD_HASH_BYTES, normalise_request
+from epd_proxy.health import Health
 from epd_proxy.metrics import Metrics
 from epd_proxy.pipeline import ClientBody, Pipeline, Trace
-from epd_proxy.registry import Registry, check_admin_key, probe
+from epd_proxy.prober import Prober, check_pool
+from epd_proxy.registry import Registry, check_admin_key
 from epd_proxy.relay import ABORTED, CLIENT_GONE, relay
 from epd_proxy.routing import make_policy
 from epd_proxy.upstream import Timeouts, Upstream, UpstreamFailure
@@ -31,24 +33,33 @@ PROFILE_TIMEOUTS = Timeouts(total=30)
 
 
 class ProxyState:
-    """Everything that lives as long as the server: the fleet, routing cursors, the client pool."""
+    """Everything that lives as long as the server: the fleet, its health, routing cursors, the pools."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
         self.fleet = Registry.from_config(config)
+        self.health = Health(
+            fail_threshold=config.fail_threshold,
+            ejection_time_s=config.ejection_time_s,
+            max_ejection_time_s=config.max_ejection_time_s,
+            max_ejection_percent=config.max_ejection_percent,
+            panic_when_all_down=not config.dynamic_registration,
+        )
+        self.fleet.watch(self.health)
         self.policies = {
             ENCODE: make_policy(config.encode_policy),
             PREFILL: make_policy(config.prefill_policy),
             DECODE: make_policy(config.decode_policy),
         }
-        self.metrics = Metrics(self.fleet)
+        self.metrics = Metrics(self.fleet, self.health)
         self.inflight = 0
         self.upstream: Upstream | None = None
-        # Probes get their own small pool: a backend whose request connections are all busy
+        # Active checks get their own small pool: a backend whose request connections are all busy
         # streaming (--max-connections-per-backend) must still answer its health checks.
         self.probes: Upstream | None = None
+        self.prober: Prober | None = None
         self.pipeline: Pipeline | None = None
-        self._prober: asyncio.Task | None = None
+        self._background: list[asyncio.Task] = []
 
     async def start(self) -> None:
         config = self.config
@@ -58,17 +69,37 @@ class ProxyState:
             max_connections_per_backend=config.max_connections_per_backend,
             headers=headers,
         )
-        self.probes = Upstream(keep_alive_s=config.pool_keep_alive_s, headers=headers, count_inflight=False)
-        self.pipeline = Pipeline(config, self.fleet, self.upstream, self.policies, self.metrics)
+        self.pipeline = Pipeline(config, self.fleet, self.health, self.upstream, self.policies, self.metrics)
         if config.probe_interval_s > 0:
-            self._prober = asyncio.create_task(
-                self.fleet.probe_forever(self.probes, config.probe_interval_s, config.probe_timeout_s)
+            self.probes = check_pool(config)
+            self.prober = Prober(
+                self.probes,
+                self.health,
+                self.fleet.all,
+                interval_s=config.probe_interval_s,
+                timeout_s=config.probe_timeout_s,
             )
+            self._background.append(asyncio.create_task(self.prober.run_forever(self.forget_expired)))
+        elif config.dynamic_registration and config.evicted_ttl_s > 0:
+            self._background.append(asyncio.create_task(self._forget_expired_forever()))
+
+    def forget_expired(self) -> None:
+        """Dynamic mode: instances out of rotation for longer than --evicted-ttl leave the fleet."""
+        ttl = self.config.evicted_ttl_s
+        if not self.config.dynamic_registration or ttl <= 0:
+            return
+        for url in self.health.out_longer_than(ttl):
+            self.fleet.forget(url, f"out of rotation for more than {ttl:g}s")
+
+    async def _forget_expired_forever(self) -> None:
+        while True:
+            await asyncio.sleep(min(5.0, self.config.evicted_ttl_s))
+            self.forget_expired()
 
     async def close(self) -> None:
-        if self._prober is not None:
-            self._prober.cancel()
-            await asyncio.gather(self._prober, return_exceptions=True)
+        for task in self._background:
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
         for pool in (self.upstream, self.probes):
             if pool is not None:
                 await pool.close()
@@ -237,7 +268,7 @@ def _finish(metrics: Metrics, trace: Trace, status: int | str, route: Any) -> No
 
 async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    candidates = state.fleet.decoders()
+    candidates = state.pipeline.decoders()
     if not candidates:
         return error_response(ProxyError(503, "no live decode instance", stage="route"))
     decoder = state.policies[DECODE].choose(candidates, ("models",))[0]
@@ -256,38 +287,30 @@ async def list_models(request: web.Request) -> web.Response:
     return web.Response(status=answer.status, body=answer.body, headers={"Content-Type": answer.content_type})
 
 
-def stage_status(results: list[bool]) -> str:
-    if not results:
+def stage_status(in_rotation: list[bool]) -> str:
+    if not in_rotation:
         return "empty"
-    if all(results):
+    if all(in_rotation):
         return "healthy"
-    return "degraded" if any(results) else "unhealthy"
+    return "degraded" if any(in_rotation) else "unhealthy"
 
 
 async def health(request: web.Request) -> web.Response:
-    """Probes every instance now. Static mode: 200 while every configured stage has a healthy
-    instance, 503 naming the stage that has none. Dynamic mode: always 200 with the roster, since
-    an empty fleet is a normal state there."""
+    """Answers from the latest active checks and outlier detection, never by probing on the
+    caller's behalf (anyone may call this as often as they like). Static mode: 200 while every
+    configured stage has an instance in rotation, 503 naming the stage that has none. Dynamic
+    mode: always 200 with the roster, since an empty fleet is a normal state there."""
     state = request.app[STATE]
-    everyone = list(state.fleet.all())
-    problems = await asyncio.gather(*(probe(state.probes, inst, state.config.probe_timeout_s) for inst in everyone))
-    instances = {
-        inst.url: {
-            "role": inst.role,
-            "status": "healthy" if p is None else f"unhealthy: {p}",
-            "in_rotation": inst.live,
-            "inflight": inst.inflight,
-        }
-        for inst, p in zip(everyone, problems)
-    }
+    views = state.health.snapshot(state.fleet.all())
+    instances = {view["url"]: {k: v for k, v in view.items() if k != "url"} for view in views}
     if state.config.dynamic_registration:
-        body = {"proxy": "healthy", "instances": state.fleet.snapshot(), "probes": instances}
+        roster = state.fleet.snapshot(state.health.in_rotation)
+        body = {"proxy": "healthy", "instances": roster, "health": instances}
         return web.Response(body=orjson.dumps(body), content_type="application/json")
     body: dict[str, Any] = {"proxy": "healthy"}
     consumer_role = {ENCODE: (ENCODE,), PREFILL: (PREFILL,), DECODE: (DECODE, PREFILL_DECODE)}
     for stage, key in CLUSTER_KEYS.items():
-        ok = [p is None for inst, p in zip(everyone, problems) if inst.role in consumer_role[stage]]
-        body[key] = stage_status(ok)
+        body[key] = stage_status([view["in_rotation"] for view in views if view["role"] in consumer_role[stage]])
     body["instances"] = instances
     down = any(body[key] == "unhealthy" for key in CLUSTER_KEYS.values())
     return web.Response(body=orjson.dumps(body), status=503 if down else 200, content_type="application/json")
@@ -329,7 +352,7 @@ def profile_handler(action: str):
             except ProxyError as exc:
                 return error_response(exc)
         payload = await request.read() or b"{}"
-        everyone = [inst for inst in state.fleet.all() if inst.live]
+        everyone = [inst for inst in state.fleet.all() if state.health.in_rotation(inst)]
         profile_key = config.profile_api_key or config.backend_api_key
         results = await asyncio.gather(
             *(_profile_one(state.upstream, inst, action, payload, profile_key) for inst in everyone)
@@ -372,7 +395,8 @@ async def list_instances(request: web.Request) -> web.Response:
             check_admin_key(state.config.admin_api_key, request.headers.get("X-API-Key"), "read the fleet")
         except ProxyError as exc:
             return error_response(exc)
-    return web.Response(body=orjson.dumps(state.fleet.snapshot()), content_type="application/json")
+    roster = state.fleet.snapshot(state.health.in_rotation)
+    return web.Response(body=orjson.dumps(roster), content_type="application/json")
 
 
 async def register_instance(request: web.Request) -> web.Response:

@@ -21,12 +21,6 @@ class Instance:
     zmq_addrs: tuple[str, ...] = ()
     dp_size: int = 1
     inflight: int = 0
-    # In rotation; False once evicted by failed probes or failed live traffic.
-    live: bool = True
-    consecutive_failures: int = 0
-    evicted_at: float | None = None
-    # Unregistered: terminal, a late probe result must not revive it.
-    removed: bool = False
     _dp_cursor: int = field(default=0, repr=False)
 
     def next_dp_rank(self) -> int:

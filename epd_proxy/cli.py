@@ -69,7 +69,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--fail-threshold",
         type=int,
         default=default("fail_threshold"),
-        help="consecutive failures that take an instance out of rotation (default: %(default)s)",
+        help="consecutive failed health checks, or transport failures, that take an instance out of rotation "
+        "(default: %(default)s)",
     )
     ref.add_argument(
         "--evicted-ttl",
@@ -79,6 +80,25 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
     ours = parser.add_argument_group("epd-proxy flags")
+    ours.add_argument(
+        "--ejection-time",
+        type=float,
+        default=default("ejection_time_s"),
+        help="seconds an instance stays out after --fail-threshold transport failures in a row; "
+        "doubles per repeat (default: %(default)s)",
+    )
+    ours.add_argument(
+        "--max-ejection-time",
+        type=float,
+        default=default("max_ejection_time_s"),
+        help="cap on the doubled ejection time (default: %(default)s)",
+    )
+    ours.add_argument(
+        "--max-ejection-percent",
+        type=int,
+        default=default("max_ejection_percent"),
+        help="most of a role's instances transport failures may eject at once; one always stays (default: %(default)s)",
+    )
     ours.add_argument(
         "--encoder-max-batch-size",
         type=int,
@@ -241,6 +261,9 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> Config
         probe_timeout_s=args.probe_timeout,
         fail_threshold=args.fail_threshold,
         evicted_ttl_s=args.evicted_ttl,
+        ejection_time_s=args.ejection_time,
+        max_ejection_time_s=args.max_ejection_time,
+        max_ejection_percent=args.max_ejection_percent,
         log_format=args.log_format,
     )
 

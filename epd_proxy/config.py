@@ -61,6 +61,11 @@ class Config:
     fail_threshold: int = 3
     # Dynamic mode forgets instances evicted for longer than this; 0 = never.
     evicted_ttl_s: float = 900.0
+    # Passive outlier detection: first ejection length, doubled per repeat up to the cap.
+    ejection_time_s: float = 30.0
+    max_ejection_time_s: float = 300.0
+    # Share of a role's instances that transport failures may eject at once (one always stays).
+    max_ejection_percent: int = 50
     log_format: str = "text"
     # How many other encoders a failed sub-request may be retried on (transport error, timeout, 5xx).
     encoder_failovers: int = 1
@@ -89,6 +94,10 @@ class Config:
                 raise ConfigError("--encode-servers-urls needs at least one URL")
         if self.fail_threshold < 1:
             raise ConfigError(f"--fail-threshold must be >= 1, got {self.fail_threshold}")
+        if self.ejection_time_s <= 0:
+            raise ConfigError(f"--ejection-time must be > 0, got {self.ejection_time_s}")
+        if not 0 <= self.max_ejection_percent <= 100:
+            raise ConfigError(f"--max-ejection-percent must be within 0..100, got {self.max_ejection_percent}")
         if self.log_format not in ("text", "json"):
             raise ConfigError(f"--log-format must be text or json, got {self.log_format!r}")
         if self.max_inflight < 0:

@@ -46,8 +46,8 @@ class BadRequest(ProxyError):
 
 
 class BackendUnreachable(ProxyError):
-    """No answer from a backend (refused, reset, timed out): the only failure that counts against
-    an instance's health, since an answered error says the instance itself is alive."""
+    """No answer from a backend (refused, reset, timed out). Which kinds count against the
+    instance's health is health.py's call; an answered error never does (the instance is alive)."""
 
     def __init__(self, message: str, *, stage: str, backend: str, timed_out: bool = False) -> None:
         super().__init__(504 if timed_out else 502, message, stage=stage, backend=backend)

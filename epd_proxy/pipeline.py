@@ -13,12 +13,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from epd_proxy.backends import DECODE, ENCODE, PREFILL, Instance
+from epd_proxy.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE, Instance
 from epd_proxy.config import Config
 from epd_proxy.decode import DecodeAnswer, hold_head, open_decode
 from epd_proxy.encode import EncoderReply, IdMint, encoder_body, post_encoder
 from epd_proxy.errors import BackendUnreachable, ProxyError, UpstreamError
 from epd_proxy.extract import MediaItem
+from epd_proxy.health import Health, counts_against_instance
 from epd_proxy.match import Matches, match_group
 from epd_proxy.metrics import Metrics
 from epd_proxy.plan import EncoderGroup, plan_groups
@@ -26,7 +27,7 @@ from epd_proxy.prefill import run_prefill
 from epd_proxy.registry import Registry
 from epd_proxy.rewrite import rewrite_request
 from epd_proxy.routing import RoutingPolicy
-from epd_proxy.upstream import Timeouts, Upstream
+from epd_proxy.upstream import Timeouts, Upstream, UpstreamFailure
 
 log = logging.getLogger("epd_proxy.pipeline")
 DP_RANK_HEADER = "X-data-parallel-rank"
@@ -83,12 +84,14 @@ class Pipeline:
         self,
         config: Config,
         fleet: Registry,
+        health: Health,
         upstream: Upstream,
         policies: dict[str, RoutingPolicy],
         metrics: Metrics,
     ) -> None:
         self.config = config
         self.fleet = fleet
+        self.health = health
         self.upstream = upstream
         self.policies = policies
         self.metrics = metrics
@@ -102,37 +105,45 @@ class Pipeline:
             connect=config.connect_timeout_s, headers=config.decode_timeout_s, idle=config.stream_idle_timeout_s
         )
 
+    def candidates(self, role: str) -> Sequence[Instance]:
+        """The registry's members of a role that health lets take traffic now."""
+        return self.health.available(self.fleet.members(role))
+
+    def decoders(self) -> Sequence[Instance]:
+        """Where a request's answer comes from: combined PD instances first, else split decoders."""
+        return self.candidates(PREFILL_DECODE) or self.candidates(DECODE)
+
     def choose_route(self, request_id: str) -> Route:
-        fleet = self.fleet
         keys = (request_id,)
-        candidates = fleet.decoders()
+        candidates = self.decoders()
         if not candidates:
             raise _unavailable("no live decode instance")
         decoder = self.policies[DECODE].choose(candidates, keys)[0]
         prefill = None
         if decoder.role == DECODE:
-            prefills = fleet.candidates(PREFILL)
+            prefills = self.candidates(PREFILL)
             if not prefills:
                 raise _unavailable("no live prefill instance for the standalone decode instance")
             prefill = self.policies[PREFILL].choose(prefills, keys)[0]
         # Dynamic mode pins the EC consumer (prefill in E+P+D, else the decoder) as registered;
         # static mode's replica flags describe the decode servers, as in the reference.
-        pinned = (prefill or decoder) if fleet.dynamic else decoder
+        pinned = (prefill or decoder) if self.fleet.dynamic else decoder
         dp_rank = pinned.next_dp_rank() if pinned.dp_size > 1 else None
         consumer_zmq = pinned.zmq_addrs[dp_rank or 0] if pinned.zmq_addrs else None
         return Route(decoder, prefill, pinned, dp_rank, consumer_zmq)
 
     async def _call(self, instance: Instance, call):
-        """Await a backend call, feeding its outcome to the instance's health record."""
+        """Await a backend call, feeding its outcome to passive outlier detection."""
         try:
             result = await call
-        except BackendUnreachable as exc:
-            self.fleet.record_failure(instance, exc.message)
+        except UpstreamFailure as exc:
+            if counts_against_instance(exc.kind):
+                self.health.failed(instance, exc.reason)
             raise
         except ProxyError:
-            self.fleet.record_success(instance)
+            self.health.succeeded(instance)
             raise
-        self.fleet.record_success(instance)
+        self.health.succeeded(instance)
         return result
 
     async def encode(self, body: dict[str, Any], items: Sequence[MediaItem], route: Route, trace: Trace) -> Matches:
@@ -140,7 +151,7 @@ class Pipeline:
         if not items:
             return matches
         started = time.perf_counter()
-        encoders = self.fleet.candidates(ENCODE)
+        encoders = self.candidates(ENCODE)
         if not encoders:
             raise _unavailable("the request has media but no encoder is live")
         assignment = self.policies[ENCODE].choose(encoders, [item.uuid for item in items])
@@ -219,7 +230,7 @@ class Pipeline:
     def _failover_target(self, tried: list[Instance]) -> Instance | None:
         if len(tried) > self.config.encoder_failovers:
             return None
-        others = [e for e in self.fleet.live(ENCODE) if e not in tried]
+        others = [e for e in self.candidates(ENCODE) if e not in tried]
         if not others:
             return None
         return min(others, key=lambda e: e.inflight)

@@ -1,24 +1,21 @@
-"""Who is in the fleet and who is live: static lists or dynamic registration, plus health probing.
+"""Who is in the fleet: static lists or dynamic registration, and nothing about their health.
 
-Static flags and `POST /instances` fill the same registry, so routing, eviction and revival work
-identically in both modes. An instance leaves the rotation after `fail_threshold` consecutive
-failures (probes, or transport failures on live traffic) and rejoins on its first success.
+Static flags and `POST /instances` fill the same registry, so everything downstream works the same
+in both modes. Health (health.py) and metrics hear about joins and departures as watchers; which
+members may take traffic right now is health's call, never the registry's.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
-import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from epd_proxy.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE, ROLES, Instance
 from epd_proxy.config import Config, ConfigError
 from epd_proxy.errors import ProxyError
-from epd_proxy.upstream import Timeouts, Upstream, UpstreamFailure
 
 log = logging.getLogger("epd_proxy.registry")
 
@@ -42,29 +39,26 @@ def normalize_url(url: Any) -> str:
     return url
 
 
+class Watcher(Protocol):
+    """Told about membership changes (health, metrics): the registry itself knows nothing of health."""
+
+    def joined(self, inst: Instance) -> None: ...
+
+    def rejoined(self, inst: Instance) -> None: ...
+
+    def left(self, inst: Instance) -> None: ...
+
+
 class Registry:
-    def __init__(
-        self,
-        *,
-        dynamic: bool,
-        fail_threshold: int = 3,
-        evicted_ttl_s: float = 900.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    def __init__(self, *, dynamic: bool) -> None:
         self.dynamic = dynamic
-        self.fail_threshold = fail_threshold
-        self.evicted_ttl_s = evicted_ttl_s
-        self._clock = clock
         self._records: dict[str, Instance] = {}
-        self._live: dict[str, list[Instance]] = {role: [] for role in ROLES}
+        self._members: dict[str, list[Instance]] = {role: [] for role in ROLES}
+        self._watchers: list[Watcher] = []
 
     @classmethod
     def from_config(cls, config: Config) -> Registry:
-        registry = cls(
-            dynamic=config.dynamic_registration,
-            fail_threshold=config.fail_threshold,
-            evicted_ttl_s=config.evicted_ttl_s,
-        )
+        registry = cls(dynamic=config.dynamic_registration)
         if config.dynamic_registration:
             return registry
         dp, addrs = config.ec_consumer_dp_size, config.ec_consumer_zmq_addrs
@@ -86,42 +80,37 @@ class Registry:
             registry._add(inst)
         return registry
 
+    def watch(self, watcher: Watcher) -> None:
+        """Subscribe to membership changes; the current members are reported as joining."""
+        self._watchers.append(watcher)
+        for inst in self._records.values():
+            watcher.joined(inst)
+
     # -- reading -----------------------------------------------------------------------------------
-    def live(self, role: str) -> list[Instance]:
-        return self._live[role]
-
-    def candidates(self, role: str) -> list[Instance]:
-        """Live instances of a role. In static mode, when all of them are evicted, all of them:
-        the operator listed them, and trying one beats refusing every request until the next
-        probe; dynamic mode answers 503 instead, as the reference does."""
-        live = self._live[role]
-        if live or self.dynamic:
-            return live
-        return [inst for inst in self._records.values() if inst.role == role]
-
-    def decoders(self) -> list[Instance]:
-        """Where a request's answer comes from: combined PD instances first, else split decoders."""
-        return self.candidates(PREFILL_DECODE) or self.candidates(DECODE)
+    def members(self, role: str) -> list[Instance]:
+        return self._members[role]
 
     def all(self) -> Iterable[Instance]:
         return self._records.values()
 
-    def snapshot(self) -> dict[str, dict[str, list[str]]]:
+    def snapshot(self, in_rotation: Callable[[Instance], bool]) -> dict[str, dict[str, list[str]]]:
+        """The reference's roster shape; `in_rotation` is health's verdict, not the registry's."""
         out: dict[str, dict[str, list[str]]] = {role: {"live": [], "evicted": []} for role in ROLES}
         for inst in self._records.values():
-            out[inst.role]["live" if inst.live else "evicted"].append(inst.url)
+            out[inst.role]["live" if in_rotation(inst) else "evicted"].append(inst.url)
         return out
 
     def _rebuild(self) -> None:
-        live: dict[str, list[Instance]] = {role: [] for role in ROLES}
+        members: dict[str, list[Instance]] = {role: [] for role in ROLES}
         for inst in self._records.values():
-            if inst.live:
-                live[inst.role].append(inst)
-        self._live = live
+            members[inst.role].append(inst)
+        self._members = members
 
     def _add(self, inst: Instance) -> None:
         self._records[inst.url] = inst
         self._rebuild()
+        for watcher in self._watchers:
+            watcher.joined(inst)
 
     # -- dynamic registration --------------------------------------------------------------------
     def register(self, payload: Any) -> bool:
@@ -155,8 +144,10 @@ class Registry:
         record = (tuple(zmq), dp_size)
         if existing is not None:
             if (existing.zmq_addrs, existing.dp_size) != record:
-                # Same role, new details: update in place so health state and in-flight counts survive.
+                # Same role, new details: update in place so in-flight counts survive.
                 existing.zmq_addrs, existing.dp_size = record
+            for watcher in self._watchers:
+                watcher.rejoined(existing)
             return False
         self._add(Instance(url, role, zmq_addrs=tuple(zmq), dp_size=dp_size))
         log.info("registered %s as %s", url, role)
@@ -164,83 +155,24 @@ class Registry:
 
     def unregister(self, url: Any) -> bool:
         url = normalize_url(url)
-        inst = self._records.pop(url, None)
-        if inst is None:
+        if self._remove(url) is None:
             return False
-        inst.removed = True
-        self._rebuild()
         log.info("unregistered %s", url)
         return True
 
-    # -- health --------------------------------------------------------------------------------------
-    def record_success(self, inst: Instance) -> None:
-        inst.consecutive_failures = 0
-        if not inst.live and not inst.removed:
-            inst.live = True
-            inst.evicted_at = None
-            self._rebuild()
-            log.warning("%s %s is back in rotation", inst.role, inst.url)
+    def forget(self, url: str, why: str) -> None:
+        inst = self._remove(url)
+        if inst is not None:
+            log.info("forgot %s %s: %s", inst.role, url, why)
 
-    def record_failure(self, inst: Instance, reason: str) -> None:
-        inst.consecutive_failures += 1
-        if inst.live and inst.consecutive_failures >= self.fail_threshold:
-            inst.live = False
-            inst.evicted_at = self._clock()
-            self._rebuild()
-            log.warning(
-                "%s %s left the rotation after %d consecutive failures (last: %s)",
-                inst.role,
-                inst.url,
-                inst.consecutive_failures,
-                reason,
-            )
-
-    def forget_expired(self) -> None:
-        if not self.dynamic or self.evicted_ttl_s <= 0:
-            return
-        now = self._clock()
-        for url, inst in list(self._records.items()):
-            if inst.evicted_at is not None and now - inst.evicted_at > self.evicted_ttl_s:
-                del self._records[url]
-                inst.removed = True
-                log.info("forgot %s %s: evicted for more than %gs", inst.role, url, self.evicted_ttl_s)
-
-    async def probe_once(self, upstream: Upstream, timeout_s: float) -> None:
-        records = list(self._records.values())
-        results = await asyncio.gather(*(probe(upstream, inst, timeout_s) for inst in records))
-        for inst, problem in zip(records, results):
-            if inst.removed or self._records.get(inst.url) is not inst:
-                continue  # replaced or unregistered while the probe was in flight
-            if problem is None:
-                self.record_success(inst)
-            else:
-                self.record_failure(inst, problem)
-        self.forget_expired()
-
-    async def probe_forever(self, upstream: Upstream, interval_s: float, timeout_s: float) -> None:
-        while True:
-            await asyncio.sleep(interval_s)
-            try:
-                await self.probe_once(upstream, timeout_s)
-            except Exception:  # a probe round must never kill the prober
-                log.exception("health probe round failed")
-
-
-async def probe(upstream: Upstream, inst: Instance, timeout_s: float) -> str | None:
-    """None when healthy, else why not."""
-    try:
-        answer = await upstream.call(
-            inst,
-            "GET",
-            "/health",
-            timeouts=Timeouts(connect=timeout_s, total=timeout_s),
-            stage="probe",
-            what="Health probe",
-            count_inflight=False,
-        )
-    except UpstreamFailure as failure:
-        return failure.reason
-    return None if answer.status == 200 else f"HTTP {answer.status}"
+    def _remove(self, url: str) -> Instance | None:
+        inst = self._records.pop(url, None)
+        if inst is None:
+            return None
+        self._rebuild()
+        for watcher in self._watchers:
+            watcher.left(inst)
+        return inst
 
 
 def check_admin_key(

@@ -226,6 +226,8 @@ class FakeVLLM:
         self.record = record
         self.faults = Faults()
         self.healthy = True
+        # GET /health calls answered, so tests can tell how often the proxy checks.
+        self.health_checks = 0
         self.requests: list[Seen] = []
         self.loaded_from_cache = 0
         self.encoded_locally = 0
@@ -246,6 +248,7 @@ class FakeVLLM:
         return app
 
     async def health(self, request: web.Request) -> web.Response:
+        self.health_checks += 1
         return web.Response(status=200 if self.healthy else 503)
 
     async def models(self, request: web.Request) -> web.Response:

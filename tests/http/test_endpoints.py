@@ -4,34 +4,41 @@ from __future__ import annotations
 
 import pytest
 
+from tests.http.polling import eventually, get_json
 from tests.media import chat, image
 
 
-async def test_health_reports_each_stage(make_stack):
-    stack = await make_stack(encoders=2, prefills=1)
-    async with stack.client.get(stack.url + "/health") as resp:
-        assert resp.status == 200
-        body = await resp.json()
-    assert body["proxy"] == "healthy"
+async def test_health_reports_each_stage_from_the_latest_checks(make_stack):
+    stack = await make_stack(encoders=2, prefills=1, probe_interval_s=0.05, fail_threshold=1)
+    status, body = await get_json(stack.client, stack.url + "/health")
+    assert status == 200 and body["proxy"] == "healthy"
     assert (body["encode_cluster"], body["prefill_cluster"], body["decode_cluster"]) == ("healthy",) * 3
     stack.encoders[0].healthy = False
-    async with stack.client.get(stack.url + "/health") as resp:
-        assert resp.status == 200
-        assert (await resp.json())["encode_cluster"] == "degraded"
+    status, body = await eventually(
+        lambda: _health_where(stack, lambda body: body["encode_cluster"] == "degraded"), what="encoder 0 down"
+    )
+    assert status == 200
     stack.encoders[1].healthy = False
-    async with stack.client.get(stack.url + "/health") as resp:
-        assert resp.status == 503
-        body = await resp.json()
-    assert body["encode_cluster"] == "unhealthy" and body["decode_cluster"] == "healthy"
+    status, body = await eventually(
+        lambda: _health_where(stack, lambda body: body["encode_cluster"] == "unhealthy"), what="both down"
+    )
+    assert status == 503 and body["decode_cluster"] == "healthy"
+    view = body["instances"][stack.backend_urls["e"][1]]
+    assert view["state"] == "down" and view["last_check"] == "HTTP 503" and view["last_check_age_s"] < 5
+
+
+async def _health_where(stack, predicate):
+    status, body = await get_json(stack.client, stack.url + "/health")
+    return (status, body) if predicate(body) else None
 
 
 async def test_health_in_e_pd_reports_empty_prefill_and_dead_decode(make_stack):
-    stack = await make_stack(encoders=1)
+    stack = await make_stack(encoders=1, probe_interval_s=0.05, fail_threshold=1)
     await stack.servers[1].close()
-    async with stack.client.get(stack.url + "/health") as resp:
-        assert resp.status == 503
-        body = await resp.json()
-    assert body["prefill_cluster"] == "empty" and body["decode_cluster"] == "unhealthy"
+    status, body = await eventually(
+        lambda: _health_where(stack, lambda body: body["decode_cluster"] == "unhealthy"), what="decode down"
+    )
+    assert status == 503 and body["prefill_cluster"] == "empty"
 
 
 async def test_models_come_from_a_decoder(make_stack):

@@ -6,14 +6,6 @@ from epd_proxy.config import Config, ConfigError
 from epd_proxy.registry import Registry, RegistryError
 
 
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
-
-
 def dynamic(**kwargs):
     return Registry(dynamic=True, **kwargs)
 
@@ -30,9 +22,9 @@ def test_static_e_pd_makes_prefill_decode_consumers_with_their_dp_addresses():
         ec_consumer_dp_size=2,
     )
     fleet = Registry.from_config(config)
-    a, b = fleet.live("prefill_decode")
+    a, b = fleet.members("prefill_decode")
     assert (a.zmq_addrs, b.zmq_addrs, a.dp_size) == (("z0", "z1"), ("z2", "z3"), 2)
-    assert [e.url for e in fleet.live("encode")] == ["http://e"]
+    assert [e.url for e in fleet.members("encode")] == ["http://e"]
 
 
 def test_static_e_p_d_roles():
@@ -79,61 +71,48 @@ def test_registration_lifecycle():
     with pytest.raises(RegistryError) as err:
         reg(fleet, "decode", "http://d")
     assert err.value.status == 409
-    assert fleet.snapshot()["prefill_decode"] == {"live": ["http://pd"], "evicted": []}
+    assert fleet.snapshot(lambda inst: True)["prefill_decode"] == {"live": ["http://pd"], "evicted": []}
     assert fleet.unregister("http://pd") is True and fleet.unregister("http://pd") is False
     assert reg(fleet, "decode", "http://d") is True
 
 
-def test_re_registering_the_same_record_keeps_its_health_state():
-    fleet = dynamic(fail_threshold=1)
-    reg(fleet, "encode", "http://e")
-    [inst] = fleet.live("encode")
-    fleet.record_failure(inst, "probe failed")
-    assert fleet.live("encode") == []
-    reg(fleet, "encode", "http://e")
-    assert fleet.live("encode") == [] and fleet.snapshot()["encode"]["evicted"] == ["http://e"]
-    reg(fleet, "prefill", "http://p", dp_size=2)
-    reg(fleet, "prefill", "http://p", dp_size=3)
-    assert [i.dp_size for i in fleet.all() if i.role == "prefill"] == [3]
+class Events:
+    def __init__(self):
+        self.seen = []
+
+    def joined(self, inst):
+        self.seen.append(("joined", inst.url))
+
+    def rejoined(self, inst):
+        self.seen.append(("rejoined", inst.url))
+
+    def left(self, inst):
+        self.seen.append(("left", inst.url))
 
 
-def test_eviction_after_threshold_and_revival_on_first_success():
-    fleet = dynamic(fail_threshold=3)
-    reg(fleet, "encode", "http://e")
-    [inst] = fleet.live("encode")
-    for _ in range(2):
-        fleet.record_failure(inst, "x")
-    assert fleet.live("encode") == [inst]
-    fleet.record_success(inst)
-    for _ in range(2):
-        fleet.record_failure(inst, "x")
-    assert fleet.live("encode") == [inst], "a success clears the failure run"
-    fleet.record_failure(inst, "x")
-    assert fleet.live("encode") == []
-    fleet.record_success(inst)
-    assert fleet.live("encode") == [inst]
-
-
-def test_evicted_instances_are_forgotten_after_the_ttl_and_removal_is_terminal():
-    clock = Clock()
-    fleet = dynamic(fail_threshold=1, evicted_ttl_s=10, clock=clock)
-    reg(fleet, "encode", "http://e")
-    [inst] = fleet.live("encode")
-    fleet.record_failure(inst, "x")
-    clock.now = 11
-    fleet.forget_expired()
+def test_watchers_hear_joins_rejoins_and_departures():
+    fleet = dynamic()
+    reg(fleet, "encode", "http://a")
+    events = Events()
+    fleet.watch(events)
+    reg(fleet, "encode", "http://b")
+    reg(fleet, "encode", "http://a")
+    fleet.unregister("http://a")
+    fleet.forget("http://b", "ttl")
+    fleet.forget("http://b", "ttl")
+    assert events.seen == [
+        ("joined", "http://a"),
+        ("joined", "http://b"),
+        ("rejoined", "http://a"),
+        ("left", "http://a"),
+        ("left", "http://b"),
+    ]
     assert list(fleet.all()) == []
-    fleet.record_success(inst)  # a late probe result
-    assert fleet.live("encode") == []
 
 
-def test_static_mode_still_tries_an_all_evicted_role_dynamic_mode_does_not():
-    static = Registry.from_config(Config(encode_urls=("http://e",), decode_urls=("http://d",), fail_threshold=1))
-    [encoder] = static.live("encode")
-    static.record_failure(encoder, "x")
-    assert static.live("encode") == [] and static.candidates("encode") == [encoder]
-    fleet = dynamic(fail_threshold=1)
-    reg(fleet, "encode", "http://e")
-    [inst] = fleet.live("encode")
-    fleet.record_failure(inst, "x")
-    assert fleet.candidates("encode") == []
+def test_re_registering_with_new_details_updates_in_place():
+    fleet = dynamic()
+    reg(fleet, "prefill", "http://p", dp_size=2)
+    [before] = fleet.members("prefill")
+    reg(fleet, "prefill", "http://p", dp_size=3)
+    assert fleet.members("prefill") == [before] and before.dp_size == 3

@@ -1,0 +1,285 @@
+"""Who may take traffic now: the registry says who is in the fleet, this component says which of
+those members routing may use.
+
+Two independent signals feed it, in the spirit of Envoy's split between active health checking
+and outlier detection:
+
+- Active checks (prober.py): `fail_threshold` failed `GET /health` in a row mark an instance
+  *down*; it stays out until a check (or a request) succeeds.
+- Passive outlier detection: `fail_threshold` transport failures in a row on live traffic (refused,
+  reset, connect timeout) *eject* it for the ejection time, doubled for every ejection that was not
+  followed by a success, up to a cap. When that time is over it is *half-open*: it takes traffic
+  again, a success makes it healthy, one more transport failure ejects it again at once.
+
+A timeout after the connection was made says "this generation is long", not "this instance is
+broken", so callers do not report it. Ejections per role are bounded by `max_ejection_percent` and
+never take the last instance of a role out of rotation: only active checks, which ask the instance
+itself, may leave a role empty.
+
+Everything is judged lazily against an injectable clock, so there are no timers and tests can
+drive time.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from epd_proxy.backends import Instance
+from epd_proxy.upstream import CONNECT_TIMEOUT, REFUSED, RESET
+
+log = logging.getLogger("epd_proxy.health")
+
+HEALTHY, HALF_OPEN, EJECTED, DOWN = "healthy", "half_open", "ejected", "down"
+# What says the instance itself is unreachable. Not: an answer of any status, a timeout after the
+# connection was made (headers, idle: the work is long), a wait for our own pool, or an answer cut
+# off midway (the instance was reachable; the stream's own error reaches the client).
+_INSTANCE_FAILURES = frozenset({REFUSED, RESET, CONNECT_TIMEOUT})
+
+
+def counts_against_instance(failure_kind: str) -> bool:
+    """Whether a backend-call failure of this kind (see upstream.py) feeds outlier detection."""
+    return failure_kind in _INSTANCE_FAILURES
+
+
+@dataclass(slots=True)
+class _Record:
+    role: str
+    # Consecutive transport failures on live traffic.
+    failures: int = 0
+    # Consecutive failed active checks.
+    check_failures: int = 0
+    # Ejections with no success in between: sets the length of the next one.
+    streak: int = 0
+    ejections_total: int = 0
+    ejected_until: float | None = None
+    down: bool = False
+    # Start of the current spell out of rotation (ejected or down, without a success since).
+    out_since: float | None = None
+    checked_at: float | None = None
+    check_problem: str | None = None
+    last_problem: str | None = None
+
+
+class Health:
+    def __init__(
+        self,
+        *,
+        fail_threshold: int = 3,
+        ejection_time_s: float = 30.0,
+        max_ejection_time_s: float = 300.0,
+        max_ejection_percent: int = 50,
+        panic_when_all_down: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.fail_threshold = fail_threshold
+        self.ejection_time_s = ejection_time_s
+        self.max_ejection_time_s = max(max_ejection_time_s, ejection_time_s)
+        self.max_ejection_percent = max_ejection_percent
+        # Static mode: the operator listed these instances, so when active checks call every one
+        # of a role down, trying one still beats refusing every request until the next check.
+        self.panic_when_all_down = panic_when_all_down
+        self._clock = clock
+        self._records: dict[str, _Record] = {}
+        # URLs ejected or down (possibly with an expired ejection): empty means nothing to filter.
+        self._out: set[str] = set()
+
+    # -- membership events (the registry calls these) -----------------------------------------------
+    def joined(self, inst: Instance) -> None:
+        self._records[inst.url] = _Record(inst.role)
+        self._out.discard(inst.url)
+
+    def rejoined(self, inst: Instance) -> None:
+        """Registered again: whoever re-registers it vouches for it, so its history is dropped."""
+        if inst.url in self._out:
+            log.warning("%s %s registered again: back in rotation", inst.role, inst.url)
+        self.joined(inst)
+
+    def left(self, inst: Instance) -> None:
+        self._records.pop(inst.url, None)
+        self._out.discard(inst.url)
+
+    # -- routing ----------------------------------------------------------------------------------------
+    def available(self, members: Sequence[Instance]) -> Sequence[Instance]:
+        """The members that may take traffic now (one role's members, in registry order)."""
+        if not self._out:
+            return members
+        now = self._clock()
+        routable = [m for m in members if self._routable(m.url, now)]
+        if routable or not members:
+            return routable
+        # Passive ejection alone never empties a role (the budget prevents it, and this covers
+        # a fleet that shrank under it): whoever no active check calls down stays.
+        not_down = [m for m in members if not self._is_down(m.url)]
+        if not_down:
+            return not_down
+        return list(members) if self.panic_when_all_down else []
+
+    def in_rotation(self, inst: Instance) -> bool:
+        return inst.url not in self._out or self._routable(inst.url, self._clock())
+
+    def _routable(self, url: str, now: float) -> bool:
+        rec = self._records.get(url)
+        if rec is None:
+            return True
+        return not rec.down and (rec.ejected_until is None or now >= rec.ejected_until)
+
+    def _is_down(self, url: str) -> bool:
+        rec = self._records.get(url)
+        return rec is not None and rec.down
+
+    def state(self, url: str) -> str:
+        rec = self._records.get(url)
+        if rec is None:
+            return HEALTHY
+        return self._state(rec, self._clock())
+
+    @staticmethod
+    def _state(rec: _Record, now: float) -> str:
+        if rec.down:
+            return DOWN
+        if rec.ejected_until is None:
+            return HEALTHY
+        return EJECTED if now < rec.ejected_until else HALF_OPEN
+
+    # -- passive outlier detection ----------------------------------------------------------------------
+    def succeeded(self, inst: Instance) -> None:
+        """The instance answered (any HTTP status: an answered error still proves it is alive)."""
+        rec = self._records.get(inst.url)
+        if rec is None:
+            return
+        rec.failures = 0
+        if inst.url in self._out:
+            self._recover(inst.url, rec, "answered a request")
+
+    def failed(self, inst: Instance, reason: str) -> None:
+        """A transport failure: refused, reset, or no connection within the connect timeout."""
+        rec = self._records.get(inst.url)
+        if rec is None:
+            return
+        rec.failures += 1
+        rec.last_problem = reason
+        now = self._clock()
+        state = self._state(rec, now)
+        if state in (EJECTED, DOWN):
+            return  # a request that was already under way when it left the rotation
+        if state == HALF_OPEN or rec.failures >= self.fail_threshold:
+            self._eject(inst.url, rec, now, reason)
+
+    def _eject(self, url: str, rec: _Record, now: float, reason: str) -> None:
+        if not self._budget_allows(url, rec.role, now):
+            log.warning(
+                "%s %s failed %d time(s) in a row (last: %s) but stays in rotation: ejecting it would "
+                "exceed --max-ejection-percent %d or leave the role without an instance",
+                rec.role,
+                url,
+                rec.failures,
+                reason,
+                self.max_ejection_percent,
+            )
+            return
+        duration = min(self.ejection_time_s * 2**rec.streak, self.max_ejection_time_s)
+        rec.streak += 1
+        rec.ejections_total += 1
+        rec.ejected_until = now + duration
+        rec.failures = 0
+        if rec.out_since is None:
+            rec.out_since = now
+        self._out.add(url)
+        log.warning(
+            "%s %s ejected for %gs (ejection %d in a row; last: %s)", rec.role, url, duration, rec.streak, reason
+        )
+
+    def _budget_allows(self, url: str, role: str, now: float) -> bool:
+        members = ejected = out = 0
+        for other_url, other in self._records.items():
+            if other.role != role:
+                continue
+            members += 1
+            if other_url == url:
+                continue
+            state = self._state(other, now)
+            if state == EJECTED:
+                ejected += 1
+            if state in (EJECTED, DOWN):
+                out += 1
+        allowed = members * self.max_ejection_percent // 100
+        return ejected + 1 <= allowed and members - out - 1 >= 1
+
+    # -- active checks ---------------------------------------------------------------------------------
+    def checked(self, inst: Instance, problem: str | None) -> None:
+        """One active check's result: None when `GET /health` answered 200, else why not."""
+        rec = self._records.get(inst.url)
+        if rec is None:
+            return  # left the fleet while the check was under way
+        now = self._clock()
+        rec.checked_at = now
+        rec.check_problem = problem
+        if problem is None:
+            rec.check_failures = 0
+            rec.failures = 0
+            if inst.url in self._out:
+                self._recover(inst.url, rec, "passed its health check")
+            return
+        rec.check_failures += 1
+        rec.last_problem = problem
+        if not rec.down and rec.check_failures >= self.fail_threshold:
+            rec.down = True
+            if rec.out_since is None:
+                rec.out_since = now
+            self._out.add(inst.url)
+            log.warning(
+                "%s %s is down: %d health checks in a row failed (last: %s)",
+                rec.role,
+                inst.url,
+                rec.check_failures,
+                problem,
+            )
+
+    def _recover(self, url: str, rec: _Record, why: str) -> None:
+        was = self._state(rec, self._clock())
+        rec.down = False
+        rec.ejected_until = None
+        rec.streak = 0
+        rec.check_failures = 0
+        rec.out_since = None
+        self._out.discard(url)
+        if was != HALF_OPEN:
+            log.warning("%s %s is back in rotation: it %s", rec.role, url, why)
+
+    # -- housekeeping and reporting ----------------------------------------------------------------------
+    def out_longer_than(self, seconds: float) -> list[str]:
+        """URLs out of rotation (ejected, half-open or down, no success since) for longer than this."""
+        now = self._clock()
+        return [
+            url
+            for url, rec in self._records.items()
+            if rec.out_since is not None and now - rec.out_since > seconds and url in self._out
+        ]
+
+    def snapshot(self, members: Iterable[Instance]) -> list[dict[str, Any]]:
+        """Read-only view per instance, for /health, /status and metrics."""
+        now = self._clock()
+        out = []
+        for inst in members:
+            rec = self._records.get(inst.url) or _Record(inst.role)
+            state = self._state(rec, now)
+            out.append(
+                {
+                    "url": inst.url,
+                    "role": inst.role,
+                    "state": state,
+                    "in_rotation": state in (HEALTHY, HALF_OPEN),
+                    "inflight": inst.inflight,
+                    "consecutive_failures": max(rec.failures, rec.check_failures),
+                    "ejections": rec.ejections_total,
+                    "ejected_for_s": round(rec.ejected_until - now, 3) if state == EJECTED else None,
+                    "last_check_age_s": round(now - rec.checked_at, 3) if rec.checked_at is not None else None,
+                    "last_check": None if rec.checked_at is None else (rec.check_problem or "ok"),
+                    "last_problem": rec.last_problem,
+                }
+            )
+        return out
