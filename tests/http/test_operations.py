@@ -13,6 +13,7 @@ from aiohttp.test_utils import TestServer
 from epd_proxy.app import create_app
 from epd_proxy.config import Config
 from epd_proxy.testing.fake_vllm import ECStore, FakeVLLM
+from tests.http.polling import eventually, get_json
 from tests.media import chat, image
 
 KEY = {"X-API-Key": "sekrit"}
@@ -88,19 +89,25 @@ async def test_dynamic_split_decode_needs_a_prefill(dynamic_proxy):
         assert resp.status == 200
 
 
+async def in_rotation(stack, url, expected):
+    _, body = await get_json(stack.client, stack.url + "/health")
+    return body["instances"][url]["in_rotation"] is expected
+
+
 async def test_probes_evict_a_failing_encoder_and_bring_it_back(make_stack):
     stack = await make_stack(encoders=2, probe_interval_s=0.05, fail_threshold=2)
+    e1 = stack.backend_urls["e"][1]
     stack.encoders[1].healthy = False
-    await asyncio.sleep(0.4)
+    await eventually(lambda: in_rotation(stack, e1, False), what="encoder 1 leaves the rotation")
     for _ in range(4):
         async with await stack.chat(chat(image("A"))) as resp:
             assert resp.status == 200
     assert len(stack.encoders[1].requests) == 0 and len(stack.encoders[0].requests) == 4
     async with stack.client.get(stack.url + "/metrics") as resp:
         text = await resp.text()
-    assert f'epd_instance_up{{instance="{stack.backend_urls["e"][1]}",role="encode"}} 0.0' in text
+    assert f'epd_instance_up{{instance="{e1}",role="encode"}} 0.0' in text
     stack.encoders[1].healthy = True
-    await asyncio.sleep(0.3)
+    await eventually(lambda: in_rotation(stack, e1, True), what="encoder 1 back in rotation")
     for _ in range(4):
         async with await stack.chat(chat(image("A"))) as resp:
             assert resp.status == 200
@@ -146,7 +153,7 @@ async def test_admission_control_answers_503_with_retry_after(make_stack):
     stack = await make_stack(encoders=1, max_inflight=2)
     stack.pd.faults.delay_s = 0.5
     slow = [asyncio.create_task(stack.client.post(stack.url + "/v1/chat/completions", json=chat())) for _ in range(2)]
-    await asyncio.sleep(0.2)
+    await eventually(lambda: stack.pd.active == 2, what="both slow requests reach decode")
     async with await stack.chat(chat()) as resp:
         assert resp.status == 503 and resp.headers["Retry-After"] == "1"
         assert (await resp.json())["error"]["type"] == "overloaded"
@@ -163,13 +170,10 @@ async def test_client_disconnect_cancels_backend_calls(make_stack):
         encoder.faults.delay_s = 5
     client = aiohttp.ClientSession()
     task = asyncio.create_task(client.post(stack.url + "/v1/chat/completions", json=chat(image("A"), image("B"))))
-    await asyncio.sleep(0.3)
+    await eventually(lambda: sum(e.active for e in stack.encoders) == 2, what="both encoders busy")
     task.cancel()
     await client.close()
-    for _ in range(50):
-        if sum(e.cancelled for e in stack.encoders) == 2:
-            break
-        await asyncio.sleep(0.05)
+    await eventually(lambda: sum(e.cancelled for e in stack.encoders) == 2, what="both sub-requests cancelled")
     assert [e.cancelled for e in stack.encoders] == [1, 1]
     assert stack.pd.requests == []
     assert all(e.inflight == 0 for e in stack.servers[-1].app[__import__("epd_proxy.app").app.STATE].fleet.all())
@@ -185,10 +189,7 @@ async def test_client_disconnect_mid_stream_cancels_decode(make_stack):
     await resp.content.read(20)
     resp.close()
     await client.close()
-    for _ in range(50):
-        if stack.pd.cancelled:
-            break
-        await asyncio.sleep(0.05)
+    await eventually(lambda: stack.pd.cancelled, what="decode cancelled")
     assert stack.pd.cancelled == 1
 
 

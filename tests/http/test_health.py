@@ -1,0 +1,213 @@
+"""Health against fake backends: checks on their own connections, ejection and its limits,
+revival, bounded metrics, and a /health that never probes on the caller's behalf."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+
+from epd_proxy.app import create_app
+from epd_proxy.config import Config
+from epd_proxy.testing.fake_vllm import ECStore, FakeVLLM
+from tests.http.polling import eventually, get_json
+from tests.media import chat, image
+
+KEY = {"X-API-Key": "sekrit"}
+
+
+async def views(stack) -> dict:
+    _, body = await get_json(stack.client, stack.url + "/health")
+    return body["instances"]
+
+
+async def test_without_checks_an_ejected_encoder_gets_traffic_again_after_the_ejection_time(make_stack):
+    stack = await make_stack(encoders=2, probe_interval_s=0, fail_threshold=1, ejection_time_s=0.5)
+    e1 = stack.backend_urls["e"][1]
+    stack.encoders[1].faults.fail_next(1, 0)
+    for _ in range(2):  # round robin: one of the two lands on encoder 1, drops, fails over
+        async with await stack.chat(chat(image("A"))) as resp:
+            assert resp.status == 200
+    assert (await views(stack))[e1]["ejections"] == 1
+    await eventually(lambda: _in_rotation(stack, e1), what="half-open after the ejection time")
+    served = len(stack.encoders[1].requests)
+    for _ in range(2):
+        async with await stack.chat(chat(image("B"))) as resp:
+            assert resp.status == 200
+    assert len(stack.encoders[1].requests) == served + 1
+    view = (await views(stack))[e1]
+    assert view["state"] == "healthy" and view["ejections"] == 1
+
+
+async def _in_rotation(stack, url):
+    return (await views(stack))[url]["in_rotation"]
+
+
+async def test_checks_are_answered_while_the_request_pool_is_saturated_by_a_slow_stream(make_stack):
+    stack = await make_stack(
+        encoders=1, max_connections_per_backend=1, probe_interval_s=0.05, probe_timeout_s=0.3, fail_threshold=1
+    )
+    stack.pd.tokens_per_chunk = 1
+    stack.pd.stream_pause_s = 0.05  # the whole answer would take tens of seconds
+    resp = await stack.chat(chat(image("A"), stream=True))
+    try:
+        assert resp.status == 200
+        await resp.content.read(20)
+        seen = stack.pd.health_checks
+        await eventually(lambda: stack.pd.health_checks >= seen + 5, what="five checks answered during the stream")
+        assert stack.pd.active == 1, "the stream is still holding the only pooled connection"
+        for view in (await views(stack)).values():
+            assert view["in_rotation"] and view["consecutive_failures"] == 0 and view["last_check"] == "ok"
+    finally:
+        resp.close()
+    await eventually(lambda: stack.pd.active == 0, what="stream closed")
+    async with await stack.chat(chat()) as resp:
+        assert resp.status == 200
+
+
+@pytest.mark.parametrize("stage", ["decode", "prefill"])
+async def test_a_long_generation_does_not_eject_its_instance(make_stack, stage):
+    if stage == "decode":
+        stack = await make_stack(encoders=1, decoders=2, decode_timeout_s=0.2, fail_threshold=1, probe_interval_s=0)
+        slow, urls = stack.consumers, stack.backend_urls["d"]
+    else:
+        stack = await make_stack(encoders=1, prefills=2, prefill_timeout_s=0.2, fail_threshold=1, probe_interval_s=0)
+        slow, urls = stack.prefills, stack.backend_urls["p"]
+    for fake in slow:
+        fake.faults.delay_s = 2
+    for _ in range(4):
+        async with await stack.chat(chat()) as resp:
+            assert resp.status == 504
+            assert (await resp.json())["error"]["stage"] == stage
+    assert all(len(fake.requests) == 2 for fake in slow), "both instances were tried"
+    for url in urls:
+        view = (await views(stack))[url]
+        assert view["in_rotation"] and view["ejections"] == 0 and view["consecutive_failures"] == 0
+    for fake in slow:
+        fake.faults.delay_s = 0
+    async with await stack.chat(chat()) as resp:
+        assert resp.status == 200
+
+
+async def test_max_ejection_percent_holds_with_four_encoders_and_three_failing(make_stack):
+    stack = await make_stack(encoders=4, probe_interval_s=0, fail_threshold=1, encoder_failovers=3)
+    for fake in stack.encoders[1:]:
+        fake.faults.fail_next(1000, 0)
+    for i in range(8):
+        async with await stack.chat(chat(image(f"I{i}"))) as resp:
+            assert resp.status == 200
+    states = [(await views(stack))[url]["state"] for url in stack.backend_urls["e"]]
+    assert states[0] == "healthy"
+    assert sorted(states[1:]) == ["ejected", "ejected", "healthy"], states
+    async with stack.client.get(stack.url + "/metrics") as resp:
+        text = await resp.text()
+    up = [line for line in text.splitlines() if line.startswith("epd_instance_up{") and 'role="encode"' in line]
+    assert sorted(line.rsplit(" ", 1)[1] for line in up) == ["0.0", "0.0", "1.0", "1.0"]
+
+
+async def test_active_checks_alone_may_take_every_encoder_out_in_dynamic_mode(dynamic_fleet):
+    client, add = await dynamic_fleet(probe_interval_s=0.05, fail_threshold=1)
+    await add("prefill_decode")
+    encoder, e_url = await add("encode")
+    encoder.healthy = False
+    await eventually(lambda: _roster_has(client, "encode", "evicted", e_url), what="the only encoder is down")
+    async with client.post("/v1/chat/completions", json=chat(image("A"))) as resp:
+        assert resp.status == 503
+    encoder.healthy = True
+    await eventually(lambda: _roster_has(client, "encode", "live", e_url), what="a passing check brings it back")
+
+
+async def _roster_has(client, role, column, url):
+    _, roster = await get_json(client, "/instances")
+    return url in roster[role][column]
+
+
+async def test_re_registration_revives_an_ejected_instance(dynamic_fleet):
+    client, add = await dynamic_fleet(probe_interval_s=0, fail_threshold=1, ejection_time_s=600)
+    await add("prefill_decode")
+    await add("encode")
+    broken, url = await add("encode")
+    broken.faults.fail_next(1, 0)
+    for i in range(2):
+        async with client.post("/v1/chat/completions", json=chat(image(f"R{i}"))) as resp:
+            assert resp.status == 200
+    assert await _roster_has(client, "encode", "evicted", url)
+    async with client.post("/instances", json={"role": "encode", "url": url}, headers=KEY) as resp:
+        assert await resp.json() == {"registered": False}
+    assert await _roster_has(client, "encode", "live", url)
+    served = len(broken.requests)
+    for i in range(2):
+        async with client.post("/v1/chat/completions", json=chat(image(f"S{i}"))) as resp:
+            assert resp.status == 200
+    assert len(broken.requests) == served + 1
+
+
+async def test_metric_series_of_a_removed_instance_disappear(dynamic_fleet):
+    client, add = await dynamic_fleet()
+    await add("prefill_decode")
+    await add("encode")
+    flaky, url = await add("encode")
+    flaky.faults.fail_next(1, 503)
+    for i in range(2):
+        async with client.post("/v1/chat/completions", json=chat(image(f"M{i}"))) as resp:
+            assert resp.status == 200
+    async with client.get("/metrics") as resp:
+        text = await resp.text()
+    assert f'epd_encoder_failovers_total{{from_encoder="{url}"}} 1.0' in text
+    assert f'epd_encoder_subrequests_total{{encoder="{url}"}}' in text
+    assert f'epd_instance_up{{instance="{url}",role="encode"}}' in text
+    async with client.delete("/instances", params={"url": url}, headers=KEY) as resp:
+        assert await resp.json() == {"removed": True}
+    async with client.get("/metrics") as resp:
+        text = await resp.text()
+    assert url not in text
+
+
+async def test_concurrent_health_calls_cause_no_probe_traffic(make_stack):
+    stack = await make_stack(encoders=2, probe_interval_s=3600)
+    fakes = stack.encoders + stack.consumers
+    await eventually(lambda: all(f.health_checks == 1 for f in fakes), what="the first check round")
+
+    async def one():
+        async with stack.client.get(stack.url + "/health") as resp:
+            return resp.status
+
+    assert await asyncio.gather(*(one() for _ in range(100))) == [200] * 100
+    assert [f.health_checks for f in fakes] == [1, 1, 1]
+    _, body = await get_json(stack.client, stack.url + "/health")
+    assert all(view["last_check"] == "ok" and view["last_check_age_s"] >= 0 for view in body["instances"].values())
+
+
+@pytest.fixture
+async def dynamic_fleet():
+    servers: list[TestServer] = []
+    clients: list[aiohttp.ClientSession] = []
+
+    async def build(**overrides):
+        store = ECStore()
+        config = Config(dynamic_registration=True, admin_api_key="sekrit", **{"probe_interval_s": 0, **overrides})
+        proxy = TestServer(create_app(config))
+        await proxy.start_server()
+        servers.append(proxy)
+        client = aiohttp.ClientSession(base_url=str(proxy.make_url("")))
+        clients.append(client)
+
+        async def add(role):
+            fake = FakeVLLM({"prefill_decode": "pd"}.get(role, role), store)
+            server = TestServer(fake.app())
+            await server.start_server()
+            servers.append(server)
+            url = str(server.make_url("")).rstrip("/")
+            async with client.post("/instances", json={"role": role, "url": url}, headers=KEY) as resp:
+                assert resp.status == 200
+            return fake, url
+
+        return client, add
+
+    yield build
+    for client in clients:
+        await client.close()
+    for server in reversed(servers):
+        await server.close()
