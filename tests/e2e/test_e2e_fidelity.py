@@ -270,23 +270,52 @@ def _proxy_metric(proxy_url: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
-def test_zy_encoder_stopped_mid_run_fails_over(stack):
+def _proxy_health(proxy_url: str) -> dict:
+    import json
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(proxy_url + "/health", timeout=10) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as err:  # 503 still carries the body
+        return json.loads(err.read())
+
+
+def _wait_for(predicate, timeout: float, what: str, interval: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"not within {timeout:g}s: {what}"
+        time.sleep(interval)
+
+
+# The proxy's default --ejection-time: a restarted encoder must be back in rotation within it.
+EJECTION_TIME_S = 30.0
+
+
+def test_zy_encoder_stopped_mid_run_fails_over_and_rejoins_after_restart(stack):
     """One of two encoders dies during a run: every request still succeeds with the baseline's
-    exact answer, and the proxy's /metrics count the failovers. encoder-1 is brought back after."""
+    exact answer, and the proxy's /metrics count the failovers; the proxy takes it out of rotation.
+    Started again on the same port, it gets encoder sub-requests again within the ejection time."""
     from concurrent.futures import ThreadPoolExecutor
 
     from epd_proxy.local.supervisor import stop_groups
 
-    images = fresh(8)
-    bodies = [chat_body([img]) for img in images[:6]] + [chat_body(images[6:])]
+    from .e2e_helpers import finished_requests
+
+    images = fresh(16)
+    bodies = [chat_body([img]) for img in images[:6]] + [chat_body(images[6:8])]
+    after_restart = [chat_body([img]) for img in images[8:]]
     wanted = [chat_ok(stack.baseline_url, b) for b in bodies]
+    wanted_after = [chat_ok(stack.baseline_url, b) for b in after_restart]
     before = _proxy_metric(stack.proxy_url, "epd_encoder_failovers_total")
+    victim_url = stack.encoder_urls[1]
 
     assert_same(chat_ok(stack.proxy_url, bodies[0]), wanted[0])
     victim = stack.by_name("encoder-1")
     stop_groups([victim], grace=10)
     try:
-        # Right after the stop, before any health probe notices: single-image requests rotate
+        # Right after the stop, before any health check notices: single-image requests rotate
         # over both encoders, so some land on the dead one and must fail over.
         with ThreadPoolExecutor(3) as pool:
             results = list(pool.map(lambda b: post_json(stack.proxy_url, b), bodies[1:]))
@@ -294,8 +323,30 @@ def test_zy_encoder_stopped_mid_run_fails_over(stack):
             assert status == 200, data
             assert_same(data, want)
         assert _proxy_metric(stack.proxy_url, "epd_encoder_failovers_total") > before
+        # Transport failures eject it, or three failed checks call it down (checks every 5 s).
+        _wait_for(
+            lambda: not _proxy_health(stack.proxy_url)["instances"][victim_url]["in_rotation"],
+            timeout=60,
+            what="the stopped encoder leaves the rotation",
+        )
+        status, data = post_json(stack.proxy_url, after_restart[0])
+        assert status == 200, data
+        assert_same(data, wanted_after[0])
     finally:
         stack.restart("encoder-1")
+    restarted = time.monotonic()
+    for body, want in zip(after_restart[1:], wanted_after[1:]):
+        assert_same(chat_ok(stack.proxy_url, body), want)
+        last_answered = time.monotonic()
+        if finished_requests(victim_url):
+            break
+        time.sleep(1.0)
+    # vLLM bumps its counter a moment after answering: allow that for the last request sent.
+    _wait_for(lambda: finished_requests(victim_url) >= 1, timeout=10, what="the restarted encoder serves")
+    elapsed = last_answered - restarted
+    assert elapsed < EJECTION_TIME_S, f"back in rotation only after {elapsed:.1f}s"
+    view = _proxy_health(stack.proxy_url)["instances"][victim_url]
+    assert view["in_rotation"], view
 
 
 # ------------------------------------------------------ negative control, LAST
