@@ -131,7 +131,7 @@ async def run(duration_s: float, concurrency: int, seed: int) -> dict[str, Any]:
     state = proxy.app[STATE]
     target = str(proxy.make_url("/v1/chat/completions"))
 
-    # The baseline includes the prober's pooled connection to each backend.
+    # Let the first health check rounds run before taking the baseline.
     await asyncio.sleep(config.probe_interval_s * 2 + 0.2)
     gc.collect()
     baseline_tasks = len(asyncio.all_tasks())
