@@ -91,3 +91,19 @@ def test_cli_exits_with_a_message_on_bad_topology(capsys):
         )
     assert exit_info.value.code == 2
     assert "E+PD only" in capsys.readouterr().err
+
+
+def test_outlier_detection_flags():
+    config = parse("--ejection-time", "5", "--max-ejection-time", "40", "--max-ejection-percent", "25")
+    assert (config.ejection_time_s, config.max_ejection_time_s, config.max_ejection_percent) == (5, 40, 25)
+    defaults = parse()
+    assert (defaults.ejection_time_s, defaults.max_ejection_percent) == (30, 50)
+
+
+@pytest.mark.parametrize(
+    "kwargs, complaint",
+    [({"ejection_time_s": 0}, "--ejection-time"), ({"max_ejection_percent": 101}, "--max-ejection-percent")],
+)
+def test_outlier_detection_limits(kwargs, complaint):
+    with pytest.raises(ConfigError, match=complaint):
+        Config(encode_urls=("http://e",), decode_urls=("http://d",), **kwargs)
