@@ -277,6 +277,8 @@ class Health:
                     "consecutive_failures": max(rec.failures, rec.check_failures),
                     "ejections": rec.ejections_total,
                     "ejected_for_s": round(rec.ejected_until - now, 3) if state == EJECTED else None,
+                    # Since it last left the rotation, with no success since (half-open included).
+                    "out_for_s": round(now - rec.out_since, 3) if rec.out_since is not None else None,
                     "last_check_age_s": round(now - rec.checked_at, 3) if rec.checked_at is not None else None,
                     "last_check": None if rec.checked_at is None else (rec.check_problem or "ok"),
                     "last_problem": rec.last_problem,

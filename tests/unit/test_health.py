@@ -181,11 +181,13 @@ def test_snapshot_shape_for_status_pages():
         "consecutive_failures": 0,
         "ejections": 0,
         "ejected_for_s": None,
+        "out_for_s": None,
         "last_check_age_s": 4.0,
         "last_check": "ok",
         "last_problem": None,
     }
     assert view_b["state"] == "ejected" and view_b["ejected_for_s"] == 30 and view_b["in_rotation"] is False
+    assert view_b["out_for_s"] == 0
     assert view_b["last_problem"] == "ClientConnectorError" and view_b["last_check"] is None
 
 
