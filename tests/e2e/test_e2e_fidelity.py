@@ -8,6 +8,7 @@ runs after it).
 from __future__ import annotations
 
 import hashlib
+import sys
 import time
 
 import pytest
@@ -344,6 +345,7 @@ def test_zy_encoder_stopped_mid_run_fails_over_and_rejoins_after_restart(stack):
     # vLLM bumps its counter a moment after answering: allow that for the last request sent.
     _wait_for(lambda: finished_requests(victim_url) >= 1, timeout=10, what="the restarted encoder serves")
     elapsed = last_answered - restarted
+    sys.stderr.write(f"\n[e2e] restarted encoder served again {elapsed:.1f} s after it was ready\n")
     assert elapsed < EJECTION_TIME_S, f"back in rotation only after {elapsed:.1f}s"
     view = _proxy_health(stack.proxy_url)["instances"][victim_url]
     assert view["in_rotation"], view
