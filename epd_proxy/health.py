@@ -171,6 +171,8 @@ class Health:
 
     def _eject(self, url: str, rec: _Record, now: float, reason: str) -> None:
         if not self._budget_allows(url, rec.role, now):
+            if rec.failures != self.fail_threshold:
+                return  # said once per run of failures, not on every failed request
             log.warning(
                 "%s %s failed %d time(s) in a row (last: %s) but stays in rotation: ejecting it would "
                 "exceed --max-ejection-percent %d or leave the role without an instance",

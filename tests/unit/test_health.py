@@ -207,3 +207,14 @@ def test_snapshot_shape_for_status_pages():
 )
 def test_which_backend_call_failures_count_against_the_instance(kind, counts):
     assert counts_against_instance(kind) is counts
+
+
+def test_a_refused_ejection_is_logged_once_per_run_of_failures(caplog):
+    health, _, (a, b) = fleet(2, fail_threshold=2)
+    for _ in range(2):
+        health.failed(a, "x")
+    with caplog.at_level("WARNING", logger="epd_proxy.health"):
+        for _ in range(10):
+            health.failed(b, "x")
+    assert health.state(b.url) == HEALTHY
+    assert len([r for r in caplog.records if "stays in rotation" in r.getMessage()]) == 1
