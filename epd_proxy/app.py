@@ -23,6 +23,7 @@ from epd_proxy.prober import Prober, check_pool
 from epd_proxy.registry import Registry, check_admin_key
 from epd_proxy.relay import ABORTED, CLIENT_GONE, relay
 from epd_proxy.routing import make_policy
+from epd_proxy.status import add_status_routes
 from epd_proxy.upstream import Timeouts, Upstream, UpstreamFailure
 
 log = logging.getLogger("epd_proxy.app")
@@ -238,6 +239,7 @@ def _finish(metrics: Metrics, trace: Trace, status: int | str, route: Any) -> No
     """One log line and the stage histograms per request."""
     total_s = time.perf_counter() - trace.started
     metrics.requests.labels(str(status)).inc()
+    metrics.recent.record(trace.started + total_s, status, total_s, trace)
     stage = metrics.stage
     stage["total"].observe(total_s)
     if trace.encoder_requests:
@@ -439,6 +441,7 @@ def create_app(config: Config) -> web.Application:
     app.router.add_post("/start_profile", profile_handler("start_profile"))
     app.router.add_post("/stop_profile", profile_handler("stop_profile"))
     app.router.add_get("/metrics", metrics)
+    add_status_routes(app, state)
     if config.dynamic_registration:
         app.router.add_get("/instances", list_instances)
         app.router.add_post("/instances", register_instance)

@@ -7,6 +7,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from epd_proxy.backends import Instance
 from epd_proxy.health import Health
+from epd_proxy.recent import RecentRequests
 from epd_proxy.registry import Registry
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -73,6 +74,8 @@ class Metrics:
         r.register(_FleetCollector(fleet, health))
         self._per_instance = (self.encoder_subrequests, self.failovers)
         fleet.watch(self)
+        # The status page's sliding window of recent requests.
+        self.recent = RecentRequests()
         # Bound once: a label lookup takes a lock and a dict probe on every request otherwise.
         self.stage = {name: self.stage_seconds.labels(name) for name in ("encode", "prefill", "decode_ttfb", "total")}
 

@@ -1,0 +1,102 @@
+"""The last minute of requests, for the status page: rate, status mix, stage p50/p99, batching.
+
+Prometheus histograms answer these questions only through a Prometheus server; an operator
+looking at one proxy wants them from the proxy itself. The hot path appends one flat tuple to a
+bounded deque; everything else happens when someone asks for a summary.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+STAGES = ("encode", "prefill", "decode_ttfb", "total")
+# Tuple layout of one finished request (flat tuples of numbers are cheap to keep and to drop).
+_END, _STATUS, _TOTAL, _ENCODE, _PREFILL, _TTFB, _SUBREQUESTS, _ITEMS, _ATTEMPTS, _FAILOVERS = range(10)
+_STAGE_FIELD = {"encode": _ENCODE, "prefill": _PREFILL, "decode_ttfb": _TTFB, "total": _TOTAL}
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile: always a value that was observed."""
+    if not sorted_values:
+        return None
+    rank = max(1, math.ceil(q * len(sorted_values)))
+    return sorted_values[rank - 1]
+
+
+class RecentRequests:
+    """A ring of the most recent finished requests, summarised over a sliding window."""
+
+    def __init__(
+        self, window_s: float = 60.0, capacity: int = 8192, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
+        self.window_s = window_s
+        self._clock = clock
+        self.started = clock()
+        self._ring: deque[tuple] = deque(maxlen=capacity)
+
+    def record(self, end: float, status: int, total_s: float, trace: Any) -> None:
+        """One finished request; `end` is on this object's clock (perf_counter by default)."""
+        self._ring.append(
+            (
+                end,
+                status,
+                total_s,
+                trace.encode_s if trace.encoder_requests else None,
+                trace.prefill_s or None,
+                trace.decode_ttfb_s or None,
+                trace.encoder_requests,
+                trace.items,
+                trace.attempts,
+                trace.encoder_failovers,
+            )
+        )
+
+    def uptime_s(self) -> float:
+        return self._clock() - self.started
+
+    def summary(self) -> dict[str, Any]:
+        now = self._clock()
+        start = now - self.window_s
+        ring = self._ring
+        recent = [r for r in ring if r[_END] >= start]
+        # The window actually covered: shorter right after start-up, or when the ring overflowed.
+        covered = min(self.window_s, now - self.started)
+        if len(ring) == ring.maxlen and ring and ring[0][_END] >= start:
+            covered = now - ring[0][_END]
+        statuses: dict[str, int] = {}
+        for r in recent:
+            key = str(r[_STATUS])
+            statuses[key] = statuses.get(key, 0) + 1
+        latency = {}
+        for stage in STAGES:
+            field = _STAGE_FIELD[stage]
+            values = sorted(r[field] for r in recent if r[field] is not None)
+            latency[stage] = {
+                "count": len(values),
+                "p50_ms": _ms(percentile(values, 0.50)),
+                "p99_ms": _ms(percentile(values, 0.99)),
+            }
+        with_media = [r for r in recent if r[_SUBREQUESTS]]
+        subrequests = sum(r[_SUBREQUESTS] for r in with_media)
+        # Every attempt re-encodes all of the request's items.
+        images_sent = sum(r[_ITEMS] * max(1, r[_ATTEMPTS]) for r in with_media)
+        return {
+            "window_s": round(covered, 1),
+            "requests": len(recent),
+            "rate_per_s": round(len(recent) / covered, 2) if covered > 0 else 0.0,
+            "status": dict(sorted(statuses.items())),
+            "latency": latency,
+            "requests_with_media": len(with_media),
+            "subrequests_per_request": round(subrequests / len(with_media), 2) if with_media else None,
+            "images_per_subrequest": round(images_sent / subrequests, 2) if subrequests else None,
+            "retries": sum(max(0, r[_ATTEMPTS] - 1) for r in recent),
+            "failovers": sum(r[_FAILOVERS] for r in recent),
+        }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 2)

@@ -1,0 +1,145 @@
+"""The operator's view: GET /status (one self-contained HTML page) and GET /status.json (its data).
+
+The page has no external resources at all (many clusters are offline) and fills itself from
+/status.json every few seconds. The JSON combines the live roster, a sliding window of recent
+requests (see recent.py) and lifetime totals read from the same Prometheus collectors /metrics
+serves, so the two never disagree.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import re
+import time
+from importlib import resources
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from aiohttp import web
+
+from epd_proxy import __version__
+from epd_proxy.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE, Instance
+
+if TYPE_CHECKING:
+    from epd_proxy.app import ProxyState
+    from epd_proxy.metrics import Metrics
+
+ROLE_ORDER = {ENCODE: 0, PREFILL: 1, DECODE: 2, PREFILL_DECODE: 3}
+
+
+def instance_health(inst: Instance, now: float) -> dict[str, Any]:
+    """Everything the page shows about one instance's health, read in this one place so that a
+    dedicated health component can replace the fields it reads without touching anything else.
+
+    Today an Instance knows whether it is in rotation, its consecutive failures and when it was
+    evicted; it does not count ejections or remember its last probe, so those are None."""
+    if inst.removed:
+        state = "removed"
+    elif not inst.live:
+        state = "ejected"
+    elif inst.consecutive_failures:
+        state = "failing"
+    else:
+        state = "in rotation"
+    return {
+        "state": state,
+        "consecutive_failures": inst.consecutive_failures,
+        "ejections": None,
+        "ejected_for_s": None if inst.evicted_at is None else round(now - inst.evicted_at, 1),
+        "last_probe_age_s": None,
+        "last_probe": None,
+    }
+
+
+def _roster(state: ProxyState) -> list[dict[str, Any]]:
+    now = time.monotonic()
+    rows = [
+        {"role": inst.role, "url": inst.url, "inflight": inst.inflight, **instance_health(inst, now)}
+        for inst in state.fleet.all()
+    ]
+    rows.sort(key=lambda row: (ROLE_ORDER.get(row["role"], 9), row["url"]))
+    return rows
+
+
+def _samples(metric) -> list:
+    return [sample for family in metric.collect() for sample in family.samples]
+
+
+def _totals(metrics: Metrics) -> dict[str, Any]:
+    """Lifetime counts from the Prometheus collectors themselves."""
+    requests = {s.labels["status"]: int(s.value) for s in _samples(metrics.requests) if s.name.endswith("_total")}
+    subrequests = {
+        s.labels["encoder"]: int(s.value) for s in _samples(metrics.encoder_subrequests) if s.name.endswith("_total")
+    }
+    items = {s.name: s.value for s in _samples(metrics.items_per_subrequest)}
+    return {
+        "requests": sum(requests.values()),
+        "status": dict(sorted(requests.items())),
+        "retries": int(sum(s.value for s in _samples(metrics.retries) if s.name.endswith("_total"))),
+        "failovers": int(sum(s.value for s in _samples(metrics.failovers) if s.name.endswith("_total"))),
+        "encoder_subrequests": subrequests,
+        "images_per_subrequest": (
+            round(items["epd_encoder_items_per_subrequest_sum"] / items["epd_encoder_items_per_subrequest_count"], 2)
+            if items.get("epd_encoder_items_per_subrequest_count")
+            else None
+        ),
+    }
+
+
+def snapshot(state: ProxyState) -> dict[str, Any]:
+    config = state.config
+    return {
+        "proxy": {
+            "version": __version__,
+            "pid": os.getpid(),
+            "uptime_s": round(state.metrics.recent.uptime_s(), 1),
+            "mode": "dynamic" if config.dynamic_registration else "static",
+            "inflight": state.inflight,
+            "max_inflight": config.max_inflight,
+            "probe_interval_s": config.probe_interval_s,
+            "fail_threshold": config.fail_threshold,
+        },
+        "roster": _roster(state),
+        "window": state.metrics.recent.summary(),
+        "totals": _totals(state.metrics),
+    }
+
+
+def _load_page() -> tuple[bytes, str]:
+    """The page and a Content-Security-Policy that allows exactly its own inline script and style."""
+    html = resources.files("epd_proxy").joinpath("static/status.html").read_text(encoding="utf-8")
+
+    def hashes(tag: str) -> str:
+        blocks = re.findall(rf"<{tag}>(.*?)</{tag}>", html, flags=re.S)
+        return " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(b.encode()).digest()).decode()}'" for b in blocks)
+
+    csp = (
+        f"default-src 'none'; script-src {hashes('script')}; style-src {hashes('style')}; "
+        "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+    )
+    return html.encode(), csp
+
+
+def add_status_routes(app: web.Application, state: ProxyState) -> None:
+    """Open like /metrics: the page shows the fleet's URLs and counts, never request content."""
+    page, csp = _load_page()
+    page_headers = {
+        "Content-Type": "text/html; charset=utf-8",
+        "Content-Security-Policy": csp,
+        "Cache-Control": "no-store",
+        "X-Content-Type-Options": "nosniff",
+    }
+
+    async def status_page(request: web.Request) -> web.Response:
+        return web.Response(body=page, headers=page_headers)
+
+    async def status_json(request: web.Request) -> web.Response:
+        return web.Response(
+            body=orjson.dumps(snapshot(state)),
+            headers={"Content-Type": "application/json", "Cache-Control": "no-store"},
+        )
+
+    app.router.add_get("/status", status_page)
+    app.router.add_get("/status.json", status_json)

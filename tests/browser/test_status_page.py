@@ -1,0 +1,119 @@
+"""/status rendered by a real headless Chromium over a fleet of 8 fake instances.
+
+Chromium is Debian's package (`make browser` installs it); Playwright only drives it, so nothing is
+downloaded at test time. Set EPD_UPDATE_SCREENSHOT=1 to refresh docs/status.png for the README.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from playwright.async_api import async_playwright
+
+from tests.media import chat, image
+
+CHROMIUM_FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+# A common laptop screen, minus the browser's own toolbars.
+VIEWPORT = {"width": 1366, "height": 680}
+WAIT_S = 30.0
+
+
+def chromium_path() -> str:
+    path = os.environ.get("EPD_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+    if not path:
+        pytest.fail("no chromium on PATH: `make browser` installs Debian's package (as root)")
+    return path
+
+
+async def wait_until(page, expression: str, arg=None) -> None:
+    """Poll an expression in the page. Playwright's wait_for_function would evaluate a string
+    inside the page, which the page's Content-Security-Policy (no eval) rightly refuses."""
+    deadline = time.monotonic() + WAIT_S
+    while not await page.evaluate(expression, arg):
+        assert time.monotonic() < deadline, f"page never satisfied {expression} ({arg})"
+        await asyncio.sleep(0.1)
+
+
+async def drive(stack, stop: asyncio.Event) -> None:
+    """Closed-loop traffic with six images per request, until told to stop."""
+    n = 0
+    while not stop.is_set():
+        n += 1
+        with contextlib.suppress(Exception):
+            async with await stack.chat(chat(*(image(f"{n}-{i}") for i in range(6)))) as resp:
+                await resp.read()
+
+
+async def test_status_page_in_chromium(make_stack, tmp_path):
+    stack = await make_stack(encoders=4, prefills=2, decoders=2, probe_interval_s=0.2, fail_threshold=2)
+    for fake in stack.encoders:
+        fake.faults.delay_s = 0.02  # long enough that in-flight counts show
+    for n in range(12):
+        async with await stack.chat(chat(image(f"warm{n}"), image(f"warm{n}b"))) as resp:
+            assert resp.status == 200
+    stop = asyncio.Event()
+    load = [asyncio.create_task(drive(stack, stop)) for _ in range(3)]
+    try:
+        async with async_playwright() as pw:
+            browser = await pw.chromium.launch(executable_path=chromium_path(), args=CHROMIUM_FLAGS)
+            try:
+                page = await browser.new_page(viewport=VIEWPORT)
+                await page.goto(f"{stack.url}/status")
+                # At least one refresh after the first render: the page keeps itself current.
+                await wait_until(page, "() => Number(document.body.dataset.refreshes || 0) >= 2")
+
+                rows = page.locator("#roster tbody tr")
+                assert await rows.count() == 8
+                roles = [await rows.nth(i).get_attribute("data-role") for i in range(8)]
+                assert roles == ["encode"] * 4 + ["prefill"] * 2 + ["decode"] * 2
+                assert await page.locator("#roster tbody tr[data-state='in rotation']").count() == 8
+                assert float(await page.text_content("#rate")) > 0
+                assert await page.locator("#latency tbody tr").count() == 4
+                assert (await page.text_content("#latency tr[data-stage='encode'] td:nth-child(2)")).endswith("ms")
+                assert await page.locator("#mix tbody tr[data-status='200']").count() == 1
+                assert float(await page.text_content("#images")) > 0
+
+                # Readable without scrolling on a laptop screen, for 8 instances.
+                overflow = await page.evaluate(
+                    "[document.documentElement.scrollWidth - innerWidth,"
+                    " document.documentElement.scrollHeight - innerHeight]"
+                )
+                assert overflow[0] <= 0 and overflow[1] <= 0, f"page overflows the viewport by {overflow}"
+
+                stopped = stack.backend_urls["e"][3]
+                await stack.servers[3].close()
+                row = page.locator(f"#roster tbody tr[data-url='{stopped}']")
+                await wait_until(
+                    page,
+                    "url => document.querySelector(`#roster tr[data-url='${url}']`).dataset.state === 'ejected'",
+                    stopped,
+                )
+                assert (await row.locator("td.state").text_content()).startswith("ejected")
+                assert await page.locator("#roster tbody tr[data-state='in rotation']").count() == 7
+
+                shot = tmp_path / "status.png"
+                await page.screenshot(path=str(shot))
+                assert shot.stat().st_size > 10_000
+                if os.environ.get("EPD_UPDATE_SCREENSHOT"):
+                    docs = Path(__file__).resolve().parents[2] / "docs" / "status.png"
+                    docs.parent.mkdir(exist_ok=True)
+                    shutil.copyfile(shot, docs)
+            finally:
+                await browser.close()
+    finally:
+        stop.set()
+        await asyncio.gather(*load)

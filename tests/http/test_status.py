@@ -1,0 +1,117 @@
+"""GET /status and /status.json over fake backends (the rendered page is tested in tests/browser)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+from tests.media import chat, image
+
+
+async def status_json(stack) -> dict:
+    async with stack.client.get(f"{stack.url}/status.json") as resp:
+        assert resp.status == 200
+        assert resp.headers["Cache-Control"] == "no-store"
+        return await resp.json()
+
+
+async def poll(stack, predicate, timeout_s: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        snap = await status_json(stack)
+        if predicate(snap):
+            return snap
+        assert time.monotonic() < deadline, f"status never matched; last: {snap}"
+        await asyncio.sleep(0.05)
+
+
+async def test_status_json_reports_roster_window_and_totals(make_stack):
+    stack = await make_stack(encoders=2, prefills=1, decoders=1, encoder_max_batch_size=2)
+    for n in range(6):
+        async with await stack.chat(chat(image(f"a{n}"), image(f"b{n}"), image(f"c{n}"))) as resp:
+            assert resp.status == 200
+    async with await stack.chat(b"{not json") as resp:
+        assert resp.status == 400
+    snap = await status_json(stack)
+
+    roster = snap["roster"]
+    assert [(r["role"], r["state"]) for r in roster] == [
+        ("encode", "in rotation"),
+        ("encode", "in rotation"),
+        ("prefill", "in rotation"),
+        ("decode", "in rotation"),
+    ]
+    assert {r["url"] for r in roster} == {*stack.backend_urls["e"], *stack.backend_urls["p"], *stack.backend_urls["d"]}
+    assert all(r["inflight"] == 0 for r in roster)
+
+    window = snap["window"]
+    assert window["requests"] == 7
+    assert window["status"] == {"200": 6, "400": 1}
+    assert window["rate_per_s"] > 0
+    # Three images round-robin over two encoders, at most two per sub-request: 2 sub-requests.
+    assert window["subrequests_per_request"] == 2.0
+    assert window["images_per_subrequest"] == 1.5
+    for stage in ("encode", "prefill", "decode_ttfb"):
+        assert window["latency"][stage]["count"] == 6
+        assert 0 < window["latency"][stage]["p50_ms"] <= window["latency"][stage]["p99_ms"]
+    assert window["latency"]["total"]["count"] == 7
+
+    totals = snap["totals"]
+    assert totals["status"] == {"200": 6, "400": 1}
+    assert sum(totals["encoder_subrequests"].values()) == 12
+    assert totals["images_per_subrequest"] == 1.5
+    assert snap["proxy"]["mode"] == "static" and snap["proxy"]["inflight"] == 0
+
+
+async def test_a_stopped_instance_shows_as_ejected(make_stack):
+    stack = await make_stack(encoders=2, probe_interval_s=0.1, fail_threshold=2)
+    stopped = stack.backend_urls["e"][1]
+    await stack.servers[1].close()
+    snap = await poll(stack, lambda s: any(r["url"] == stopped and r["state"] == "ejected" for r in s["roster"]))
+    row = next(r for r in snap["roster"] if r["url"] == stopped)
+    assert row["consecutive_failures"] >= 2
+    assert row["ejected_for_s"] >= 0
+    others = [r for r in snap["roster"] if r["url"] != stopped]
+    assert all(r["state"] == "in rotation" for r in others)
+
+
+async def test_failovers_and_retries_are_counted(make_stack):
+    stack = await make_stack(encoders=2, decode_retries=1)
+    stack.encoders[0].faults.fail_next(1, status=503)
+    stack.pd.faults.fail_next(1, status=500)
+    async with await stack.chat(chat(image("x"))) as resp:
+        assert resp.status == 200
+    snap = await status_json(stack)
+    assert snap["window"]["retries"] == 1 and snap["totals"]["retries"] == 1
+    assert snap["window"]["failovers"] == 1 and snap["totals"]["failovers"] == 1
+
+
+async def test_admission_rejections_show_in_the_status_mix(make_stack):
+    stack = await make_stack(encoders=1, max_inflight=1)
+    stack.encoders[0].faults.delay_s = 2
+    first = asyncio.create_task(stack.chat(chat(image("slow"))))
+    await poll(stack, lambda s: s["proxy"]["inflight"] == 1)
+    async with await stack.chat(chat(image("refused"))) as resp:
+        assert resp.status == 503
+    async with await first as resp:
+        assert resp.status == 200
+    snap = await status_json(stack)
+    assert snap["window"]["status"] == {"200": 1, "503": 1}
+    assert snap["totals"]["status"] == {"200": 1, "503": 1}
+
+
+async def test_status_page_is_self_contained_and_locked_down(make_stack):
+    stack = await make_stack(encoders=1)
+    async with stack.client.get(f"{stack.url}/status") as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"] == "text/html; charset=utf-8"
+        csp = resp.headers["Content-Security-Policy"]
+        page = await resp.text()
+    # Nothing is fetched from anywhere but the proxy itself: no src/href, no absolute URLs.
+    assert not re.search(r"\b(src|href)\s*=", page)
+    assert "http://" not in page and "https://" not in page and "//cdn" not in page
+    assert 'fetch("status.json"' in page
+    assert "default-src 'none'" in csp and "connect-src 'self'" in csp
+    assert re.search(r"script-src 'sha256-[A-Za-z0-9+/=]+'", csp)
+    assert "unsafe-inline" not in csp
