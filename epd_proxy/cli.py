@@ -1,34 +1,119 @@
-"""`epd-proxy serve|up`: flags in, a Config out; nothing else lives here."""
+"""`epd-proxy serve|up|bench`: flags in, a Config out; nothing else lives here."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import gc
+import importlib.util
 import os
 import sys
 from collections.abc import Mapping, Sequence
+from urllib.parse import urlsplit
 
+from epd_proxy import __version__
 from epd_proxy.config import Config, ConfigError, default, env_float, env_int, split_urls
 from epd_proxy.routing import ENCODE_POLICIES, SERVING_POLICIES
 
+DESCRIPTION = """\
+epd-proxy: an OpenAI-compatible front door for encoder-disaggregated (EPD) multimodal serving on
+vLLM. It takes /v1/chat/completions requests, sends their images, audio and video to encoder
+instances (batched per encoder), then drives prefill and decode with the encoders' cache handles,
+streaming the answer back. A drop-in for vLLM's reference disagg_epd_proxy.py, with health
+probing, failover, retries, limits, Prometheus /metrics and a live /status page."""
+
+SERVE_ENV = """\
+environment:
+  ENCODER_MAX_BATCH_SIZE        images per encoder sub-request when --encoder-max-batch-size is
+                                not given (0 = unlimited)
+  VLLM_HTTP_TIMEOUT_KEEP_ALIVE  the backends' idle keep-alive in seconds (default 5); pooled
+                                connections retire at half of it
+  OPENAI_API_KEY                bearer token sent to every backend (vLLM started with --api-key)
+  ADMIN_API_KEY                 X-API-Key required by POST/DELETE /instances
+                                (--dynamic-registration needs it)
+
+endpoints: /v1/chat/completions, /v1/models, /health, /metrics, /status (live page), /status.json,
+/start_profile, /stop_profile, /instances (dynamic registration)"""
+
+# The optional extras `up` and `bench` need, as import names (checked without importing them).
+EXTRAS = {
+    "up": ("local", ("vllm", "PIL", "openai")),
+    "bench": ("bench", ("numpy", "PIL")),
+}
+LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
+
+
+def _int_at_least(minimum: int):
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+        if number < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {number}")
+        return number
+
+    return parse
+
+
+def _seconds(*, allow_zero: bool):
+    def parse(value: str) -> float:
+        try:
+            number = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number of seconds, got {value!r}") from None
+        if number < 0 or (number == 0 and not allow_zero) or number != number:
+            raise argparse.ArgumentTypeError(f"must be {'>= 0' if allow_zero else '> 0'} seconds, got {value}")
+        return number
+
+    return parse
+
+
+def _port(value: str) -> int:
+    number = _int_at_least(0)(value)
+    if number > 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port (0-65535), got {number}")
+    return number
+
+
+def _url_list(value: str) -> str:
+    """Checked here so that a typo is a usage error at startup, not a failure on the first request."""
+    for url in split_urls(value):
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise argparse.ArgumentTypeError(f"{url!r} is not an http:// or https:// URL with a host")
+        try:
+            _ = parts.port
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{url!r} has an invalid port") from None
+    return value
+
 
 def _seconds_or_none(value: str) -> float | None:
-    number = float(value)
+    """A stage limit: 0 turns it off."""
+    number = _seconds(allow_zero=True)(value)
     return number if number > 0 else None
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     ref = parser.add_argument_group("reference proxy flags (same meaning as vLLM's disagg_epd_proxy.py)")
-    ref.add_argument("--host", default=default("host"))
-    ref.add_argument("--port", type=int, default=default("port"))
-    ref.add_argument("--encode-servers-urls", default="", help="comma-separated encoder (E) URLs (static mode)")
+    ref.add_argument("--host", default=default("host"), help="address to listen on (default: %(default)s)")
+    ref.add_argument("--port", type=_port, default=default("port"), help="port to listen on (default: %(default)s)")
+    ref.add_argument(
+        "--encode-servers-urls", type=_url_list, default="", help="comma-separated encoder (E) URLs (static mode)"
+    )
     ref.add_argument(
         "--prefill-servers-urls",
+        type=_url_list,
         default="none",
         help="comma-separated prefill (P) URLs; 'none', 'disable' or empty for E+PD (default: none)",
     )
-    ref.add_argument("--decode-servers-urls", default="", help="comma-separated decode (D) or PD URLs (static mode)")
+    ref.add_argument(
+        "--decode-servers-urls",
+        type=_url_list,
+        default="",
+        help="comma-separated decode (D) or PD URLs (static mode)",
+    )
     ref.add_argument(
         "--decode-retries",
         type=int,
@@ -43,7 +128,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     ref.add_argument(
         "--ec-consumer-dp-size",
-        type=int,
+        type=_int_at_least(1),
         default=default("ec_consumer_dp_size"),
         help="data-parallel replicas per consumer; list each server's addresses consecutively",
     )
@@ -55,26 +140,26 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     ref.add_argument(
         "--probe-interval",
-        type=float,
+        type=_seconds(allow_zero=True),
         default=default("probe_interval_s"),
         help="seconds between health probes of every instance, 0 disables (default: %(default)s)",
     )
     ref.add_argument(
         "--probe-timeout",
-        type=float,
+        type=_seconds(allow_zero=False),
         default=default("probe_timeout_s"),
         help="seconds a health probe may take (default: %(default)s)",
     )
     ref.add_argument(
         "--fail-threshold",
-        type=int,
+        type=_int_at_least(1),
         default=default("fail_threshold"),
         help="consecutive failed health checks, or transport failures, that take an instance out of rotation "
         "(default: %(default)s)",
     )
     ref.add_argument(
         "--evicted-ttl",
-        type=float,
+        type=_seconds(allow_zero=True),
         default=default("evicted_ttl_s"),
         help="dynamic mode: forget instances evicted this long, 0 = never (default: %(default)s)",
     )
@@ -101,16 +186,31 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     ours.add_argument(
         "--encoder-max-batch-size",
-        type=int,
+        type=_int_at_least(0),
         default=None,
         help="images per encoder sub-request, 0 = unlimited (default: $ENCODER_MAX_BATCH_SIZE or 0)",
     )
-    ours.add_argument("--encode-policy", choices=ENCODE_POLICIES, default=default("encode_policy"))
-    ours.add_argument("--prefill-policy", choices=SERVING_POLICIES, default=default("prefill_policy"))
-    ours.add_argument("--decode-policy", choices=SERVING_POLICIES, default=default("decode_policy"))
+    ours.add_argument(
+        "--encode-policy",
+        choices=ENCODE_POLICIES,
+        default=default("encode_policy"),
+        help="how media items are spread over encoders (default: %(default)s)",
+    )
+    ours.add_argument(
+        "--prefill-policy",
+        choices=SERVING_POLICIES,
+        default=default("prefill_policy"),
+        help="how a prefill instance is chosen per request (default: %(default)s)",
+    )
+    ours.add_argument(
+        "--decode-policy",
+        choices=SERVING_POLICIES,
+        default=default("decode_policy"),
+        help="how a decode (or PD) instance is chosen per request (default: %(default)s)",
+    )
     ours.add_argument(
         "--encoder-failovers",
-        type=int,
+        type=_int_at_least(0),
         default=default("encoder_failovers"),
         help="other encoders a failed sub-request is retried on (default: %(default)s)",
     )
@@ -140,19 +240,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     ours.add_argument(
         "--max-body-bytes",
-        type=int,
+        type=_int_at_least(1),
         default=default("max_body_bytes"),
         help="largest accepted request body; larger gets 413 (default: %(default)s)",
     )
     ours.add_argument(
         "--max-media-items",
-        type=int,
+        type=_int_at_least(1),
         default=default("max_media_items"),
         help="media items allowed in one request; more gets 400 (default: %(default)s)",
     )
     ours.add_argument(
         "--max-connections-per-backend",
-        type=int,
+        type=_int_at_least(0),
         default=default("max_connections_per_backend"),
         help="open connections per backend instance, 0 = unlimited (default: %(default)s)",
     )
@@ -175,45 +275,56 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     ours.add_argument(
         "--max-inflight",
-        type=int,
+        type=_int_at_least(0),
         default=default("max_inflight"),
         help="requests in flight beyond which new ones get 503 + Retry-After, 0 = unlimited",
     )
     clients = parser.add_argument_group("client side (slow and greedy clients)")
     clients.add_argument(
         "--client-header-timeout",
-        type=float,
+        type=_seconds(allow_zero=True),
         default=default("client_header_timeout_s"),
         help="seconds for a whole request head (from accept, or from its first byte on a kept-alive "
         "connection); then 408 and close, 0 = none (default: %(default)s)",
     )
     clients.add_argument(
         "--client-body-timeout",
-        type=float,
+        type=_seconds(allow_zero=True),
         default=default("client_body_timeout_s"),
         help="seconds allowed between two reads of a request body; then 408 and close, 0 = none (default: %(default)s)",
     )
     clients.add_argument(
         "--client-keepalive-timeout",
-        type=float,
+        type=_seconds(allow_zero=True),
         default=default("client_keepalive_timeout_s"),
         help="seconds an idle kept-alive client connection stays open (default: %(default)s)",
     )
     clients.add_argument(
         "--max-client-connections",
-        type=int,
+        type=_int_at_least(0),
         default=default("max_client_connections"),
         help="open client connections (all workers together); more are answered 503 and closed at "
         "accept, 0 = unlimited (default: %(default)s)",
     )
     ours.add_argument(
         "--workers",
-        type=int,
+        type=_int_at_least(1),
         default=1,
         help="proxy processes sharing the port (SO_REUSEPORT); static mode only (default: 1)",
     )
-    ours.add_argument("--log-format", choices=("text", "json"), default=default("log_format"))
-    ours.add_argument("--log-level", default="INFO", help="proxy log level (default: %(default)s)")
+    ours.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default=default("log_format"),
+        help="log lines as text or one JSON object each (default: %(default)s)",
+    )
+    ours.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        default="INFO",
+        help="proxy log level, any case (default: %(default)s)",
+    )
 
 
 def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> Config:
@@ -319,25 +430,61 @@ def serve(config: Config, log_level: str, workers: int = 1) -> None:
         proc.join()
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="epd-proxy", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="command")
+    serve_help = "run the proxy in front of encoder (E), prefill (P) and decode (D) or combined PD instances"
+    add_serve_arguments(
+        commands.add_parser(
+            "serve",
+            help=serve_help,
+            description=f"{serve_help}.",
+            epilog=SERVE_ENV,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    )
+    # `up` and `bench` parse their own flags (see their modules); listed here for the overview.
+    commands.add_parser(
+        "up", help="start a local E+PD stack on real vLLM behind the proxy (needs the 'local' extra)", add_help=False
+    )
+    commands.add_parser(
+        "bench",
+        help="benchmark the proxy on a multi-image load against fakes (needs the 'bench' extra)",
+        add_help=False,
+    )
+    return parser
+
+
+def missing_extra(command: str) -> str | None:
+    """How to install what `up` or `bench` needs, when it is not installed."""
+    extra, modules = EXTRAS[command]
+    missing = [name for name in modules if importlib.util.find_spec(name) is None]
+    if not missing:
+        return None
+    return (
+        f"epd-proxy {command} needs the '{extra}' extra (missing: {', '.join(missing)}); install it with\n"
+        f"  pip install 'epd-proxy[{extra}]'    (from a checkout: pip install -e '.[{extra}]')\n"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="epd-proxy", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    add_serve_arguments(commands.add_parser("serve", help="run the proxy in front of E, (P,) D/PD instances"))
-    commands.add_parser(
-        "up", help="start a local E+PD vLLM stack behind the proxy (needs the 'local' extra)", add_help=False
-    )
-    commands.add_parser(
-        "bench", help="benchmark the proxy under a multi-image load (needs the 'bench' extra)", add_help=False
-    )
-    if argv[:1] == ["up"]:
-        from epd_proxy.local.up import main as up_main
+    parser = build_parser()
+    if argv[:1] in (["up"], ["bench"]):
+        command, rest = argv[0], argv[1:]
+        if not {"-h", "--help"} & set(rest) and (problem := missing_extra(command)):
+            sys.stderr.write(problem)
+            return 2
+        if command == "up":
+            from epd_proxy.local.up import main as up_main
 
-        return up_main(argv[1:])
-    if argv[:1] == ["bench"]:
+            return up_main(rest)
         from epd_proxy.bench.runner import main as bench_main
 
-        return bench_main(argv[1:])
+        return bench_main(rest)
     args = parser.parse_args(argv)
     try:
         config = config_from_args(args, os.environ)
@@ -345,5 +492,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError("--workers > 1 needs static URLs: each worker would hold its own registry")
     except ConfigError as exc:
         parser.error(str(exc))
-    serve(config, args.log_level, args.workers)
+    try:
+        serve(config, args.log_level, args.workers)
+    except OSError as exc:  # typically the port is taken: a message, not a traceback
+        parser.exit(1, f"epd-proxy serve: cannot serve on {config.host}:{config.port}: {exc}\n")
     return 0

@@ -70,20 +70,20 @@ class Arm:
     unloaded_free_ms: list[float] = field(default_factory=list)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m epd_proxy.bench", description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        prog="epd-proxy bench", description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     p.add_argument("--quick", action="store_true", help="small counts, < 60 s, for CI smoke tests")
     p.add_argument("--out", type=Path, default=None, help="results folder (default ./results/bench-<timestamp>)")
     p.add_argument("--cache-dir", type=Path, default=Path("work/bench-cache"), help="request-pool cache")
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--seed", type=int, default=1234, help="seed for the request pool and arm order")
     p.add_argument("--pool-size", type=int, default=None, help="distinct request bodies")
     p.add_argument("--concurrency", type=int, default=None, help="closed-loop connections")
     p.add_argument("--requests", type=int, default=None, help="measured requests per arm per round")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (A B C, C B A, ...)")
     p.add_argument("--warmup", type=int, default=None, help="unmeasured requests before each block")
-    p.add_argument("--encoders", type=int, default=4)
+    p.add_argument("--encoders", type=int, default=4, help="fake encoder servers")
     p.add_argument("--encoder-ms", type=float, default=2.0, help="fake encoder cost per sub-request")
     p.add_argument("--encoder-image-ms", type=float, default=1.5, help="fake encoder cost per image")
     p.add_argument("--pd-ms", type=float, default=5.0, help="fake PD answer time")
@@ -108,8 +108,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="also measure an already-running proxy in front of real vLLM (tiny images)",
     )
-    p.add_argument("--real-requests", type=int, default=None)
-    p.add_argument("--real-concurrency", type=int, default=4)
+    p.add_argument("--real-requests", type=int, default=None, help="requests against --real-stack-url")
+    p.add_argument("--real-concurrency", type=int, default=4, help="connections against --real-stack-url")
     p.add_argument(
         "--profile-arm",
         default=None,
@@ -137,8 +137,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help='send "stream": true; the PD fakes then answer a first token at once and the rest after --pd-ms',
     )
-    p.add_argument("--no-chart", action="store_true")
-    return p.parse_args(argv)
+    p.add_argument("--no-chart", action="store_true", help="skip the matplotlib chart")
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def _cpus(spec: str) -> set[int]:

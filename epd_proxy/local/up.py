@@ -47,13 +47,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=8200,
         help="PD port; encoders use the next ports, then the baseline (default 8200)",
     )
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="address every server listens on (default 127.0.0.1)")
     p.add_argument(
         "--baseline", action="store_true", help="also start a plain vLLM instance (no EC role) for comparisons"
     )
-    p.add_argument("--health-timeout", type=float, default=240.0, help="seconds (default 240)")
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--limit-mm-per-prompt", default='{"image": 16}')
+    p.add_argument(
+        "--health-timeout",
+        type=float,
+        default=240.0,
+        help="seconds to wait for every server to be healthy (default 240)",
+    )
+    p.add_argument("--max-model-len", type=int, default=2048, help="vLLM --max-model-len (default 2048)")
+    p.add_argument(
+        "--limit-mm-per-prompt", default='{"image": 16}', help='vLLM --limit-mm-per-prompt (default {"image": 16})'
+    )
     p.add_argument(
         "--no-lean",
         dest="lean",
