@@ -28,9 +28,11 @@ environment:
                                 not given (0 = unlimited)
   VLLM_HTTP_TIMEOUT_KEEP_ALIVE  the backends' idle keep-alive in seconds (default 5); pooled
                                 connections retire at half of it
-  OPENAI_API_KEY                bearer token sent to every backend (vLLM started with --api-key)
-  ADMIN_API_KEY                 X-API-Key required by POST/DELETE /instances
-                                (--dynamic-registration needs it)
+  EPD_API_KEY                   bearer token clients must present on /v1/* (--api-key overrides)
+  EPD_BACKEND_API_KEY           bearer token sent to every backend (--backend-api-key overrides)
+  OPENAI_API_KEY                bearer token for profiling calls to backends, as the reference
+  ADMIN_API_KEY                 X-API-Key required by POST/DELETE /instances and, once clients
+                                authenticate, by profiling (--dynamic-registration needs it)
 
 endpoints: /v1/chat/completions, /v1/models, /health, /metrics, /status (live page), /status.json,
 /start_profile, /stop_profile, /instances (dynamic registration)"""

@@ -115,3 +115,12 @@ async def test_status_page_is_self_contained_and_locked_down(make_stack):
     assert "default-src 'none'" in csp and "connect-src 'self'" in csp
     assert re.search(r"script-src 'sha256-[A-Za-z0-9+/=]+'", csp)
     assert "unsafe-inline" not in csp
+
+
+async def test_status_is_open_like_metrics_when_clients_need_an_api_key(make_stack):
+    stack = await make_stack(encoders=1, api_key="client-secret")
+    async with stack.client.get(f"{stack.url}/v1/models") as resp:
+        assert resp.status == 401
+    for path in ("/metrics", "/status", "/status.json"):
+        async with stack.client.get(f"{stack.url}{path}") as resp:
+            assert resp.status == 200, path
