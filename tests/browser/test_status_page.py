@@ -72,6 +72,10 @@ async def test_status_page_in_chromium(make_stack, tmp_path):
             browser = await pw.chromium.launch(executable_path=chromium_path(), args=CHROMIUM_FLAGS)
             try:
                 page = await browser.new_page(viewport=VIEWPORT)
+                # A script error or a Content-Security-Policy refusal shows up here.
+                errors: list[str] = []
+                page.on("pageerror", lambda exc: errors.append(str(exc)))
+                page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
                 await page.goto(f"{stack.url}/status")
                 # At least one refresh after the first render: the page keeps itself current.
                 await wait_until(page, "() => Number(document.body.dataset.refreshes || 0) >= 2")
@@ -99,15 +103,17 @@ async def test_status_page_in_chromium(make_stack, tmp_path):
                 row = page.locator(f"#roster tbody tr[data-url='{stopped}']")
                 await wait_until(
                     page,
-                    "url => document.querySelector(`#roster tr[data-url='${url}']`).dataset.state === 'ejected'",
+                    "url => ['ejected', 'down'].includes("
+                    "document.querySelector(`#roster tr[data-url='${url}']`).dataset.state)",
                     stopped,
                 )
-                assert (await row.locator("td.state").text_content()).startswith("ejected")
+                assert (await row.locator("td.state").text_content()).startswith(("ejected", "down"))
                 assert await page.locator("#roster tbody tr[data-state='in rotation']").count() == 7
 
                 shot = tmp_path / "status.png"
                 await page.screenshot(path=str(shot))
                 assert shot.stat().st_size > 10_000
+                assert errors == []
                 if os.environ.get("EPD_UPDATE_SCREENSHOT"):
                     docs = Path(__file__).resolve().parents[2] / "docs" / "status.png"
                     docs.parent.mkdir(exist_ok=True)
