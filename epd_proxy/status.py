@@ -20,7 +20,7 @@ import orjson
 from aiohttp import web
 
 from epd_proxy import __version__
-from epd_proxy.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE, Instance
+from epd_proxy.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE
 
 if TYPE_CHECKING:
     from epd_proxy.app import ProxyState
@@ -29,36 +29,39 @@ if TYPE_CHECKING:
 ROLE_ORDER = {ENCODE: 0, PREFILL: 1, DECODE: 2, PREFILL_DECODE: 3}
 
 
-def instance_health(inst: Instance, now: float) -> dict[str, Any]:
-    """Everything the page shows about one instance's health, read in this one place so that a
-    dedicated health component can replace the fields it reads without touching anything else.
+def roster(state: ProxyState) -> list[dict[str, Any]]:
+    """Every member with its health, in the page's vocabulary. The one place that reads health
+    state, so that the dedicated health component can replace what it reads without touching
+    anything else.
 
     Today an Instance knows whether it is in rotation, its consecutive failures and when it was
     evicted; it does not count ejections or remember its last probe, so those are None."""
-    if inst.removed:
-        state = "removed"
-    elif not inst.live:
-        state = "ejected"
-    elif inst.consecutive_failures:
-        state = "failing"
-    else:
-        state = "in rotation"
-    return {
-        "state": state,
-        "consecutive_failures": inst.consecutive_failures,
-        "ejections": None,
-        "ejected_for_s": None if inst.evicted_at is None else round(now - inst.evicted_at, 1),
-        "last_probe_age_s": None,
-        "last_probe": None,
-    }
-
-
-def _roster(state: ProxyState) -> list[dict[str, Any]]:
     now = time.monotonic()
-    rows = [
-        {"role": inst.role, "url": inst.url, "inflight": inst.inflight, **instance_health(inst, now)}
-        for inst in state.fleet.all()
-    ]
+    rows = []
+    for inst in state.fleet.all():
+        if inst.removed:
+            health = "removed"
+        elif not inst.live:
+            health = "ejected"
+        elif inst.consecutive_failures:
+            health = "failing"
+        else:
+            health = "in rotation"
+        rows.append(
+            {
+                "role": inst.role,
+                "url": inst.url,
+                "state": health,
+                "inflight": inst.inflight,
+                "consecutive_failures": inst.consecutive_failures,
+                "ejections": None,
+                # How long it has been out of rotation, or how long until it is tried again.
+                "out_for_s": None if inst.evicted_at is None else round(now - inst.evicted_at, 1),
+                "back_in_s": None,
+                "last_probe_age_s": None,
+                "last_probe": None,
+            }
+        )
     rows.sort(key=lambda row: (ROLE_ORDER.get(row["role"], 9), row["url"]))
     return rows
 
@@ -101,7 +104,7 @@ def snapshot(state: ProxyState) -> dict[str, Any]:
             "probe_interval_s": config.probe_interval_s,
             "fail_threshold": config.fail_threshold,
         },
-        "roster": _roster(state),
+        "roster": roster(state),
         "window": state.metrics.recent.summary(),
         "totals": _totals(state.metrics),
     }

@@ -71,7 +71,7 @@ async def test_a_stopped_instance_shows_as_ejected(make_stack):
     snap = await poll(stack, lambda s: any(r["url"] == stopped and r["state"] == "ejected" for r in s["roster"]))
     row = next(r for r in snap["roster"] if r["url"] == stopped)
     assert row["consecutive_failures"] >= 2
-    assert row["ejected_for_s"] >= 0
+    assert row["out_for_s"] >= 0
     others = [r for r in snap["roster"] if r["url"] != stopped]
     assert all(r["state"] == "in rotation" for r in others)
 
