@@ -153,6 +153,7 @@ def ready_banner(stack: LocalStack) -> str:
         lines.append(f"  baseline: {stack.baseline_url}")
     lines += [
         "  memory:   " + ", ".join(f"{k} {v:.0f} MiB" for k, v in stack.memory_report().items()) + " (PSS)",
+        f"  status:   {url}/status (live page), {url}/metrics",
         f"  logs:     {stack.log_dir}",
         f"  EC store: {stack.ec_store}",
         "",
