@@ -137,3 +137,16 @@ def test_missing_extra_says_how_to_install_it(command, extra):
     # Help needs no extra.
     helped = run(code=code.replace(f"main([{command!r}])", f"main([{command!r}, '--help'])"))
     assert helped.returncode == 0 and "usage: epd-proxy" in helped.stdout
+
+
+def test_a_taken_port_is_a_message_not_a_traceback():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run(*VALID, "--host", "127.0.0.1", "--port", str(port), "--probe-interval", "0")
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert f"epd-proxy serve: cannot serve on 127.0.0.1:{port}" in result.stderr
