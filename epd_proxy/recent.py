@@ -38,8 +38,9 @@ class RecentRequests:
         self.started = clock()
         self._ring: deque[tuple] = deque(maxlen=capacity)
 
-    def record(self, end: float, status: int, total_s: float, trace: Any) -> None:
-        """One finished request; `end` is on this object's clock (perf_counter by default)."""
+    def record(self, end: float, status: int | str, total_s: float, trace: Any) -> None:
+        """One finished request; `end` is on this object's clock (perf_counter by default).
+        `status` is what epd_requests_total counts: the HTTP status, or "aborted"."""
         self._ring.append(
             (
                 end,

@@ -124,3 +124,14 @@ async def test_status_is_open_like_metrics_when_clients_need_an_api_key(make_sta
     for path in ("/metrics", "/status", "/status.json"):
         async with stack.client.get(f"{stack.url}{path}") as resp:
             assert resp.status == 200, path
+
+
+async def test_a_stream_aborted_after_its_200_is_not_a_success(make_stack):
+    stack = await make_stack(encoders=1)
+    stack.pd.faults.cut_streams = 1
+    async with await stack.chat(chat(image("A"), stream=True)) as resp:
+        assert resp.status == 200
+        await resp.read()
+    snap = await status_json(stack)
+    assert snap["window"]["status"] == {"aborted": 1}
+    assert snap["totals"]["status"] == {"aborted": 1}
