@@ -12,7 +12,6 @@ import base64
 import hashlib
 import os
 import re
-import time
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +20,7 @@ from aiohttp import web
 
 from epd_proxy import __version__
 from epd_proxy.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE
+from epd_proxy.health import DOWN, EJECTED, HALF_OPEN, HEALTHY
 
 if TYPE_CHECKING:
     from epd_proxy.app import ProxyState
@@ -29,37 +29,32 @@ if TYPE_CHECKING:
 ROLE_ORDER = {ENCODE: 0, PREFILL: 1, DECODE: 2, PREFILL_DECODE: 3}
 
 
-def roster(state: ProxyState) -> list[dict[str, Any]]:
-    """Every member with its health, in the page's vocabulary. The one place that reads health
-    state, so that the dedicated health component can replace what it reads without touching
-    anything else.
+# Health's states in the page's words; a healthy instance with failures piling up is "failing".
+STATE_WORDS = {HEALTHY: "in rotation", HALF_OPEN: "half-open", EJECTED: "ejected", DOWN: "down"}
 
-    Today an Instance knows whether it is in rotation, its consecutive failures and when it was
-    evicted; it does not count ejections or remember its last probe, so those are None."""
-    now = time.monotonic()
+
+def roster(state: ProxyState) -> list[dict[str, Any]]:
+    """Every member with its health, in the page's vocabulary: the health component's snapshot,
+    read in this one place."""
     rows = []
-    for inst in state.fleet.all():
-        if inst.removed:
-            health = "removed"
-        elif not inst.live:
-            health = "ejected"
-        elif inst.consecutive_failures:
-            health = "failing"
-        else:
-            health = "in rotation"
+    for view in state.health.snapshot(state.fleet.all()):
+        words = STATE_WORDS.get(view["state"], view["state"])
+        if view["state"] == HEALTHY and view["consecutive_failures"]:
+            words = "failing"
         rows.append(
             {
-                "role": inst.role,
-                "url": inst.url,
-                "state": health,
-                "inflight": inst.inflight,
-                "consecutive_failures": inst.consecutive_failures,
-                "ejections": None,
-                # How long it has been out of rotation, or how long until it is tried again.
-                "out_for_s": None if inst.evicted_at is None else round(now - inst.evicted_at, 1),
-                "back_in_s": None,
-                "last_probe_age_s": None,
-                "last_probe": None,
+                "role": view["role"],
+                "url": view["url"],
+                "state": words,
+                "inflight": view["inflight"],
+                "consecutive_failures": view["consecutive_failures"],
+                "ejections": view["ejections"],
+                # How long it has been out of rotation, and how long until an ejection ends.
+                "out_for_s": view["out_for_s"],
+                "back_in_s": view["ejected_for_s"],
+                "last_probe_age_s": view["last_check_age_s"],
+                "last_probe": view["last_check"],
+                "last_problem": view["last_problem"],
             }
         )
     rows.sort(key=lambda row: (ROLE_ORDER.get(row["role"], 9), row["url"]))
@@ -103,6 +98,7 @@ def snapshot(state: ProxyState) -> dict[str, Any]:
             "max_inflight": config.max_inflight,
             "probe_interval_s": config.probe_interval_s,
             "fail_threshold": config.fail_threshold,
+            "ejection_time_s": config.ejection_time_s,
         },
         "roster": roster(state),
         "window": state.metrics.recent.summary(),

@@ -86,6 +86,10 @@ async def test_status_page_in_chromium(make_stack, tmp_path):
                 assert roles == ["encode"] * 4 + ["prefill"] * 2 + ["decode"] * 2
                 assert await page.locator("#roster tbody tr[data-state='in rotation']").count() == 8
                 assert float(await page.text_content("#rate")) > 0
+                # Health detail: ejection counts and the age of the last active check.
+                first = rows.nth(0).locator("td")
+                assert await first.nth(5).text_content() == "0"
+                assert (await first.nth(6).text_content()).endswith(" ago")
                 assert await page.locator("#latency tbody tr").count() == 4
                 assert (await page.text_content("#latency tr[data-stage='encode'] td:nth-child(2)")).endswith("ms")
                 assert await page.locator("#mix tbody tr[data-status='200']").count() == 1

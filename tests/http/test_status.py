@@ -64,16 +64,34 @@ async def test_status_json_reports_roster_window_and_totals(make_stack):
     assert snap["proxy"]["mode"] == "static" and snap["proxy"]["inflight"] == 0
 
 
-async def test_a_stopped_instance_shows_as_ejected(make_stack):
+async def test_a_stopped_instance_is_down_by_its_health_checks(make_stack):
     stack = await make_stack(encoders=2, probe_interval_s=0.1, fail_threshold=2)
     stopped = stack.backend_urls["e"][1]
+    # Every instance shows its last check once the first round is in.
+    await poll(stack, lambda s: all(r["last_probe"] == "ok" for r in s["roster"]))
     await stack.servers[1].close()
-    snap = await poll(stack, lambda s: any(r["url"] == stopped and r["state"] == "ejected" for r in s["roster"]))
+    snap = await poll(stack, lambda s: any(r["url"] == stopped and r["state"] == "down" for r in s["roster"]))
     row = next(r for r in snap["roster"] if r["url"] == stopped)
     assert row["consecutive_failures"] >= 2
-    assert row["out_for_s"] >= 0
+    assert row["out_for_s"] >= 0 and row["back_in_s"] is None
+    assert row["last_probe"] not in (None, "ok") and row["last_probe_age_s"] < 10
     others = [r for r in snap["roster"] if r["url"] != stopped]
-    assert all(r["state"] == "in rotation" for r in others)
+    assert all(r["state"] == "in rotation" and r["last_probe"] == "ok" for r in others)
+
+
+async def test_an_instance_failing_live_traffic_is_ejected_and_counted(make_stack):
+    # No active checks: only requests can notice, and the ejection budget allows 2 of 4 encoders.
+    stack = await make_stack(encoders=4, probe_interval_s=0, fail_threshold=1)
+    stopped = stack.backend_urls["e"][0]
+    await stack.servers[0].close()
+    for n in range(4):
+        async with await stack.chat(chat(*(image(f"{n}-{i}") for i in range(4)))) as resp:
+            assert resp.status == 200  # failed over
+    snap = await status_json(stack)
+    row = next(r for r in snap["roster"] if r["url"] == stopped)
+    assert row["state"] == "ejected" and row["ejections"] == 1
+    assert row["back_in_s"] > 0 and row["last_probe"] is None
+    assert snap["window"]["failovers"] >= 1
 
 
 async def test_failovers_and_retries_are_counted(make_stack):
