@@ -168,25 +168,29 @@ class FidelityTable:
         return "\n".join(lines) + "\n"
 
 
+# Lines for the end-of-session summary. Printed from pytest_terminal_summary: output written
+# while a fixture tears down is captured like the test's own and would be lost.
+_SUMMARY: list[str] = []
+
+
 @pytest.fixture(scope="session")
-def fidelity(request, _stacks):
+def fidelity(_stacks):
     table = FidelityTable()
     yield table
     if table.rows:
         report = table.markdown()
         WORK.mkdir(parents=True, exist_ok=True)
         (WORK / "fidelity.md").write_text(report)
-        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-        if reporter is not None:
-            reporter.write_line("")
-            reporter.write_line(
-                f"[e2e] fidelity, proxy (2 encoders + PD or P + D) vs one plain vLLM ({WORK}/fidelity.md):"
-            )
-            for line in report.splitlines():
-                reporter.write_line(line)
-            for kind, st in _stacks.started.items():
-                try:
-                    timings = json.loads((st.work_dir / "timings.json").read_text())
-                except (OSError, ValueError):
-                    continue
-                reporter.write_line(f"[e2e] {kind} stack start-up and memory: {json.dumps(timings)}")
+        _SUMMARY.append(f"[e2e] fidelity, proxy (2 encoders + PD or P + D) vs one plain vLLM ({WORK}/fidelity.md):")
+        _SUMMARY.extend(report.splitlines())
+    for kind, st in _stacks.started.items():
+        try:
+            timings = json.loads((st.work_dir / "timings.json").read_text())
+        except (OSError, ValueError):
+            continue
+        _SUMMARY.append(f"[e2e] {kind} stack start-up and memory: {json.dumps(timings)}")
+
+
+def pytest_terminal_summary(terminalreporter):
+    for line in _SUMMARY:
+        terminalreporter.write_line(line)
