@@ -253,6 +253,20 @@ def test_text_only(prefill_stack, fidelity):
     assert_handover(st, h, want, [[]])
 
 
+def test_min_tokens_is_left_to_decode(prefill_stack, fidelity):
+    """vLLM refuses min_tokens above max_tokens: prefill (one token) must not get the client's."""
+    st = prefill_stack
+    (a,) = fresh(1)
+    ec_before = store_entries(st.ec_store)
+    watch = Watch(st)
+    body = chat_body([a], min_tokens=12, logprobs=True)
+    got = chat_ok(st.proxy_url, body)
+    h = watch.after()
+    want = baseline_with_ids(st, body)
+    fidelity.check("one image, min_tokens 12", got, want, path=PREFILL, kv=h.describe(want["usage"]["prompt_tokens"]))
+    assert_handover(st, h, want, media_keys("A", new_ec_entries(st, ec_before)))
+
+
 # ------------------------------------------------------------ controls, LAST
 def test_zy_control_skipped_prefill_is_caught(prefill_stack):
     """A proxy that sends the request straight to decode gets the baseline's answer anyway
