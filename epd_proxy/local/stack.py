@@ -180,13 +180,11 @@ class LocalStack:
         return [self._url(f"encoder-{i}") for i in range(self.config.encoders)]
 
     @property
-    def pd_url(self) -> str:
+    def decode_url(self) -> str:
         """PD in E+PD, decode in E+P+D: where the proxy sends the final request."""
         return self._url(self.decoder_name)
 
-    @property
-    def decode_url(self) -> str:
-        return self._url(self.decoder_name)
+    pd_url = decode_url
 
     @property
     def prefill_url(self) -> str | None:
