@@ -1,12 +1,15 @@
-"""A local E+PD stack on real vLLM: N encoders, one PD, optional baseline, proxy.
+"""A local stack on real vLLM: N encoders, one PD (E+PD) or one prefill and one
+decode (E+P+D), an optional baseline, and the proxy.
 
 Used by ``epd-proxy up`` and by the end-to-end tests::
 
     with LocalStack(StackConfig(encoders=2, baseline=True)) as stack:
         stack.proxy_url, stack.encoder_urls, stack.pd_url, stack.baseline_url
+    with LocalStack(StackConfig(encoders=2, prefill=True)) as stack:
+        stack.prefill_url, stack.decode_url, stack.kv_store
 
-Everything a server writes (logs, EC store, IPC sockets, compile caches) goes
-under ``work_dir`` so nothing is left in /tmp or the home cache.
+Everything a server writes (logs, EC and KV stores, IPC sockets, compile
+caches) goes under ``work_dir`` so nothing is left in /tmp or the home cache.
 """
 
 from __future__ import annotations
@@ -63,6 +66,14 @@ class StackConfig:
     python: str = field(default_factory=lambda: sys.executable)
     keep_ec_store: bool = False
     stop_grace: float = 15.0
+    # E+P+D: a prefill instance (EC consumer, KV producer) and a decode instance
+    # (KV consumer) instead of PD, handing KV over through a folder with vLLM's
+    # disk-based ExampleConnector.
+    prefill: bool = False
+    # That connector moves whole blocks only and the CPU default (128) moves
+    # nothing for short prompts.  Prefill, decode and the baseline all use it:
+    # the same block size on both sides keeps the comparison exact.
+    kv_block_size: int = 32
 
 
 def _cpu_list() -> list[int]:
@@ -72,16 +83,20 @@ def _cpu_list() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
-def assign_cores(n_encoders: int, baseline: bool, cores: Sequence[int]) -> dict[str, str]:
+def assign_cores(n_encoders: int, baseline: bool, cores: Sequence[int], prefill: bool = False) -> dict[str, str]:
     """Map instance name -> VLLM_CPU_OMP_THREADS_BIND value.
 
     vLLM's default binding puts every instance on the same cores, so two
     servers on a 2-core box would fight over core 0.  With enough cores every
-    instance gets its own; otherwise PD (the latency-critical one) keeps the
-    last core to itself as far as possible and encoders share the rest.
+    instance gets its own; otherwise the instance that streams tokens (PD, or
+    decode in E+P+D) keeps the last core to itself as far as possible and
+    encoders (and prefill, which runs between encoding and decode) share the rest.
     """
     cores = list(cores) or [0]
-    names = [f"encoder-{i}" for i in range(n_encoders)] + ["pd"] + (["baseline"] if baseline else [])
+    encoders = [f"encoder-{i}" for i in range(n_encoders)]
+    front = encoders + (["prefill"] if prefill else [])
+    streamer = "decode" if prefill else "pd"
+    names = front + [streamer] + (["baseline"] if baseline else [])
     if len(cores) >= len(names):
         # Split cores into contiguous, near-equal slices.
         out = {}
@@ -95,14 +110,14 @@ def assign_cores(n_encoders: int, baseline: bool, cores: Sequence[int]) -> dict[
         return out
     if len(cores) == 1:
         return {name: str(cores[0]) for name in names}
-    pd_core = cores[-1]
-    enc_cores = cores[:-1]
-    out = {f"encoder-{i}": str(enc_cores[i % len(enc_cores)]) for i in range(n_encoders)}
-    out["pd"] = str(pd_core)
+    last = cores[-1]
+    rest = cores[:-1]
+    out = {name: str(rest[i % len(rest)]) for i, name in enumerate(front)}
+    out[streamer] = str(last)
     if baseline:
         # The baseline is only queried between proxied requests, never at
         # the same time, so sharing PD's core does not skew either.
-        out["baseline"] = str(pd_core)
+        out["baseline"] = str(last)
     return out
 
 
@@ -124,6 +139,7 @@ class LocalStack:
             raise ValueError("need at least one encoder")
         self.work_dir = Path(c.work_dir).resolve()
         self.ec_store = self.work_dir / "ec_store"
+        self.kv_store = self.work_dir / "kv_store"
         self.log_dir = self.work_dir / "logs"
         self.model_dir = Path(c.model).resolve() if c.model else self.work_dir / "tiny-vlm"
         self.served_model_name = c.served_model_name or (TINY_SERVED_NAME if c.model is None else None)
@@ -139,14 +155,21 @@ class LocalStack:
         """The ``model`` value clients must send."""
         return self.served_model_name or str(self.model_dir)
 
+    @property
+    def decoder_name(self) -> str:
+        """The instance the proxy's --decode-servers-urls names."""
+        return "decode" if self.config.prefill else "pd"
+
     def _port(self, name: str) -> int:
         c = self.config
-        if name == "pd":
+        if name == self.decoder_name:
             return c.base_port
         if name.startswith("encoder-"):
             return c.base_port + 1 + int(name.split("-")[1])
-        if name == "baseline":
+        if name == "prefill" and c.prefill:
             return c.base_port + 1 + c.encoders
+        if name == "baseline":
+            return c.base_port + 1 + c.encoders + (1 if c.prefill else 0)
         raise KeyError(name)
 
     def _url(self, name: str) -> str:
@@ -157,8 +180,15 @@ class LocalStack:
         return [self._url(f"encoder-{i}") for i in range(self.config.encoders)]
 
     @property
-    def pd_url(self) -> str:
-        return self._url("pd")
+    def decode_url(self) -> str:
+        """PD in E+PD, decode in E+P+D: where the proxy sends the final request."""
+        return self._url(self.decoder_name)
+
+    pd_url = decode_url
+
+    @property
+    def prefill_url(self) -> str | None:
+        return self._url("prefill") if self.config.prefill else None
 
     @property
     def baseline_url(self) -> str | None:
@@ -201,7 +231,7 @@ class LocalStack:
             "MPLCONFIGDIR": str(w / "cache" / "matplotlib"),
         }
 
-    def _vllm_cmd(self, name: str, ec_role: str | None) -> list[str]:
+    def _vllm_cmd(self, name: str, ec_role: str | None, kv_role: str | None = None) -> list[str]:
         c = self.config
         cmd = [c.python, *VLLM_ENTRY, "--model", str(self.model_dir)]
         if self.served_model_name:
@@ -235,22 +265,36 @@ class LocalStack:
                     separators=(",", ":"),
                 ),
             ]
+        if c.prefill and ec_role != "ec_producer":
+            cmd += ["--block-size", str(c.kv_block_size)]
+        if kv_role:
+            cmd += [
+                "--kv-transfer-config",
+                json.dumps(
+                    {
+                        "kv_connector": "ExampleConnector",
+                        "kv_role": kv_role,
+                        "kv_connector_extra_config": {"shared_storage_path": str(self.kv_store)},
+                    },
+                    separators=(",", ":"),
+                ),
+            ]
         cmd += list(c.extra_vllm_args)
         return cmd
 
     def _build_plan(self) -> None:
         c = self.config
-        cores = assign_cores(c.encoders, c.baseline, _cpu_list())
+        cores = assign_cores(c.encoders, c.baseline, _cpu_list(), prefill=c.prefill)
         self.instances = []
 
-        def add(name: str, role: str | None) -> None:
+        def add(name: str, role: str | None, kv_role: str | None = None) -> None:
             env = {"VLLM_CPU_OMP_THREADS_BIND": cores[name]}
-            if name == "pd" and c.pd_debug_log:
+            if name in ("pd", "prefill", "decode") and c.pd_debug_log:
                 env["VLLM_LOGGING_LEVEL"] = "DEBUG"
             self.instances.append(
                 Managed(
                     name=name,
-                    cmd=self._vllm_cmd(name, role),
+                    cmd=self._vllm_cmd(name, role, kv_role),
                     env_overrides=env,
                     log_path=self.log_path(name),
                     health_url=self._url(name) + "/health",
@@ -260,7 +304,13 @@ class LocalStack:
 
         for i in range(c.encoders):
             add(f"encoder-{i}", "ec_producer")
-        add("pd", "ec_consumer")
+        if c.prefill:
+            add("prefill", "ec_consumer", "kv_producer")
+            # Decode recomputes the prompt's last tokens (up to a block), which
+            # may be image tokens: without the EC role its engine dies on them.
+            add("decode", "ec_consumer", "kv_consumer")
+        else:
+            add("pd", "ec_consumer")
         if c.baseline:
             add("baseline", None)
         if c.with_proxy:
@@ -276,7 +326,8 @@ class LocalStack:
                 "--encode-servers-urls",
                 ",".join(self.encoder_urls),
                 "--decode-servers-urls",
-                self.pd_url,
+                self.decode_url,
+                *(["--prefill-servers-urls", self.prefill_url] if self.prefill_url else []),
                 *c.proxy_args,
             ]
             # The package may be used from a checkout without being installed.
@@ -299,7 +350,7 @@ class LocalStack:
         w = self.work_dir
         lines = ["#!/usr/bin/env bash", "# epd-proxy up --dry-run", "set -e"]
         env = self.common_env()
-        lines.append("mkdir -p " + " ".join(q(str(p)) for p in (self.log_dir, self.ec_store, w / "tmp", w / "cache")))
+        lines.append("mkdir -p " + " ".join(q(str(p)) for p in (self.log_dir, *self.stores(), w / "tmp", w / "cache")))
         if self.config.model is None:
             lines.append(f"{q(self.config.python)} -m epd_proxy.local.tiny_model {q(str(self.model_dir))}")
         lines.append("export " + " ".join(f"{k}={q(v)}" for k, v in env.items()))
@@ -316,6 +367,9 @@ class LocalStack:
             lines.append(f"# proxy: {m.health_url}")
             lines.append(f"{envs} {' '.join(q(a) for a in m.cmd)}")
         return "\n".join(lines) + "\n"
+
+    def stores(self) -> list[Path]:
+        return [self.ec_store] + ([self.kv_store] if self.config.prefill else [])
 
     # ---- lifecycle ---------------------------------------------------------
     def _check_ports(self) -> None:
@@ -382,7 +436,10 @@ class LocalStack:
         self._reap_stale()
         if self.ec_store.exists() and not c.keep_ec_store:
             shutil.rmtree(self.ec_store)
-        for p in (self.log_dir, self.ec_store, self.work_dir / "tmp", self.work_dir / "cache"):
+        # Saved KV is keyed by prompt tokens only: an earlier run's entries
+        # (another model, another block size) must not be loaded.
+        shutil.rmtree(self.kv_store, ignore_errors=True)
+        for p in (self.log_dir, *self.stores(), self.work_dir / "tmp", self.work_dir / "cache"):
             p.mkdir(parents=True, exist_ok=True)
         # IPC socket folders of earlier runs are dead weight.
         shutil.rmtree(self.work_dir / "tmp", ignore_errors=True)

@@ -1,4 +1,5 @@
-"""``epd-proxy up``: start encoders + PD (+ baseline) on real vLLM and the proxy."""
+"""``epd-proxy up``: start encoders + PD, or encoders + prefill + decode (``--prefill``),
+(+ baseline) on real vLLM and the proxy."""
 
 from __future__ import annotations
 
@@ -23,10 +24,24 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Start N vLLM encoder instances (ECExampleConnector ec_producer), one PD "
             "instance (ec_consumer) sharing an EC store folder, then the proxy in front. "
+            "With --prefill (E+P+D): a prefill instance (ec_consumer, ExampleConnector kv_producer) "
+            "and a decode instance (ec_consumer, kv_consumer) sharing a KV store folder instead of PD. "
             "Ctrl-C stops everything."
         ),
     )
     p.add_argument("--encoders", type=int, default=1, help="number of encoder instances (default 1)")
+    p.add_argument(
+        "--prefill",
+        action="store_true",
+        help="E+P+D: separate prefill and decode instances handing KV over through a folder, instead of PD",
+    )
+    p.add_argument(
+        "--kv-block-size",
+        type=int,
+        default=32,
+        help="--block-size of prefill, decode and the baseline with --prefill; the KV connector moves "
+        "whole blocks only (default 32)",
+    )
     p.add_argument("--port", type=int, default=8000, help="proxy port (default 8000)")
     p.add_argument(
         "--model",
@@ -45,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--base-port",
         type=int,
         default=8200,
-        help="PD port; encoders use the next ports, then the baseline (default 8200)",
+        help="PD (or decode) port; encoders use the next ports, then prefill, then the baseline (default 8200)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address every server listens on (default 127.0.0.1)")
     p.add_argument(
@@ -68,7 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="drop --enforce-eager and the small PD KV cache (real hardware)",
     )
     p.add_argument(
-        "--pd-debug-log", action="store_true", help="run PD with VLLM_LOGGING_LEVEL=DEBUG (shows EC cache loads)"
+        "--pd-debug-log",
+        action="store_true",
+        help="run PD (or prefill and decode) with VLLM_LOGGING_LEVEL=DEBUG (shows EC cache loads)",
     )
     p.add_argument("--vllm-args", default="", help="extra arguments for every vLLM server, one shell-quoted string")
     p.add_argument("--proxy-args", default="", help="extra arguments for `epd-proxy serve`, one shell-quoted string")
@@ -96,6 +113,8 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
         extra_vllm_args=shlex.split(args.vllm_args),
         proxy_args=shlex.split(args.proxy_args),
         keep_ec_store=args.keep_ec_store,
+        prefill=args.prefill,
+        kv_block_size=args.kv_block_size,
     )
 
 
@@ -145,10 +164,14 @@ def ready_banner(stack: LocalStack) -> str:
     )
     lines = [
         "",
-        f"epd-proxy stack ready in {stack.timings.get('ready_s', 0):.1f} s: proxy {url}",
+        f"epd-proxy {'E+P+D' if stack.prefill_url else 'E+PD'} stack ready in "
+        f"{stack.timings.get('ready_s', 0):.1f} s: proxy {url}",
         f"  encoders: {', '.join(stack.encoder_urls)}",
-        f"  pd:       {stack.pd_url}",
     ]
+    if stack.prefill_url:
+        lines += [f"  prefill:  {stack.prefill_url}", f"  decode:   {stack.decode_url}"]
+    else:
+        lines.append(f"  pd:       {stack.pd_url}")
     if stack.baseline_url:
         lines.append(f"  baseline: {stack.baseline_url}")
     lines += [
@@ -156,6 +179,7 @@ def ready_banner(stack: LocalStack) -> str:
         f"  status:   {url}/status (live page), {url}/metrics",
         f"  logs:     {stack.log_dir}",
         f"  EC store: {stack.ec_store}",
+        *([f"  KV store: {stack.kv_store}"] if stack.prefill_url else []),
         "",
         "Try it (http(s) image URLs must be reachable from the encoders):",
         f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\",
@@ -184,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.encoders < 1:
         print("epd-proxy up: --encoders must be >= 1", file=sys.stderr)
+        return 2
+    if args.kv_block_size < 1:
+        print("epd-proxy up: --kv-block-size must be >= 1", file=sys.stderr)
         return 2
     stack = LocalStack(config_from_args(args))
     if args.dry_run:

@@ -1,14 +1,24 @@
-"""One real E+PD stack per test session: 2 encoders, PD, a baseline, the proxy.
+"""Real vLLM stacks for the end-to-end tests, at most one alive at a time.
 
-The baseline is a plain vLLM instance with no EC role, started from the same
-model folder and flags, so a correct proxy must reproduce its answers exactly.
+- ``stack``: E+PD, 2 encoders + PD + a baseline + the proxy.
+- ``prefill_stack``: E+P+D, 2 encoders + prefill + decode + a baseline + the proxy
+  (KV handed from prefill to decode through a folder, vLLM's ExampleConnector).
 
-Set EPD_E2E_WORK_DIR to move the stack's work folder (default: work/e2e-stack
-under the repository); nothing is written to /tmp.
+The baseline is a plain vLLM instance with no EC or KV role, started from the
+same model folder and flags, so a correct proxy must reproduce its answers exactly.
+
+Each stack is five vLLM servers of ~1.5 GiB: asking for the other kind stops
+the live one first. Test files use one kind each and run in file order, so a
+session starts each kind once.
+
+Set EPD_E2E_WORK_DIR to move the E+PD stack's work folder (default: work/e2e-stack
+under the repository; the E+P+D stack uses the same path + "-prefill"); nothing
+is written to /tmp.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -18,41 +28,84 @@ import pytest
 from epd_proxy.local.stack import LocalStack, StackConfig
 from epd_proxy.local.supervisor import find_free_port_block, http_ok
 
-from .e2e_helpers import comparable
+from .e2e_helpers import EPD, PREFILL, comparable
 
 REPO = Path(__file__).resolve().parents[2]
+WORK = Path(os.environ.get("EPD_E2E_WORK_DIR", REPO / "work" / "e2e-stack"))
 
 
-@pytest.fixture(scope="session")
-def stack():
-    work = Path(os.environ.get("EPD_E2E_WORK_DIR", REPO / "work" / "e2e-stack"))
-    # 2 encoders + PD + baseline, then the proxy right after them.
-    base = find_free_port_block(5, start=int(os.environ.get("EPD_E2E_BASE_PORT", "18200")))
-    cfg = StackConfig(
+def stack_config(kind: str) -> StackConfig:
+    # 2 encoders, PD or prefill + decode, the baseline, then the proxy right after them.
+    servers = 5 if kind == EPD else 6
+    base = find_free_port_block(servers + 1, start=int(os.environ.get("EPD_E2E_BASE_PORT", "18200")))
+    return StackConfig(
         encoders=2,
         baseline=True,
-        work_dir=work,
+        prefill=kind == PREFILL,
+        work_dir=WORK if kind == EPD else WORK.with_name(WORK.name + "-prefill"),
         base_port=base,
-        port=base + 4,
+        port=base + servers,
         health_timeout=float(os.environ.get("EPD_E2E_HEALTH_TIMEOUT", "240")),
         # PD's DEBUG log is the only place that says it loaded an embedding
         # from the store instead of running its own vision encoder.
-        pd_debug_log=True,
+        pd_debug_log=kind == EPD,
         # Pin the spread so 5 images over 2 encoders are exactly 2 sub-requests.
         proxy_args=["--encode-policy", "round_robin", "--log-level", "DEBUG"],
         python=sys.executable,
     )
-    st = LocalStack(cfg, progress_stream=sys.stderr)
-    st.start(tty=False)
-    sys.stderr.write(
-        f"\n[e2e] stack ready in {st.timings.get('ready_s', 0):.1f} s "
-        f"(model {st.timings.get('model_build_s', 0):.1f} s); "
-        f"PSS MiB: { {k: round(v) for k, v in st.memory_report().items()} }\n"
-    )
+
+
+class Stacks:
+    def __init__(self) -> None:
+        self.kind: str | None = None
+        self.live: LocalStack | None = None
+        self.failed: dict[str, str] = {}
+        self.started: dict[str, LocalStack] = {}
+
+    def get(self, kind: str) -> LocalStack:
+        if self.kind == kind and self.live is not None:
+            return self.live
+        if kind in self.failed:
+            pytest.fail(f"the {kind} stack did not start:\n{self.failed[kind]}", pytrace=False)
+        self.close()
+        st = LocalStack(stack_config(kind), progress_stream=sys.stderr)
+        try:
+            st.start(tty=False)
+        except Exception as exc:
+            self.failed[kind] = str(exc)
+            raise
+        self.kind, self.live = kind, st
+        self.started[kind] = st
+        sys.stderr.write(
+            f"\n[e2e] {kind} stack ready in {st.timings.get('ready_s', 0):.1f} s "
+            f"(model {st.timings.get('model_build_s', 0):.1f} s); "
+            f"PSS MiB: { {k: round(v) for k, v in st.memory_report().items()} }\n"
+        )
+        return st
+
+    def close(self) -> None:
+        if self.live is not None:
+            self.live.stop()
+        self.kind = self.live = None
+
+
+@pytest.fixture(scope="session")
+def _stacks():
+    stacks = Stacks()
     try:
-        yield st
+        yield stacks
     finally:
-        st.stop()
+        stacks.close()
+
+
+@pytest.fixture
+def stack(_stacks) -> LocalStack:
+    return _stacks.get(EPD)
+
+
+@pytest.fixture
+def prefill_stack(_stacks) -> LocalStack:
+    return _stacks.get(PREFILL)
 
 
 @pytest.fixture(autouse=True)
@@ -70,12 +123,15 @@ def _pd_alive(request):
 
 class FidelityTable:
     """Every proxy-vs-baseline comparison, asserted and kept for the closing table
-    (written to <work>/fidelity.md and printed at the end of the session)."""
+    (written to <work>/fidelity.md and printed at the end of the session).
+
+    ``kv`` says what decode loaded from prefill (E+P+D), so the table shows the
+    handover happened and not only that the answers agree."""
 
     def __init__(self) -> None:
-        self.rows: list[tuple[str, str, str, str, str, bool]] = []
+        self.rows: list[tuple[str, str, str, str, str, str, str, bool]] = []
 
-    def check(self, case: str, got: dict, want: dict) -> None:
+    def check(self, case: str, got: dict, want: dict, path: str = EPD, kv: str = "n/a") -> None:
         g, w = comparable(got), comparable(want)
         text = lambda c: c["choices"][0]["message"]["content"] if c["choices"] else ""  # noqa: E731
         logprobs = (
@@ -84,39 +140,57 @@ class FidelityTable:
             else ("same" if g["choices"][0]["logprobs"] == w["choices"][0]["logprobs"] else "DIFFERENT")
         )
         usage = "same" if g["usage"] == w["usage"] else "DIFFERENT"
-        self.rows.append((case, text(w), text(g), usage, logprobs, g == w))
-        assert g == w, f"{case}: proxy answer differs from the baseline"
+        self.rows.append((path, case, text(w), text(g), usage, logprobs, kv, g == w))
+        assert g == w, f"{path} {case}: proxy answer differs from the baseline"
 
-    def record_text(self, case: str, got_text: str, want_text: str, usage_same: bool) -> None:
-        self.rows.append(
-            (
-                case,
-                want_text,
-                got_text,
-                "same" if usage_same else "DIFFERENT",
-                "n/a",
-                got_text == want_text and usage_same,
-            )
-        )
+    def record_text(
+        self,
+        case: str,
+        got_text: str,
+        want_text: str,
+        usage_same: bool,
+        path: str = EPD,
+        kv: str = "n/a",
+        logprobs: str = "n/a",
+    ) -> None:
+        match = got_text == want_text and usage_same and logprobs in ("n/a", "same")
+        self.rows.append((path, case, want_text, got_text, "same" if usage_same else "DIFFERENT", logprobs, kv, match))
 
     def markdown(self) -> str:
-        lines = ["| case | baseline | EPD via proxy | usage | logprobs | match |", "|---|---|---|---|---|---|"]
-        lines += [f"| {c} | `{b}` | `{e}` | {u} | {lp} | {'yes' if m else 'NO'} |" for c, b, e, u, lp, m in self.rows]
+        lines = [
+            "| path | case | baseline | via proxy | usage | logprobs | decode loaded from prefill | match |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {p} | {c} | `{b}` | `{e}` | {u} | {lp} | {kv} | {'yes' if m else 'NO'} |"
+            for p, c, b, e, u, lp, kv, m in self.rows
+        ]
         return "\n".join(lines) + "\n"
 
 
+# Lines for the end-of-session summary. Printed from pytest_terminal_summary: output written
+# while a fixture tears down is captured like the test's own and would be lost.
+_SUMMARY: list[str] = []
+
+
 @pytest.fixture(scope="session")
-def fidelity(stack, request):
+def fidelity(_stacks):
     table = FidelityTable()
     yield table
     if table.rows:
         report = table.markdown()
-        (stack.work_dir / "fidelity.md").write_text(report)
-        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-        if reporter is not None:
-            reporter.write_line("")
-            reporter.write_line(
-                f"[e2e] fidelity, proxy (2 encoders + PD) vs one plain vLLM ({stack.work_dir}/fidelity.md):"
-            )
-            for line in report.splitlines():
-                reporter.write_line(line)
+        WORK.mkdir(parents=True, exist_ok=True)
+        (WORK / "fidelity.md").write_text(report)
+        _SUMMARY.append(f"[e2e] fidelity, proxy (2 encoders + PD or P + D) vs one plain vLLM ({WORK}/fidelity.md):")
+        _SUMMARY.extend(report.splitlines())
+    for kind, st in _stacks.started.items():
+        try:
+            timings = json.loads((st.work_dir / "timings.json").read_text())
+        except (OSError, ValueError):
+            continue
+        _SUMMARY.append(f"[e2e] {kind} stack start-up and memory: {json.dumps(timings)}")
+
+
+def pytest_terminal_summary(terminalreporter):
+    for line in _SUMMARY:
+        terminalreporter.write_line(line)

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import json
 import re
+import struct
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 MODEL = "tiny-vlm"
+# The two topologies the tests run, as the fidelity table names them.
+EPD, PREFILL = "E+PD", "E+P+D"
 # Byte-level tokenizer of the tiny model: byte b has token id b.
 LOWERCASE_IDS = list(range(ord("a"), ord("z") + 1))
 SMALL = (224, 160)  # 8 x 6 merged patches = 48 image tokens by default
@@ -157,3 +161,44 @@ def loaded_hashes(pd_log: Path) -> list[str]:
     except OSError:
         return []
     return re.findall(r"Success load encoder cache for hash (\S+)", text)
+
+
+# ---- E+P+D: the KV handover through vLLM's disk-based ExampleConnector ----------------------
+_INJECT_RE = re.compile(r"Inject KV cache of (\d+) tokens")
+
+
+def kv_loads(decode_log: Path) -> list[int]:
+    """Token counts decode loaded from the KV store, in log order (INFO level)."""
+    try:
+        return [int(n) for n in _INJECT_RE.findall(decode_log.read_text(errors="replace"))]
+    except OSError:
+        return []
+
+
+def kv_entries(store: Path) -> dict[str, list[str]]:
+    """KV store folders -> the per-layer files saved in them."""
+    if not store.exists():
+        return {}
+    return {p.name: sorted(f.name for f in p.glob("*.safetensors")) for p in store.iterdir() if p.is_dir()}
+
+
+def kv_saved_tokens(prompt_tokens: int, block_size: int) -> int:
+    """Tokens prefill saves and decode loads: whole blocks of the prompt minus its last token."""
+    return (prompt_tokens - 1) // block_size * block_size
+
+
+def kv_folder(prompt_token_ids: list[int], block_size: int, mm_hashes: list[str]) -> str:
+    """The folder vLLM 0.32's ExampleConnector keys a prompt's saved KV by: md5 over the int64
+    ids of the saved tokens, then the media hashes joined by '-'."""
+    n = kv_saved_tokens(len(prompt_token_ids), block_size)
+    data = struct.pack(f"<{n}q", *prompt_token_ids[:n]) + "-".join(mm_hashes).encode()
+    return hashlib.md5(data).hexdigest()
+
+
+def zero_safetensors(path: Path) -> None:
+    """Overwrite every tensor in a safetensors file with zeros, keeping its header."""
+    raw = bytearray(path.read_bytes())
+    header_len = struct.unpack("<Q", raw[:8])[0]
+    start = 8 + header_len
+    raw[start:] = bytes(len(raw) - start)
+    path.write_bytes(raw)

@@ -17,6 +17,17 @@ def test_cores_two_cpu_box():
     assert got == {"encoder-0": "0", "encoder-1": "0", "pd": "1", "baseline": "1"}
 
 
+def test_cores_two_cpu_box_prefill():
+    got = assign_cores(2, True, [0, 1], prefill=True)
+    # Decode streams tokens: it keeps a core; prefill runs between encoding and decode.
+    assert got == {"encoder-0": "0", "encoder-1": "0", "prefill": "0", "decode": "1", "baseline": "1"}
+    assert assign_cores(1, False, list(range(6)), prefill=True) == {
+        "encoder-0": "0-1",
+        "prefill": "2-3",
+        "decode": "4-5",
+    }
+
+
 def test_cores_spread_when_plenty():
     got = assign_cores(1, False, list(range(8)))
     assert got == {"encoder-0": "0-3", "pd": "4-7"}
@@ -50,6 +61,61 @@ def test_dry_run_is_shell(capsys):
     assert "TMPDIR=" in out and "VLLM_CPU_OMP_THREADS_BIND=1" in out
 
 
+def _vllm_lines(out: str) -> dict[str, list[str]]:
+    """Instance name -> argv of its vLLM command in a dry-run script."""
+    names = [ln[2:].split(":")[0] for ln in out.splitlines() if ln.startswith("# ") and "/health" in ln]
+    lines = [shlex.split(ln) for ln in out.splitlines() if "vllm.entrypoints.openai.api_server" in ln]
+    return dict(zip(names, lines))
+
+
+def _json_flag(argv: list[str], flag: str):
+    return json.loads(argv[argv.index(flag) + 1]) if flag in argv else None
+
+
+def test_dry_run_prefill_is_e_p_d(capsys):
+    work = Path("/nonexistent-epd-dry-run/p")
+    rc = up_main(
+        ["--prefill", "--encoders", "2", "--baseline", "--dry-run", "--work-dir", str(work), "--base-port", "8300"]
+    )
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert not work.exists(), "dry run must not touch the disk"
+    subprocess.run(["bash", "-n"], input=out, text=True, check=True)
+    servers = _vllm_lines(out)
+    assert list(servers) == ["encoder-0", "encoder-1", "prefill", "decode", "baseline"]
+    ec = {n: (_json_flag(a, "--ec-transfer-config") or {}).get("ec_role") for n, a in servers.items()}
+    kv = {n: _json_flag(a, "--kv-transfer-config") for n, a in servers.items()}
+    assert ec == {
+        "encoder-0": "ec_producer",
+        "encoder-1": "ec_producer",
+        "prefill": "ec_consumer",
+        # decode recomputes the prompt's last block, which may hold image tokens
+        "decode": "ec_consumer",
+        "baseline": None,
+    }
+    assert kv["prefill"]["kv_role"] == "kv_producer" and kv["decode"]["kv_role"] == "kv_consumer"
+    assert kv["encoder-0"] is None and kv["baseline"] is None
+    assert {kv[n]["kv_connector"] for n in ("prefill", "decode")} == {"ExampleConnector"}
+    store = {kv[n]["kv_connector_extra_config"]["shared_storage_path"] for n in ("prefill", "decode")}
+    assert store == {str(work / "kv_store")}
+    # Whole blocks move: prefill, decode and the baseline share a small block size.
+    blocks = {n: a[a.index("--block-size") + 1] if "--block-size" in a else None for n, a in servers.items()}
+    assert blocks == {"encoder-0": None, "encoder-1": None, "prefill": "32", "decode": "32", "baseline": "32"}
+    ports = {n: a[a.index("--port") + 1] for n, a in servers.items()}
+    assert ports == {"decode": "8300", "encoder-0": "8301", "encoder-1": "8302", "prefill": "8303", "baseline": "8304"}
+    (proxy,) = [shlex.split(ln) for ln in out.splitlines() if "epd_proxy serve" in ln]
+    assert proxy[proxy.index("--prefill-servers-urls") + 1] == "http://127.0.0.1:8303"
+    assert proxy[proxy.index("--decode-servers-urls") + 1] == "http://127.0.0.1:8300"
+    mkdir = [ln for ln in out.splitlines() if ln.startswith("mkdir -p ")]
+    assert str(work / "kv_store") in mkdir[0], "the KV store folder is created up front"
+
+
+def test_dry_run_without_prefill_has_no_kv_role(capsys):
+    assert up_main(["--dry-run", "--work-dir", "/nonexistent-epd-dry-run/q"]) == 0
+    out = capsys.readouterr().out
+    assert "--kv-transfer-config" not in out and "--block-size" not in out and "--prefill-servers-urls" not in out
+
+
 def test_local_package_imports_without_torch():
     code = (
         "import sys, epd_proxy.local.up, epd_proxy.local.stack, epd_proxy.local.tiny_model, "
@@ -66,6 +132,17 @@ def test_stack_urls():
     assert st.encoder_urls == [f"http://127.0.0.1:{p}" for p in (9001, 9002, 9003)]
     assert st.baseline_url == "http://127.0.0.1:9004"
     assert st.proxy_url == "http://127.0.0.1:9100"
+    assert st.prefill_url is None
+
+
+def test_stack_urls_prefill():
+    cfg = StackConfig(encoders=2, prefill=True, baseline=True, base_port=9000, work_dir=Path("/nonexistent/w"))
+    st = LocalStack(cfg)
+    assert st.decode_url == st.pd_url == "http://127.0.0.1:9000"
+    assert st.encoder_urls == ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
+    assert st.prefill_url == "http://127.0.0.1:9003"
+    assert st.baseline_url == "http://127.0.0.1:9004"
+    assert [m.name for m in st.instances] == ["encoder-0", "encoder-1", "prefill", "decode", "baseline"]
 
 
 def test_ready_banner_examples_are_runnable():
@@ -80,6 +157,17 @@ def test_ready_banner_examples_are_runnable():
     assert body["messages"][0]["content"][1]["image_url"]["url"] == tiny_png_data_url()
     assert body["allowed_token_ids"] == list(range(97, 123))
     assert 'base_url="http://127.0.0.1:8123/v1"' in text
+    assert "E+PD stack ready" in text and "pd:" in text and "KV store" not in text
+
+
+def test_ready_banner_prefill_names_both_instances():
+    from epd_proxy.local.up import ready_banner
+
+    st = LocalStack(StackConfig(encoders=1, prefill=True, base_port=9000, work_dir=Path("/nonexistent/w")))
+    text = ready_banner(st)
+    assert "E+P+D stack ready" in text
+    assert "prefill:  http://127.0.0.1:9002" in text and "decode:   http://127.0.0.1:9000" in text
+    assert "KV store: /nonexistent/w/kv_store" in text
 
 
 def test_work_dir_of_a_live_stack_is_not_taken_over():
