@@ -20,8 +20,9 @@ from epd_proxy.health import Health
 from epd_proxy.metrics import Metrics
 from epd_proxy.pipeline import ClientBody, Pipeline, Trace
 from epd_proxy.prober import Prober, check_pool
-from epd_proxy.registry import Registry, check_admin_key
+from epd_proxy.registry import Registry, check_admin_key, normalize_url, parse_registration
 from epd_proxy.relay import ABORTED, CLIENT_GONE, relay
+from epd_proxy.roster import open_roster
 from epd_proxy.routing import make_policy
 from epd_proxy.status import add_status_routes
 from epd_proxy.upstream import Timeouts, Upstream, UpstreamFailure
@@ -53,6 +54,10 @@ class ProxyState:
             DECODE: make_policy(config.decode_policy),
         }
         self.metrics = Metrics(self.fleet, self.health)
+        # Shared membership for replicas and workers; health stays per process.
+        self.roster = open_roster(config, self.fleet, self.health.in_rotation)
+        if self.roster is not None:
+            self.metrics.watch_roster(self.roster)
         self.inflight = 0
         self.upstream: Upstream | None = None
         # Active checks get their own small pool: a backend whose request connections are all busy
@@ -71,6 +76,8 @@ class ProxyState:
             headers=headers,
         )
         self.pipeline = Pipeline(config, self.fleet, self.health, self.upstream, self.policies, self.metrics)
+        if self.roster is not None:
+            await self.roster.start()
         if config.probe_interval_s > 0:
             self.probes = check_pool(config)
             self.prober = Prober(
@@ -89,6 +96,8 @@ class ProxyState:
         ttl = self.config.evicted_ttl_s
         if not self.config.dynamic_registration or ttl <= 0:
             return
+        if self.roster is not None:
+            return  # the store's TTL forgets them, for every process at once (roster.py)
         for url in self.health.out_longer_than(ttl):
             self.fleet.forget(url, f"out of rotation for more than {ttl:g}s")
 
@@ -98,6 +107,8 @@ class ProxyState:
             self.forget_expired()
 
     async def close(self) -> None:
+        if self.roster is not None:
+            await self.roster.close()
         for task in self._background:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
@@ -308,6 +319,9 @@ async def health(request: web.Request) -> web.Response:
     if state.config.dynamic_registration:
         roster = state.fleet.snapshot(state.health.in_rotation)
         body = {"proxy": "healthy", "instances": roster, "health": instances}
+        if state.roster is not None:
+            # Reported, not fatal: routing goes on from the last roster read while the store is away.
+            body["roster"] = state.roster.status()
         return web.Response(body=orjson.dumps(body), content_type="application/json")
     body: dict[str, Any] = {"proxy": "healthy"}
     consumer_role = {ENCODE: (ENCODE,), PREFILL: (PREFILL,), DECODE: (DECODE, PREFILL_DECODE)}
@@ -406,7 +420,10 @@ async def register_instance(request: web.Request) -> web.Response:
     try:
         check_admin_key(state.config.admin_api_key, request.headers.get("X-API-Key"))
         payload = parse_json_body(await request.read())
-        created = state.fleet.register(payload)
+        if state.roster is not None:
+            created = await state.roster.add(parse_registration(payload))
+        else:
+            created = state.fleet.register(payload)
     except ProxyError as exc:
         return error_response(exc)
     return web.Response(body=orjson.dumps({"registered": created}), content_type="application/json")
@@ -416,7 +433,10 @@ async def unregister_instance(request: web.Request) -> web.Response:
     state = request.app[STATE]
     try:
         check_admin_key(state.config.admin_api_key, request.headers.get("X-API-Key"))
-        removed = state.fleet.unregister(request.query.get("url"))
+        if state.roster is not None:
+            removed = await state.roster.remove(normalize_url(request.query.get("url")))
+        else:
+            removed = state.fleet.unregister(request.query.get("url"))
     except ProxyError as exc:
         return error_response(exc)
     return web.Response(body=orjson.dumps({"removed": removed}), content_type="application/json")

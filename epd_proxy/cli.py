@@ -312,7 +312,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--workers",
         type=_int_at_least(1),
         default=1,
-        help="proxy processes sharing the port (SO_REUSEPORT); static mode only (default: 1)",
+        help="proxy processes sharing the port (SO_REUSEPORT); dynamic mode needs --roster (default: 1)",
+    )
+    ours.add_argument(
+        "--roster",
+        default=default("roster_url"),
+        metavar="URL",
+        help="dynamic mode: keep the roster in this Redis (redis://host:6379/0?prefix=epd), shared by "
+        "every worker and replica (default: in-process)",
     )
     ours.add_argument(
         "--log-format",
@@ -377,6 +384,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> Config
         ejection_time_s=args.ejection_time,
         max_ejection_time_s=args.max_ejection_time,
         max_ejection_percent=args.max_ejection_percent,
+        roster_url=args.roster,
         log_format=args.log_format,
     )
 
@@ -490,8 +498,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = config_from_args(args, os.environ)
-        if args.workers > 1 and config.dynamic_registration:
-            raise ConfigError("--workers > 1 needs static URLs: each worker would hold its own registry")
+        if config.roster_url:
+            from epd_proxy.roster import require_client
+
+            require_client()
+        if args.workers > 1 and config.dynamic_registration and not config.roster_url:
+            raise ConfigError("--workers > 1 in dynamic mode needs --roster: each worker would hold its own registry")
     except ConfigError as exc:
         parser.error(str(exc))
     try:

@@ -66,6 +66,9 @@ class Config:
     max_ejection_time_s: float = 300.0
     # Share of a role's instances that transport failures may eject at once (one always stays).
     max_ejection_percent: int = 50
+    # Dynamic mode: the roster lives in this store (redis://host:port/db?prefix=...), shared by
+    # every proxy process; empty = in-process roster, one worker.
+    roster_url: str = ""
     log_format: str = "text"
     # How many other encoders a failed sub-request may be retried on (transport error, timeout, 5xx).
     encoder_failovers: int = 1
@@ -92,6 +95,11 @@ class Config:
                 raise ConfigError("--decode-servers-urls needs at least one URL")
             if not self.encode_urls:
                 raise ConfigError("--encode-servers-urls needs at least one URL")
+        if self.roster_url:
+            if not self.dynamic_registration:
+                raise ConfigError("--roster holds the dynamic roster: add --dynamic-registration")
+            if self.roster_url.split("://", 1)[0] not in ("redis", "rediss", "unix"):
+                raise ConfigError(f"--roster must be a redis://, rediss:// or unix:// URL, got {self.roster_url!r}")
         if self.fail_threshold < 1:
             raise ConfigError(f"--fail-threshold must be >= 1, got {self.fail_threshold}")
         if self.ejection_time_s <= 0:

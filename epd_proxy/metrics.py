@@ -45,6 +45,24 @@ class _FleetCollector:
         yield from (inflight, up, failures, ejections)
 
 
+class _RosterCollector:
+    """The shared roster store's state (see roster.py), read at scrape time."""
+
+    def __init__(self, roster) -> None:
+        self._roster = roster
+
+    def collect(self):
+        up = GaugeMetricFamily(
+            "epd_roster_up", "1 while the shared roster store answers; 0 while routing on the last roster read"
+        )
+        up.add_metric([], 1 if self._roster.up else 0)
+        since = GaugeMetricFamily("epd_roster_seconds_since_sync", "Seconds since the roster was last read")
+        seconds = self._roster.seconds_since_sync()
+        if seconds is not None:
+            since.add_metric([], seconds)
+        yield from (up, since)
+
+
 class Metrics:
     def __init__(self, fleet: Registry, health: Health) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -92,6 +110,9 @@ class Metrics:
                 family.remove(inst.url)
             except KeyError:
                 pass  # never labelled with it (prometheus_client before 0.20 raises for that)
+
+    def watch_roster(self, roster) -> None:
+        self.registry.register(_RosterCollector(roster))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

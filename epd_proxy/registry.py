@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
@@ -37,6 +38,55 @@ def normalize_url(url: Any) -> str:
     except ValueError:
         raise RegistryError(422, f"'url' has an invalid port: {url!r}") from None
     return url
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """What a registration says about an instance: membership only, no health."""
+
+    url: str
+    role: str
+    zmq_addrs: tuple[str, ...] = ()
+    dp_size: int = 1
+    # Registration order in a shared roster, so every process rotates over instances alike.
+    seq: int = 0
+
+    def instance(self) -> Instance:
+        return Instance(self.url, self.role, zmq_addrs=self.zmq_addrs, dp_size=self.dp_size)
+
+
+def parse_registration(payload: Any) -> Record:
+    """A `POST /instances` body, validated like the reference proxy."""
+    if not isinstance(payload, dict):
+        raise RegistryError(422, "registration body must be a JSON object")
+    role = payload.get("role")
+    if role not in ROLES:
+        raise RegistryError(422, f"'role' must be one of {list(ROLES)}, got {role!r}")
+    url = normalize_url(payload.get("url"))
+    dp_size = payload.get("dp_size", 1)
+    if type(dp_size) is not int or dp_size < 1:
+        raise RegistryError(422, f"'dp_size' must be an integer >= 1, got {dp_size!r}")
+    zmq = payload.get("ec_zmq_addrs", [])
+    if not isinstance(zmq, list) or not all(isinstance(a, str) and a for a in zmq):
+        raise RegistryError(422, "'ec_zmq_addrs' must be a list of addresses")
+    if zmq and len(zmq) != dp_size:
+        raise RegistryError(422, f"'ec_zmq_addrs' needs one address per DP replica ({dp_size}), got {len(zmq)}")
+    if zmq and role not in (PREFILL, PREFILL_DECODE):
+        raise RegistryError(400, f"'ec_zmq_addrs' belongs to an EC consumer (prefill or prefill_decode), not {role}")
+    return Record(url, role, tuple(zmq), dp_size)
+
+
+def check_fits(record: Record, members: Mapping[str, Record | Instance]) -> None:
+    """409 when the record clashes with the fleet: another role for a known URL, or prefill_decode
+    mixed with standalone prefill/decode (members out of rotation count too, as in the reference)."""
+    existing = members.get(record.url)
+    if existing is not None and existing.role != record.role:
+        raise RegistryError(409, f"{record.url} is registered as {existing.role}; unregister it first")
+    roles_present = {m.role for url, m in members.items() if url != record.url}
+    if record.role == PREFILL_DECODE and roles_present & {PREFILL, DECODE}:
+        raise RegistryError(409, "cannot mix prefill_decode with standalone prefill/decode instances")
+    if record.role in (PREFILL, DECODE) and PREFILL_DECODE in roles_present:
+        raise RegistryError(409, f"cannot mix standalone {record.role} with prefill_decode instances")
 
 
 class Watcher(Protocol):
@@ -115,43 +165,35 @@ class Registry:
     # -- dynamic registration --------------------------------------------------------------------
     def register(self, payload: Any) -> bool:
         """Validate like the reference proxy; True if the URL is new."""
-        if not isinstance(payload, dict):
-            raise RegistryError(422, "registration body must be a JSON object")
-        role = payload.get("role")
-        if role not in ROLES:
-            raise RegistryError(422, f"'role' must be one of {list(ROLES)}, got {role!r}")
-        url = normalize_url(payload.get("url"))
-        dp_size = payload.get("dp_size", 1)
-        if type(dp_size) is not int or dp_size < 1:
-            raise RegistryError(422, f"'dp_size' must be an integer >= 1, got {dp_size!r}")
-        zmq = payload.get("ec_zmq_addrs", [])
-        if not isinstance(zmq, list) or not all(isinstance(a, str) and a for a in zmq):
-            raise RegistryError(422, "'ec_zmq_addrs' must be a list of addresses")
-        if zmq and len(zmq) != dp_size:
-            raise RegistryError(422, f"'ec_zmq_addrs' needs one address per DP replica ({dp_size}), got {len(zmq)}")
-        if zmq and role not in (PREFILL, PREFILL_DECODE):
-            raise RegistryError(
-                400, f"'ec_zmq_addrs' belongs to an EC consumer (prefill or prefill_decode), not {role}"
-            )
-        existing = self._records.get(url)
-        if existing is not None and existing.role != role:
-            raise RegistryError(409, f"{url} is registered as {existing.role}; unregister it first")
-        roles_present = {inst.role for inst in self._records.values() if inst is not existing}
-        if role == PREFILL_DECODE and roles_present & {PREFILL, DECODE}:
-            raise RegistryError(409, "cannot mix prefill_decode with standalone prefill/decode instances")
-        if role in (PREFILL, DECODE) and PREFILL_DECODE in roles_present:
-            raise RegistryError(409, f"cannot mix standalone {role} with prefill_decode instances")
-        record = (tuple(zmq), dp_size)
+        record = parse_registration(payload)
+        check_fits(record, self._records)
+        existing = self._records.get(record.url)
         if existing is not None:
-            if (existing.zmq_addrs, existing.dp_size) != record:
+            if (existing.zmq_addrs, existing.dp_size) != (record.zmq_addrs, record.dp_size):
                 # Same role, new details: update in place so in-flight counts survive.
-                existing.zmq_addrs, existing.dp_size = record
+                existing.zmq_addrs, existing.dp_size = record.zmq_addrs, record.dp_size
             for watcher in self._watchers:
                 watcher.rejoined(existing)
             return False
-        self._add(Instance(url, role, zmq_addrs=tuple(zmq), dp_size=dp_size))
-        log.info("registered %s as %s", url, role)
+        self._add(record.instance())
+        log.info("registered %s as %s", record.url, record.role)
         return True
+
+    def sync(self, records: Mapping[str, Record]) -> None:
+        """Make membership equal to a shared roster's records (see roster.py). Members that stay
+        keep their in-flight counts and, through the watchers, their local health state."""
+        for url, inst in list(self._records.items()):
+            record = records.get(url)
+            if record is None or record.role != inst.role:
+                self._remove(url)
+                log.info("roster: %s %s left", inst.role, url)
+        for record in sorted(records.values(), key=lambda r: r.seq):
+            inst = self._records.get(record.url)
+            if inst is None:
+                self._add(record.instance())
+                log.info("roster: %s %s joined", record.role, record.url)
+            elif (inst.zmq_addrs, inst.dp_size) != (record.zmq_addrs, record.dp_size):
+                inst.zmq_addrs, inst.dp_size = record.zmq_addrs, record.dp_size
 
     def unregister(self, url: Any) -> bool:
         url = normalize_url(url)
