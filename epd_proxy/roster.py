@@ -134,6 +134,7 @@ class RedisRoster:
         self._up = False
         self._error = "not connected yet"
         self._last_sync: float | None = None
+        self._last: dict[str, Record] = {}
         self._synced = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -186,6 +187,7 @@ class RedisRoster:
     async def resync(self) -> None:
         records = await self._read(self._client)
         self._on_change(records)
+        self._last = records
         self._last_sync = self._clock()
         if not self._up:
             log.info("roster store %s is up: %d instances", self.url, len(records))
@@ -213,13 +215,23 @@ class RedisRoster:
             except Exception as exc:  # any store failure: keep routing, retry
                 was_up = self._up
                 self._mark_down(exc)
+                await self._drop_connections()
                 delay = 0.05 if was_up else min(delay * 2, MAX_BACKOFF_S)
             await asyncio.sleep(delay)
+
+    async def _drop_connections(self) -> None:
+        """Pooled connections to a store that went away would fail once each after it is back
+        (redis-py does not notice the server's close while they sit idle): drop them all."""
+        try:
+            await self._client.connection_pool.disconnect()
+        except Exception:  # closing what is already broken may fail too
+            log.debug("roster: closing the store connections failed", exc_info=True)
 
     async def _follow(self) -> None:
         async with self._client.pubsub() as pubsub:
             # Subscribe before reading, so a change made in between is not missed.
             await pubsub.subscribe(self._channel)
+            await self._reseed_if_wiped()
             await self.resync()
             next_round = self._clock() + self.interval_s
             while True:
@@ -234,6 +246,30 @@ class RedisRoster:
                     await self._renew_leases()
                     await self.resync()
                     next_round = self._clock() + self.interval_s
+
+    async def _reseed_if_wiped(self) -> None:
+        """A store that lost its data (restarted without persistence) has no version key: writers
+        create it and nothing deletes it. Put back the roster this process last read, so a store
+        restart does not empty the fleet. A roster emptied by unregistering keeps its version key
+        and stays empty."""
+        from redis.exceptions import WatchError
+
+        if not self._last:
+            return
+        async with self._client.pipeline(transaction=True) as pipe:
+            try:
+                await pipe.watch(self._version_key)
+                if await pipe.exists(self._version_key):
+                    return
+                pipe.multi()
+                for record in self._last.values():
+                    pipe.set(self._key_prefix + record.url, encode_record(record), px=self.ttl_ms, nx=True)
+                pipe.incr(self._version_key)
+                pipe.publish(self._channel, "reseed")
+                await pipe.execute()
+            except WatchError:
+                return  # another process put its roster back first
+        log.warning("roster store %s had lost its data; restored the %d instances last read", self.url, len(self._last))
 
     # -- writing -------------------------------------------------------------------------------------
     def _refuse(self, exc: BaseException | None = None) -> RosterUnavailable:
@@ -273,6 +309,7 @@ class RedisRoster:
                         continue  # someone else changed the roster meanwhile: check again
             await self.resync()
         except (RedisError, OSError) as exc:
+            await self._drop_connections()
             raise self._refuse(exc) from None
         log.info("roster: stored %s as %s", record.url, record.role)
         return existing is None
@@ -290,6 +327,7 @@ class RedisRoster:
                 deleted, _, _ = await pipe.execute()
             await self.resync()
         except (RedisError, OSError) as exc:
+            await self._drop_connections()
             raise self._refuse(exc) from None
         return bool(deleted)
 

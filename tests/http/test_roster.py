@@ -1,0 +1,280 @@
+"""Proxy processes sharing one dynamic roster through a real redis-server (`--roster`).
+
+Every proxy is a real `epd-proxy serve` process; the backends are in-process fakes. Tests wait by
+polling with deadlines, never by sleeping for a fixed time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+
+from epd_proxy.testing.fake_vllm import ECStore, FakeVLLM
+from epd_proxy.testing.redis_server import RedisServer
+from tests.media import chat, image
+
+KEY = "roster-test-key"
+DEADLINE_S = 20.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], what: str, deadline_s: float = DEADLINE_S) -> float:
+    """Poll until `check` holds; seconds it took."""
+    started = time.monotonic()
+    while True:
+        try:
+            if await check():
+                return time.monotonic() - started
+        except (aiohttp.ClientError, TimeoutError):
+            pass
+        if time.monotonic() - started > deadline_s:
+            pytest.fail(f"not within {deadline_s}s: {what}")
+        await asyncio.sleep(0.02)
+
+
+class Proxy:
+    def __init__(self, client: aiohttp.ClientSession, roster_url: str, *extra: str, workers: int = 1) -> None:
+        self.client = client
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "epd_proxy", "serve", "--host", "127.0.0.1", "--port", str(self.port)]
+        cmd += ["--dynamic-registration", "--roster", roster_url, "--workers", str(workers), "--log-level", "WARNING"]
+        cmd += ["--probe-interval", "0.2", "--probe-timeout", "1", *extra]
+        self.proc = subprocess.Popen(cmd, env={**os.environ, "ADMIN_API_KEY": KEY})
+
+    async def ready(self) -> None:
+        async def up() -> bool:
+            assert self.proc.poll() is None, f"proxy on {self.port} exited with {self.proc.returncode}"
+            return (await self.get("/health"))[0] == 200
+
+        await eventually(up, f"proxy on {self.port} answers /health")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+    async def get(self, path: str) -> tuple[int, dict | str]:
+        async with self.client.get(self.url + path) as resp:
+            body = await resp.json() if resp.content_type == "application/json" else await resp.text()
+            return resp.status, body
+
+    async def register(self, role: str, url: str) -> tuple[int, dict]:
+        body = {"role": role, "url": url}
+        async with self.client.post(f"{self.url}/instances", json=body, headers={"X-API-Key": KEY}) as resp:
+            return resp.status, await resp.json()
+
+    async def unregister(self, url: str) -> tuple[int, dict]:
+        async with self.client.delete(f"{self.url}/instances", params={"url": url}, headers={"X-API-Key": KEY}) as resp:
+            return resp.status, await resp.json()
+
+    async def members(self) -> dict[str, list[str]]:
+        """role -> URLs (live or evicted) as this process sees them."""
+        status, body = await self.get("/instances")
+        assert status == 200
+        return {role: sorted(v["live"] + v["evicted"]) for role, v in body.items() if v["live"] or v["evicted"]}
+
+    async def roster_status(self) -> str:
+        return (await self.get("/health"))[1]["roster"]["status"]
+
+    async def chat(self, n: int, with_image: bool = True) -> tuple[int, dict]:
+        body = chat(image(str(n))) if with_image else chat(text=f"question {n}")
+        async with self.client.post(f"{self.url}/v1/chat/completions", json=body) as resp:
+            return resp.status, await resp.json()
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path):
+    server = RedisServer(free_port(), tmp_path / "redis").start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+async def fakes():
+    """Start in-process fake vLLM servers: `await fakes("encode", "pd")` -> [(fake, url), ...]."""
+    store = ECStore()
+    servers: list[TestServer] = []
+
+    async def start(*roles: str) -> list[tuple[FakeVLLM, str]]:
+        out = []
+        for role in roles:
+            fake = FakeVLLM(role, store)
+            server = TestServer(fake.app(), host="127.0.0.1")
+            await server.start_server()
+            servers.append(server)
+            out.append((fake, str(server.make_url("")).rstrip("/")))
+        return out
+
+    yield start
+    for server in servers:
+        await server.close()
+
+
+@pytest.fixture
+async def proxies(redis_server):
+    started: list[Proxy] = []
+    client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15))
+
+    async def start(n: int, *extra: str, workers: int = 1) -> list[Proxy]:
+        new = [Proxy(client, redis_server.url("t"), *extra, workers=workers) for _ in range(n)]
+        started.extend(new)
+        await asyncio.gather(*(p.ready() for p in new))
+        return new
+
+    yield start
+    for proxy in started:
+        await asyncio.to_thread(proxy.stop)
+    await client.close()
+
+
+async def test_three_processes_share_one_roster_and_survive_the_store(redis_server, fakes, proxies):
+    (encoder, e_url), (pd, pd_url), (_, e2_url) = await fakes("encode", "pd", "encode")
+    a, b, c = await proxies(3)
+    want = {"encode": [e_url], "prefill_decode": [pd_url]}
+
+    # Register through A; B and C learn of it from the store's change notification.
+    assert await a.register("encode", e_url) == (200, {"registered": True})
+    assert await a.register("prefill_decode", pd_url) == (200, {"registered": True})
+    assert await a.members() == want  # read-your-writes on the process that took the registration
+    seen = await asyncio.gather(
+        *(eventually(lambda p=p: _has(p, want), f"{p.url} sees A's registrations") for p in (b, c))
+    )
+    print(f"\nregistration visible on the other processes after {max(seen) * 1000:.0f} ms")
+
+    # Route through the others.
+    for n, proxy in enumerate((b, c, b, c)):
+        status, body = await proxy.chat(n)
+        assert status == 200, body
+    assert len(encoder.requests) == 4 and pd.loaded_from_cache == 4
+
+    # Same rules as one registry: a role conflict found in the shared roster is a 409 anywhere.
+    status, body = await b.register("decode", e2_url)
+    assert status == 409 and "prefill_decode" in body["error"]["message"]
+    status, body = await c.register("prefill_decode", e_url)
+    assert status == 409
+
+    # Delete through a third process; everyone drops it, and image requests have no encoder left.
+    assert await c.unregister(e_url) == (200, {"removed": True})
+    for proxy in (a, b, c):
+        await eventually(lambda p=proxy: _has(p, {"prefill_decode": [pd_url]}), f"{proxy.url} drops the encoder")
+    status, body = await a.chat(10)
+    assert status == 503, body
+    assert await b.register("encode", e_url) == (200, {"registered": True})
+    for proxy in (a, b, c):
+        await eventually(lambda p=proxy: _has(p, want), f"{proxy.url} sees the encoder again")
+
+    # The store goes away: traffic continues on the last roster, the store is reported down,
+    # and the fleet cannot change.
+    redis_server.kill()
+    for proxy in (a, b, c):
+        await eventually(lambda p=proxy: _status_is(p, "down"), f"{proxy.url} reports the store down")
+        status, metrics = await proxy.get("/metrics")
+        assert "epd_roster_up 0.0" in metrics
+    for n, proxy in enumerate((a, b, c, a, b, c), start=20):
+        status, body = await proxy.chat(n)
+        assert status == 200, body
+    status, body = await a.register("encode", e2_url)
+    assert status == 503 and body["error"]["type"] == "roster_unavailable", body
+    assert "unreachable" in body["error"]["message"]
+    status, body = await c.unregister(e_url)
+    assert status == 503, body
+    assert await b.members() == want
+
+    # It comes back empty (no persistence): the processes put the roster back, converge, and
+    # accept changes again, seen everywhere.
+    redis_server.start()
+    for proxy in (a, b, c):
+        await eventually(lambda p=proxy: _status_is(p, "up"), f"{proxy.url} reports the store up")
+    assert redis_server.command("EXISTS", f"t:instance:{pd_url}") == "1"
+    status, body = await c.register("encode", e2_url)
+    assert (status, body) == (200, {"registered": True})
+    both = {"encode": sorted([e_url, e2_url]), "prefill_decode": [pd_url]}
+    for proxy in (a, b, c):
+        await eventually(lambda p=proxy: _has(p, both), f"{proxy.url} converges after the store restart")
+        status, metrics = await proxy.get("/metrics")
+        assert "epd_roster_up 1.0" in metrics
+
+
+async def test_a_record_nobody_keeps_alive_expires_everywhere(redis_server, fakes, proxies):
+    """--evicted-ttl is the record's TTL in the store: instances some process has in rotation get
+    it renewed; one that every process evicted is forgotten by all of them when it runs out."""
+    ((pd, pd_url),) = await fakes("pd")
+    dead_url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    a, b = await proxies(2, "--evicted-ttl", "1.5", "--fail-threshold", "1")
+    assert (await a.register("prefill_decode", pd_url))[0] == 200
+    registered_at = time.monotonic()
+    assert (await b.register("encode", dead_url))[0] == 200
+    ttl_ms = int(redis_server.command("PTTL", f"t:instance:{dead_url}"))
+    assert 0 < ttl_ms <= 1500
+
+    for proxy in (a, b):
+        await eventually(lambda p=proxy: _evicted(p, dead_url), f"{proxy.url} evicts the dead encoder")
+    for proxy in (a, b):
+        await eventually(lambda p=proxy: _has(p, {"prefill_decode": [pd_url]}), f"{proxy.url} forgets the dead encoder")
+    assert redis_server.command("EXISTS", f"t:instance:{dead_url}") == "0"
+    # The healthy PD outlived its own first TTL: the processes renewed its lease.
+    assert time.monotonic() - registered_at > 1.5
+    assert int(redis_server.command("PTTL", f"t:instance:{pd_url}")) > 0
+    status, body = await a.chat(1, with_image=False)
+    assert status == 200, body
+
+
+async def test_workers_share_the_roster(redis_server, fakes, proxies):
+    """`--workers 2 --roster`: one port, two processes, each fresh connection landing on either.
+    A registration reaching one worker must show on every read and route every request."""
+    (encoder, e_url), (pd, pd_url) = await fakes("encode", "pd")
+    (proxy,) = await proxies(1, workers=2)
+    assert (await proxy.register("encode", e_url))[0] == 200
+    assert (await proxy.register("prefill_decode", pd_url))[0] == 200
+    want = {"encode": [e_url], "prefill_decode": [pd_url]}
+    shared = proxy.client
+    proxy.client = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+    try:
+        # 30 reads in a row over fresh connections: a worker that missed it would show up.
+        streak = 0
+
+        async def consistent() -> bool:
+            nonlocal streak
+            streak = streak + 1 if await proxy.members() == want else 0
+            return streak >= 30
+
+        await eventually(consistent, "every worker sees the registrations")
+        for n in range(12):
+            status, body = await proxy.chat(n)
+            assert status == 200, body
+    finally:
+        await proxy.client.close()
+        proxy.client = shared
+    assert len(encoder.requests) == 12 and pd.loaded_from_cache == 12
+
+
+async def _has(proxy: Proxy, want: dict[str, list[str]]) -> bool:
+    return await proxy.members() == want
+
+
+async def _status_is(proxy: Proxy, status: str) -> bool:
+    return await proxy.roster_status() == status
+
+
+async def _evicted(proxy: Proxy, url: str) -> bool:
+    _, body = await proxy.get("/instances")
+    return url in body["encode"]["evicted"]

@@ -1,0 +1,113 @@
+"""The shared roster's pure parts: URL handling, stored records, and how a roster read is applied
+to a process's registry (membership changes, health state stays)."""
+
+from __future__ import annotations
+
+import pytest
+
+from epd_proxy.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE
+from epd_proxy.config import Config, ConfigError
+from epd_proxy.registry import Record, Registry, RegistryError, check_fits
+from epd_proxy.roster import decode_record, encode_record, redacted, split_roster_url
+
+
+def test_prefix_is_ours_and_the_rest_of_the_url_goes_to_the_client():
+    assert split_roster_url("redis://h:6379/2?prefix=fleet-a&socket_keepalive=true") == (
+        "redis://h:6379/2?socket_keepalive=true",
+        "fleet-a",
+    )
+    assert split_roster_url("redis://h:6379/0") == ("redis://h:6379/0", "epd")
+    with pytest.raises(ValueError, match="redis://"):
+        split_roster_url("etcd://h:2379/epd")
+
+
+def test_store_password_never_shows():
+    assert redacted("redis://:s3cret@h:6379/0") == "redis://***@h:6379/0"
+    assert redacted("rediss://user:s3cret@h:6379/0?prefix=x") == "rediss://user:***@h:6379/0?prefix=x"
+    assert redacted("redis://h:6379/0") == "redis://h:6379/0"
+
+
+def test_records_round_trip_and_garbage_is_skipped():
+    record = Record("http://p:1", PREFILL_DECODE, ("tcp://a:1", "tcp://a:2"), 2, seq=7)
+    assert decode_record(encode_record(record)) == record
+    assert decode_record(b"not json") is None
+    assert decode_record(b'{"url": "http://x"}') is None
+
+
+@pytest.mark.parametrize(
+    "kwargs, complaint",
+    [
+        ({"roster_url": "redis://h:6379/0"}, "--dynamic-registration"),
+        ({"roster_url": "etcd://h:2379", "dynamic_registration": True, "admin_api_key": "k"}, "redis://"),
+    ],
+)
+def test_roster_flag_checks(kwargs, complaint):
+    base = {"encode_urls": ("http://e",), "decode_urls": ("http://d",)}
+    if kwargs.get("dynamic_registration"):
+        base = {}
+    with pytest.raises(ConfigError, match=complaint):
+        Config(**{**base, **kwargs})
+
+
+def test_workers_in_dynamic_mode_need_the_roster(monkeypatch, capsys):
+    from epd_proxy import cli
+
+    monkeypatch.setenv("ADMIN_API_KEY", "k")
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--dynamic-registration", "--workers", "2"])
+    assert "--roster" in capsys.readouterr().err
+    started = []
+    monkeypatch.setattr(cli, "serve", lambda config, level, workers: started.append((config.roster_url, workers)))
+    assert cli.main(["serve", "--dynamic-registration", "--workers", "2", "--roster", "redis://h:6379/0"]) == 0
+    assert started == [("redis://h:6379/0", 2)]
+
+
+def registry() -> Registry:
+    return Registry(dynamic=True, fail_threshold=1)
+
+
+def test_sync_adds_removes_and_keeps_health_state():
+    fleet = registry()
+    e1, e2, pd = (
+        Record("http://e1", ENCODE, seq=2),
+        Record("http://e2", ENCODE, seq=1),
+        Record("http://pd", PREFILL_DECODE),
+    )
+    fleet.sync({r.url: r for r in (e1, e2, pd)})
+    # Registration order from the store, whatever order the read returned.
+    assert [i.url for i in fleet.live(ENCODE)] == ["http://e2", "http://e1"]
+    first = fleet.live(ENCODE)[1]
+    fleet.record_failure(first, "refused")
+    assert [i.url for i in fleet.live(ENCODE)] == ["http://e2"]
+
+    # The same records again: nothing changes, the eviction (local health) stays.
+    fleet.sync({r.url: r for r in (e1, e2, pd)})
+    assert fleet.snapshot()[ENCODE] == {"live": ["http://e2"], "evicted": ["http://e1"]}
+
+    # e2 left the store: removed for good (a late probe cannot revive it).
+    gone = fleet.live(ENCODE)[0]
+    fleet.sync({r.url: r for r in (e1, pd)})
+    assert gone.removed and fleet.snapshot()[ENCODE] == {"live": [], "evicted": ["http://e1"]}
+    fleet.record_success(gone)
+    assert fleet.live(ENCODE) == []
+
+
+def test_sync_updates_details_in_place_and_replaces_a_changed_role():
+    fleet = registry()
+    fleet.sync({"http://x": Record("http://x", PREFILL_DECODE)})
+    inst = fleet.live(PREFILL_DECODE)[0]
+    inst.inflight = 3
+    fleet.sync({"http://x": Record("http://x", PREFILL_DECODE, ("tcp://a:1", "tcp://a:2"), 2)})
+    assert fleet.live(PREFILL_DECODE)[0] is inst and inst.dp_size == 2 and inst.inflight == 3
+    fleet.sync({"http://x": Record("http://x", ENCODE)})
+    assert inst.removed and fleet.live(PREFILL_DECODE) == [] and fleet.live(ENCODE)[0].url == "http://x"
+
+
+def test_conflicts_are_judged_against_any_membership_view():
+    members = {"http://pd": Record("http://pd", PREFILL_DECODE), "http://e": Record("http://e", ENCODE)}
+    for clash in (Record("http://p", PREFILL), Record("http://d", DECODE), Record("http://e", PREFILL_DECODE)):
+        with pytest.raises(RegistryError) as err:
+            check_fits(clash, members)
+        assert err.value.status == 409
+    check_fits(Record("http://e2", ENCODE), members)
+    check_fits(Record("http://pd", PREFILL_DECODE, ("tcp://a:1",)), members)
