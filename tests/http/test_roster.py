@@ -278,3 +278,24 @@ async def _status_is(proxy: Proxy, status: str) -> bool:
 async def _evicted(proxy: Proxy, url: str) -> bool:
     _, body = await proxy.get("/instances")
     return url in body["encode"]["evicted"]
+
+
+async def test_a_proxy_started_before_its_store_serves_and_joins_when_it_appears(tmp_path, fakes):
+    ((pd, pd_url),) = await fakes("pd")
+    store = RedisServer(free_port(), tmp_path / "late-redis")  # not started yet
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as client:
+        proxy = Proxy(client, store.url("late"))
+        try:
+            await proxy.ready()
+            status, body = await proxy.get("/health")
+            assert body["roster"]["status"] == "down" and body["roster"]["seconds_since_sync"] is None
+            status, body = await proxy.register("prefill_decode", pd_url)
+            assert status == 503 and body["error"]["type"] == "roster_unavailable"
+            store.start()
+            await eventually(lambda: _status_is(proxy, "up"), "the proxy connects once the store is there")
+            assert (await proxy.register("prefill_decode", pd_url))[0] == 200
+            status, body = await proxy.chat(1, with_image=False)
+            assert status == 200, body
+        finally:
+            await asyncio.to_thread(proxy.stop)
+            store.kill()
