@@ -136,6 +136,7 @@ class RedisRoster:
         self._last_sync: float | None = None
         self._last: dict[str, Record] = {}
         self._synced = asyncio.Event()
+        self._resync_lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
 
     # -- state ---------------------------------------------------------------------------------------
@@ -185,9 +186,12 @@ class RedisRoster:
         return {r.url: r for r in records if r is not None}
 
     async def resync(self) -> None:
-        records = await self._read(self._client)
-        self._on_change(records)
-        self._last = records
+        # One read at a time, so an older read never lands after a newer one (a registration's own
+        # read must not be undone by the follower's read that started before it).
+        async with self._resync_lock:
+            records = await self._read(self._client)
+            self._on_change(records)
+            self._last = records
         self._last_sync = self._clock()
         if not self._up:
             log.info("roster store %s is up: %d instances", self.url, len(records))
