@@ -190,6 +190,9 @@ class RedisRoster:
         # read must not be undone by the follower's read that started before it).
         async with self._resync_lock:
             records = await self._read(self._client)
+            if not records and self._last:
+                await self._reseed_if_wiped()
+                records = await self._read(self._client)  # ours, or what a faster process put back
             self._on_change(records)
             self._last = records
         self._last_sync = self._clock()
@@ -235,7 +238,6 @@ class RedisRoster:
         async with self._client.pubsub() as pubsub:
             # Subscribe before reading, so a change made in between is not missed.
             await pubsub.subscribe(self._channel)
-            await self._reseed_if_wiped()
             await self.resync()
             next_round = self._clock() + self.interval_s
             while True:
@@ -251,20 +253,18 @@ class RedisRoster:
                     await self.resync()
                     next_round = self._clock() + self.interval_s
 
-    async def _reseed_if_wiped(self) -> None:
-        """A store that lost its data (restarted without persistence) has no version key: writers
-        create it and nothing deletes it. Put back the roster this process last read, so a store
-        restart does not empty the fleet. A roster emptied by unregistering keeps its version key
-        and stays empty."""
+    async def _reseed_if_wiped(self) -> bool:
+        """A store that lost its data (restarted without persistence, flushed) has no version key:
+        writers create it and nothing deletes it. Put back the roster this process last read, so
+        losing the store's data does not empty the fleet. A roster emptied by unregistering keeps
+        its version key and stays empty. True if this process put it back."""
         from redis.exceptions import WatchError
 
-        if not self._last:
-            return
         async with self._client.pipeline(transaction=True) as pipe:
             try:
                 await pipe.watch(self._version_key)
                 if await pipe.exists(self._version_key):
-                    return
+                    return False
                 pipe.multi()
                 for record in self._last.values():
                     pipe.set(self._key_prefix + record.url, encode_record(record), px=self.ttl_ms, nx=True)
@@ -272,8 +272,9 @@ class RedisRoster:
                 pipe.publish(self._channel, "reseed")
                 await pipe.execute()
             except WatchError:
-                return  # another process put its roster back first
+                return False  # another process put its roster back first
         log.warning("roster store %s had lost its data; restored the %d instances last read", self.url, len(self._last))
+        return True
 
     # -- writing -------------------------------------------------------------------------------------
     def _refuse(self, exc: BaseException | None = None) -> RosterUnavailable:

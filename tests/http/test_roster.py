@@ -19,6 +19,8 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
+from epd_proxy.registry import Record, Registry, RegistryError
+from epd_proxy.roster import RedisRoster
 from epd_proxy.testing.fake_vllm import ECStore, FakeVLLM
 from epd_proxy.testing.redis_server import RedisServer
 from tests.media import chat, image
@@ -299,3 +301,62 @@ async def test_a_proxy_started_before_its_store_serves_and_joins_when_it_appears
         finally:
             await asyncio.to_thread(proxy.stop)
             store.kill()
+
+
+# -- the roster component itself, two of them in this process standing for two proxies ------------
+
+
+@pytest.fixture
+async def rosters(redis_server):
+    made: list[RedisRoster] = []
+
+    async def make(prefix: str, n: int = 2) -> list[tuple[RedisRoster, Registry]]:
+        out = []
+        for _ in range(n):
+            fleet = Registry(dynamic=True)
+            roster = RedisRoster(
+                redis_server.url(prefix),
+                ttl_s=60,
+                on_change=fleet.sync,
+                in_rotation=lambda f=fleet: [i.url for i in f.all() if i.live],
+            )
+            made.append(roster)
+            await roster.start()
+            assert roster.up
+            out.append((roster, fleet))
+        return out
+
+    yield make
+    for roster in made:
+        await roster.close()
+
+
+@pytest.mark.parametrize("round_", range(5))
+async def test_conflicting_registrations_at_once_admit_exactly_one(rosters, round_):
+    (r1, _), (r2, _) = await rosters(f"race{round_}")
+    results = await asyncio.gather(
+        r1.add(Record("http://pd", "prefill_decode")), r2.add(Record("http://p", "prefill")), return_exceptions=True
+    )
+    assert sorted(type(r).__name__ for r in results) == ["RegistryError", "bool"], results
+    assert [r.status for r in results if isinstance(r, RegistryError)] == [409]
+
+
+async def test_a_flushed_store_is_refilled_but_an_emptied_roster_stays_empty(rosters, redis_server):
+    (r1, fleet1), (r2, fleet2) = await rosters("wipe")
+    assert await r1.add(Record("http://pd", "prefill_decode")) is True
+
+    async def second_sees_it() -> bool:
+        return bool(fleet2.live("prefill_decode"))
+
+    await eventually(second_sees_it, "the second roster sees the PD")
+
+    redis_server.command("FLUSHALL")  # the store loses its data under connected clients
+    await r2.resync()
+    assert redis_server.command("EXISTS", "wipe:instance:http://pd") == "1"
+    await r1.resync()
+    assert [i.url for i in fleet1.live("prefill_decode")] == ["http://pd"]
+    assert [i.url for i in fleet2.live("prefill_decode")] == ["http://pd"]
+
+    assert await r2.remove("http://pd") is True
+    await r1.resync()
+    assert fleet1.live("prefill_decode") == [] and redis_server.command("EXISTS", "wipe:instance:http://pd") == "0"
