@@ -27,6 +27,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import orjson
 
+from epd_proxy.backends import Instance
 from epd_proxy.config import Config, ConfigError
 from epd_proxy.errors import ProxyError
 from epd_proxy.registry import Record, Registry, check_fits
@@ -344,8 +345,9 @@ def require_client() -> None:
         raise ConfigError("--roster needs the Redis client: pip install 'epd-proxy[roster]'") from None
 
 
-def open_roster(config: Config, registry: Registry) -> RedisRoster | None:
-    """The shared roster the config asks for, feeding `registry`; None for an in-process one."""
+def open_roster(config: Config, registry: Registry, in_rotation: Callable[[Instance], bool]) -> RedisRoster | None:
+    """The shared roster the config asks for, feeding `registry`; None for an in-process one.
+    `in_rotation` is this process's health verdict: only what it can route to gets renewed."""
     if not config.roster_url:
         return None
     require_client()
@@ -353,5 +355,5 @@ def open_roster(config: Config, registry: Registry) -> RedisRoster | None:
         config.roster_url,
         ttl_s=config.evicted_ttl_s,
         on_change=registry.sync,
-        in_rotation=lambda: [inst.url for inst in registry.all() if inst.live],
+        in_rotation=lambda: [inst.url for inst in registry.all() if in_rotation(inst)],
     )
