@@ -315,10 +315,7 @@ async def rosters(redis_server):
         for _ in range(n):
             fleet = Registry(dynamic=True)
             roster = RedisRoster(
-                redis_server.url(prefix),
-                ttl_s=60,
-                on_change=fleet.sync,
-                in_rotation=lambda f=fleet: [i.url for i in f.all() if i.live],
+                redis_server.url(prefix), ttl_s=60, on_change=fleet.sync, in_rotation=lambda f=fleet: urls(f.all())
             )
             made.append(roster)
             await roster.start()
@@ -346,7 +343,7 @@ async def test_a_flushed_store_is_refilled_but_an_emptied_roster_stays_empty(ros
     assert await r1.add(Record("http://pd", "prefill_decode")) is True
 
     async def second_sees_it() -> bool:
-        return bool(fleet2.live("prefill_decode"))
+        return bool(fleet2.members("prefill_decode"))
 
     await eventually(second_sees_it, "the second roster sees the PD")
 
@@ -354,9 +351,12 @@ async def test_a_flushed_store_is_refilled_but_an_emptied_roster_stays_empty(ros
     await r2.resync()
     assert redis_server.command("EXISTS", "wipe:instance:http://pd") == "1"
     await r1.resync()
-    assert [i.url for i in fleet1.live("prefill_decode")] == ["http://pd"]
-    assert [i.url for i in fleet2.live("prefill_decode")] == ["http://pd"]
+    assert urls(fleet1.members("prefill_decode")) == urls(fleet2.members("prefill_decode")) == ["http://pd"]
 
     assert await r2.remove("http://pd") is True
     await r1.resync()
-    assert fleet1.live("prefill_decode") == [] and redis_server.command("EXISTS", "wipe:instance:http://pd") == "0"
+    assert fleet1.members("prefill_decode") == [] and redis_server.command("EXISTS", "wipe:instance:http://pd") == "0"
+
+
+def urls(instances) -> list[str]:
+    return [inst.url for inst in instances]

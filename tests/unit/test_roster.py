@@ -7,6 +7,7 @@ import pytest
 
 from epd_proxy.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE
 from epd_proxy.config import Config, ConfigError
+from epd_proxy.health import DOWN, Health
 from epd_proxy.registry import Record, Registry, RegistryError, check_fits
 from epd_proxy.roster import decode_record, encode_record, redacted, split_roster_url
 
@@ -62,45 +63,51 @@ def test_workers_in_dynamic_mode_need_the_roster(monkeypatch, capsys):
     assert started == [("redis://h:6379/0", 2)]
 
 
-def registry() -> Registry:
-    return Registry(dynamic=True, fail_threshold=1)
+def fleet() -> tuple[Registry, Health]:
+    registry, health = Registry(dynamic=True), Health(fail_threshold=1)
+    registry.watch(health)
+    return registry, health
 
 
-def test_sync_adds_removes_and_keeps_health_state():
-    fleet = registry()
+def urls(instances) -> list[str]:
+    return [inst.url for inst in instances]
+
+
+def test_sync_adds_and_removes_members_and_local_health_state_stays():
+    registry, health = fleet()
     e1, e2, pd = (
         Record("http://e1", ENCODE, seq=2),
         Record("http://e2", ENCODE, seq=1),
         Record("http://pd", PREFILL_DECODE),
     )
-    fleet.sync({r.url: r for r in (e1, e2, pd)})
+    registry.sync({r.url: r for r in (e1, e2, pd)})
     # Registration order from the store, whatever order the read returned.
-    assert [i.url for i in fleet.live(ENCODE)] == ["http://e2", "http://e1"]
-    first = fleet.live(ENCODE)[1]
-    fleet.record_failure(first, "refused")
-    assert [i.url for i in fleet.live(ENCODE)] == ["http://e2"]
+    assert urls(registry.members(ENCODE)) == ["http://e2", "http://e1"]
+    first = registry.members(ENCODE)[1]
+    health.checked(first, "HTTP 503")
+    assert health.state("http://e1") == DOWN
 
-    # The same records again: nothing changes, the eviction (local health) stays.
-    fleet.sync({r.url: r for r in (e1, e2, pd)})
-    assert fleet.snapshot()[ENCODE] == {"live": ["http://e2"], "evicted": ["http://e1"]}
+    # The same records again: the members are the same objects and this process's verdict stays.
+    registry.sync({r.url: r for r in (e1, e2, pd)})
+    assert registry.members(ENCODE)[1] is first and health.state("http://e1") == DOWN
+    assert registry.snapshot(health.in_rotation)[ENCODE] == {"live": ["http://e2"], "evicted": ["http://e1"]}
 
-    # e2 left the store: removed for good (a late probe cannot revive it).
-    gone = fleet.live(ENCODE)[0]
-    fleet.sync({r.url: r for r in (e1, pd)})
-    assert gone.removed and fleet.snapshot()[ENCODE] == {"live": [], "evicted": ["http://e1"]}
-    fleet.record_success(gone)
-    assert fleet.live(ENCODE) == []
+    # e1 left the store: it leaves the fleet, and health forgets it (a late report changes nothing).
+    registry.sync({r.url: r for r in (e2, pd)})
+    assert urls(registry.members(ENCODE)) == ["http://e2"]
+    health.checked(first, "late")
+    assert sorted(urls(registry.all())) == ["http://e2", "http://pd"] and health.out_longer_than(0) == []
 
 
 def test_sync_updates_details_in_place_and_replaces_a_changed_role():
-    fleet = registry()
-    fleet.sync({"http://x": Record("http://x", PREFILL_DECODE)})
-    inst = fleet.live(PREFILL_DECODE)[0]
+    registry, _ = fleet()
+    registry.sync({"http://x": Record("http://x", PREFILL_DECODE)})
+    inst = registry.members(PREFILL_DECODE)[0]
     inst.inflight = 3
-    fleet.sync({"http://x": Record("http://x", PREFILL_DECODE, ("tcp://a:1", "tcp://a:2"), 2)})
-    assert fleet.live(PREFILL_DECODE)[0] is inst and inst.dp_size == 2 and inst.inflight == 3
-    fleet.sync({"http://x": Record("http://x", ENCODE)})
-    assert inst.removed and fleet.live(PREFILL_DECODE) == [] and fleet.live(ENCODE)[0].url == "http://x"
+    registry.sync({"http://x": Record("http://x", PREFILL_DECODE, ("tcp://a:1", "tcp://a:2"), 2)})
+    assert registry.members(PREFILL_DECODE)[0] is inst and inst.dp_size == 2 and inst.inflight == 3
+    registry.sync({"http://x": Record("http://x", ENCODE)})
+    assert registry.members(PREFILL_DECODE) == [] and urls(registry.members(ENCODE)) == ["http://x"]
 
 
 def test_conflicts_are_judged_against_any_membership_view():
