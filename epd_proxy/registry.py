@@ -50,6 +50,8 @@ class Record:
     dp_size: int = 1
     # Registration order in a shared roster, so every process rotates over instances alike.
     seq: int = 0
+    # Changes with every registration of the URL, so every process sees a re-registration.
+    gen: int = 0
 
     def instance(self) -> Instance:
         return Instance(self.url, self.role, zmq_addrs=self.zmq_addrs, dp_size=self.dp_size)
@@ -105,6 +107,8 @@ class Registry:
         self._records: dict[str, Instance] = {}
         self._members: dict[str, list[Instance]] = {role: [] for role in ROLES}
         self._watchers: list[Watcher] = []
+        # Shared roster only: each member's registration generation last read (see sync).
+        self._generations: dict[str, int] = {}
 
     @classmethod
     def from_config(cls, config: Config) -> Registry:
@@ -186,14 +190,22 @@ class Registry:
             record = records.get(url)
             if record is None or record.role != inst.role:
                 self._remove(url)
+                self._generations.pop(url, None)
                 log.info("roster: %s %s left", inst.role, url)
         for record in sorted(records.values(), key=lambda r: r.seq):
             inst = self._records.get(record.url)
+            seen = self._generations.get(record.url)
+            self._generations[record.url] = record.gen
             if inst is None:
                 self._add(record.instance())
                 log.info("roster: %s %s joined", record.role, record.url)
-            elif (inst.zmq_addrs, inst.dp_size) != (record.zmq_addrs, record.dp_size):
+                continue
+            if (inst.zmq_addrs, inst.dp_size) != (record.zmq_addrs, record.dp_size):
                 inst.zmq_addrs, inst.dp_size = record.zmq_addrs, record.dp_size
+            if seen is not None and seen != record.gen:
+                # Registered again through some process: the same news a local re-registration is.
+                for watcher in self._watchers:
+                    watcher.rejoined(inst)
 
     def unregister(self, url: Any) -> bool:
         url = normalize_url(url)

@@ -89,13 +89,19 @@ def _glob_escape(text: str) -> str:
 
 def encode_record(record: Record) -> bytes:
     fields = {"url": record.url, "role": record.role, "ec_zmq_addrs": record.zmq_addrs, "dp_size": record.dp_size}
-    return orjson.dumps({**fields, "seq": record.seq})
+    return orjson.dumps({**fields, "seq": record.seq, "gen": record.gen})
 
 
 def decode_record(raw: bytes) -> Record | None:
     try:
         data = orjson.loads(raw)
-        return Record(data["url"], data["role"], tuple(data["ec_zmq_addrs"]), int(data["dp_size"]), int(data["seq"]))
+        zmq_addrs, dp_size, seq, gen = (
+            tuple(data["ec_zmq_addrs"]),
+            int(data["dp_size"]),
+            int(data["seq"]),
+            int(data["gen"]),
+        )
+        return Record(data["url"], data["role"], zmq_addrs, dp_size, seq, gen)
     except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
         log.warning("roster: ignoring a malformed record %r", raw[:200])
         return None
@@ -302,9 +308,10 @@ class RedisRoster:
                         check_fits(record, current)
                         existing = current.get(record.url)
                         version = int(await pipe.get(self._version_key) or 0)
+                        # The transaction makes version + 1 this write's own number.
                         seq = existing.seq if existing is not None else version + 1
                         pipe.multi()
-                        stored = Record(record.url, record.role, record.zmq_addrs, record.dp_size, seq)
+                        stored = Record(record.url, record.role, record.zmq_addrs, record.dp_size, seq, version + 1)
                         # Re-registering renews the lease, as it did with a local registry.
                         pipe.set(key, encode_record(stored), px=self.ttl_ms)
                         pipe.incr(self._version_key)

@@ -7,7 +7,7 @@ import pytest
 
 from epd_proxy.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE
 from epd_proxy.config import Config, ConfigError
-from epd_proxy.health import DOWN, Health
+from epd_proxy.health import DOWN, HEALTHY, Health
 from epd_proxy.registry import Record, Registry, RegistryError, check_fits
 from epd_proxy.roster import decode_record, encode_record, redacted, split_roster_url
 
@@ -29,7 +29,7 @@ def test_store_password_never_shows():
 
 
 def test_records_round_trip_and_garbage_is_skipped():
-    record = Record("http://p:1", PREFILL_DECODE, ("tcp://a:1", "tcp://a:2"), 2, seq=7)
+    record = Record("http://p:1", PREFILL_DECODE, ("tcp://a:1", "tcp://a:2"), 2, seq=7, gen=9)
     assert decode_record(encode_record(record)) == record
     assert decode_record(b"not json") is None
     assert decode_record(b'{"url": "http://x"}') is None
@@ -97,6 +97,17 @@ def test_sync_adds_and_removes_members_and_local_health_state_stays():
     assert urls(registry.members(ENCODE)) == ["http://e2"]
     health.checked(first, "late")
     assert sorted(urls(registry.all())) == ["http://e2", "http://pd"] and health.out_longer_than(0) == []
+
+
+def test_a_registration_through_any_process_resets_local_health_as_a_local_one_does():
+    registry, health = fleet()
+    registry.sync({"http://e": Record("http://e", ENCODE, seq=1, gen=1)})
+    (inst,) = registry.members(ENCODE)
+    health.checked(inst, "refused")
+    registry.sync({"http://e": Record("http://e", ENCODE, seq=1, gen=1)})
+    assert health.state("http://e") == DOWN  # a periodic read is no news
+    registry.sync({"http://e": Record("http://e", ENCODE, seq=1, gen=5)})
+    assert health.state("http://e") == HEALTHY and registry.members(ENCODE) == [inst]
 
 
 def test_sync_updates_details_in_place_and_replaces_a_changed_role():
