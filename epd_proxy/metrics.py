@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
@@ -9,6 +11,9 @@ from epd_proxy.backends import Instance
 from epd_proxy.health import Health
 from epd_proxy.recent import RecentRequests
 from epd_proxy.registry import Registry
+
+if TYPE_CHECKING:
+    from epd_proxy.roster import Roster
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 ITEM_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
@@ -48,7 +53,7 @@ class _FleetCollector:
 class _RosterCollector:
     """The shared roster store's state (see roster.py), read at scrape time."""
 
-    def __init__(self, roster) -> None:
+    def __init__(self, roster: Roster) -> None:
         self._roster = roster
 
     def collect(self):
@@ -111,7 +116,7 @@ class Metrics:
             except KeyError:
                 pass  # never labelled with it (prometheus_client before 0.20 raises for that)
 
-    def watch_roster(self, roster) -> None:
+    def watch_roster(self, roster: Roster) -> None:
         self.registry.register(_RosterCollector(roster))
 
     def render(self) -> bytes:

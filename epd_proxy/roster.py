@@ -49,7 +49,13 @@ class RosterUnavailable(ProxyError):
 
 
 class Roster(Protocol):
-    """What the app needs from a shared roster; Redis is the one implementation."""
+    """What the app needs from a shared roster; Redis is the one implementation. It feeds the
+    registry through the `on_change` callback it is built with (Registry.sync)."""
+
+    @property
+    def up(self) -> bool: ...
+
+    def seconds_since_sync(self) -> float | None: ...
 
     def status(self) -> dict: ...
 
@@ -352,7 +358,7 @@ def require_client() -> None:
         raise ConfigError("--roster needs the Redis client: pip install 'epd-proxy[roster]'") from None
 
 
-def open_roster(config: Config, registry: Registry, in_rotation: Callable[[Instance], bool]) -> RedisRoster | None:
+def open_roster(config: Config, registry: Registry, in_rotation: Callable[[Instance], bool]) -> Roster | None:
     """The shared roster the config asks for, feeding `registry`; None for an in-process one.
     `in_rotation` is this process's health verdict: only what it can route to gets renewed."""
     if not config.roster_url:
