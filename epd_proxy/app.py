@@ -14,8 +14,8 @@ from aiohttp import web
 
 from epd_proxy.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE, Instance
 from epd_proxy.config import Config
-from epd_proxy.errors import BadRequest, ProxyError, UpstreamError, describe
-from epd_proxy.extract import OFFLOAD_HASH_BYTES, normalise_request
+from epd_proxy.errors import ProxyError, UpstreamError, describe
+from epd_proxy.extract import OFFLOAD_HASH_BYTES
 from epd_proxy.health import Health
 from epd_proxy.metrics import Metrics
 from epd_proxy.pipeline import ClientBody, Pipeline, Trace
@@ -24,6 +24,7 @@ from epd_proxy.registry import Registry, check_admin_key, normalize_url, parse_r
 from epd_proxy.relay import ABORTED, CLIENT_GONE, relay
 from epd_proxy.roster import open_roster
 from epd_proxy.routing import make_policy
+from epd_proxy.splice import parse_json_body, parse_request
 from epd_proxy.status import add_status_routes
 from epd_proxy.upstream import Timeouts, Upstream, UpstreamFailure
 
@@ -173,13 +174,6 @@ def requires_api_key(handler, api_key: str):
     return guarded
 
 
-def parse_json_body(raw: bytes | bytearray) -> Any:
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from None
-
-
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     config = state.config
@@ -190,15 +184,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     admitted = False
     try:
         raw = await read_body(request, config.max_body_bytes)
-        size = len(raw)
-        parsed = parse_json_body(raw)
-        # The parsed body holds the same media; the raw copy need not live as long as the request.
-        del raw
         options = {"trust_client_fields": config.trust_client_fields, "max_media_items": config.max_media_items}
-        if size > OFFLOAD_HASH_BYTES:
-            normalised = await asyncio.to_thread(normalise_request, parsed, **options)
+        # With splice, `raw` lives on in `spliced` (the media are slices of it) and the parsed
+        # body holds only the skeleton; otherwise the parsed body holds the media and raw goes.
+        if len(raw) > OFFLOAD_HASH_BYTES:
+            normalised, spliced = await asyncio.to_thread(parse_request, raw, **options)
         else:
-            normalised = normalise_request(parsed, **options)
+            normalised, spliced = parse_request(raw, **options)
+        del raw
         body, items = normalised.body, normalised.items
         trace.items = len(items)
         # Admission counts work, not waiting: a client still sending its body holds no slot.
@@ -213,8 +206,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         state.inflight += 1
         admitted = True
         # From here on only the pipeline holds the body, and it lets go once decode commits.
-        job = ClientBody(body, items)
-        del parsed, normalised, body, items
+        job = ClientBody(body, items, spliced)
+        del normalised, body, items, spliced
         route = state.pipeline.choose_route(request_id)
         with route.decoder.busy():
             answer = await state.pipeline.open(job, route, trace)

@@ -9,7 +9,7 @@ failure is still a retry or a real HTTP error.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +17,7 @@ import orjson
 
 from epd_proxy.backends import CHAT_PATH, Instance
 from epd_proxy.sse import Verdict, judge
-from epd_proxy.upstream import Answer, Timeouts, Upstream, UpstreamFailure
+from epd_proxy.upstream import Answer, Payload, Timeouts, Upstream, UpstreamFailure
 
 
 @dataclass(slots=True)
@@ -47,7 +47,12 @@ class DecodeAnswer:
 
 
 async def open_decode(
-    upstream: Upstream, decoder: Instance, body: dict[str, Any], headers: dict[str, str], timeouts: Timeouts
+    upstream: Upstream,
+    decoder: Instance,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    timeouts: Timeouts,
+    dumps: Callable[[Any], Payload] = orjson.dumps,
 ) -> DecodeAnswer:
     """A 2xx answer whose body is still unread; the caller must release it. The decode timeout
     bounds the wait for headers, the idle timeout each silence after them: a long stream is
@@ -56,7 +61,7 @@ async def open_decode(
         decoder,
         "POST",
         CHAT_PATH,
-        body=orjson.dumps(body),
+        body=dumps(body),
         headers=headers,
         timeouts=timeouts,
         stage="decode",

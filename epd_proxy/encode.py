@@ -14,7 +14,7 @@ import orjson
 from epd_proxy.backends import CHAT_PATH, Instance
 from epd_proxy.errors import ProxyError
 from epd_proxy.extract import MediaItem
-from epd_proxy.upstream import Timeouts, Upstream
+from epd_proxy.upstream import Payload, Timeouts, Upstream
 
 log = logging.getLogger("epd_proxy.encode")
 
@@ -74,14 +74,14 @@ class EncoderReply:
 
 
 async def post_encoder(
-    upstream: Upstream, encoder: Instance, body: dict[str, Any], request_id: str, timeouts: Timeouts
+    upstream: Upstream, encoder: Instance, payload: Payload, request_id: str, timeouts: Timeouts
 ) -> EncoderReply:
     headers = {"x-request-id": request_id, "Content-Type": "application/json"}
     answer = await upstream.call(
         encoder,
         "POST",
         CHAT_PATH,
-        body=orjson.dumps(body),
+        body=payload,
         headers=headers,
         timeouts=timeouts,
         stage="encode",

@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 from epd_proxy.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE, Instance
 from epd_proxy.config import Config
@@ -27,7 +29,10 @@ from epd_proxy.prefill import run_prefill
 from epd_proxy.registry import Registry
 from epd_proxy.rewrite import rewrite_request
 from epd_proxy.routing import RoutingPolicy
-from epd_proxy.upstream import Timeouts, Upstream, UpstreamFailure
+from epd_proxy.splice import Spliced
+from epd_proxy.upstream import Payload, Timeouts, Upstream, UpstreamFailure
+
+Dumps = Callable[[Any], Payload]
 
 log = logging.getLogger("epd_proxy.pipeline")
 DP_RANK_HEADER = "X-data-parallel-rank"
@@ -51,10 +56,17 @@ class ClientBody:
 
     body: dict[str, Any] | None
     items: Sequence[MediaItem] = ()
+    # With splice, the client's buffer the body's media tokens point into (see splice.py).
+    spliced: Spliced | None = None
 
     def release(self) -> None:
         self.body = None
         self.items = ()
+        self.spliced = None
+
+    def dumps(self, obj: Any) -> Payload:
+        """A body for a backend: media go out as the client's own bytes where they were spliced."""
+        return self.spliced.dumps(obj) if self.spliced is not None else orjson.dumps(obj)
 
 
 @dataclass(slots=True)
@@ -146,7 +158,9 @@ class Pipeline:
         self.health.succeeded(instance)
         return result
 
-    async def encode(self, body: dict[str, Any], items: Sequence[MediaItem], route: Route, trace: Trace) -> Matches:
+    async def encode(
+        self, body: dict[str, Any], items: Sequence[MediaItem], route: Route, trace: Trace, dumps: Dumps = orjson.dumps
+    ) -> Matches:
         matches = Matches()
         if not items:
             return matches
@@ -158,7 +172,7 @@ class Pipeline:
         groups = plan_groups(items, assignment, self.config.encoder_max_batch_size)
         trace.encoder_requests += len(groups)
         results = await _all_or_first_failure(
-            [self._encode_group(body, items, group, route, trace) for group in groups]
+            [self._encode_group(body, items, group, route, trace, dumps) for group in groups]
         )
         audio_in_video = _truthy_option(body, "use_audio_in_video")
         for group, (reply, transfer_ids) in zip(groups, results):
@@ -181,6 +195,7 @@ class Pipeline:
         group: EncoderGroup[Instance],
         route: Route,
         trace: Trace,
+        dumps: Dumps,
     ) -> tuple[EncoderReply, list[str]]:
         """Send one group; on a transport error, timeout or 5xx, fail over to another encoder."""
         group_items = [items[i] for i in group.indices]
@@ -204,7 +219,7 @@ class Pipeline:
                     post_encoder(
                         self.upstream,
                         encoder,
-                        sub_body,
+                        dumps(sub_body),
                         self.ids.child_request_id(trace.request_id, group.indices[0]),
                         self.encode_timeouts,
                     ),
@@ -258,7 +273,7 @@ class Pipeline:
         while True:
             attempt += 1
             trace.attempts = attempt
-            matches = await self.encode(job.body, job.items, route, trace)
+            matches = await self.encode(job.body, job.items, route, trace, job.dumps)
             prepared = rewrite_request(job.body, job.items, matches, rewrite=config.rewrite, push_mode=push_mode)
             try:
                 decode_body = prepared
@@ -266,7 +281,9 @@ class Pipeline:
                     started = time.perf_counter()
                     kv = await self._call(
                         route.prefill,
-                        run_prefill(self.upstream, route.prefill, prepared, prefill_headers, self.prefill_timeouts),
+                        run_prefill(
+                            self.upstream, route.prefill, prepared, prefill_headers, self.prefill_timeouts, job.dumps
+                        ),
                     )
                     trace.prefill_s += time.perf_counter() - started
                     if kv:
@@ -274,7 +291,9 @@ class Pipeline:
                 started = time.perf_counter()
                 answer = await self._call(
                     route.decoder,
-                    open_decode(self.upstream, route.decoder, decode_body, decode_headers, self.decode_timeouts),
+                    open_decode(
+                        self.upstream, route.decoder, decode_body, decode_headers, self.decode_timeouts, job.dumps
+                    ),
                 )
                 in_band = None
                 if answer.streaming:

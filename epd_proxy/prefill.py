@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -9,18 +10,23 @@ import orjson
 from epd_proxy.backends import CHAT_PATH, Instance
 from epd_proxy.errors import ProxyError
 from epd_proxy.rewrite import prefill_request
-from epd_proxy.upstream import Timeouts, Upstream
+from epd_proxy.upstream import Payload, Timeouts, Upstream
 
 
 async def run_prefill(
-    upstream: Upstream, prefill: Instance, prepared: dict[str, Any], headers: dict[str, str], timeouts: Timeouts
+    upstream: Upstream,
+    prefill: Instance,
+    prepared: dict[str, Any],
+    headers: dict[str, str],
+    timeouts: Timeouts,
+    dumps: Callable[[Any], Payload] = orjson.dumps,
 ) -> dict[str, Any] | None:
     """The `kv_transfer_params` prefill returned, or None. Errors keep prefill's own status."""
     answer = await upstream.call(
         prefill,
         "POST",
         CHAT_PATH,
-        body=orjson.dumps(prefill_request(prepared)),
+        body=dumps(prefill_request(prepared)),
         headers=headers,
         timeouts=timeouts,
         stage="prefill",

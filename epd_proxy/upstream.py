@@ -23,7 +23,7 @@ import asyncio
 import ssl
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import urlsplit
@@ -90,6 +90,10 @@ class Timeouts:
     headers: float | None = None
     idle: float | None = None
     total: float | None = None
+
+
+# A request body: one buffer, or several written back to back (see `splice`).
+Payload = bytes | bytearray | memoryview | list[bytes | memoryview]
 
 
 class Target(Protocol):
@@ -455,7 +459,7 @@ class Upstream:
         method: str,
         path: str,
         *,
-        body: bytes | Iterable[bytes] | None = None,
+        body: Payload | None = None,
         headers: Mapping[str, str] | None = None,
         timeouts: Timeouts,
         stage: str,
@@ -486,7 +490,7 @@ class Upstream:
         method: str,
         path: str,
         *,
-        body: bytes | Iterable[bytes] | None = None,
+        body: Payload | None = None,
         headers: Mapping[str, str] | None = None,
         timeouts: Timeouts,
         stage: str,
@@ -529,7 +533,7 @@ class Upstream:
         origin = self._origins.get(url)
         if origin is None:
             origin = self._origins[url] = _Origin(url)
-        parts = body if isinstance(body, list | tuple) else [body] if body else []
+        parts = body if isinstance(body, list) else [body] if body else []
         size = sum(len(part) for part in parts)
         head = [f"{method} {path} HTTP/1.1\r\n".encode("latin-1"), origin.host_line]
         if not headers:
