@@ -79,6 +79,8 @@ class ProxyState:
         self.pipeline = Pipeline(config, self.fleet, self.health, self.upstream, self.policies, self.metrics)
         if self.roster is not None:
             await self.roster.start()
+        if self.metrics.multiprocess:
+            self._background.append(asyncio.create_task(self._publish_fleet_forever()))
         if config.probe_interval_s > 0:
             self.probes = check_pool(config)
             self.prober = Prober(
@@ -106,6 +108,12 @@ class ProxyState:
         while True:
             await asyncio.sleep(min(5.0, self.config.evicted_ttl_s))
             self.forget_expired()
+
+    async def _publish_fleet_forever(self) -> None:
+        """--workers: another worker's /metrics shows this one's fleet view at most a second old."""
+        while True:
+            self.metrics.publish_fleet()
+            await asyncio.sleep(1.0)
 
     async def close(self) -> None:
         if self.roster is not None:

@@ -416,9 +416,16 @@ def serve(config: Config, log_level: str, workers: int = 1) -> None:
         _run_worker(config, log_level, reuse_port=False)
         return
     import multiprocessing
+    import shutil
     import signal
+    import tempfile
 
-    # Each worker owns its own state (cursor, pools, metrics); the kernel spreads connections.
+    # Each worker owns its own state (cursor, pools); the kernel spreads connections. Metrics are
+    # shared through files (prometheus-client's multiprocess mode), so /metrics is one view.
+    metrics_dir = None
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        metrics_dir = tempfile.mkdtemp(prefix="epd-proxy-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     ctx = multiprocessing.get_context("spawn")
     # --max-client-connections counts the port's connections, whichever worker the kernel picked.
     connections = ctx.Value("q", 0)
@@ -436,8 +443,12 @@ def serve(config: Config, log_level: str, workers: int = 1) -> None:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    for proc in procs:
-        proc.join()
+    try:
+        for proc in procs:
+            proc.join()
+    finally:
+        if metrics_dir is not None:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
 def build_parser() -> argparse.ArgumentParser:

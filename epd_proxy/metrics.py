@@ -1,11 +1,19 @@
-"""Prometheus metrics, owned by the app (one registry per app, so tests never share counters)."""
+"""Prometheus metrics, owned by the app (one registry per app, so tests never share counters).
+
+With `serve --workers N` every worker writes its counters and histograms to files in a shared
+folder (prometheus-client's multiprocess mode, switched on by `PROMETHEUS_MULTIPROC_DIR`, which
+`cli.serve` sets before the workers start), and `/metrics` adds them all up, so it shows the same
+figures whichever worker answers.
+"""
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from epd_proxy.backends import Instance
 from epd_proxy.health import Health
@@ -17,6 +25,21 @@ if TYPE_CHECKING:
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 ITEM_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
+# Per-instance gauges: name, help, how workers' values combine in multiprocess mode (in-flight
+# counts add up, an instance is up only while every worker routes to it, failures show the worst).
+FLEET_GAUGES = (
+    ("epd_instance_inflight", "Requests in flight per backend instance", "livesum"),
+    ("epd_instance_up", "1 while the instance is in rotation, 0 while ejected or down", "livemin"),
+    ("epd_instance_consecutive_failures", "Consecutive failed health checks or transport errors", "livemax"),
+    ("epd_instance_ejections", "Times passive outlier detection ejected the instance", "livesum"),
+)
+
+
+def _fleet_rows(registry: Registry, health: Health):
+    """(role, url, values in FLEET_GAUGES order) for every current member."""
+    for view in health.snapshot(registry.all()):
+        values = (view["inflight"], 1 if view["in_rotation"] else 0, view["consecutive_failures"], view["ejections"])
+        yield view["role"], view["url"], values
 
 
 class _FleetCollector:
@@ -28,26 +51,11 @@ class _FleetCollector:
         self._health = health
 
     def collect(self):
-        labels = ["role", "instance"]
-        inflight = GaugeMetricFamily("epd_instance_inflight", "Requests in flight per backend instance", labels=labels)
-        up = GaugeMetricFamily(
-            "epd_instance_up", "1 while the instance is in rotation, 0 while ejected or down", labels=labels
-        )
-        failures = GaugeMetricFamily(
-            "epd_instance_consecutive_failures",
-            "Consecutive failed health checks or transport errors",
-            labels=labels,
-        )
-        ejections = GaugeMetricFamily(
-            "epd_instance_ejections", "Times passive outlier detection ejected the instance", labels=labels
-        )
-        for view in self._health.snapshot(self._registry.all()):
-            key = [view["role"], view["url"]]
-            inflight.add_metric(key, view["inflight"])
-            up.add_metric(key, 1 if view["in_rotation"] else 0)
-            failures.add_metric(key, view["consecutive_failures"])
-            ejections.add_metric(key, view["ejections"])
-        yield from (inflight, up, failures, ejections)
+        families = [GaugeMetricFamily(name, text, labels=["role", "instance"]) for name, text, _ in FLEET_GAUGES]
+        for role, url, values in _fleet_rows(self._registry, self._health):
+            for family, value in zip(families, values):
+                family.add_metric([role, url], value)
+        yield from families
 
 
 class _RosterCollector:
@@ -94,7 +102,18 @@ class Metrics:
             "epd_encoder_failovers", "Encoder sub-requests retried on another encoder", ["from_encoder"], registry=r
         )
         self.rejected = Counter("epd_admission_rejected", "Requests refused with 503 by --max-inflight", registry=r)
-        r.register(_FleetCollector(fleet, health))
+        self._fleet, self._health = fleet, health
+        # Read at scrape time and the same in every worker (the shared roster's state).
+        self._shared_collectors: list = []
+        self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+        if self.multiprocess:
+            # The hot path never touches these: a timer and each scrape publish this worker's view.
+            self._fleet_gauges = [
+                Gauge(name, text, ["role", "instance"], multiprocess_mode=mode, registry=None)
+                for name, text, mode in FLEET_GAUGES
+            ]
+        else:
+            r.register(_FleetCollector(fleet, health))
         self._per_instance = (self.encoder_subrequests, self.failovers)
         fleet.watch(self)
         # The status page's sliding window of recent requests.
@@ -117,7 +136,23 @@ class Metrics:
                 pass  # never labelled with it (prometheus_client before 0.20 raises for that)
 
     def watch_roster(self, roster: Roster) -> None:
-        self.registry.register(_RosterCollector(roster))
+        collector = _RosterCollector(roster)
+        self.registry.register(collector)
+        self._shared_collectors.append(collector)
+
+    def publish_fleet(self) -> None:
+        """Multiprocess mode: write this worker's view of the fleet where every worker's scrape
+        reads it."""
+        for role, url, values in _fleet_rows(self._fleet, self._health):
+            for gauge, value in zip(self._fleet_gauges, values):
+                gauge.labels(role, url).set(value)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if not self.multiprocess:
+            return generate_latest(self.registry)
+        self.publish_fleet()
+        every_worker = CollectorRegistry()
+        MultiProcessCollector(every_worker)
+        for collector in self._shared_collectors:
+            every_worker.register(collector)
+        return generate_latest(every_worker)

@@ -182,6 +182,7 @@ class _Connection(asyncio.Protocol):
             self._wake()
 
     def eof_received(self) -> bool:
+        self.lost = True  # whatever follows, this connection takes no further request
         return False  # close our side too
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -552,13 +553,18 @@ class Upstream:
         while True:
             conn = await self._connection(call, origin, fresh)
             self._in_use += 1
-            conn.transport.writelines(request)
             limit, reported = call.budget(call.timeouts.headers)
             try:
-                while not conn.headers_done:
-                    if conn.failure is not None:
-                        raise conn.failure
-                    await conn.wait(limit)
+                try:
+                    conn.transport.writelines(request)
+                except (RuntimeError, OSError) as exc:  # closed under us since it was parked
+                    raise _Closed(_describe(exc), False) from None
+                # One limit for the whole head, however slowly its bytes trickle in.
+                async with asyncio.timeout(limit):
+                    while not conn.headers_done:
+                        if conn.failure is not None:
+                            raise conn.failure
+                        await conn.wait(None)
                 return conn
             except _Closed as closed:
                 self._give_back(url, conn, False)

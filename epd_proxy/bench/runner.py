@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -27,6 +28,8 @@ from epd_proxy.bench.loadgen import Block, ClientPool
 from epd_proxy.bench.workload import WorkloadSpec, get_pool
 
 COST, FREE = "cost", "free"
+# The tree this benchmark (and so, by default, every proxy it starts) runs from.
+CHECKOUT = str(Path(__file__).resolve().parents[2])
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,8 @@ class Arm:
     note: str = ""
     skipped: str | None = None
     env: dict[str, str] = field(default_factory=dict)
+    # Another proxy's command line (`--proxy`); empty for ours.
+    command: list[str] = field(default_factory=list)
     port: int = 0
     host: str = "127.0.0.1"
     proc: subprocess.Popen | None = None
@@ -136,6 +141,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--stream",
         action="store_true",
         help='send "stream": true; the PD fakes then answer a first token at once and the rest after --pd-ms',
+    )
+    p.add_argument(
+        "--proxy",
+        action="append",
+        default=[],
+        metavar="NAME=COMMAND",
+        help="one more arm at the batched arm's (equal, encoder-bound) load for any proxy with the reference's "
+        "command line, e.g. NAME='python disagg_epd_proxy.py': the bench appends --host, --port, "
+        "--encode-servers-urls and --decode-servers-urls and sets ENCODER_MAX_BATCH_SIZE=0 (repeatable); "
+        "NAME@saturation=... runs it against the zero-cost fakes instead",
     )
     p.add_argument("--no-chart", action="store_true", help="skip the matplotlib chart")
     return p
@@ -266,11 +281,8 @@ class Bench:
     def start_proxy(self, arm: Arm) -> None:
         encoders, pd = self.fake_names(arm.cluster)
         arm.port = free_port()
-        cmd = [
-            sys.executable,
-            "-m",
-            "epd_proxy",
-            "serve",
+        # The reference's command line, which ours accepts too.
+        common = [
             "--host",
             "127.0.0.1",
             "--port",
@@ -279,22 +291,30 @@ class Bench:
             ",".join(f"http://127.0.0.1:{self.fake_ports[e]}" for e in encoders),
             "--decode-servers-urls",
             f"http://127.0.0.1:{self.fake_ports[pd]}",
-            "--encoder-max-batch-size",
-            str(arm.batch),
-            "--log-level",
-            "WARNING",
         ]
+        if arm.command:
+            cmd = [*arm.command, *common]
+        else:
+            cmd = [sys.executable, "-m", "epd_proxy", "serve", *common]
+            cmd += ["--encoder-max-batch-size", str(arm.batch), "--log-level", "WARNING"]
         if arm.workers > 1:
             cmd += ["--workers", str(arm.workers)]
         cpus = _cpus(self.args.proxy_cpus)
         preexec = (lambda: os.sched_setaffinity(0, cpus)) if self.pin else None
         env = dict(os.environ)
+        cwd = None
+        if not arm.command:
+            # `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH: run our
+            # proxies from the results folder, with this checkout first on the path unless the arm
+            # names another (a variant A/B-ing another tree through PYTHONPATH).
+            cwd = self.out
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (CHECKOUT, env.get("PYTHONPATH")) if p)
         for pair in self.args.proxy_env:
             key, _, value = pair.partition("=")
             env[key] = value
         env.update(arm.env)
         with open(self.out / f"proxy-{arm.name}.log", "wb") as log:
-            arm.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=preexec, env=env)
+            arm.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=preexec, env=env, cwd=cwd)
         self.children.append(arm.proc)
         wait_ready(f"http://127.0.0.1:{arm.port}/v1/models", arm.proc)
 
@@ -343,6 +363,23 @@ class Bench:
             cluster, batch = like[base]
             env = dict(pair.partition("=")[::2] for pair in pairs.split(",") if "=" in pair)
             arms.append(Arm(name, "proxy", cluster, batch=batch, env=env, note=f"like {base}, env {pairs}"))
+        for spec in self.args.proxy:
+            name, _, command = spec.partition("=")
+            name, _, base = name.partition("@")
+            if not name or not command.strip():
+                raise SystemExit(f"--proxy needs NAME=COMMAND, got {spec!r}")
+            cluster = FREE if base == "saturation" else COST
+            arms.append(
+                Arm(
+                    name,
+                    "proxy",
+                    cluster,
+                    batch=0,
+                    env={"ENCODER_MAX_BATCH_SIZE": "0"},
+                    command=shlex.split(command),
+                    note=f"`{command}`" + (", fake costs 0" if cluster == FREE else ""),
+                )
+            )
         return arms
 
     def schedule(self, round_no: int, arm_no: int) -> list[tuple[int, str]]:

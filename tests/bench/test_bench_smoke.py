@@ -35,6 +35,9 @@ def test_quick_bench_writes_results_and_batching_sends_fewer_subrequests(tmp_pat
         "4",
         "--arms",
         "batched,per-item,direct",
+        # Any proxy with the reference's command line gets an arm; ours has that command line too.
+        "--proxy",
+        f"again={sys.executable} -m epd_proxy serve",
     ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -43,7 +46,7 @@ def test_quick_bench_writes_results_and_batching_sends_fewer_subrequests(tmp_pat
         assert (out / name).stat().st_size > 0, name
     result = json.loads((out / "results.json").read_text())
     arms = {a["name"]: a for a in result["arms"]}
-    assert set(arms) == {"batched", "per-item", "direct"}
+    assert set(arms) == {"batched", "per-item", "direct", "again"}
     for arm in arms.values():
         assert arm["errors"] == 0
         assert arm["measured"] == 32
@@ -58,6 +61,9 @@ def test_quick_bench_writes_results_and_batching_sends_fewer_subrequests(tmp_pat
     # Through the proxy PD gets embeddings references only, never the raw images.
     assert batched["pd_raw_images"] == 0 and per_item["pd_raw_images"] == 0
     assert arms["direct"]["encoder_subrequests_per_round"] == 0
+    # The --proxy arm ran at the batched arm's load and batched like it (ENCODER_MAX_BATCH_SIZE=0).
+    assert arms["again"]["encoder_subrequests_per_round"] == batched["encoder_subrequests_per_round"]
+    assert arms["again"]["proxy_cpu_ms_per_request"] > 0
     assert "| batched |" in (out / "table.md").read_text()
     assert "| batched |" in run.stdout
 

@@ -75,6 +75,13 @@ async def test_serve_process_answers_and_stops_on_sigterm(workers):
         assert len(fakes[0].requests) == 6 and fakes[1].loaded_from_cache == 6
         if workers > 1:
             assert len(children_of(proc.pid)) >= workers
+        # One view: a new connection per scrape lands on any worker, and each shows every request.
+        for _ in range(8):
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as scraper:
+                async with scraper.get(f"http://127.0.0.1:{port}/metrics") as resp:
+                    text = await resp.text()
+            assert 'epd_requests_total{status="200"} 6.0' in text
+            assert f'epd_instance_up{{instance="{e_url}",role="encode"}} 1.0' in text
     finally:
         proc.terminate()
         assert await asyncio.to_thread(proc.wait, 15) is not None

@@ -364,3 +364,15 @@ async def test_a_calls_header_replaces_the_pools_own(peer, upstream):
     )
     assert b"Authorization: Bearer pool\r\n" in seen[0]
     assert b"Bearer own" in seen[1] and b"Bearer pool" not in seen[1]
+
+
+async def test_the_headers_limit_holds_for_a_head_that_trickles_in(peer, upstream):
+    async def trickle(reader, writer):
+        await read_request(reader)
+        for byte in b"HTTP/1.1 200 OK\r\nX-Slow: yes\r\n":
+            writer.write(bytes([byte]))
+            await asyncio.sleep(0.02)
+
+    inst = Instance((await peer(trickle)).url, "decode")
+    failure = await failure_of(call(upstream(), inst, Timeouts(headers=0.3)))
+    assert failure.kind == HEADERS_TIMEOUT
