@@ -202,6 +202,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         del raw
         body, items = normalised.body, normalised.items
         trace.items = len(items)
+        (state.metrics.parsed_spliced if spliced is not None else state.metrics.parsed_full).inc()
         # Admission counts work, not waiting: a client still sending its body holds no slot.
         if config.max_inflight and state.inflight >= config.max_inflight:
             state.metrics.rejected.inc()

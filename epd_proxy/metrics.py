@@ -102,6 +102,14 @@ class Metrics:
             "epd_encoder_failovers", "Encoder sub-requests retried on another encoder", ["from_encoder"], registry=r
         )
         self.rejected = Counter("epd_admission_rejected", "Requests refused with 503 by --max-inflight", registry=r)
+        parsed = Counter(
+            "epd_request_parse",
+            "Chat requests by how their body was read: splice (media kept as slices of the client's bytes) "
+            "or full (the whole body parsed)",
+            ["path"],
+            registry=r,
+        )
+        self.parsed_spliced, self.parsed_full = parsed.labels("splice"), parsed.labels("full")
         self._fleet, self._health = fleet, health
         # Read at scrape time and the same in every worker (the shared roster's state).
         self._shared_collectors: list = []

@@ -29,7 +29,7 @@ from epd_proxy.errors import BadRequest
 from epd_proxy.extract import MediaItem, NormalisedRequest, canonical_media_url, media_url, normalise_request
 
 # Shorter URLs are not worth a token: parsing them costs less than the bookkeeping.
-LIFT_MIN_BYTES = 2048
+LIFT_MIN_BYTES = 512
 _BASE64 = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/="
 _WHITESPACE = b" \t\r\n"
 _COLON = ord(":")

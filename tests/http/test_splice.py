@@ -39,6 +39,9 @@ async def test_spliced_and_fully_parsed_requests_reach_the_backends_identically(
         async with await stack.chat(raw, headers={"Content-Type": "application/json"}) as resp:
             assert resp.status == 200, await resp.text()
         assert stack.pd.loaded_from_cache == 3 and stack.pd.encoded_locally == 0
+        async with stack.client.get(stack.url + "/metrics") as resp:
+            path = "splice" if name == "spliced" else "full"
+            assert f'epd_request_parse_total{{path="{path}"}} 1.0' in await resp.text()
         seen[name] = (
             sorted(orjson.dumps(without_ids(b), option=orjson.OPT_SORT_KEYS) for b in stack.encoder_requests()),
             without_ids(stack.pd.requests[0].body),
