@@ -25,7 +25,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import httptools
@@ -454,31 +454,9 @@ class Upstream:
                 conn.abort()
             origin.idle.clear()
 
-    async def call(
-        self,
-        target: Target,
-        method: str,
-        path: str,
-        *,
-        body: Payload | None = None,
-        headers: Mapping[str, str] | None = None,
-        timeouts: Timeouts,
-        stage: str,
-        what: str,
-        count_inflight: bool | None = None,
-    ) -> Answer:
-        """Send and read the whole answer, whatever its status."""
-        answer = await self.open(
-            target,
-            method,
-            path,
-            body=body,
-            headers=headers,
-            timeouts=timeouts,
-            stage=stage,
-            what=what,
-            count_inflight=count_inflight,
-        )
+    async def call(self, target: Target, method: str, path: str, **options: Any) -> Answer:
+        """Send and read the whole answer, whatever its status; the options are `open`'s."""
+        answer = await self.open(target, method, path, **options)
         try:
             await answer.read()
         finally:
