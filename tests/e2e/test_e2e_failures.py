@@ -15,15 +15,14 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 import urllib.request
 
 import pytest
 
 from epd_proxy.local.supervisor import http_ok
+from tests.serve_process import free_port, serve_command
 
 from .e2e_helpers import chat_body, chat_ok, finished_requests, make_image
 
@@ -74,28 +73,15 @@ def _metric(url: str, prefix: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def trusting_proxy(stack):
     """A second proxy in front of the same servers that lets a client send `image_embeds`
     references (what a trusted router in front may do), with one decode retry."""
-    port = _free_port()
+    port = free_port()
     log = open(stack.work_dir / "trusting-proxy.log", "wb")
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "epd_proxy",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
+        serve_command(
+            port,
             "--encode-servers-urls",
             ",".join(stack.encoder_urls),
             "--decode-servers-urls",
@@ -103,7 +89,7 @@ def trusting_proxy(stack):
             "--trust-client-fields",
             "--decode-retries",
             "1",
-        ],
+        ),
         stdout=log,
         stderr=subprocess.STDOUT,
     )

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 import urllib.request
 
@@ -15,6 +14,7 @@ import pytest
 
 from epd_proxy.local.supervisor import find_free_port_block, http_ok
 from epd_proxy.testing.redis_server import RedisServer
+from tests.serve_process import serve_command
 
 from .e2e_helpers import chat_body, chat_ok, loaded_hashes, make_image, settled_encoder_total
 
@@ -46,7 +46,7 @@ def shared_roster_proxies(stack):
     procs, urls = [], []
     try:
         for port in (base + 1, base + 2):
-            cmd = [sys.executable, "-m", "epd_proxy", "serve", "--host", "127.0.0.1", "--port", str(port)]
+            cmd = serve_command(port)
             cmd += ["--dynamic-registration", "--roster", store.url("e2e"), "--encode-policy", "round_robin"]
             log = open(work / f"proxy-{port}.log", "wb")  # noqa: SIM115 - closed once the child has it
             procs.append(

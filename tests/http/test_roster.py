@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -24,15 +22,10 @@ from epd_proxy.roster import RedisRoster
 from epd_proxy.testing.fake_vllm import ECStore, FakeVLLM
 from epd_proxy.testing.redis_server import RedisServer
 from tests.media import chat, image
+from tests.serve_process import free_port, serve_command
 
 KEY = "roster-test-key"
 DEADLINE_S = 20.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def eventually(check: Callable[[], Awaitable[bool]], what: str, deadline_s: float = DEADLINE_S) -> float:
@@ -54,7 +47,7 @@ class Proxy:
         self.client = client
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "epd_proxy", "serve", "--host", "127.0.0.1", "--port", str(self.port)]
+        cmd = serve_command(self.port)
         cmd += ["--dynamic-registration", "--roster", roster_url, "--workers", str(workers), "--log-level", "WARNING"]
         cmd += ["--probe-interval", "0.2", "--probe-timeout", "1", *extra]
         self.proc = subprocess.Popen(cmd, env={**os.environ, "ADMIN_API_KEY": KEY})

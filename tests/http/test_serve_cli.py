@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import socket
 import subprocess
-import sys
 
 import aiohttp
 import pytest
@@ -13,12 +12,7 @@ from aiohttp.test_utils import TestServer
 
 from epd_proxy.testing.fake_vllm import ECStore, FakeVLLM
 from tests.media import chat, image
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.serve_process import free_port, serve_command, wait_healthy
 
 
 def children_of(pid: int) -> list[int]:
@@ -36,15 +30,8 @@ async def test_serve_process_answers_and_stops_on_sigterm(workers):
     e_url, pd_url = (str(s.make_url("")).rstrip("/") for s in servers)
     port = free_port()
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "epd_proxy",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
+        serve_command(
+            port,
             "--encode-servers-urls",
             e_url,
             "--decode-servers-urls",
@@ -53,20 +40,11 @@ async def test_serve_process_answers_and_stops_on_sigterm(workers):
             str(workers),
             "--log-level",
             "WARNING",
-        ],
+        )
     )
     try:
+        await wait_healthy(proc, f"http://127.0.0.1:{port}")
         async with aiohttp.ClientSession() as client:
-            for _ in range(100):
-                try:
-                    async with client.get(f"http://127.0.0.1:{port}/health") as resp:
-                        if resp.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                await asyncio.sleep(0.1)
-            else:
-                pytest.fail("proxy did not become healthy")
             for n in range(6):
                 async with client.post(
                     f"http://127.0.0.1:{port}/v1/chat/completions", json=chat(image(str(n)))

@@ -5,9 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -22,6 +20,7 @@ from epd_proxy.app import create_app
 from epd_proxy.config import Config
 from epd_proxy.testing.fake_vllm import ECStore, FakeVLLM
 from tests.media import chat, image
+from tests.serve_process import free_port, serve_command, wait_healthy
 
 DEADLINE_S = 15.0
 JSON = {"Content-Type": "application/json"}
@@ -281,12 +280,6 @@ async def test_connections_over_the_limit_are_refused_while_the_others_are_serve
 # -- `epd-proxy serve` as a process: the limits hold there, with --workers too -------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def rss_bytes(pid: int, field: str = "VmRSS") -> int:
     with open(f"/proc/{pid}/status") as status:
         for line in status:
@@ -304,23 +297,14 @@ async def serve_process(*flags: str):
         await fake.start_server()
     e_url, pd_url = (str(f.make_url("")).rstrip("/") for f in fakes)
     port = free_port()
-    cmd = [sys.executable, "-m", "epd_proxy", "serve", "--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["--encode-servers-urls", e_url, "--decode-servers-urls", pd_url, "--log-level", "WARNING", *flags]
-    proc = subprocess.Popen(cmd)
+    proc = subprocess.Popen(
+        serve_command(
+            port, "--encode-servers-urls", e_url, "--decode-servers-urls", pd_url, "--log-level", "WARNING", *flags
+        )
+    )
     url = f"http://127.0.0.1:{port}"
     try:
-        async with aiohttp.ClientSession() as probe:
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    async with probe.get(f"{url}/health") as resp:
-                        if resp.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    pytest.fail("the proxy process did not become healthy")
-                await asyncio.sleep(0.1)
+        await wait_healthy(proc, url)
         yield proc, url
     finally:
         proc.terminate()
