@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 from epd_proxy.encode import encoder_body
 from epd_proxy.errors import BadRequest
 from epd_proxy.extract import REFERENCE_KINDS, TEXT_TYPES, normalise_request
-from epd_proxy.match import ItemMatch, Matches
+from epd_proxy.match import Matches
 from epd_proxy.rewrite import rewrite_request
+from tests.matching import every_item_matched
 
 pytestmark = pytest.mark.e2e
 protocol = pytest.importorskip("vllm.entrypoints.openai.chat_completion.protocol")
@@ -90,15 +91,14 @@ def test_vllm_reads_every_forwarded_part_as_the_proxy_classified_it(body):
     items = normalised.items
     minted = {item.uuid for item in items}
     by_position = {(item.message_index, item.part_index): item for item in items}
-    every_item_matched = Matches()
-    for item in items:
-        every_item_matched.items[item.index] = ItemMatch({"image_grid_thw": [[1, 4, 4]]}, "h" + item.uuid, "t")
     forwarded = {
         "encoder": encoder_body(normalised.body, items, send_uuid=True),
         "encoder, no-rewrite": encoder_body(normalised.body, items, send_uuid=False),
         "consumer, no-rewrite": rewrite_request(normalised.body, items, Matches(), rewrite=False),
         "consumer, raw media": rewrite_request(normalised.body, items, Matches(), rewrite=True),
-        "consumer, references": rewrite_request(normalised.body, items, every_item_matched, rewrite=True),
+        "consumer, references": rewrite_request(
+            normalised.body, items, every_item_matched(items, {"image_grid_thw": [[1, 4, 4]]}), rewrite=True
+        ),
     }
     for name, sent in forwarded.items():
         for m, p, kind, uuid in vllm_reads(sent) or ():

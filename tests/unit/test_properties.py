@@ -17,6 +17,7 @@ from epd_proxy.plan import plan_groups
 from epd_proxy.rewrite import rewrite_request
 from epd_proxy.routing import RoundRobin
 from epd_proxy.testing.fake_vllm import vllm_part_kind
+from tests.matching import every_item_matched
 
 KINDS = st.sampled_from(["image_url", "image_url", "image_url", "audio_url", "video_url", "input_audio"])
 NAMES = st.sampled_from("ABCDEFGH")
@@ -163,9 +164,7 @@ def test_nothing_forwarded_names_a_reference_or_uuid_the_proxy_did_not_make(part
         return
     items = normalised.items
     minted = {item.uuid for item in items}
-    matches = Matches()
-    for item in items:
-        match_group([item], [f"t{item.index}"], {item.uuid: {"metadata": {"g": [[1, 2, 2]]}}}, matches)
+    matches = every_item_matched(items, {"g": [[1, 2, 2]]})
     consumer = rewrite_request(normalised.body, items, matches, rewrite=rewrite)
     encoders = [encoder_body(normalised.body, [item], send_uuid=rewrite) for item in items]
     for forwarded, may_reference in [(consumer, rewrite), *((e, False) for e in encoders)]:
