@@ -12,17 +12,20 @@ import sys
 from pathlib import Path
 
 
-def test_quick_bench_writes_results_and_batching_sends_fewer_subrequests(tmp_path: Path) -> None:
+def run_quick_bench(tmp_path: Path, *flags: str) -> tuple[subprocess.CompletedProcess, Path, dict[str, dict]]:
+    """`epd-proxy bench --quick` with `flags`; the run, its results folder and its arms by name."""
     out = tmp_path / "results"
-    cmd = [
-        sys.executable,
-        "-m",
-        "epd_proxy.bench",
-        "--quick",
-        "--out",
-        str(out),
-        "--cache-dir",
-        str(tmp_path / "cache"),
+    cmd = [sys.executable, "-m", "epd_proxy.bench", "--quick", "--out", str(out)]
+    cmd += ["--cache-dir", str(tmp_path / "cache"), *flags]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    arms = {a["name"]: a for a in json.loads((out / "results.json").read_text())["arms"]}
+    return run, out, arms
+
+
+def test_quick_bench_writes_results_and_batching_sends_fewer_subrequests(tmp_path: Path) -> None:
+    run, out, arms = run_quick_bench(
+        tmp_path,
         "--pool-size",
         "8",
         "--requests",
@@ -38,14 +41,9 @@ def test_quick_bench_writes_results_and_batching_sends_fewer_subrequests(tmp_pat
         # Any proxy with the reference's command line gets an arm; ours has that command line too.
         "--proxy",
         f"again={sys.executable} -m epd_proxy serve",
-    ]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-
+    )
     for name in ("results.json", "table.md", "chart.png", "latencies.json"):
         assert (out / name).stat().st_size > 0, name
-    result = json.loads((out / "results.json").read_text())
-    arms = {a["name"]: a for a in result["arms"]}
     assert set(arms) == {"batched", "per-item", "direct", "again"}
     for arm in arms.values():
         assert arm["errors"] == 0
@@ -69,18 +67,10 @@ def test_quick_bench_writes_results_and_batching_sends_fewer_subrequests(tmp_pat
 
 
 def test_quick_streaming_bench_relays_every_stream_and_samples_rss(tmp_path: Path) -> None:
-    out = tmp_path / "results"
-    cmd = [
-        sys.executable,
-        "-m",
-        "epd_proxy.bench",
-        "--quick",
+    _, _, arms = run_quick_bench(
+        tmp_path,
         "--stream",
         "--no-chart",
-        "--out",
-        str(out),
-        "--cache-dir",
-        str(tmp_path / "cache"),
         "--pool-size",
         "4",
         "--requests",
@@ -97,10 +87,7 @@ def test_quick_streaming_bench_relays_every_stream_and_samples_rss(tmp_path: Pat
         "batched",
         "--variant",
         "again@batched:EPD_UNUSED=1",
-    ]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    arms = {a["name"]: a for a in json.loads((out / "results.json").read_text())["arms"]}
+    )
     assert set(arms) == {"batched", "again"}
     for arm in arms.values():
         # Each streamed answer (chunked by the proxy) was read to its end and counted.
