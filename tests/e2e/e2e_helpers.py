@@ -11,6 +11,7 @@ import struct
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 MODEL = "tiny-vlm"
@@ -45,6 +46,16 @@ def make_image(seed: int, mode: str = "RGB", size=SMALL, fmt: str = "PNG") -> st
     img.save(buf, fmt)
     mime = "jpeg" if fmt.upper() == "JPEG" else fmt.lower()
     return f"data:image/{mime};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def image_source(seeds: range) -> Callable[..., list[str]]:
+    """`fresh(n, **make_image options)`: n pictures, each from a seed this source has not drawn before."""
+    unused = iter(seeds)
+
+    def fresh(n: int = 1, **kw) -> list[str]:
+        return [make_image(next(unused), **kw) for _ in range(n)]
+
+    return fresh
 
 
 def chat_body(images: list[str], text: str = "Describe the picture.", **extra) -> dict:

@@ -22,8 +22,8 @@ from .e2e_helpers import (
     chat_ok,
     comparable,
     encoder_total,
+    image_source,
     loaded_hashes,
-    make_image,
     post_json,
     settled_encoder_total,
     store_entries,
@@ -35,11 +35,7 @@ pytestmark = pytest.mark.e2e
 # Distinct seed ranges per test: PD keeps embeddings and prefixes it has seen
 # in memory, so reusing a picture would let PD answer without touching the
 # EC store and weaken the "encoder did the work" checks.
-SEEDS = iter(range(100, 10_000))
-
-
-def fresh(n: int = 1, **kw) -> list[str]:
-    return [make_image(next(SEEDS), **kw) for _ in range(n)]
+fresh = image_source(range(100, 10_000))
 
 
 def assert_same(proxy_resp: dict, base_resp: dict) -> None:

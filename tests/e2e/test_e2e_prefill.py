@@ -29,11 +29,11 @@ from .e2e_helpers import (
     chat_ok,
     comparable,
     finished_requests,
+    image_source,
     kv_entries,
     kv_folder,
     kv_loads,
     kv_saved_tokens,
-    make_image,
     settled_encoder_total,
     store_entries,
     text_of,
@@ -44,11 +44,7 @@ pytestmark = pytest.mark.e2e
 
 # Fresh pictures per case: decode's prefix cache would otherwise already hold the prompt and
 # load nothing.
-SEEDS = iter(range(20_000, 30_000))
-
-
-def fresh(n: int = 1, **kw) -> list[str]:
-    return [make_image(next(SEEDS), **kw) for _ in range(n)]
+fresh = image_source(range(20_000, 30_000))
 
 
 @dataclass
