@@ -380,6 +380,10 @@ class Bench:
                     note=f"`{command}`" + (", fake costs 0" if cluster == FREE else ""),
                 )
             )
+        names = [arm.name for arm in arms]
+        if len(set(names)) != len(names):
+            twice = sorted({name for name in names if names.count(name) > 1})
+            raise SystemExit(f"arm names must differ (each is a row of the report): {', '.join(twice)} used twice")
         return arms
 
     def schedule(self, round_no: int, arm_no: int) -> list[tuple[int, str]]:

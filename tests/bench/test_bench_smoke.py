@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 def run_quick_bench(tmp_path: Path, *flags: str) -> tuple[subprocess.CompletedProcess, Path, dict[str, dict]]:
     """`epd-proxy bench --quick` with `flags`; the run, its results folder and its arms by name."""
@@ -94,3 +96,11 @@ def test_quick_streaming_bench_relays_every_stream_and_samples_rss(tmp_path: Pat
         assert arm["errors"] == 0 and arm["measured"] == 8 and arm["pd_requests_per_round"] == 8
         assert arm["proxy_rss_under_load_mb"] > 0
     assert arms["again"]["encoder_subrequests_per_round"] == arms["batched"]["encoder_subrequests_per_round"]
+
+
+def test_two_arms_cannot_share_a_name(tmp_path: Path) -> None:
+    from epd_proxy.bench.runner import Bench, parse_args
+
+    args = parse_args(["--quick", "--out", str(tmp_path), "--proxy", "ref=true", "--proxy", "ref@saturation=true"])
+    with pytest.raises(SystemExit, match="ref used twice"):
+        Bench(args).build_arms()
