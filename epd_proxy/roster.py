@@ -151,6 +151,7 @@ class RedisRoster:
         self._synced = asyncio.Event()
         self._resync_lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
+        self._closed = False
 
     # -- state ---------------------------------------------------------------------------------------
     @property
@@ -186,9 +187,16 @@ class RedisRoster:
             log.warning("roster store %s not reachable at startup (%s); retrying", self.url, self._error)
 
     async def close(self) -> None:
+        self._closed = True
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            # redis-py can swallow a cancellation that lands on its read timeout's edge (its
+            # issue #2551); the loops also stop on `_closed`, and the cancel is repeated until the
+            # task has ended, so closing never hangs.
+            while not self._task.done():
+                self._task.cancel()
+                await asyncio.wait({self._task}, timeout=1.0)
+            if not self._task.cancelled():
+                self._task.exception()  # retrieved: a failure while closing is not news
         await self._client.aclose()
 
     # -- reading -------------------------------------------------------------------------------------
@@ -229,7 +237,7 @@ class RedisRoster:
 
     async def _follow_forever(self) -> None:
         delay = 0.05
-        while True:
+        while not self._closed:
             try:
                 await self._follow()
             except Exception as exc:  # any store failure: keep routing, retry
@@ -253,7 +261,7 @@ class RedisRoster:
             await pubsub.subscribe(self._channel)
             await self.resync()
             next_round = self._clock() + self.interval_s
-            while True:
+            while not self._closed:
                 wait = max(0.0, next_round - self._clock())
                 message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=wait)
                 if message is not None:

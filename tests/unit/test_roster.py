@@ -129,3 +129,28 @@ def test_conflicts_are_judged_against_any_membership_view():
         assert err.value.status == 409
     check_fits(Record("http://e2", ENCODE), members)
     check_fits(Record("http://pd", PREFILL_DECODE, ("tcp://a:1",)), members)
+
+
+async def test_closing_never_hangs_on_a_swallowed_cancellation():
+    """redis-py can swallow a task cancellation at a read timeout's edge (its issue #2551): the
+    follower must still stop when the roster is closed."""
+    import asyncio
+
+    from epd_proxy.roster import RedisRoster
+
+    roster = RedisRoster("redis://127.0.0.1:1/0", ttl_s=60, on_change=lambda records: None, in_rotation=list)
+    swallowed = 0
+
+    async def follow_like_a_swallowing_client() -> None:
+        nonlocal swallowed
+        while not roster._closed:
+            try:
+                await asyncio.sleep(0.01)
+            except asyncio.CancelledError:
+                swallowed += 1  # what a read that eats the cancellation looks like from outside
+
+    roster._follow = follow_like_a_swallowing_client
+    await roster.start(first_sync_timeout_s=0.05)
+    async with asyncio.timeout(10):
+        await roster.close()
+    assert swallowed >= 1 and roster._task.done()
