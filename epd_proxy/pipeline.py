@@ -113,8 +113,13 @@ class Pipeline:
         # limit each silence within that stream.
         self.encode_timeouts = Timeouts(connect=config.connect_timeout_s, total=config.encode_timeout_s)
         self.prefill_timeouts = Timeouts(connect=config.connect_timeout_s, total=config.prefill_timeout_s)
+        # The decode limit bounds the wait for a free connection too (--max-connections-per-backend):
+        # behind long streams, a request would otherwise queue for as long as they last.
         self.decode_timeouts = Timeouts(
-            connect=config.connect_timeout_s, headers=config.decode_timeout_s, idle=config.stream_idle_timeout_s
+            connect=config.connect_timeout_s,
+            pool=config.decode_timeout_s,
+            headers=config.decode_timeout_s,
+            idle=config.stream_idle_timeout_s,
         )
 
     def candidates(self, role: str) -> Sequence[Instance]:

@@ -14,6 +14,9 @@ log = logging.getLogger("epd_proxy.relay")
 
 # How a relayed answer ended, for the request log and epd_requests_total.
 COMPLETE, ABORTED, CLIENT_GONE = "complete", "aborted", "client_disconnect"
+# An event vLLM sends when generation failed after its 200. Inside generated text a quote is
+# escaped, so this can only match the start of an error event.
+VLLM_ERROR_EVENT = b'data: {"error"'
 
 
 async def relay(
@@ -30,17 +33,20 @@ async def relay(
     # Only whole events go out: if decode breaks off, the error event must not be glued to half an
     # event the client could not parse.
     pending = answer.held
+    errored = False
     try:
         await response.prepare(request)
         try:
             cut = complete_events(pending)
             if cut:
+                errored = VLLM_ERROR_EVENT in pending[:cut]
                 await response.write(pending[:cut])
                 pending = pending[cut:]
             async for chunk in answer.chunks:
                 pending += chunk
                 cut = complete_events(pending)
                 if cut:
+                    errored = errored or VLLM_ERROR_EVENT in pending[:cut]
                     await response.write(pending[:cut])
                     pending = pending[cut:]
         except BackendUnreachable as exc:
@@ -54,9 +60,11 @@ async def relay(
             await response.write_eof()
             return response, ABORTED
         if pending:
+            errored = errored or VLLM_ERROR_EVENT in pending
             await response.write(pending)
         await response.write_eof()
     except ConnectionResetError:
         # aiohttp's ClientConnectionResetError: the client went away while we wrote to it.
         return response, CLIENT_GONE
-    return response, COMPLETE
+    # vLLM's own error event ends a stream that failed: relayed as sent, counted as aborted.
+    return response, ABORTED if errored else COMPLETE

@@ -78,6 +78,9 @@ async def test_in_band_error_is_relayed_as_vllm_sent_it_when_no_attempt_is_left(
     assert evs[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert evs[1] == {"error": VLLM_ERROR} and evs[2] == "[DONE]"
     assert len(stack.pd.requests) == 2
+    # vLLM's own error event ends a failed stream: counted as aborted, not as a 200 that completed.
+    text = await metric_lines(stack)
+    assert 'epd_requests_total{status="aborted"} 1.0' in text and 'status="200"' not in text
 
 
 async def test_non_streaming_generation_error_is_vllms_500_and_is_retried(make_stack):
@@ -203,3 +206,22 @@ async def test_client_body_is_let_go_once_decode_commits(make_stack):
     finally:
         tracemalloc.stop()
     assert during < 200_000, f"{during} bytes parsed by the handler are still alive mid-stream"
+
+
+async def test_waiting_for_a_decode_connection_is_bounded_by_the_decode_timeout(make_stack):
+    """With --max-connections-per-backend, a request queued behind a long stream gets a 504 once
+    --decode-timeout has passed, instead of waiting for as long as the stream lasts."""
+    stack = await make_stack(encoders=1, max_connections_per_backend=1, decode_timeout_s=0.5, stream_idle_timeout_s=30)
+    stack.pd.faults.stall_streams = 1
+    first = await stack.chat(chat(image("A"), stream=True))
+    try:
+        assert first.status == 200
+        async with asyncio.timeout(10):
+            async with await stack.chat(chat(image("B"))) as resp:
+                assert resp.status == 504
+                error = (await resp.json())["error"]
+        assert error["stage"] == "decode" and "timed out" in error["message"]
+    finally:
+        first.close()
+    state = state_of(stack)
+    await until(lambda: state.inflight == 0 and all(i.inflight == 0 for i in state.fleet.all()))
