@@ -136,12 +136,13 @@ def content_uuid(part: dict[str, Any], kind: str, identify: Callable[[str], str 
 
     Keeping the reference's formula means encoder caches keep their keys in fleets that mix both
     proxies. It must be content-derived, not request-derived, for cross-request cache reuse.
-    `identify` knows the identity of URLs still held as bytes elsewhere (see `splice`).
+    `part` is as forwarded, so its URL is already canonical (`_forwarded_media_part`); `identify`
+    knows the identity of URLs still held as bytes elsewhere (see `splice`).
     """
     url = media_url(part, kind)
     if url is not None:
         known = identify(url) if identify is not None else None
-        return known if known is not None else sha256_hex(canonical_media_url(url))
+        return known if known is not None else sha256_hex(url)
     return sha256_hex(json.dumps(part, sort_keys=True))
 
 
@@ -182,7 +183,7 @@ def _forwarded_media_part(part: dict[str, Any], kind: str, where: str) -> tuple[
         url = media_url(part, "image_url")
         if not url:
             raise BadRequest(f"{where} is 'input_image' without an 'image_url'")
-        return "image_url", {"type": "image_url", "image_url": {"url": url}}
+        return "image_url", {"type": "image_url", "image_url": {"url": canonical_media_url(url)}}
     url = media_url(part, kind)
     if not url:
         raise BadRequest(f"{where} is '{kind}' without a '{kind}.url'")

@@ -224,5 +224,8 @@ def test_media_is_forwarded_in_the_canonical_form_its_identity_names():
     assert item.uuid == hashlib.sha256(b"data:image/png;base64,QUJDRA==").hexdigest()
     [item] = items_of(chat({"image_url": "data:image/PNG;base64,QUJDRA=="}))
     assert item.part == {"image_url": "data:image/png;base64,QUJDRA=="}
+    [item] = items_of(chat({"type": "input_image", "image_url": "DATA:image/png;base64,QUJD RA=="}))
+    assert item.part == {"type": "image_url", "image_url": {"url": "data:image/png;base64,QUJDRA=="}}
+    assert item.uuid == hashlib.sha256(b"data:image/png;base64,QUJDRA==").hexdigest()
     clean = image("A")
     assert items_of(chat(clean))[0].part is clean
