@@ -24,13 +24,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import orjson
+import pybase64
 
 from epd_proxy.errors import BadRequest
 from epd_proxy.extract import MediaItem, NormalisedRequest, canonical_media_url, media_url, normalise_request
 
 # Shorter URLs are not worth a token: parsing them costs less than the bookkeeping.
 LIFT_MIN_BYTES = 512
-_BASE64 = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/="
 _WHITESPACE = b" \t\r\n"
 _COLON = ord(":")
 
@@ -140,9 +140,14 @@ def _is_canonical_base64(raw: bytes | bytearray, start: int, end: int) -> bool:
         return False  # an escape or a control character: the string differs from its JSON text
     if canonical_media_url(header) != header:
         return False
-    # Deleting every base64 character leaves nothing only if there is no escape, whitespace,
-    # quote or control character: then the JSON text is the string's UTF-8 bytes exactly.
-    return not raw[comma + 1 : end].translate(None, _BASE64)
+    # A strict decode accepts nothing but the base64 alphabet, so no escape, whitespace, quote or
+    # control character: then the JSON text is the string's UTF-8 bytes exactly. pybase64's SIMD
+    # decoder checks at memory speed, several times faster than any byte loop in the stdlib.
+    try:
+        pybase64.b64decode(memoryview(raw)[comma + 1 : end], validate=True)
+    except ValueError:
+        return False
+    return True
 
 
 def parse_request(

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import base64
 import copy
+import hashlib
+import threading
 
 import orjson
 import pytest
 
+import epd_proxy.app as app_module
 from tests.media import audio, chat, image
 
 SIZE = {"size": {"shortest_edge": 3136, "longest_edge": 1000000}}
@@ -167,3 +171,32 @@ async def test_the_fake_consumer_fails_where_vllm_fails(make_stack):
     wrong_grid = chat({"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 2, 2]}, "uuid": uuid})
     status, text = await post(stack.pd_url, wrong_grid)
     assert status == 500 and "multimodal tokens to 1 placeholders" in text
+
+
+def big_image(name: str, size: int) -> dict:
+    data = base64.b64encode(name.encode() * (size // len(name))).decode()
+    return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}
+
+
+@pytest.mark.parametrize("offload_above", [1 << 40, 64 * 1024])
+async def test_large_bodies_are_read_off_the_loop_with_the_same_outcome(make_stack, monkeypatch, offload_above):
+    """Bodies above the offload size are lifted and hashed in a worker thread; everything the
+    backends see is what the loop itself would have produced."""
+    threads = []
+    real_parse_request = app_module.parse_request
+
+    def recording_parse_request(*args, **kwargs):
+        threads.append(threading.current_thread() is threading.main_thread())
+        return real_parse_request(*args, **kwargs)
+
+    monkeypatch.setattr(app_module, "OFFLOAD_HASH_BYTES", offload_above)
+    monkeypatch.setattr(app_module, "parse_request", recording_parse_request)
+    stack = await make_stack(encoders=2)
+    body = chat(big_image("A", 90_000), big_image("B", 60_000), image("C"))
+    answer = await answer_of(stack, body)
+    assert threads == [offload_above > 1 << 30]  # on the loop's thread only below the offload size
+    assert answer == await direct_answer(stack, body)
+    urls = [part["image_url"]["url"] for part in body["messages"][0]["content"][1:]]
+    sent = [part for r in stack.encoder_requests() for part in r["messages"][0]["content"]]
+    assert sorted(part["uuid"] for part in sent) == sorted(hashlib.sha256(u.encode()).hexdigest() for u in urls)
+    assert sorted(part["image_url"]["url"] for part in sent) == sorted(urls)
