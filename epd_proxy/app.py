@@ -192,7 +192,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     admitted = False
     try:
         raw = await read_body(request, config.max_body_bytes)
-        options = {"trust_client_fields": config.trust_client_fields, "max_media_items": config.max_media_items}
+        options = {
+            "trust_client_fields": config.trust_client_fields,
+            "max_media_items": config.max_media_items,
+            "media_hash": config.media_hash,
+        }
         # With splice, `raw` lives on in `spliced` (the media are slices of it) and the parsed
         # body holds only the skeleton; otherwise the parsed body holds the media and raw goes.
         if len(raw) > OFFLOAD_HASH_BYTES:

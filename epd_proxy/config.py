@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from epd_proxy.extract import MEDIA_HASHES
+
 _DISABLED_PREFILL = {"", "none", "disable", "disabled"}
 
 
@@ -74,6 +76,8 @@ class Config:
     encoder_failovers: int = 1
     # Honour client uuids, *_embeds parts and ec/kv_transfer_params (only behind a trusted router).
     trust_client_fields: bool = False
+    # How media are named for the encoder cache (extract.MEDIA_HASHES): the reference's sha256, or blake3.
+    media_hash: str = "sha256"
     encode_policy: str = "round_robin"
     prefill_policy: str = "least_loaded"
     decode_policy: str = "least_loaded"
@@ -106,6 +110,8 @@ class Config:
             raise ConfigError(f"--ejection-time must be > 0, got {self.ejection_time_s}")
         if not 0 <= self.max_ejection_percent <= 100:
             raise ConfigError(f"--max-ejection-percent must be within 0..100, got {self.max_ejection_percent}")
+        if self.media_hash not in MEDIA_HASHES:
+            raise ConfigError(f"--media-hash must be one of {', '.join(sorted(MEDIA_HASHES))}, got {self.media_hash!r}")
         if self.log_format not in ("text", "json"):
             raise ConfigError(f"--log-format must be text or json, got {self.log_format!r}")
         if self.max_inflight < 0:

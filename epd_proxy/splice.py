@@ -18,7 +18,6 @@ instead, so the outcome (items, identities, bodies, errors) is exactly the full 
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -58,16 +57,16 @@ class Spliced:
         start, end = self.spans[int(token[len(self.prefix) :])]
         return self._view[start:end]
 
-    def uuid_of(self, url: str) -> str | None:
-        """The content identity of a lifted URL (sha256 of its bytes, as the full parse would hash
-        the same string), or None for any other URL."""
+    def bytes_of(self, url: str) -> memoryview | None:
+        """The bytes of a lifted URL (a slice of the client's buffer, hashed in place, exactly as
+        the full parse would hash the same string), or None for any other URL."""
         if not url.startswith(self.prefix):
             return None
-        return hashlib.sha256(self.span(url)).hexdigest()
+        return self.span(url)
 
     def accounts_for(self, items: Sequence[MediaItem]) -> bool:
         """Whether every lifted URL is exactly one media item's URL, which is the only place the
-        normalising pass reads it through `uuid_of` instead of as a string."""
+        normalising pass reads it through `bytes_of` instead of as a string."""
         used = 0
         for item in items:
             url = media_url(item.part, item.kind)
@@ -155,15 +154,20 @@ def parse_request(
     *,
     trust_client_fields: bool = False,
     max_media_items: int = 0,
+    media_hash: str = "sha256",
     lift_min_bytes: int = LIFT_MIN_BYTES,
 ) -> tuple[NormalisedRequest, Spliced | None]:
     """The normalised request and, when the fast path held, the buffer its tokens point into."""
-    options = {"trust_client_fields": trust_client_fields, "max_media_items": max_media_items}
+    options = {
+        "trust_client_fields": trust_client_fields,
+        "max_media_items": max_media_items,
+        "media_hash": media_hash,
+    }
     lifted = lift(raw, lift_min_bytes)
     if lifted is not None:
         skeleton, spliced = lifted
         try:
-            normalised = normalise_request(orjson.loads(skeleton), **options, identify=spliced.uuid_of)
+            normalised = normalise_request(orjson.loads(skeleton), **options, lifted=spliced.bytes_of)
         except (orjson.JSONDecodeError, BadRequest):
             normalised = None  # the full parse gives the exact error
         if normalised is not None and spliced.accounts_for(normalised.items):

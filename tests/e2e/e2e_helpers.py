@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import io
 import json
 import re
 import struct
+import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from epd_proxy.local.supervisor import http_ok
+from tests.serve_process import free_port, serve_command
 
 MODEL = "tiny-vlm"
 # The two topologies the tests run, as the fidelity table names them.
@@ -23,6 +28,35 @@ SMALL = (224, 160)  # 8 x 6 merged patches = 48 image tokens by default
 # Grid differs from the default one (48 tokens -> 12 tokens for 224x160).
 SMALL_SIZE_KWARGS = {"size": {"shortest_edge": 3136, "longest_edge": 12544}}
 BLACK_BG = {"image": {"rgba_background_color": [0, 0, 0]}}
+
+
+@contextlib.contextmanager
+def extra_proxy(stack, name: str, *flags: str) -> Iterator[str]:
+    """One more `epd-proxy serve` in front of the stack's own encoders and PD, with `flags`; yields its URL."""
+    port = free_port()
+    with open(stack.work_dir / f"{name}.log", "wb") as log:
+        proc = subprocess.Popen(
+            serve_command(
+                port,
+                "--encode-servers-urls",
+                ",".join(stack.encoder_urls),
+                "--decode-servers-urls",
+                stack.pd_url,
+                *flags,
+            ),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 60
+            while not http_ok(url + "/metrics"):
+                assert proc.poll() is None and time.monotonic() < deadline, f"{name} did not start"
+                time.sleep(0.2)
+            yield url
+        finally:
+            proc.terminate()
+            proc.wait(15)
 
 
 def make_image(seed: int, mode: str = "RGB", size=SMALL, fmt: str = "PNG") -> str:

@@ -15,16 +15,14 @@ import hashlib
 import json
 import os
 import signal
-import subprocess
 import time
 import urllib.request
 
 import pytest
 
 from epd_proxy.local.supervisor import http_ok
-from tests.serve_process import free_port, serve_command
 
-from .e2e_helpers import chat_body, chat_ok, finished_requests, make_image
+from .e2e_helpers import chat_body, chat_ok, extra_proxy, finished_requests, make_image
 
 pytestmark = pytest.mark.e2e
 
@@ -77,33 +75,8 @@ def _metric(url: str, prefix: str) -> float:
 def trusting_proxy(stack):
     """A second proxy in front of the same servers that lets a client send `image_embeds`
     references (what a trusted router in front may do), with one decode retry."""
-    port = free_port()
-    log = open(stack.work_dir / "trusting-proxy.log", "wb")
-    proc = subprocess.Popen(
-        serve_command(
-            port,
-            "--encode-servers-urls",
-            ",".join(stack.encoder_urls),
-            "--decode-servers-urls",
-            stack.pd_url,
-            "--trust-client-fields",
-            "--decode-retries",
-            "1",
-        ),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while not http_ok(url + "/metrics"):
-        assert proc.poll() is None and time.monotonic() < deadline, "trusting proxy did not start"
-        time.sleep(0.2)
-    try:
+    with extra_proxy(stack, "trusting-proxy", "--trust-client-fields", "--decode-retries", "1") as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(15)
-        log.close()
 
 
 def test_vllm_in_band_error_is_retried_then_relayed_as_sent(stack, trusting_proxy):

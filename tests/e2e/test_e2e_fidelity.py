@@ -11,6 +11,7 @@ import hashlib
 import sys
 import time
 
+import blake3
 import pytest
 
 from .e2e_helpers import (
@@ -22,6 +23,7 @@ from .e2e_helpers import (
     chat_ok,
     comparable,
     encoder_total,
+    extra_proxy,
     image_source,
     loaded_hashes,
     post_json,
@@ -120,6 +122,21 @@ def test_five_images_with_repeat_over_two_encoders(stack, fidelity, options):
     assert len(new) == 4, f"expected one EC entry per distinct image, got {sorted(new)}"
     assert all(new.values()), f"empty store folders (consumer misses): {new}"
     assert set(new) <= set(loaded_hashes(stack.log_path("pd"))), "PD encoded by itself"
+
+
+def test_blake3_media_names_match_the_baseline(stack, fidelity):
+    """`--media-hash blake3`: E stores and PD loads each embedding under the blake3 name, and the
+    answer is the baseline's (one image repeated, so the in-request dedup holds too)."""
+    a, b = fresh(2)
+    before_store = store_entries(stack.ec_store)
+    body = chat_body([a, b, a], logprobs=True, top_logprobs=2)
+    with extra_proxy(stack, "blake3-proxy", "--media-hash", "blake3") as url:
+        got = chat_ok(url, body)
+    want = chat_ok(stack.baseline_url, body)
+    fidelity.check("A B A, --media-hash blake3", got, want)
+    new = {h: ok for h, ok in store_entries(stack.ec_store).items() if h not in before_store}
+    assert set(new) == {blake3.blake3(x.encode()).hexdigest() for x in (a, b)} and all(new.values()), new
+    assert set(new) <= set(loaded_hashes(stack.log_path("pd"))), "PD did not load E's embeddings"
 
 
 def test_streaming_through_proxy_matches(stack, fidelity):

@@ -7,6 +7,7 @@ import copy
 import hashlib
 import threading
 
+import blake3
 import orjson
 import pytest
 
@@ -200,3 +201,18 @@ async def test_large_bodies_are_read_off_the_loop_with_the_same_outcome(make_sta
     sent = [part for r in stack.encoder_requests() for part in r["messages"][0]["content"]]
     assert sorted(part["uuid"] for part in sent) == sorted(hashlib.sha256(u.encode()).hexdigest() for u in urls)
     assert sorted(part["image_url"]["url"] for part in sent) == sorted(urls)
+
+
+async def test_blake3_media_hash_names_media_on_both_parse_paths(make_stack):
+    stack = await make_stack(encoders=2, media_hash="blake3")
+    lifted, parsed = big_image("A", 3000), image("B")  # only the first is long enough to be lifted
+    body = chat(lifted, parsed)
+    answer = await answer_of(stack, body)
+    assert stack.pd.loaded_from_cache == 2 and stack.pd.encoded_locally == 0
+    assert answer == await direct_answer(stack, body)
+    urls = {part["image_url"]["url"] for part in (lifted, parsed)}
+    names = {blake3.blake3(url.encode()).hexdigest() for url in urls}
+    sent = [part for r in stack.encoder_requests() for part in r["messages"][0]["content"]]
+    assert {part["uuid"] for part in sent} == names
+    references = [p for p in stack.pd.requests[0].body["messages"][0]["content"] if p["type"] == "image_embeds"]
+    assert {p["uuid"] for p in references} == names

@@ -76,6 +76,7 @@ def test_version_matches_the_package():
     "flags, complaint",
     [
         (["--log-level", "foo"], "argument --log-level: invalid choice"),
+        (["--media-hash", "md5"], "argument --media-hash: invalid choice"),
         (["--probe-timeout", "0"], "argument --probe-timeout: must be > 0"),
         (["--probe-timeout", "soon"], "argument --probe-timeout: expected a number of seconds"),
         (["--probe-interval", "-1"], "argument --probe-interval: must be >= 0"),

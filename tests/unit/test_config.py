@@ -47,6 +47,11 @@ def test_pool_lifetime_stays_below_the_servers(keep_alive, pooled):
     assert parse(env={"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": keep_alive}).pool_keep_alive_s == pooled
 
 
+def test_media_hash_is_the_references_unless_asked():
+    assert parse().media_hash == "sha256"
+    assert parse("--media-hash", "blake3").media_hash == "blake3"
+
+
 def test_negative_retries_clamp_to_zero():
     assert parse("--decode-retries", "-2").decode_retries == 0
 
@@ -59,6 +64,7 @@ def test_negative_retries_clamp_to_zero():
         ({"ec_consumer_zmq_addrs": ("tcp://a:1",), "ec_consumer_dp_size": 2}, "expected 2"),
         ({"ec_consumer_dp_size": 0}, "dp-size"),
         ({"decode_urls": ()}, "decode"),
+        ({"media_hash": "md5"}, "--media-hash must be one of blake3, sha256"),
     ],
 )
 def test_invalid_topologies_fail_at_startup(kwargs, complaint):

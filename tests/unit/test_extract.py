@@ -4,6 +4,7 @@ import copy
 import hashlib
 import json
 
+import blake3
 import pytest
 
 from epd_proxy.errors import BadRequest
@@ -42,6 +43,17 @@ def test_uuid_is_the_reference_proxys_content_hash():
     inline = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
     [item] = items_of(chat(inline))
     assert item.uuid == hashlib.sha256(json.dumps(inline, sort_keys=True).encode()).hexdigest()
+
+
+def test_blake3_names_media_by_the_same_bytes_when_asked():
+    part = image("A")
+    inline = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
+    items = normalise_request(chat(part, inline), media_hash="blake3").items
+    assert [item.uuid for item in items] == [
+        blake3.blake3(part["image_url"]["url"].encode()).hexdigest(),
+        blake3.blake3(json.dumps(inline, sort_keys=True).encode()).hexdigest(),
+    ]
+    assert [item.uuid for item in items_of(chat(part, inline))] != [item.uuid for item in items]
 
 
 def test_client_uuids_are_dropped_everywhere_unless_trusted():

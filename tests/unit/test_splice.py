@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from epd_proxy.backends import Instance
 from epd_proxy.encode import encoder_body
 from epd_proxy.errors import BadRequest
-from epd_proxy.extract import normalise_request
+from epd_proxy.extract import MEDIA_HASHES, normalise_request
 from epd_proxy.match import Matches, match_group
 from epd_proxy.plan import plan_groups
 from epd_proxy.rewrite import prefill_request, rewrite_request
@@ -107,13 +107,18 @@ def encodings(body: dict) -> list[bytes]:
     ]
 
 
-def outcome(raw: bytes, trust: bool, lift_min_bytes: int | None):
+def outcome(raw: bytes, trust: bool, lift_min_bytes: int | None, media_hash: str = "sha256"):
     """Everything later steps see, as bytes, from the fast path or (lift_min_bytes None) the full one."""
     try:
         if lift_min_bytes is None:
-            normalised, spliced = normalise_request(orjson.loads(raw), trust_client_fields=trust), None
+            normalised, spliced = (
+                normalise_request(orjson.loads(raw), trust_client_fields=trust, media_hash=media_hash),
+                None,
+            )
         else:
-            normalised, spliced = parse_request(raw, trust_client_fields=trust, lift_min_bytes=lift_min_bytes)
+            normalised, spliced = parse_request(
+                raw, trust_client_fields=trust, media_hash=media_hash, lift_min_bytes=lift_min_bytes
+            )
     except BadRequest as exc:
         return ("400", exc.message), None
     dumps = spliced.dumps if spliced is not None else orjson.dumps
@@ -145,11 +150,11 @@ def outcome(raw: bytes, trust: bool, lift_min_bytes: int | None):
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(body=bodies, trust=st.booleans())
-def test_the_fast_path_and_the_full_parse_agree_on_everything(body, trust):
+@given(body=bodies, trust=st.booleans(), media_hash=st.sampled_from(sorted(MEDIA_HASHES)))
+def test_the_fast_path_and_the_full_parse_agree_on_everything(body, trust, media_hash):
     for raw in encodings(body):
-        full, _ = outcome(raw, trust, None)
-        fast, spliced = outcome(raw, trust, lift_min_bytes=1)
+        full, _ = outcome(raw, trust, None, media_hash)
+        fast, spliced = outcome(raw, trust, 1, media_hash)
         assert fast == full
 
 
