@@ -3,7 +3,7 @@
 With `serve --workers N` every worker writes its counters and histograms to files in a shared
 folder (prometheus-client's multiprocess mode, switched on by `PROMETHEUS_MULTIPROC_DIR`, which
 `cli.serve` sets before the workers start), and `/metrics` adds them all up, so it shows the same
-figures whichever worker answers.
+figures whichever worker answers; series of instances no longer in the fleet are left out.
 """
 
 from __future__ import annotations
@@ -56,6 +56,31 @@ class _FleetCollector:
             for family, value in zip(families, values):
                 family.add_metric([role, url], value)
         yield from families
+
+
+# Labels that name a backend instance: a series carrying one belongs to that instance.
+_INSTANCE_LABELS = ("instance", "encoder", "from_encoder")
+
+
+class _CurrentMembersOnly:
+    """Every worker's figures (multiprocess files) without the series of instances that left.
+
+    The files outlive the instances they name and prometheus-client cannot delete a series from
+    them, so this drops them at scrape time instead, as `Metrics.left` does in one process."""
+
+    def __init__(self, every_worker: MultiProcessCollector, fleet: Registry) -> None:
+        self._every_worker = every_worker
+        self._fleet = fleet
+
+    def collect(self):
+        members = {inst.url for inst in self._fleet.all()}
+
+        def current(labels: dict[str, str]) -> bool:
+            return all(labels[name] in members for name in _INSTANCE_LABELS if name in labels)
+
+        for family in self._every_worker.collect():
+            family.samples = [sample for sample in family.samples if current(sample.labels)]
+            yield family
 
 
 class _RosterCollector:
@@ -160,7 +185,7 @@ class Metrics:
             return generate_latest(self.registry)
         self.publish_fleet()
         every_worker = CollectorRegistry()
-        MultiProcessCollector(every_worker)
+        every_worker.register(_CurrentMembersOnly(MultiProcessCollector(None), self._fleet))
         for collector in self._shared_collectors:
             every_worker.register(collector)
         return generate_latest(every_worker)

@@ -262,6 +262,53 @@ async def test_workers_share_the_roster(redis_server, fakes, proxies):
     assert len(encoder.requests) == 12 and pd.loaded_from_cache == 12
 
 
+async def test_workers_drop_the_metric_series_of_a_removed_instance(redis_server, fakes, proxies):
+    """With --workers every worker's counters live in shared files that outlast the instance they
+    name; /metrics must still forget an instance once it left, whichever worker answers."""
+    (_, e1), (_, e2), (_, pd_url) = await fakes("encode", "encode", "pd")
+    (proxy,) = await proxies(1, workers=2)
+    for role, url in (("encode", e1), ("encode", e2), ("prefill_decode", pd_url)):
+        assert (await proxy.register(role, url))[0] == 200
+    shared = proxy.client
+    proxy.client = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+    try:
+        want = {"encode": sorted([e1, e2]), "prefill_decode": [pd_url]}
+        streak = 0
+
+        async def consistent() -> bool:
+            nonlocal streak
+            streak = streak + 1 if await proxy.members() == want else 0
+            return streak >= 20
+
+        await eventually(consistent, "every worker sees the registrations")
+        for n in range(8):
+            status, body = await proxy.chat(n)
+            assert status == 200, body
+
+        async def scrape() -> str:
+            status, text = await proxy.get("/metrics")
+            assert status == 200
+            return text
+
+        text = await scrape()
+        assert f'epd_encoder_subrequests_total{{encoder="{e1}"}}' in text
+        assert f'epd_instance_up{{instance="{e1}",role="encode"}}' in text
+        assert (await proxy.unregister(e1))[0] == 200
+        streak = 0
+
+        async def forgotten() -> bool:
+            nonlocal streak
+            text = await scrape()
+            assert f'epd_encoder_subrequests_total{{encoder="{e2}"}}' in text  # the others stay
+            streak = streak + 1 if e1 not in text else 0
+            return streak >= 20
+
+        await eventually(forgotten, "no worker reports the removed encoder")
+    finally:
+        await proxy.client.close()
+        proxy.client = shared
+
+
 async def _has(proxy: Proxy, want: dict[str, list[str]]) -> bool:
     return await proxy.members() == want
 
