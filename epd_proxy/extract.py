@@ -83,12 +83,6 @@ class NormalisedRequest:
     items: list[MediaItem]
 
 
-# Bodies above this are read (lifted, hashed, normalised) in a worker thread, so one huge upload
-# does not stall every other stream on the loop; sha256 runs at about 2 ms per MB here. Smaller
-# bodies stay on the loop: measured with `epd-proxy bench --variant`, a thread for every
-# multi-image request cost 4-16% more CPU per request and 6% less throughput, pinned to one core
-# or not, because the worker and the loop take turns on the GIL for everything but the hashing.
-OFFLOAD_HASH_BYTES = 4 * 1024 * 1024
 _WHITESPACE = " \t\r\n\f\v"
 _DROP_WHITESPACE = str.maketrans("", "", _WHITESPACE)
 
@@ -164,7 +158,11 @@ def content_uuid(
     """
     url = media_url(part, kind)
     if url is None:
-        return digest(json.dumps(part, sort_keys=True).encode("utf-8"))
+        try:
+            text = json.dumps(part, sort_keys=True)
+        except RecursionError:
+            raise BadRequest(f"a {kind} part nests too deeply to be named") from None
+        return digest(text.encode("utf-8"))
     data = lifted(url) if lifted is not None else None
     return digest(data if data is not None else url.encode("utf-8"))
 

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from epd_proxy.backends import Instance
+from epd_proxy.backends import ENCODE, Instance
 from epd_proxy.health import Health
 from epd_proxy.recent import RecentRequests
 from epd_proxy.registry import Registry
@@ -58,25 +58,33 @@ class _FleetCollector:
         yield from families
 
 
-# Labels that name a backend instance: a series carrying one belongs to that instance.
-_INSTANCE_LABELS = ("instance", "encoder", "from_encoder")
+# Labels that name a backend instance, and the role a series with only that label implies.
+_INSTANCE_LABELS = {"instance": None, "encoder": ENCODE, "from_encoder": ENCODE}
 
 
 class _CurrentMembersOnly:
     """Every worker's figures (multiprocess files) without the series of instances that left.
 
     The files outlive the instances they name and prometheus-client cannot delete a series from
-    them, so this drops them at scrape time instead, as `Metrics.left` does in one process."""
+    them, so this drops them at scrape time instead, as `Metrics.left` does in one process: a
+    series stays only if its instance is a member now, in the role the series names."""
 
     def __init__(self, every_worker: MultiProcessCollector, fleet: Registry) -> None:
         self._every_worker = every_worker
         self._fleet = fleet
 
     def collect(self):
-        members = {inst.url for inst in self._fleet.all()}
+        roles = {inst.url: inst.role for inst in self._fleet.all()}
 
         def current(labels: dict[str, str]) -> bool:
-            return all(labels[name] in members for name in _INSTANCE_LABELS if name in labels)
+            for name, implied_role in _INSTANCE_LABELS.items():
+                url = labels.get(name)
+                if url is None:
+                    continue
+                role = implied_role or labels.get("role")
+                if url not in roles or (role is not None and roles[url] != role):
+                    return False
+            return True
 
         for family in self._every_worker.collect():
             family.samples = [sample for sample in family.samples if current(sample.labels)]
@@ -162,6 +170,8 @@ class Metrics:
         pass
 
     def left(self, inst: Instance) -> None:
+        if self.multiprocess:
+            return  # the files cannot forget a series; the scrape leaves it out (_CurrentMembersOnly)
         for family in self._per_instance:
             try:
                 family.remove(inst.url)

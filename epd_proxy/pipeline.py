@@ -19,7 +19,7 @@ from epd_proxy.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE, Instance
 from epd_proxy.config import Config
 from epd_proxy.decode import DecodeAnswer, hold_head, open_decode
 from epd_proxy.encode import EncoderReply, IdMint, encoder_body, post_encoder
-from epd_proxy.errors import BackendUnreachable, ProxyError, UpstreamError
+from epd_proxy.errors import BackendUnreachable, BadRequest, ProxyError, UpstreamError
 from epd_proxy.extract import MediaItem
 from epd_proxy.health import Health, counts_against_instance
 from epd_proxy.match import Matches, match_group
@@ -66,7 +66,12 @@ class ClientBody:
 
     def dumps(self, obj: Any) -> Payload:
         """A body for a backend: media go out as the client's own bytes where they were spliced."""
-        return self.spliced.dumps(obj) if self.spliced is not None else orjson.dumps(obj)
+        try:
+            return self.spliced.dumps(obj) if self.spliced is not None else orjson.dumps(obj)
+        except orjson.JSONEncodeError as exc:
+            # Only the client's own values can be unwritable: JSON nested deeper than orjson
+            # writes (254 levels), which orjson reads (1024) and vLLM might too.
+            raise BadRequest(f"the request cannot be forwarded: it nests too deeply ({exc})") from None
 
 
 @dataclass(slots=True)

@@ -190,7 +190,7 @@ async def test_large_bodies_are_read_off_the_loop_with_the_same_outcome(make_sta
         threads.append(threading.current_thread() is threading.main_thread())
         return real_parse_request(*args, **kwargs)
 
-    monkeypatch.setattr(app_module, "OFFLOAD_HASH_BYTES", offload_above)
+    monkeypatch.setattr(app_module, "OFFLOAD_READ_BYTES", offload_above)
     monkeypatch.setattr(app_module, "parse_request", recording_parse_request)
     stack = await make_stack(encoders=2)
     body = chat(big_image("A", 90_000), big_image("B", 60_000), image("C"))

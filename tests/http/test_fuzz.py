@@ -142,3 +142,28 @@ def test_mutated_valid_bodies(proxy_port, data):
         elif body:
             del body[at : at + data.draw(st.integers(1, 16))]
     check(proxy_port, bytes(body))
+
+
+def nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        # deeper than orjson writes (254 levels), in a field forwarded to the encoders and PD
+        orjson.dumps(chat(image("A"))).replace(
+            b'"max_tokens"', b'"mm_processor_kwargs":{"x":%s},"max_tokens"' % nested(300)
+        ),
+        # in a field only PD gets, so the encoders have answered by then
+        orjson.dumps(chat(image("A"))).replace(b'"max_tokens"', b'"metadata":%s,"max_tokens"' % nested(300)),
+        # deeper than Python's json writes, inside a media part that has no URL (named by its JSON)
+        b'{"model":"tiny-vlm","messages":[{"role":"user","content":[{"type":"input_audio",'
+        b'"input_audio":{"data":"AAAA","format":"wav","x":%s}}]}]}' % nested(1000),
+    ],
+    ids=["forwarded-to-encoders", "pd-only", "media-part"],
+)
+def test_deeply_nested_bodies_are_a_400_not_a_500(proxy_port, body):
+    status, content_type, payload = post(proxy_port, body)
+    assert status == 400 and content_type.startswith("application/json"), (status, payload[:300])
+    assert "nest" in orjson.loads(payload)["error"]["message"]

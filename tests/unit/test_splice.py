@@ -39,7 +39,7 @@ urls = st.one_of(
     payloads.map(lambda p: data_url(p, "data:image/png;base64, ")),  # whitespace to drop
     payloads.map(lambda p: data_url(p)[:40] + "\n" + data_url(p)[40:]),
     payloads.map(lambda p: data_url(p)[:30] + "\t" + data_url(p)[30:] + " "),
-    payloads.map(lambda p: data_url(p).rstrip("=")),  # unpadded: not strictly base64, so never lifted
+    payloads.map(lambda p: data_url(p).rstrip("=")),  # padding dropped: strict base64 refuses it, so not lifted
     payloads.map(lambda p: data_url(p)[:35] + "-_" + data_url(p)[35:]),  # URL-safe alphabet
     payloads.map(lambda p: data_url(p, "data:image/png,")),  # not base64
     st.sampled_from(["https://m/a.png", "https://m/é.png", "data:,", "data:image/png;base64,"]),

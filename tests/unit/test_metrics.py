@@ -1,0 +1,58 @@
+"""Metrics with `--workers`: what /metrics shows when every worker writes to shared files."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+from prometheus_client import values
+
+from epd_proxy.health import Health
+from epd_proxy.metrics import Metrics
+from epd_proxy.registry import Registry
+
+X, Y = "http://x:1", "http://y:1"
+
+
+@pytest.fixture
+def multiprocess(tmp_path, monkeypatch):
+    """prometheus-client's multiprocess mode, as `serve --workers` switches it on, for this test."""
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    monkeypatch.setattr(values, "ValueClass", values.MultiProcessValue())
+
+
+def fleet_metrics() -> tuple[Registry, Metrics]:
+    fleet, health = Registry(dynamic=True), Health()
+    fleet.watch(health)
+    metrics = Metrics(fleet, health)
+    assert metrics.multiprocess
+    return fleet, metrics
+
+
+def lines_naming(metrics: Metrics, url: str) -> list[str]:
+    return sorted(line for line in metrics.render().decode().splitlines() if url in line and not line.startswith("#"))
+
+
+def test_an_instance_that_left_is_not_reported(multiprocess):
+    fleet, metrics = fleet_metrics()
+    fleet.register({"role": "encode", "url": X})
+    fleet.register({"role": "encode", "url": Y})
+    metrics.encoder_subrequests.labels(X).inc()
+    metrics.failovers.labels(X).inc()
+    assert len(lines_naming(metrics, X)) == 6  # four instance gauges and two counters
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # prometheus-client warns on removing labels in this mode
+        fleet.unregister(X)
+    assert lines_naming(metrics, X) == []
+    assert lines_naming(metrics, Y) != []
+
+
+def test_an_instance_back_in_another_role_is_reported_in_that_role_only(multiprocess):
+    fleet, metrics = fleet_metrics()
+    fleet.register({"role": "encode", "url": X})
+    metrics.encoder_subrequests.labels(X).inc()
+    metrics.render()
+    fleet.unregister(X)
+    fleet.register({"role": "prefill_decode", "url": X})
+    lines = lines_naming(metrics, X)
+    assert lines and all('role="prefill_decode"' in line for line in lines), lines
