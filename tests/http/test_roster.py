@@ -7,6 +7,7 @@ polling with deadlines, never by sleeping for a fixed time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import time
@@ -233,6 +234,30 @@ async def test_a_record_nobody_keeps_alive_expires_everywhere(redis_server, fake
     assert status == 200, body
 
 
+@contextlib.asynccontextmanager
+async def fresh_connections(proxy: Proxy):
+    """Every request of `proxy` on a new connection, so each may land on any of its workers."""
+    shared = proxy.client
+    proxy.client = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+    try:
+        yield
+    finally:
+        await proxy.client.close()
+        proxy.client = shared
+
+
+async def on_every_worker(check: Callable[[], Awaitable[bool]], what: str, times: int) -> None:
+    """Poll until `check` holds `times` times in a row: a worker that disagrees would break the run."""
+    streak = 0
+
+    async def steady() -> bool:
+        nonlocal streak
+        streak = streak + 1 if await check() else 0
+        return streak >= times
+
+    await eventually(steady, what)
+
+
 async def test_workers_share_the_roster(redis_server, fakes, proxies):
     """`--workers 2 --roster`: one port, two processes, each fresh connection landing on either.
     A registration reaching one worker must show on every read and route every request."""
@@ -241,24 +266,11 @@ async def test_workers_share_the_roster(redis_server, fakes, proxies):
     assert (await proxy.register("encode", e_url))[0] == 200
     assert (await proxy.register("prefill_decode", pd_url))[0] == 200
     want = {"encode": [e_url], "prefill_decode": [pd_url]}
-    shared = proxy.client
-    proxy.client = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
-    try:
-        # 30 reads in a row over fresh connections: a worker that missed it would show up.
-        streak = 0
-
-        async def consistent() -> bool:
-            nonlocal streak
-            streak = streak + 1 if await proxy.members() == want else 0
-            return streak >= 30
-
-        await eventually(consistent, "every worker sees the registrations")
+    async with fresh_connections(proxy):
+        await on_every_worker(lambda: _has(proxy, want), "every worker sees the registrations", times=30)
         for n in range(12):
             status, body = await proxy.chat(n)
             assert status == 200, body
-    finally:
-        await proxy.client.close()
-        proxy.client = shared
     assert len(encoder.requests) == 12 and pd.loaded_from_cache == 12
 
 
@@ -269,44 +281,28 @@ async def test_workers_drop_the_metric_series_of_a_removed_instance(redis_server
     (proxy,) = await proxies(1, workers=2)
     for role, url in (("encode", e1), ("encode", e2), ("prefill_decode", pd_url)):
         assert (await proxy.register(role, url))[0] == 200
-    shared = proxy.client
-    proxy.client = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
-    try:
-        want = {"encode": sorted([e1, e2]), "prefill_decode": [pd_url]}
-        streak = 0
+    want = {"encode": sorted([e1, e2]), "prefill_decode": [pd_url]}
 
-        async def consistent() -> bool:
-            nonlocal streak
-            streak = streak + 1 if await proxy.members() == want else 0
-            return streak >= 20
+    async def scrape() -> str:
+        status, text = await proxy.get("/metrics")
+        assert status == 200
+        return text
 
-        await eventually(consistent, "every worker sees the registrations")
+    async def forgotten() -> bool:
+        text = await scrape()
+        assert f'epd_encoder_subrequests_total{{encoder="{e2}"}}' in text  # the others stay
+        return e1 not in text
+
+    async with fresh_connections(proxy):
+        await on_every_worker(lambda: _has(proxy, want), "every worker sees the registrations", times=20)
         for n in range(8):
             status, body = await proxy.chat(n)
             assert status == 200, body
-
-        async def scrape() -> str:
-            status, text = await proxy.get("/metrics")
-            assert status == 200
-            return text
-
         text = await scrape()
         assert f'epd_encoder_subrequests_total{{encoder="{e1}"}}' in text
         assert f'epd_instance_up{{instance="{e1}",role="encode"}}' in text
         assert (await proxy.unregister(e1))[0] == 200
-        streak = 0
-
-        async def forgotten() -> bool:
-            nonlocal streak
-            text = await scrape()
-            assert f'epd_encoder_subrequests_total{{encoder="{e2}"}}' in text  # the others stay
-            streak = streak + 1 if e1 not in text else 0
-            return streak >= 20
-
-        await eventually(forgotten, "no worker reports the removed encoder")
-    finally:
-        await proxy.client.close()
-        proxy.client = shared
+        await on_every_worker(forgotten, "no worker reports the removed encoder", times=20)
 
 
 async def _has(proxy: Proxy, want: dict[str, list[str]]) -> bool:
