@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
 import aiohttp
 import pytest
+from aiohttp.test_utils import TestServer
+
+from epd_proxy.testing.fake_vllm import ECStore, FakeVLLM
 
 
 def free_port() -> int:
@@ -23,8 +28,10 @@ def serve_command(port: int, *flags: str) -> list[str]:
     return [sys.executable, "-m", "epd_proxy", "serve", "--host", "127.0.0.1", "--port", str(port), *flags]
 
 
-async def wait_healthy(proc: subprocess.Popen, url: str, deadline_s: float = 30.0) -> None:
-    """Poll `url`/health until it answers 200; fail if the process exits or the deadline passes."""
+async def wait_healthy(
+    proc: subprocess.Popen, url: str, deadline_s: float = 30.0, what: str = "the proxy process did not become healthy"
+) -> None:
+    """Poll `url`/health until it answers 200; fail (saying `what`) if the process exits or the deadline passes."""
     deadline = time.monotonic() + deadline_s
     async with aiohttp.ClientSession() as probe:
         while True:
@@ -35,5 +42,47 @@ async def wait_healthy(proc: subprocess.Popen, url: str, deadline_s: float = 30.
             except aiohttp.ClientError:
                 pass
             if time.monotonic() > deadline or proc.poll() is not None:
-                pytest.fail("the proxy process did not become healthy")
+                pytest.fail(what)
             await asyncio.sleep(0.1)
+
+
+@dataclass
+class Served:
+    """A proxy process started by `serve_process`, and the fakes behind it."""
+
+    proc: subprocess.Popen
+    port: int
+    encoder: FakeVLLM
+    encoder_url: str
+    pd: FakeVLLM
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@contextlib.asynccontextmanager
+async def serve_process(*flags: str, stop_within_s: float = 20.0):
+    """`epd-proxy serve` over a fake E and a fake PD, once it answers /health; on the way out the
+    process gets SIGTERM and must exit within `stop_within_s`, then the fakes stop."""
+    store = ECStore()
+    encoder, pd = FakeVLLM("encode", store), FakeVLLM("pd", store)
+    servers = [TestServer(encoder.app()), TestServer(pd.app())]
+    for server in servers:
+        await server.start_server()
+    e_url, pd_url = (str(s.make_url("")).rstrip("/") for s in servers)
+    port = free_port()
+    proc = subprocess.Popen(
+        serve_command(
+            port, "--encode-servers-urls", e_url, "--decode-servers-urls", pd_url, "--log-level", "WARNING", *flags
+        )
+    )
+    served = Served(proc, port, encoder, e_url, pd)
+    try:
+        await wait_healthy(proc, served.url)
+        yield served
+    finally:
+        proc.terminate()
+        await asyncio.to_thread(proc.wait, stop_within_s)
+        for server in servers:
+            await server.close()

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import subprocess
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -20,7 +18,7 @@ from epd_proxy.app import create_app
 from epd_proxy.config import Config
 from epd_proxy.testing.fake_vllm import ECStore, FakeVLLM
 from tests.media import chat, image
-from tests.serve_process import free_port, serve_command, wait_healthy
+from tests.serve_process import serve_process, wait_healthy
 
 DEADLINE_S = 15.0
 JSON = {"Content-Type": "application/json"}
@@ -288,31 +286,6 @@ def rss_bytes(pid: int, field: str = "VmRSS") -> int:
     raise AssertionError(f"no {field} for {pid}")
 
 
-@contextlib.asynccontextmanager
-async def serve_process(*flags: str):
-    """`epd-proxy serve` over fake E and PD; yields (process, url) once it answers /health."""
-    store = ECStore()
-    fakes = [TestServer(FakeVLLM("encode", store).app()), TestServer(FakeVLLM("pd", store).app())]
-    for fake in fakes:
-        await fake.start_server()
-    e_url, pd_url = (str(f.make_url("")).rstrip("/") for f in fakes)
-    port = free_port()
-    proc = subprocess.Popen(
-        serve_command(
-            port, "--encode-servers-urls", e_url, "--decode-servers-urls", pd_url, "--log-level", "WARNING", *flags
-        )
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        await wait_healthy(proc, url)
-        yield proc, url
-    finally:
-        proc.terminate()
-        await asyncio.to_thread(proc.wait, 20)
-        for fake in fakes:
-            await fake.close()
-
-
 async def stalled_upload(port: int, head: bytes, half: bytes) -> int | None:
     """Sends a request head and half its body, then waits for the proxy to answer and close:
     the answer's status, or None for a connection closed or reset without one."""
@@ -346,8 +319,8 @@ async def test_memory_stays_bounded_under_many_slow_uploads_and_drops_back(limit
     glibc keeps most of it unless the heap is trimmed."""
     max_body = 1_000_000
     flags = ("--max-client-connections", str(limit), "--max-body-bytes", str(max_body))
-    async with serve_process(*flags, "--client-body-timeout", "2") as (proc, url):
-        port = int(url.rsplit(":", 1)[1])
+    async with serve_process(*flags, "--client-body-timeout", "2") as served:
+        proc, url, port = served.proc, served.url, served.port
         body = big_body(600_000)
         head = upload_head(len(body))
         # One kept-alive client holds one of the slots throughout and must be served.
@@ -387,8 +360,8 @@ async def test_memory_stays_bounded_under_many_slow_uploads_and_drops_back(limit
 
 
 async def test_the_connection_limit_holds_across_workers():
-    async with serve_process("--workers", "2", "--max-client-connections", "3") as (proc, url):
-        port = int(url.rsplit(":", 1)[1])
+    async with serve_process("--workers", "2", "--max-client-connections", "3") as served:
+        proc, url, port = served.proc, served.url, served.port
         held = []
         try:
             # Connections land on either worker; three of them fill the port's limit, whichever.
@@ -406,18 +379,7 @@ async def test_the_connection_limit_holds_across_workers():
                 assert not answer or parse_response(answer)[0] == 503
             held.pop().close()
             # The freed slot serves the next client, on whichever worker.
-            async with aiohttp.ClientSession() as client:
-                deadline = time.monotonic() + DEADLINE_S
-                while True:
-                    try:
-                        async with client.get(f"{url}/health") as resp:
-                            if resp.status == 200:
-                                break
-                    except aiohttp.ClientError:
-                        pass
-                    if time.monotonic() > deadline:
-                        pytest.fail("a freed connection slot was not reused")
-                    await asyncio.sleep(0.05)
+            await wait_healthy(proc, url, DEADLINE_S, what="a freed connection slot was not reused")
         finally:
             for writer in held:
                 writer.close()
