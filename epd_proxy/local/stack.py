@@ -127,6 +127,16 @@ def _fmt_cores(chunk: Sequence[int]) -> str:
     return ",".join(str(c) for c in chunk)
 
 
+def _connector_config(kind: str, connector: str, role: str, store: Path) -> str:
+    """vLLM's --ec-transfer-config / --kv-transfer-config for a shared-storage example connector."""
+    config = {
+        f"{kind}_connector": connector,
+        f"{kind}_role": role,
+        f"{kind}_connector_extra_config": {"shared_storage_path": str(store)},
+    }
+    return json.dumps(config, separators=(",", ":"))
+
+
 def _repo_root() -> Path:
     return Path(__file__).resolve().parents[2]
 
@@ -254,31 +264,11 @@ class LocalStack:
             if ec_role != "ec_producer":
                 cmd += ["--num-gpu-blocks-override", str(c.num_gpu_blocks_pd)]
         if ec_role:
-            cmd += [
-                "--ec-transfer-config",
-                json.dumps(
-                    {
-                        "ec_connector": "ECExampleConnector",
-                        "ec_role": ec_role,
-                        "ec_connector_extra_config": {"shared_storage_path": str(self.ec_store)},
-                    },
-                    separators=(",", ":"),
-                ),
-            ]
+            cmd += ["--ec-transfer-config", _connector_config("ec", "ECExampleConnector", ec_role, self.ec_store)]
         if c.prefill and ec_role != "ec_producer":
             cmd += ["--block-size", str(c.kv_block_size)]
         if kv_role:
-            cmd += [
-                "--kv-transfer-config",
-                json.dumps(
-                    {
-                        "kv_connector": "ExampleConnector",
-                        "kv_role": kv_role,
-                        "kv_connector_extra_config": {"shared_storage_path": str(self.kv_store)},
-                    },
-                    separators=(",", ":"),
-                ),
-            ]
+            cmd += ["--kv-transfer-config", _connector_config("kv", "ExampleConnector", kv_role, self.kv_store)]
         cmd += list(c.extra_vllm_args)
         return cmd
 
