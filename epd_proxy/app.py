@@ -65,6 +65,12 @@ class ProxyState:
         if self.roster is not None:
             self.metrics.watch_roster(self.roster)
         self.inflight = 0
+        # How every request body is read; fixed for the server's life.
+        self.parse_options = {
+            "trust_client_fields": config.trust_client_fields,
+            "max_media_items": config.max_media_items,
+            "media_hash": config.media_hash,
+        }
         self.upstream: Upstream | None = None
         # Active checks get their own small pool: a backend whose request connections are all busy
         # streaming (--max-connections-per-backend) must still answer its health checks.
@@ -197,17 +203,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     admitted = False
     try:
         raw = await read_body(request, config.max_body_bytes)
-        options = {
-            "trust_client_fields": config.trust_client_fields,
-            "max_media_items": config.max_media_items,
-            "media_hash": config.media_hash,
-        }
         # With splice, `raw` lives on in `spliced` (the media are slices of it) and the parsed
         # body holds only the skeleton; otherwise the parsed body holds the media and raw goes.
         if len(raw) > OFFLOAD_READ_BYTES:
-            normalised, spliced = await asyncio.to_thread(parse_request, raw, **options)
+            normalised, spliced = await asyncio.to_thread(parse_request, raw, **state.parse_options)
         else:
-            normalised, spliced = parse_request(raw, **options)
+            normalised, spliced = parse_request(raw, **state.parse_options)
         del raw
         body, items = normalised.body, normalised.items
         trace.items = len(items)
