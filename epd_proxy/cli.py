@@ -269,7 +269,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         choices=sorted(MEDIA_HASHES),
         default=default("media_hash"),
         help="how media are named for the encoder cache: sha256 of the URL, as the reference proxy names them "
-        "(mixed fleets share cache keys), or blake3, about four times cheaper per request (default: %(default)s)",
+        "(mixed fleets share cache keys), or blake3, about three times cheaper per request (default: %(default)s)",
     )
     ours.add_argument(
         "--api-key",

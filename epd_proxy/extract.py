@@ -100,7 +100,7 @@ def _blake3_hex(data: bytes | memoryview) -> str:
 
 # `--media-hash`: how the proxy names media for the encoder cache. sha256 is the reference proxy's
 # formula, so both proxies give the same image the same cache key; blake3 is as collision-resistant
-# and about four times cheaper here (AVX-512), for fleets that no reference proxy shares.
+# and about three times cheaper here (the benchmark's floor line), for fleets that no reference proxy shares.
 MEDIA_HASHES: dict[str, Digest] = {"sha256": _sha256_hex, "blake3": _blake3_hex}
 
 

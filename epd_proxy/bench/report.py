@@ -343,7 +343,14 @@ def table(result: dict[str, Any]) -> str:
     lines += [
         "",
         f"JSON floor (one core, same bodies): orjson.loads+dumps {f['json_loads_dumps_ms_per_request']:.2f} ms/request; "
-        f"sha256 of the image URLs {f['sha256_urls_ms_per_request']:.2f} ms/request ({f['mean_body_kb']:.0f} KB/body).",
+        f"sha256 of the image URLs {f['sha256_urls_ms_per_request']:.2f} ms/request "
+        f"(blake3 {f['blake3_urls_ms_per_request']:.2f}) ({f['mean_body_kb']:.0f} KB/body). "
+        f"Splice's read (lift, strict base64 check, skeleton parse) {f['splice_read_ms_per_request']:.3f} ms/request"
+        + (
+            f"; msgspec with the URLs as Raw spans {f['msgspec_raw_decode_ms_per_request']:.3f}."
+            if "msgspec_raw_decode_ms_per_request" in f
+            else "."
+        ),
         "Ratios are to the first arm; added latency = proxy arm minus the direct arm under the same load (it includes "
         "the fake encoders' cost and the queueing a slower arm builds up in a closed loop). Unloaded = one request in "
         "flight; for zero-cost arms the added unloaded latency is against the zero-cost PD, i.e. the proxy alone. CPU ms/req counts warm-up and cool-down requests too. Other load = core busy time none of the "

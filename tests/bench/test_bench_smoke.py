@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -66,6 +68,10 @@ def test_quick_bench_writes_results_and_batching_sends_fewer_subrequests(tmp_pat
     assert arms["again"]["proxy_cpu_ms_per_request"] > 0
     assert "| batched |" in (out / "table.md").read_text()
     assert "| batched |" in run.stdout
+    floor = json.loads((out / "results.json").read_text())["floor"]
+    for name in ("sha256_urls_ms_per_request", "blake3_urls_ms_per_request", "splice_read_ms_per_request"):
+        assert floor[name] > 0, name
+    assert "Splice's read (lift, strict base64 check, skeleton parse)" in run.stdout
 
 
 def test_quick_streaming_bench_relays_every_stream_and_samples_rss(tmp_path: Path) -> None:
@@ -104,3 +110,35 @@ def test_two_arms_cannot_share_a_name(tmp_path: Path) -> None:
     args = parse_args(["--quick", "--out", str(tmp_path), "--proxy", "ref=true", "--proxy", "ref@saturation=true"])
     with pytest.raises(SystemExit, match="ref used twice"):
         Bench(args).build_arms()
+
+
+@pytest.mark.parametrize("server", ["aiohttp", "bare"])
+def test_sink_servers_read_a_chat_request_and_answer(server: str) -> None:
+    """The server-only arms (`python -m epd_proxy.bench.sink`) take the reference's command line."""
+    from tests.serve_process import free_port
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "epd_proxy.bench.sink", "--server", server, "--port", str(port)]
+    proc = subprocess.Popen([*cmd, "--encode-servers-urls", "http://e:1", "--decode-servers-urls", "http://d:1"])
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, "the sink exited"
+            try:
+                with urllib.request.urlopen(url + "/v1/models", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "the sink did not start"
+            time.sleep(0.05)
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 300_000}]}).encode()
+        request = urllib.request.Request(url + "/v1/chat/completions", data=body, method="POST")
+        for _ in range(2):  # the same connection-level state serves the next request too
+            with urllib.request.urlopen(request, timeout=10) as resp:
+                assert resp.status == 200
+                assert json.loads(resp.read())["choices"][0]["message"]["content"] == "ok"
+    finally:
+        proc.terminate()
+        proc.wait(10)
