@@ -86,7 +86,9 @@ class ProxyState:
             keep_alive_s=config.pool_keep_alive_s,
             max_connections_per_backend=config.max_connections_per_backend,
             headers=headers,
+            on_refused=lambda stage, reason: self.metrics.backend_refused.labels(stage, reason).inc(),
         )
+        self.fleet.watch(self.upstream)
         self.pipeline = Pipeline(config, self.fleet, self.health, self.upstream, self.policies, self.metrics)
         if self.roster is not None:
             await self.roster.start()
@@ -94,6 +96,7 @@ class ProxyState:
             self._background.append(asyncio.create_task(self._publish_fleet_forever()))
         if config.probe_interval_s > 0:
             self.probes = check_pool(config)
+            self.fleet.watch(self.probes)
             self.prober = Prober(
                 self.probes,
                 self.health,

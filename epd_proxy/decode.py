@@ -19,6 +19,10 @@ from epd_proxy.backends import CHAT_PATH, Instance
 from epd_proxy.sse import Verdict, judge
 from epd_proxy.upstream import Answer, Payload, Timeouts, Upstream, UpstreamFailure
 
+# A non-streaming answer is read whole before it is relayed. Its size grows with the request
+# (n choices x max_tokens x top logprobs): 64 MiB holds n=8 x 4096 tokens with 20 top logprobs.
+MAX_JSON_ANSWER_BYTES = 64 << 20
+
 
 @dataclass(slots=True)
 class DecodeAnswer:
@@ -70,13 +74,17 @@ async def open_decode(
         count_inflight=False,
     )
     if answer.status >= 400:
+        answer.cap_body(upstream.limits.buffered_body_bytes)
         async with answer:
             try:
                 await answer.read()
             except UpstreamFailure:
                 pass  # the status is the answer; a body cut short only loses the details
         raise answer.error()
-    return DecodeAnswer(answer, answer.chunks())
+    decode_answer = DecodeAnswer(answer, answer.chunks())
+    if not decode_answer.streaming:
+        answer.cap_body(MAX_JSON_ANSWER_BYTES)  # relayed whole, so read whole: bounded
+    return decode_answer
 
 
 async def hold_head(answer: DecodeAnswer) -> dict[str, Any] | None:

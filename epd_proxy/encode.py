@@ -21,6 +21,9 @@ log = logging.getLogger("epd_proxy.encode")
 # Without these the encoder processes media with default options while the consumer applies the
 # client's, and vLLM fails with "Attempted to assign N = N multimodal tokens to M placeholders".
 FORWARDED_FIELDS = ("mm_processor_kwargs", "media_io_kwargs", "priority", "session_id")
+# An encoder answers a few hundred bytes per item (its `ec_transfer_params`); even at
+# --max-media-items 256 that is well under this, and anything larger is not an encoder's answer.
+MAX_ENCODER_ANSWER_BYTES = 1 << 20
 
 
 class IdMint:
@@ -86,6 +89,9 @@ async def post_encoder(
         timeouts=timeouts,
         stage="encode",
         what="Encoder request",
+        # The same uuid gives the same embedding, so a sub-request may be sent again.
+        idempotent=True,
+        max_body=MAX_ENCODER_ANSWER_BYTES,
     )
     raw = answer.body
     if not 200 <= answer.status < 300:

@@ -135,6 +135,13 @@ class Metrics:
             "epd_encoder_failovers", "Encoder sub-requests retried on another encoder", ["from_encoder"], registry=r
         )
         self.rejected = Counter("epd_admission_rejected", "Requests refused with 503 by --max-inflight", registry=r)
+        self.backend_refused = Counter(
+            "epd_backend_answers_refused",
+            "Backend answers refused and their connection closed: over a limit (head, header count or "
+            "size, body), a second answer after a complete one, bytes on an idle connection, not HTTP",
+            ["stage", "reason"],
+            registry=r,
+        )
         parsed = Counter(
             "epd_request_parse",
             "Chat requests by how their body was read: splice (media kept as slices of the client's bytes) "

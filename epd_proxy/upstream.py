@@ -20,10 +20,11 @@ and nothing is decompressed, so relayed bytes are exactly what the backend wrote
 from __future__ import annotations
 
 import asyncio
+import select
 import ssl
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urlsplit
@@ -35,7 +36,8 @@ from epd_proxy.errors import BackendUnreachable, UpstreamError
 # What went wrong when there was no (complete) answer. Transport failures:
 REFUSED = "refused"  # the connection could not be made (refused, unreachable, DNS)
 RESET = "reset"  # the connection was reset or closed before any byte of the answer
-BROKEN = "broken"  # the answer started and was cut off (or was not valid HTTP)
+BROKEN = "broken"  # the answer started and was cut off
+REFUSED_ANSWER = "refused_answer"  # the backend sent what no client may accept (see Limits)
 # Timeouts, by the phase that ran out of time:
 POOL_TIMEOUT = "pool_timeout"  # waiting for a free connection under the per-backend cap
 CONNECT_TIMEOUT = "connect_timeout"  # opening the connection
@@ -107,79 +109,160 @@ class Target(Protocol):
 # proxy buffer a fast backend's whole stream.
 _PAUSE_ABOVE = 1 << 20
 _RESUME_BELOW = 1 << 18
+# A request larger than this is written a piece at a time, each after the socket drained, so a
+# backend that reads slowly never makes the proxy hold a second copy of a large body.
+_WRITE_PIECE = 1 << 18
+_WRITE_WHOLE_UP_TO = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What one backend may send in one answer. The head limits are Envoy's defaults (100 headers,
+    60 KiB) with aiohttp's field size; the body cap applies to answers that are read whole (`call`),
+    a streamed answer is bounded by its reader instead (read pauses, SSE event cap)."""
+
+    head_bytes: int = 60 * 1024
+    header_count: int = 100
+    field_bytes: int = 8190
+    buffered_body_bytes: int = 8 << 20
+
+
+# Why an answer was refused, for the error message and epd_backend_answers_refused_total:
+HEAD_TOO_LARGE = "head_too_large"
+TOO_MANY_HEADERS = "too_many_headers"
+FIELD_TOO_LARGE = "field_too_large"
+BODY_TOO_LARGE = "body_too_large"
+SECOND_ANSWER = "second_answer"  # a message began after this exchange's answer was complete
+UNSOLICITED = "unsolicited"  # bytes on a connection with no exchange waiting for them
+NOT_HTTP = "not_http"
+UPGRADE = "upgrade"
 
 
 class Headers:
-    """An answer's headers, looked up without regard to case."""
+    """An answer's headers as sent, duplicates kept, looked up without regard to case."""
 
     __slots__ = ("_items",)
 
-    def __init__(self, items: dict[str, str]) -> None:
+    def __init__(self, items: list[tuple[str, str]]) -> None:
         self._items = items
 
     def get(self, name: str, default: str | None = None) -> str | None:
-        return self._items.get(name.lower(), default)
+        """One value; repeated fields joined with ", " as RFC 9110 §5.3 allows."""
+        values = self.get_all(name)
+        if not values:
+            return default
+        return values[0] if len(values) == 1 else ", ".join(values)
 
-    def __getitem__(self, name: str) -> str:
-        return self._items[name.lower()]
+    def get_all(self, name: str) -> list[str]:
+        name = name.lower()
+        return [value for key, value in self._items if key == name]
 
     def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and name.lower() in self._items
+        return isinstance(name, str) and any(key == name.lower() for key, _ in self._items)
 
-    def items(self):
-        return self._items.items()
+    def items(self) -> list[tuple[str, str]]:
+        return list(self._items)
+
+
+def _decoded(items: list[tuple[bytes, bytes]]) -> Headers:
+    # llhttp keeps a value's trailing whitespace, which RFC 9110 §5.5 says is not part of it.
+    return Headers([(name.decode("latin-1").lower(), value.decode("latin-1").rstrip(" \t")) for name, value in items])
 
 
 class _Closed(Exception):
-    """The connection ended; `answered` says whether any byte of the answer had arrived."""
+    """The exchange ended without a (complete) answer. `answered`: whether any byte of the answer
+    had arrived; `kind`: the failure kind for the caller (RESET, BROKEN or REFUSED_ANSWER)."""
 
-    def __init__(self, detail: str, answered: bool) -> None:
+    def __init__(self, detail: str, answered: bool, kind: str | None = None) -> None:
         super().__init__(detail)
         self.detail = detail
         self.answered = answered
+        self.kind = kind or (BROKEN if answered else RESET)
+
+
+class _Stop(Exception):
+    """Raised inside a parser callback to stop parsing what a backend must not have sent."""
 
 
 class _Connection(asyncio.Protocol):
-    """One keep-alive connection, one exchange at a time: it parses the answer as bytes arrive and
-    wakes whoever waits for headers or for the next chunk."""
+    """One keep-alive connection, one exchange at a time.
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    Bytes are parsed only while an exchange waits for its answer, and only one answer per
+    exchange: bytes on an idle connection, a second message after a complete one, or an answer
+    over a limit close the connection, so nothing a backend sends out of turn can reach the next
+    caller. Per-message state is reset when a message begins, not when the connection is reused.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, pool: Upstream) -> None:
         self.loop = loop
+        self.pool = pool
+        self.limits = pool.limits
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.lost = False
-        self.lost_detail = ""
         self.reused = False
         self.idle_since = 0.0
         self.parked_in: list[_Connection] | None = None
-        self._reset()
+        self.stage = "idle"
+        self.expecting = False  # an exchange waits for its answer
+        self.write_paused = False
+        self.drain_waiter: asyncio.Future | None = None
+        self.max_body: int | None = None
+        self.waiter: asyncio.Future | None = None
+        self._new_message()
+        self.final_done = False
+        self.failure: _Closed | None = None
 
-    def _reset(self) -> None:
-        self.answered = False  # any byte of the current answer arrived
+    def begin(self, stage: str, max_body: int | None) -> None:
+        """A request is about to go out on this connection: its answer is the next message."""
+        self.stage = stage
+        self.max_body = max_body
+        self.expecting = True
+        self.wrote = False  # any byte of the request handed to the transport
+        self.answered = False
+        self.head_bytes = 0
+        self.final_done = False
+        self.failure = None
+        self._new_message()
+
+    def _new_message(self) -> None:
         self.status = 0
         self.header_items: list[tuple[bytes, bytes]] = []
+        self.trailer_items: list[tuple[bytes, bytes]] = []
         self.headers_done = False
         self.complete = False
         self.keep_alive = False
         self.until_eof = False
         self.chunks: deque[bytes] = deque()
         self.buffered = 0
+        self.body_bytes = 0
         self.paused = False
-        self.waiter: asyncio.Future | None = None
-        self.failure: Exception | None = None
 
     # -- asyncio.Protocol ----------------------------------------------------------------------------
     def connection_made(self, transport) -> None:
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
+        if not self.expecting or self.lost:
+            self._refuse(UNSOLICITED, f"{len(data)} bytes arrived with no request waiting for them")
+            return
         self.answered = True
+        if not self.headers_done:
+            self.head_bytes += len(data)
         try:
             self.parser.feed_data(data)
+        except _Stop:
+            pass
+        except httptools.HttpParserCallbackError as exc:
+            if not isinstance(exc.__context__, _Stop):
+                raise
+        except httptools.HttpParserUpgrade:
+            self._refuse(UPGRADE, "the backend switched protocols")
         except httptools.HttpParserError as exc:
-            self.failure = _Closed(f"not a valid HTTP answer: {exc}", True)
-            self.transport.abort()
-            self._wake()
+            self._refuse(NOT_HTTP, f"not a valid HTTP answer: {exc}")
+        else:
+            if not self.headers_done and self.head_bytes > self.limits.head_bytes:
+                self._refuse(HEAD_TOO_LARGE, f"response head over {self.limits.head_bytes} bytes")
 
     def eof_received(self) -> bool:
         self.lost = True  # whatever follows, this connection takes no further request
@@ -187,6 +270,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
+        self._wake_writer()
         if self.parked_in is not None:
             try:
                 self.parked_in.remove(self)
@@ -194,22 +278,39 @@ class _Connection(asyncio.Protocol):
                 pass
             self.parked_in = None
             return
+        if not self.expecting:
+            return
         if self.headers_done and self.until_eof and not self.complete:
             self.complete = True  # a body without length ends where the connection does
+            self.final_done = True
         elif not self.complete and self.failure is None:
             detail = f"{type(exc).__name__}: {exc}" if exc else "the backend closed the connection"
             self.failure = _Closed(detail, self.answered)
         self._wake()
 
     def pause_writing(self) -> None:
-        pass  # requests are written whole; the transport buffers what the socket cannot take yet
+        self.write_paused = True
 
     def resume_writing(self) -> None:
-        pass
+        self.write_paused = False
+        self._wake_writer()
 
     # -- httptools callbacks -------------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        if self.final_done:
+            self._refuse(SECOND_ANSWER, "a second answer followed a complete one", fails_exchange=False)
+            raise _Stop
+        self._new_message()
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.header_items.append((name, value))
+        items = self.trailer_items if self.headers_done else self.header_items
+        if len(name) + len(value) > self.limits.field_bytes:
+            self._refuse(FIELD_TOO_LARGE, f"a header field over {self.limits.field_bytes} bytes")
+            raise _Stop
+        if len(items) >= self.limits.header_count:
+            self._refuse(TOO_MANY_HEADERS, f"more than {self.limits.header_count} header fields")
+            raise _Stop
+        items.append((name, value))
 
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
@@ -228,6 +329,10 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_body(self, body: bytes) -> None:
+        self.body_bytes += len(body)
+        if self.max_body is not None and self.body_bytes > self.max_body:
+            self._refuse(BODY_TOO_LARGE, f"an answer over {self.max_body} bytes")
+            raise _Stop
         self.chunks.append(body)
         self.buffered += len(body)
         if self.buffered > _PAUSE_ABOVE and not self.paused:
@@ -238,13 +343,32 @@ class _Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         if self.headers_done:
             self.complete = True
+            self.final_done = True
             # Asked now: once the parser has moved past the message it no longer knows.
             self.keep_alive = self.parser.should_keep_alive()
             self._wake()
 
+    # -- refusing what a backend must not send -------------------------------------------------------
+    def _refuse(self, reason: str, detail: str, *, fails_exchange: bool = True) -> None:
+        """Close the connection for good. Unless the exchange already has its whole answer, that
+        exchange fails; nothing parsed from here on reaches anyone."""
+        self.pool._refused(self.stage if self.expecting else "idle", reason)
+        if fails_exchange and self.expecting and not self.complete and self.failure is None:
+            self.failure = _Closed(f"answer refused: {detail}", True, REFUSED_ANSWER)
+        self.expecting = False
+        self.lost = True
+        if self.transport is not None:
+            self.transport.abort()
+        self._wake()
+
     # -- for the caller ------------------------------------------------------------------------------
     def _wake(self) -> None:
         waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _wake_writer(self) -> None:
+        waiter = self.drain_waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
@@ -260,6 +384,29 @@ class _Connection(asyncio.Protocol):
         finally:
             self.waiter = None
 
+    async def send(self, request: list) -> None:
+        """Write the request, waiting for the socket to drain between pieces of a large one. An
+        answer may start before the request is fully written (an early error): writing stops only
+        when the connection does."""
+        transport = self.transport
+        if sum(len(part) for part in request) <= _WRITE_WHOLE_UP_TO:
+            transport.writelines(request)
+            self.wrote = True
+            return
+        for part in request:
+            view = memoryview(part).cast("B")
+            for offset in range(0, len(view), _WRITE_PIECE):
+                if self.lost:
+                    return
+                transport.write(view[offset : offset + _WRITE_PIECE])
+                self.wrote = True
+                while self.write_paused and not self.lost:
+                    self.drain_waiter = self.loop.create_future()
+                    try:
+                        await self.drain_waiter
+                    finally:
+                        self.drain_waiter = None
+
     def take(self) -> bytes:
         chunk = self.chunks.popleft()
         self.buffered -= len(chunk)
@@ -269,26 +416,55 @@ class _Connection(asyncio.Protocol):
         return chunk
 
     def headers(self) -> Headers:
-        return Headers({name.decode("latin-1").lower(): value.decode("latin-1") for name, value in self.header_items})
+        return _decoded(self.header_items)
+
+    def answer_ended(self) -> None:
+        """The caller is done with this exchange: from now on any byte is out of turn."""
+        self.expecting = False
 
     def reusable(self) -> bool:
-        return self.complete and self.keep_alive and not self.lost and not self.until_eof
+        return (
+            self.final_done
+            and self.keep_alive
+            and not self.lost
+            and not self.until_eof
+            and not self.chunks
+            and self.failure is None
+        )
+
+    def looks_idle(self) -> bool:
+        """httpcore's check before reuse: a parked connection that is readable has either data
+        nobody asked for or the backend's EOF, and either way must not carry a request."""
+        if self.lost or self.transport is None or self.transport.is_closing():
+            return False
+        sock = self.transport.get_extra_info("socket")
+        if sock is None:
+            return True
+        try:
+            readable, _, _ = select.select([sock.fileno()], [], [], 0)
+        except (OSError, ValueError):
+            return False
+        return not readable
 
     def abort(self) -> None:
         if self.transport is not None and not self.lost:
             self.transport.abort()
+        self.lost = True
 
 
 class Answer:
     """A backend's answer: status and headers, and the body read whole (`call`) or still to be
     streamed (`open`). An open answer holds its connection until `release()`."""
 
-    __slots__ = ("status", "headers", "body", "_conn", "_call", "_pool", "_done")
+    __slots__ = ("status", "headers", "body", "trailers", "_conn", "_call", "_pool", "_done")
 
     def __init__(self, conn: _Connection, call: _Call, pool: Upstream) -> None:
         self.status = conn.status
         self.headers = conn.headers()
         self.body: bytes | None = None
+        # A chunked answer's trailer fields, once the body was read to the end; never merged into
+        # the headers, which were final when the body began.
+        self.trailers = Headers([])
         self._conn = conn
         self._call = call
         self._pool = pool
@@ -320,11 +496,13 @@ class Answer:
                 yield conn.take()
                 continue
             if conn.complete:
+                if conn.trailer_items:
+                    self.trailers = _decoded(conn.trailer_items)
                 self.release()
                 return
             if conn.failure is not None:
                 self._end(reuse=False)
-                raise call.failure(BROKEN, str(conn.failure)) from None
+                raise call.failure(conn.failure.kind, conn.failure.detail) from None
             limit, reported = call.budget(idle)
             try:
                 await conn.wait(limit)
@@ -335,15 +513,24 @@ class Answer:
                 self._end(reuse=False)
                 raise
 
+    def cap_body(self, max_bytes: int) -> None:
+        """Refuse the answer (REFUSED_ANSWER) once its body passes `max_bytes`, for a caller that
+        learns from the headers that it will read the body whole."""
+        conn = self._conn
+        conn.max_body = max_bytes
+        if conn.body_bytes > max_bytes and not conn.complete:
+            conn._refuse(BODY_TOO_LARGE, f"an answer over {max_bytes} bytes")
+
     def release(self) -> None:
         """Give the connection back (or close it, if the body was not read to the end)."""
         if not self._done:
-            self._end(reuse=self._conn.reusable() and not self._conn.chunks)
+            self._end(reuse=self._conn.reusable())
 
     def _end(self, *, reuse: bool) -> None:
         if self._done:
             return
         self._done = True
+        self._conn.answer_ended()
         self._pool._give_back(self._call.target.url, self._conn, reuse)
         self._call.end()
 
@@ -424,11 +611,16 @@ class Upstream:
         max_connections_per_backend: int = 0,
         headers: Mapping[str, str] | None = None,
         count_inflight: bool = True,
+        limits: Limits = Limits(),
+        on_refused: Callable[[str, str], None] | None = None,
     ) -> None:
         # Idle connections retire before the backend (uvicorn, 5 s) drops them, so a reused
-        # connection is almost never one the server already closed; if it is, and no byte of the
-        # answer arrived, the request goes once more on a new connection.
+        # connection is almost never one the server already closed, and one that is readable or
+        # at EOF is never taken (see _Connection.looks_idle).
         self.keep_alive_s = keep_alive_s
+        self.limits = limits
+        # Told (stage, reason) of every answer refused; the metrics count them.
+        self._on_refused = on_refused
         self.max_connections_per_backend = max_connections_per_backend
         self.count_inflight = count_inflight
         self._fixed = dict(headers or {})
@@ -443,6 +635,26 @@ class Upstream:
     def connections_in_use(self) -> int:
         return self._in_use
 
+    def _refused(self, stage: str, reason: str) -> None:
+        if self._on_refused is not None:
+            self._on_refused(stage, reason)
+
+    # -- membership events (a registry watcher): an instance that left keeps no pool state ----------
+    def joined(self, inst: Target) -> None:
+        pass
+
+    def rejoined(self, inst: Target) -> None:
+        pass
+
+    def left(self, inst: Target) -> None:
+        origin = self._origins.pop(inst.url, None)
+        self._slots.pop(inst.url, None)  # calls under way hold their own reference to it
+        if origin is not None:
+            for conn in list(origin.idle):
+                conn.parked_in = None
+                conn.abort()
+            origin.idle.clear()
+
     async def close(self) -> None:
         self._closed = True
         if self._sweep is not None:
@@ -455,7 +667,9 @@ class Upstream:
             origin.idle.clear()
 
     async def call(self, target: Target, method: str, path: str, **options: Any) -> Answer:
-        """Send and read the whole answer, whatever its status; the options are `open`'s."""
+        """Send and read the whole answer, whatever its status; the options are `open`'s. The body
+        is capped (`max_body`, by default the pool's `Limits.buffered_body_bytes`)."""
+        options.setdefault("max_body", self.limits.buffered_body_bytes)
         answer = await self.open(target, method, path, **options)
         try:
             await answer.read()
@@ -475,15 +689,26 @@ class Upstream:
         stage: str,
         what: str,
         count_inflight: bool | None = None,
+        idempotent: bool | None = None,
+        max_body: int | None = None,
     ) -> Answer:
         """Send and wait for the status line and headers; the body is left to stream. The caller
         must `release()` the answer (or use it as an async context manager). `body` may be a
-        list of byte strings, written back to back without joining them."""
+        list of byte strings, written back to back without joining them.
+
+        Exactly once: a request of which any byte was written is never sent again here unless it
+        is `idempotent` (GET by default; an encoder sub-request says so, since the same uuid gives
+        the same embedding). A generation is resent only by the pipeline's own, counted retries.
+        """
+        if method == "HEAD":
+            raise ValueError("HEAD is not supported: its answer has no body whatever its framing says")
         call = _Call(target, stage, what, timeouts, self.count_inflight if count_inflight is None else count_inflight)
         call.begin()
+        if idempotent is None:
+            idempotent = method == "GET"
         try:
             await self._acquire_slot(call)
-            conn = await self._exchange(call, method, path, body, headers)
+            conn = await self._exchange(call, method, path, body, headers, idempotent, max_body)
         except BaseException:
             call.end()
             raise
@@ -507,7 +732,9 @@ class Upstream:
             await slot.acquire()  # free: returns without suspending
         call.slot = slot
 
-    async def _exchange(self, call: _Call, method: str, path: str, body, headers) -> _Connection:
+    async def _exchange(
+        self, call: _Call, method: str, path: str, body, headers, idempotent: bool, max_body: int | None
+    ) -> _Connection:
         url = call.target.url
         origin = self._origins.get(url)
         if origin is None:
@@ -523,7 +750,7 @@ class Upstream:
             overridden = {name.lower() for name in headers}
             kept = {name: value for name, value in self._fixed.items() if name.lower() not in overridden}
             head.append(_header_lines({**kept, **headers}))
-        if size or method not in ("GET", "HEAD"):
+        if size or method != "GET":
             head.append(b"Content-Length: %d\r\n" % size)
         head.append(b"\r\n")
         request = [b"".join(head), *parts]
@@ -531,14 +758,15 @@ class Upstream:
         while True:
             conn = await self._connection(call, origin, fresh)
             self._in_use += 1
+            conn.begin(call.stage, max_body)
             limit, reported = call.budget(call.timeouts.headers)
             try:
-                try:
-                    conn.transport.writelines(request)
-                except (RuntimeError, OSError) as exc:  # closed under us since it was parked
-                    raise _Closed(_describe(exc), False) from None
-                # One limit for the whole head, however slowly its bytes trickle in.
+                # One limit for writing the request and the whole head, however slowly either goes.
                 async with asyncio.timeout(limit):
+                    try:
+                        await conn.send(request)
+                    except (RuntimeError, OSError) as exc:  # closed under us since it was parked
+                        raise _Closed(_describe(exc), False) from None
                     while not conn.headers_done:
                         if conn.failure is not None:
                             raise conn.failure
@@ -546,10 +774,10 @@ class Upstream:
                 return conn
             except _Closed as closed:
                 self._give_back(url, conn, False)
-                if conn.reused and not closed.answered and not fresh:
-                    fresh = True  # the backend dropped an idle connection we had just picked
+                if conn.reused and not closed.answered and not fresh and (idempotent or not conn.wrote):
+                    fresh = True  # the backend dropped an idle connection just as we took it
                     continue
-                raise call.failure(BROKEN if closed.answered else RESET, closed.detail) from None
+                raise call.failure(closed.kind, closed.detail) from None
             except TimeoutError:
                 self._give_back(url, conn, False)
                 raise call.failure(HEADERS_TIMEOUT, "", reported) from None
@@ -564,18 +792,17 @@ class Upstream:
             while idle:
                 conn = idle.pop()
                 conn.parked_in = None
-                if conn.lost or conn.idle_since < oldest_allowed:
+                if conn.idle_since < oldest_allowed or not conn.looks_idle():
                     conn.abort()
                     continue
                 conn.reused = True
-                conn._reset()
                 return conn
         loop = asyncio.get_running_loop()
         limit, reported = call.budget(call.timeouts.connect)
         try:
             async with asyncio.timeout(limit):
                 _, conn = await loop.create_connection(
-                    lambda: _Connection(loop),
+                    lambda: _Connection(loop, self),
                     origin.host,
                     origin.port,
                     ssl=origin.ssl,
@@ -589,10 +816,10 @@ class Upstream:
 
     def _give_back(self, url: str, conn: _Connection, reuse: bool) -> None:
         self._in_use -= 1
-        if not reuse or self.keep_alive_s is None or self._closed:
+        origin = self._origins.get(url)
+        if not reuse or self.keep_alive_s is None or self._closed or origin is None:
             conn.abort()
             return
-        origin = self._origins[url]
         conn.idle_since = time.monotonic()
         conn.parked_in = origin.idle
         origin.idle.append(conn)

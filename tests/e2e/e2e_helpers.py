@@ -31,8 +31,9 @@ BLACK_BG = {"image": {"rgba_background_color": [0, 0, 0]}}
 
 
 @contextlib.contextmanager
-def extra_proxy(stack, name: str, *flags: str) -> Iterator[str]:
-    """One more `epd-proxy serve` in front of the stack's own encoders and PD, with `flags`; yields its URL."""
+def extra_proxy(stack, name: str, *flags: str, decode_url: str | None = None) -> Iterator[str]:
+    """One more `epd-proxy serve` in front of the stack's own encoders and PD (or `decode_url`),
+    with `flags`; yields its URL."""
     port = free_port()
     with open(stack.work_dir / f"{name}.log", "wb") as log:
         proc = subprocess.Popen(
@@ -41,7 +42,7 @@ def extra_proxy(stack, name: str, *flags: str) -> Iterator[str]:
                 "--encode-servers-urls",
                 ",".join(stack.encoder_urls),
                 "--decode-servers-urls",
-                stack.pd_url,
+                decode_url or stack.pd_url,
                 *flags,
             ),
             stdout=log,

@@ -11,18 +11,21 @@ the Mooncake transfer engine, which the CPU build does not have.)
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
 import signal
+import threading
 import time
+import urllib.parse
 import urllib.request
 
 import pytest
 
 from epd_proxy.local.supervisor import http_ok
 
-from .e2e_helpers import chat_body, chat_ok, extra_proxy, finished_requests, make_image
+from .e2e_helpers import chat_body, chat_ok, extra_proxy, finished_requests, make_image, post_json
 
 pytestmark = pytest.mark.e2e
 
@@ -129,3 +132,88 @@ def test_pd_killed_mid_stream_ends_in_an_error_event_counted_as_aborted(stack):
     assert events[-1] == "[DONE]" and error["stage"] == "decode" and error["code"] == 502, events[-3:]
     assert time.monotonic() - started < 60
     assert _metric(stack.proxy_url, 'epd_requests_total{status="aborted"}') == aborted + 1
+
+
+class CountingRelay:
+    """A TCP relay in front of the real PD that counts the chat requests it forwards and, once
+    armed, calls `on_answer` at the first byte of PD's answer and drops that byte and the
+    connection: to the proxy, PD read the whole request and died before answering."""
+
+    CHAT = b"POST /v1/chat/completions "
+
+    def __init__(self, target_url: str, on_answer) -> None:
+        parts = urllib.parse.urlsplit(target_url)
+        self.target = (parts.hostname, parts.port)
+        self.on_answer = on_answer
+        self.requests = 0
+        self.armed = False
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> CountingRelay:
+        self.thread.start()
+        assert self.ready.wait(10)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        server = self.loop.run_until_complete(asyncio.start_server(self._relay, "127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        self.ready.set()
+        self.loop.run_forever()
+
+    async def _relay(self, client_reader, client_writer) -> None:
+        first = await client_reader.read(65536)
+        self.requests += first.count(self.CHAT)  # counted even when PD is no longer there
+        try:
+            pd_reader, pd_writer = await asyncio.open_connection(*self.target)
+        except OSError:
+            client_writer.transport.abort()
+            return
+        pd_writer.write(first)
+
+        async def to_pd() -> None:
+            while data := await client_reader.read(65536):
+                self.requests += data.count(self.CHAT)  # request heads are small: never split here
+                pd_writer.write(data)
+                await pd_writer.drain()
+
+        async def to_proxy() -> None:
+            while data := await pd_reader.read(65536):
+                if self.armed:
+                    self.armed = False
+                    self.on_answer()
+                    client_writer.transport.abort()
+                    pd_writer.transport.abort()
+                    return
+                client_writer.write(data)
+                await client_writer.drain()
+
+        tasks = [asyncio.ensure_future(to_pd()), asyncio.ensure_future(to_proxy())]
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in tasks:
+            task.cancel()
+        client_writer.transport.abort()
+        pd_writer.transport.abort()
+
+
+def test_pd_that_dies_after_reading_a_request_is_not_sent_it_again(stack):
+    """Exactly once (RFC 9110 9.2.2): PD read the whole request on a reused keep-alive connection
+    and died before any byte of its answer reached the proxy. The connection layer must not send
+    the generation again on a new connection; the client gets a clear 502 from the decode stage."""
+    pd = stack.by_name("pd")
+    with CountingRelay(stack.pd_url, lambda: os.killpg(pd.pgid, signal.SIGKILL)) as relay:
+        with extra_proxy(stack, "relayed-proxy", "--decode-retries", "1", decode_url=relay.url) as url:
+            chat_ok(url, chat_body([make_image(next(SEEDS))]))  # leaves a pooled connection to PD
+            sent_before = relay.requests
+            relay.armed = True
+            # Text only, so it reaches decode at once, on the connection the first one left.
+            status, error = post_json(url, chat_body([]))
+            assert status == 502, error
+            assert error["error"]["stage"] == "decode", error
+            assert relay.requests == sent_before + 1, "the generation was sent to decode more than once"

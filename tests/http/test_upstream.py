@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 import pytest
 
@@ -20,89 +18,9 @@ from epd_proxy.upstream import (
     REFUSED,
     RESET,
     Timeouts,
-    Upstream,
     UpstreamFailure,
 )
-
-Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
-OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
-
-
-@dataclass
-class Peer:
-    url: str
-    connections: int = 0
-    closed_by_client: int = 0
-
-
-async def read_request(reader: asyncio.StreamReader) -> bytes:
-    head = await reader.readuntil(b"\r\n\r\n")
-    length = 0
-    for line in head.split(b"\r\n"):
-        if line.lower().startswith(b"content-length:"):
-            length = int(line.split(b":")[1])
-    return head + await reader.readexactly(length)
-
-
-@pytest.fixture
-async def peer():
-    servers = []
-
-    async def start(behaviour: Handler) -> Peer:
-        state = Peer("")
-
-        async def handle(reader, writer):
-            state.connections += 1
-            try:
-                await behaviour(reader, writer)
-                # Wait for the client to hang up: that is how a closed connection is observed.
-                while await reader.read(65536):
-                    pass
-                state.closed_by_client += 1
-            except (ConnectionError, asyncio.IncompleteReadError):
-                state.closed_by_client += 1
-            finally:
-                writer.close()
-
-        server = await asyncio.start_server(handle, "127.0.0.1", 0)
-        servers.append(server)
-        state.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-        return state
-
-    yield start
-    for server in servers:
-        server.close()
-
-
-@pytest.fixture
-async def upstream():
-    pools = []
-
-    def make(**kwargs) -> Upstream:
-        pool = Upstream(**kwargs)
-        pools.append(pool)
-        return pool
-
-    yield make
-    for pool in pools:
-        await pool.close()
-
-
-async def call(pool: Upstream, inst: Instance, timeouts: Timeouts = Timeouts(), path: str = "/x"):
-    return await pool.call(inst, "POST", path, body=b"{}", timeouts=timeouts, stage="encode", what="Encoder request")
-
-
-async def failure_of(awaitable) -> UpstreamFailure:
-    with pytest.raises(UpstreamFailure) as err:
-        async with asyncio.timeout(10):
-            await awaitable
-    return err.value
-
-
-async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not condition():
-            await asyncio.sleep(0.01)
+from tests.http.raw_backends import OK, call, failure_of, read_request, until
 
 
 async def answer_ok(reader, writer):
@@ -284,18 +202,31 @@ async def test_connections_are_reused(peer, upstream):
     assert backend.connections == 1
 
 
-async def test_a_pooled_connection_dropped_before_answering_is_retried_once_on_a_new_one(peer, upstream):
-    async def answer_once_then_drop(reader, writer):
-        await read_request(reader)
-        writer.write(OK)
-        await read_request(reader)
-        writer.close()  # as a backend closing an idle connection just as the next request goes out
+async def answer_once_then_drop(reader, writer):
+    await read_request(reader)
+    writer.write(OK)
+    await read_request(reader)
+    writer.close()  # read the whole request, then dropped it without an answer
 
+
+async def test_an_idempotent_request_dropped_on_a_pooled_connection_is_sent_once_more(peer, upstream):
     backend = await peer(answer_once_then_drop)
     pool, inst = upstream(), Instance(backend.url, "encode")
     assert (await call(pool, inst)).status == 200
+    answer = await pool.call(
+        inst, "POST", "/x", body=b"{}", timeouts=Timeouts(), stage="encode", what="Encoder", idempotent=True
+    )
+    assert answer.status == 200 and backend.connections == 2
+
+
+async def test_a_generation_the_backend_read_and_dropped_is_never_sent_again(peer, upstream):
+    """RFC 9110 9.2.2: the backend may have run it; only the pipeline's own retries may resend."""
+    backend = await peer(answer_once_then_drop)
+    pool, inst = upstream(), Instance(backend.url, "decode")
     assert (await call(pool, inst)).status == 200
-    assert backend.connections == 2
+    failure = await failure_of(call(pool, inst))
+    assert failure.kind == RESET and failure.status == 502
+    assert backend.connections == 1
 
 
 async def test_a_pooled_connection_that_began_answering_is_not_retried(peer, upstream):
