@@ -48,6 +48,8 @@ class ProxyState:
         self.fleet = Registry.from_config(config)
         self.health = Health(
             fail_threshold=config.fail_threshold,
+            consecutive_5xx=config.consecutive_5xx,
+            consecutive_gateway_failure=config.consecutive_gateway_failure,
             ejection_time_s=config.ejection_time_s,
             max_ejection_time_s=config.max_ejection_time_s,
             max_ejection_percent=config.max_ejection_percent,

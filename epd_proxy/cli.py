@@ -172,8 +172,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--ejection-time",
         type=float,
         default=default("ejection_time_s"),
-        help="seconds an instance stays out after --fail-threshold transport failures in a row; "
-        "doubles per repeat (default: %(default)s)",
+        help="seconds an instance stays out once outlier detection ejects it (--fail-threshold transport "
+        "failures, --consecutive-5xx or --consecutive-gateway-failure in a row); doubles per repeat "
+        "(default: %(default)s)",
     )
     ours.add_argument(
         "--max-ejection-time",
@@ -185,7 +186,22 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-ejection-percent",
         type=int,
         default=default("max_ejection_percent"),
-        help="most of a role's instances transport failures may eject at once; one always stays (default: %(default)s)",
+        help="most of a role's instances outlier detection may eject at once; one always stays (default: %(default)s)",
+    )
+    ours.add_argument(
+        "--consecutive-5xx",
+        type=_int_at_least(0),
+        default=default("consecutive_5xx"),
+        help="answers with a 5xx status in a row on live traffic that eject an instance, 0 = off; 4xx never "
+        "counts, and a request's retries count once (default: %(default)s, as Envoy: vLLM answers 500 to some "
+        "single bad inputs)",
+    )
+    ours.add_argument(
+        "--consecutive-gateway-failure",
+        type=_int_at_least(0),
+        default=default("consecutive_gateway_failure"),
+        help="gateway failures in a row (502, 503, 504 answers and transport failures alike) that eject an "
+        "instance, 0 = off (default: %(default)s)",
     )
     ours.add_argument(
         "--encoder-max-batch-size",
@@ -393,6 +409,8 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> Config
         ejection_time_s=args.ejection_time,
         max_ejection_time_s=args.max_ejection_time,
         max_ejection_percent=args.max_ejection_percent,
+        consecutive_5xx=args.consecutive_5xx,
+        consecutive_gateway_failure=args.consecutive_gateway_failure,
         roster_url=args.roster,
         log_format=args.log_format,
     )

@@ -66,8 +66,12 @@ class Config:
     # Passive outlier detection: first ejection length, doubled per repeat up to the cap.
     ejection_time_s: float = 30.0
     max_ejection_time_s: float = 300.0
-    # Share of a role's instances that transport failures may eject at once (one always stays).
+    # Share of a role's instances that outlier detection may eject at once (one always stays).
     max_ejection_percent: int = 50
+    # Outlier detection on answers (health.py), 0 = off. 5 is Envoy's default for both: vLLM
+    # answers 500 for some single bad inputs, so a lower count would eject healthy instances.
+    consecutive_5xx: int = 5
+    consecutive_gateway_failure: int = 5
     # Dynamic mode: the roster lives in this store (redis://host:port/db?prefix=...), shared by
     # every proxy process; empty = in-process roster, one worker.
     roster_url: str = ""
@@ -106,6 +110,10 @@ class Config:
                 raise ConfigError(f"--roster must be a redis://, rediss:// or unix:// URL, got {self.roster_url!r}")
         if self.fail_threshold < 1:
             raise ConfigError(f"--fail-threshold must be >= 1, got {self.fail_threshold}")
+        for name in ("consecutive_5xx", "consecutive_gateway_failure"):
+            if getattr(self, name) < 0:
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(f"{flag} must be >= 0 (0 = off), got {getattr(self, name)}")
         if self.ejection_time_s <= 0:
             raise ConfigError(f"--ejection-time must be > 0, got {self.ejection_time_s}")
         if not 0 <= self.max_ejection_percent <= 100:

@@ -96,7 +96,13 @@ async def post_encoder(
     raw = answer.body
     if not 200 <= answer.status < 300:
         text = raw.decode("utf-8", "replace")[:2000]
-        raise ProxyError(answer.status, f"Encoder request failed: {text}", stage="encode", backend=encoder.url)
+        raise ProxyError(
+            answer.status,
+            f"Encoder request failed: {text}",
+            stage="encode",
+            backend=encoder.url,
+            answered=answer.status,
+        )
     try:
         parsed = orjson.loads(raw)
     except orjson.JSONDecodeError:

@@ -9,7 +9,9 @@ class ProxyError(Exception):
     """A failure with the HTTP status the client should see.
 
     `stage` names the step that failed (request, encode, match, prefill, decode, proxy) so an
-    operator can tell a bad image from a dead encoder from the error body alone.
+    operator can tell a bad image from a dead encoder from the error body alone. `answered` is
+    the HTTP status the backend itself answered when this error stands for its answer (health
+    counts it), None when the proxy found the failure on its own.
     """
 
     def __init__(
@@ -20,9 +22,11 @@ class ProxyError(Exception):
         stage: str = "proxy",
         error_type: str | None = None,
         backend: str | None = None,
+        answered: int | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
+        self.answered = answered
         self.message = message
         self.stage = stage
         self.error_type = error_type or _default_type(status)
@@ -57,7 +61,7 @@ class UpstreamError(ProxyError):
     """A backend answered with an error; its status and body are passed on as they were."""
 
     def __init__(self, status: int, raw_body: bytes, content_type: str, *, stage: str, backend: str) -> None:
-        super().__init__(status, _message_of(raw_body), stage=stage, backend=backend)
+        super().__init__(status, _message_of(raw_body), stage=stage, backend=backend, answered=status)
         self.raw_body = raw_body
         self.content_type = content_type
 

@@ -16,7 +16,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from epd_proxy.backends import ENCODE, Instance
-from epd_proxy.health import Health
+from epd_proxy.health import EJECTION_REASONS, Health
 from epd_proxy.recent import RecentRequests
 from epd_proxy.registry import Registry
 
@@ -134,6 +134,14 @@ class Metrics:
         self.failovers = Counter(
             "epd_encoder_failovers", "Encoder sub-requests retried on another encoder", ["from_encoder"], registry=r
         )
+        self.ejections = Counter(
+            "epd_ejections",
+            "Ejections by passive outlier detection, by the signal that ejected the instance: transport, "
+            "5xx (5xx answers in a row) or gateway (502/503/504 answers and transport failures in a row)",
+            ["role", "instance", "reason"],
+            registry=r,
+        )
+        health.on_ejection(lambda role, url, reason: self.ejections.labels(role, url, reason).inc())
         self.rejected = Counter("epd_admission_rejected", "Requests refused with 503 by --max-inflight", registry=r)
         self.backend_refused = Counter(
             "epd_backend_answers_refused",
@@ -179,9 +187,11 @@ class Metrics:
     def left(self, inst: Instance) -> None:
         if self.multiprocess:
             return  # the files cannot forget a series; the scrape leaves it out (_CurrentMembersOnly)
-        for family in self._per_instance:
+        labels = [(family, (inst.url,)) for family in self._per_instance]
+        labels += [(self.ejections, (inst.role, inst.url, reason)) for reason in EJECTION_REASONS]
+        for family, values in labels:
             try:
-                family.remove(inst.url)
+                family.remove(*values)
             except KeyError:
                 pass  # never labelled with it (prometheus_client before 0.20 raises for that)
 

@@ -90,6 +90,9 @@ class Trace:
     # client_disconnect.
     outcome: str = "-"
     started: float = field(default_factory=time.perf_counter)
+    # Instances already charged a 5xx answer for this request: its retries and failovers resend the
+    # same input, and an input that makes vLLM answer 500 must count once, not once per attempt.
+    charged_5xx: set[str] = field(default_factory=set)
 
 
 def _unavailable(message: str) -> ProxyError:
@@ -154,19 +157,29 @@ class Pipeline:
         consumer_zmq = pinned.zmq_addrs[dp_rank or 0] if pinned.zmq_addrs else None
         return Route(decoder, prefill, pinned, dp_rank, consumer_zmq)
 
-    async def _call(self, instance: Instance, call):
-        """Await a backend call, feeding its outcome to passive outlier detection."""
+    async def _call(self, instance: Instance, call, trace: Trace):
+        """Await a backend call, feeding its outcome to passive outlier detection: a transport
+        failure, or the status the instance answered. Errors the proxy found on its own (an
+        unwritable body, a timeout after connecting) say nothing about the instance."""
         try:
             result = await call
         except UpstreamFailure as exc:
             if counts_against_instance(exc.kind):
                 self.health.failed(instance, exc.reason)
             raise
-        except ProxyError:
-            self.health.succeeded(instance)
+        except ProxyError as exc:
+            if exc.answered is not None:
+                self._answered(instance, exc.answered, exc.message, trace)
             raise
         self.health.succeeded(instance)
         return result
+
+    def _answered(self, instance: Instance, status: int, message: str, trace: Trace) -> None:
+        if status >= 500:
+            if instance.url in trace.charged_5xx:
+                return
+            trace.charged_5xx.add(instance.url)
+        self.health.answered(instance, status, message)
 
     async def encode(
         self, body: dict[str, Any], items: Sequence[MediaItem], route: Route, trace: Trace, dumps: Dumps = orjson.dumps
@@ -233,6 +246,7 @@ class Pipeline:
                         self.ids.child_request_id(trace.request_id, group.indices[0]),
                         self.encode_timeouts,
                     ),
+                    trace,
                 )
                 return reply, transfer_ids
             except ProxyError as exc:
@@ -294,6 +308,7 @@ class Pipeline:
                         run_prefill(
                             self.upstream, route.prefill, prepared, prefill_headers, self.prefill_timeouts, job.dumps
                         ),
+                        trace,
                     )
                     trace.prefill_s += time.perf_counter() - started
                     if kv:
@@ -304,11 +319,12 @@ class Pipeline:
                     open_decode(
                         self.upstream, route.decoder, decode_body, decode_headers, self.decode_timeouts, job.dumps
                     ),
+                    trace,
                 )
                 in_band = None
                 if answer.streaming:
                     try:
-                        in_band = await self._call(route.decoder, hold_head(answer))
+                        in_band = await self._call(route.decoder, hold_head(answer), trace)
                     except BaseException:
                         answer.release()
                         raise

@@ -38,7 +38,11 @@ async def run_prefill(
         parsed = orjson.loads(answer.body)
     except orjson.JSONDecodeError:
         raise ProxyError(
-            502, f"Prefill answered {answer.status} with a body that is not JSON", stage="prefill", backend=prefill.url
+            502,
+            f"Prefill answered {answer.status} with a body that is not JSON",
+            stage="prefill",
+            backend=prefill.url,
+            answered=answer.status,
         ) from None
     params = parsed.get("kv_transfer_params") if isinstance(parsed, dict) else None
     return params if isinstance(params, dict) and params else None

@@ -39,7 +39,9 @@ def roster(state: ProxyState) -> list[dict[str, Any]]:
     rows = []
     for view in state.health.snapshot(state.fleet.all()):
         words = STATE_WORDS.get(view["state"], view["state"])
-        if view["state"] == HEALTHY and view["consecutive_failures"]:
+        if view["state"] == HEALTHY and (
+            view["consecutive_failures"] or view["consecutive_5xx"] or view["consecutive_gateway_failures"]
+        ):
             words = "failing"
         rows.append(
             {
@@ -49,6 +51,10 @@ def roster(state: ProxyState) -> list[dict[str, Any]]:
                 "inflight": view["inflight"],
                 "consecutive_failures": view["consecutive_failures"],
                 "ejections": view["ejections"],
+                "consecutive_5xx": view["consecutive_5xx"],
+                "consecutive_gateway_failures": view["consecutive_gateway_failures"],
+                # Which signal ejected it (transport, 5xx, gateway), while ejected or half-open.
+                "ejection_reason": view["ejection_reason"],
                 # How long it has been out of rotation, and how long until an ejection ends.
                 "out_for_s": view["out_for_s"],
                 "back_in_s": view["ejected_for_s"],
@@ -98,6 +104,8 @@ def snapshot(state: ProxyState) -> dict[str, Any]:
             "max_inflight": config.max_inflight,
             "probe_interval_s": config.probe_interval_s,
             "fail_threshold": config.fail_threshold,
+            "consecutive_5xx": config.consecutive_5xx,
+            "consecutive_gateway_failure": config.consecutive_gateway_failure,
             "ejection_time_s": config.ejection_time_s,
         },
         "roster": roster(state),

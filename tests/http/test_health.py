@@ -1,5 +1,5 @@
-"""Health against fake backends: checks on their own connections, ejection and its limits,
-revival, bounded metrics, and a /health that never probes on the caller's behalf."""
+"""Health against fake backends: checks on their own connections, ejection (transport and 5xx) and
+its limits, revival, bounded metrics, and a /health that never probes on the caller's behalf."""
 
 from __future__ import annotations
 
@@ -43,6 +43,65 @@ async def test_without_checks_an_ejected_encoder_gets_traffic_again_after_the_ej
 
 async def _in_rotation(stack, url):
     return (await views(stack))[url]["in_rotation"]
+
+
+async def test_an_encoder_answering_500_to_every_call_leaves_the_rotation_and_everyone_says_why(make_stack):
+    # Checks run and pass throughout: the broken encoder's GET /health still answers 200.
+    stack = await make_stack(encoders=2, probe_interval_s=0.05, ejection_time_s=600)
+    broken, e1 = stack.encoders[1], stack.backend_urls["e"][1]
+    broken.faults.fail_next(10_000, 500, "CUDA error: an illegal memory access was encountered")
+    for i in range(20):  # round robin: every other sub-request lands on the broken one and fails over
+        async with await stack.chat(chat(image(f"X{i}"))) as resp:
+            assert resp.status == 200
+        if not (await views(stack))[e1]["in_rotation"]:
+            break
+    assert len(broken.requests) == 5, "ejected at Envoy's default of five 5xx in a row"
+    view = (await views(stack))[e1]
+    assert view["state"] == "ejected" and view["ejection_reason"] == "5xx" and view["ejections"] == 1
+    assert (
+        view["last_problem"].startswith("HTTP 500: Encoder request failed") and "illegal memory" in view["last_problem"]
+    )
+    checks = broken.health_checks
+    await eventually(lambda: broken.health_checks >= checks + 3, what="three passing checks of the broken encoder")
+    for i in range(4):
+        async with await stack.chat(chat(image(f"Y{i}"))) as resp:
+            assert resp.status == 200
+    assert len(broken.requests) == 5, "out of rotation: passing checks do not bring it back"
+    _, status = await get_json(stack.client, stack.url + "/status.json")
+    row = next(row for row in status["roster"] if row["url"] == e1)
+    assert row["state"] == "ejected" and row["ejection_reason"] == "5xx"
+    async with stack.client.get(stack.url + "/metrics") as resp:
+        text = await resp.text()
+    assert f'epd_ejections_total{{instance="{e1}",reason="5xx",role="encode"}} 1.0' in text
+
+
+@pytest.mark.parametrize("status", [500, 400])
+async def test_a_single_500_or_any_number_of_400s_leaves_an_encoder_in_rotation(make_stack, status):
+    stack = await make_stack(encoders=2, probe_interval_s=0)
+    flaky, e1 = stack.encoders[1], stack.backend_urls["e"][1]
+    flaky.faults.fail_next(1 if status == 500 else 10, status)
+    answered = []
+    for i in range(12):
+        async with await stack.chat(chat(image(f"Z{i}"))) as resp:
+            answered.append(resp.status)
+    # A 500 fails over to the other encoder; a 400 is the client's and reaches it as it was.
+    assert answered == [200] * 12 if status == 500 else sorted(set(answered)) == [200, 400]
+    assert len(flaky.requests) == 6, "it kept its share of the round robin"
+    view = (await views(stack))[e1]
+    assert view["state"] == "healthy" and view["ejections"] == 0 and view["ejection_reason"] is None
+    assert view["consecutive_5xx"] == 0, "its next success ended the run"
+
+
+async def test_a_request_retried_on_500_counts_once_against_its_decoder(make_stack):
+    stack = await make_stack(encoders=1, decoders=2, decode_retries=5, probe_interval_s=0)
+    for fake in stack.consumers:
+        fake.faults.fail_next(6)
+    async with await stack.chat(chat(image("A"))) as resp:
+        assert resp.status == 500
+    assert sorted(len(fake.requests) for fake in stack.consumers) == [0, 6], "every attempt on the routed decoder"
+    decoders = [(await views(stack))[url] for url in stack.backend_urls["d"]]
+    assert all(view["in_rotation"] and view["ejections"] == 0 for view in decoders)
+    assert sorted(view["consecutive_5xx"] for view in decoders) == [0, 1]
 
 
 async def test_checks_are_answered_while_the_request_pool_is_saturated_by_a_slow_stream(make_stack):

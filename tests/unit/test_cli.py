@@ -84,6 +84,7 @@ def test_version_matches_the_package():
         (["--max-inflight", "-5"], "argument --max-inflight: must be >= 0"),
         (["--workers", "0"], "argument --workers: must be >= 1"),
         (["--fail-threshold", "0"], "argument --fail-threshold: must be >= 1"),
+        (["--consecutive-5xx", "-1"], "argument --consecutive-5xx: must be >= 0"),
         (["--encode-timeout", "-3"], "argument --encode-timeout: must be >= 0"),
         (["--port", "70000"], "argument --port: must be a TCP port"),
         (["--encode-servers-urls", "localhost:8001"], "'localhost:8001' is not an http:// or https:// URL"),

@@ -104,11 +104,19 @@ def test_outlier_detection_flags():
     assert (config.ejection_time_s, config.max_ejection_time_s, config.max_ejection_percent) == (5, 40, 25)
     defaults = parse()
     assert (defaults.ejection_time_s, defaults.max_ejection_percent) == (30, 50)
+    assert (defaults.consecutive_5xx, defaults.consecutive_gateway_failure) == (5, 5)
+    config = parse("--consecutive-5xx", "0", "--consecutive-gateway-failure", "3")
+    assert (config.consecutive_5xx, config.consecutive_gateway_failure) == (0, 3)
 
 
 @pytest.mark.parametrize(
     "kwargs, complaint",
-    [({"ejection_time_s": 0}, "--ejection-time"), ({"max_ejection_percent": 101}, "--max-ejection-percent")],
+    [
+        ({"ejection_time_s": 0}, "--ejection-time"),
+        ({"max_ejection_percent": 101}, "--max-ejection-percent"),
+        ({"consecutive_5xx": -1}, "--consecutive-5xx"),
+        ({"consecutive_gateway_failure": -1}, "--consecutive-gateway-failure"),
+    ],
 )
 def test_outlier_detection_limits(kwargs, complaint):
     with pytest.raises(ConfigError, match=complaint):

@@ -1,4 +1,5 @@
-"""Health on a driven clock: ejection, half-open, doubling, the ejection budget, active checks."""
+"""Health on a driven clock: ejection (transport, 5xx, gateway), half-open, doubling, the ejection budget,
+active checks."""
 
 from __future__ import annotations
 
@@ -179,8 +180,11 @@ def test_snapshot_shape_for_status_pages():
         "in_rotation": True,
         "inflight": 2,
         "consecutive_failures": 0,
+        "consecutive_5xx": 0,
+        "consecutive_gateway_failures": 0,
         "ejections": 0,
         "ejected_for_s": None,
+        "ejection_reason": None,
         "out_for_s": None,
         "last_check_age_s": 4.0,
         "last_check": "ok",
@@ -189,6 +193,7 @@ def test_snapshot_shape_for_status_pages():
     assert view_b["state"] == "ejected" and view_b["ejected_for_s"] == 30 and view_b["in_rotation"] is False
     assert view_b["out_for_s"] == 0
     assert view_b["last_problem"] == "ClientConnectorError" and view_b["last_check"] is None
+    assert view_b["ejection_reason"] == "transport"
 
 
 @pytest.mark.parametrize(
@@ -218,3 +223,167 @@ def test_a_refused_ejection_is_logged_once_per_run_of_failures(caplog):
             health.failed(b, "x")
     assert health.state(b.url) == HEALTHY
     assert len([r for r in caplog.records if "stays in rotation" in r.getMessage()]) == 1
+
+
+# -- outlier detection on answers ---------------------------------------------------------------
+
+
+def test_an_instance_answering_500_to_every_call_is_ejected_at_the_threshold_and_says_why():
+    health, _, (a, b) = fleet(2, ejection_time_s=30)
+    for _ in range(4):
+        health.answered(b, 500, "boom")
+    assert health.state(b.url) == HEALTHY, "Envoy's default: five in a row, not four"
+    assert health.snapshot([b])[0]["consecutive_5xx"] == 4
+    health.answered(b, 500, "boom")
+    view = health.snapshot([b])[0]
+    assert view["state"] == EJECTED and health.available([a, b]) == [a]
+    assert view["ejection_reason"] == "5xx" and view["last_problem"] == "HTTP 500: boom"
+    assert view["ejected_for_s"] == 30 and view["consecutive_5xx"] == 0
+
+
+@pytest.mark.parametrize("status", [200, 400, 404, 422, 429])
+def test_an_answer_below_500_ends_the_run_and_4xx_never_counts(status):
+    health, _, (a, b) = fleet(2)
+    for _ in range(4):
+        health.answered(b, 500)
+    health.answered(b, status)
+    for _ in range(4):
+        health.answered(b, 500)
+    assert health.state(b.url) == HEALTHY
+    for _ in range(100):
+        health.answered(b, status)
+    view = health.snapshot([b])[0]
+    assert view["state"] == HEALTHY and view["consecutive_5xx"] == view["consecutive_gateway_failures"] == 0
+
+
+def test_gateway_failures_add_up_answers_and_transport_failures_each_with_its_own_threshold():
+    health, _, (a, b) = fleet(2, fail_threshold=3, consecutive_5xx=0, consecutive_gateway_failure=5)
+    for _ in range(2):
+        health.failed(b, "refused")
+        health.answered(b, 503, "overloaded")  # an answer: the transport run starts over
+    view = health.snapshot([b])[0]
+    assert view["state"] == HEALTHY and view["consecutive_gateway_failures"] == 4 and view["consecutive_failures"] == 0
+    health.failed(b, "refused")
+    view = health.snapshot([b])[0]
+    assert view["state"] == EJECTED and view["ejection_reason"] == "gateway"
+    assert view["last_problem"] == "refused"
+
+
+def test_a_500_ends_a_gateway_run_but_continues_a_5xx_run():
+    health, _, (a, b) = fleet(2, consecutive_5xx=5, consecutive_gateway_failure=3)
+    health.answered(b, 502)
+    health.answered(b, 504)
+    health.answered(b, 500)
+    health.answered(b, 503)
+    view = health.snapshot([b])[0]
+    assert view["state"] == HEALTHY and view["consecutive_gateway_failures"] == 1 and view["consecutive_5xx"] == 4
+    health.answered(b, 501)
+    assert health.snapshot([b])[0]["ejection_reason"] == "5xx"
+
+
+def test_transport_failures_neither_count_towards_nor_end_a_5xx_run():
+    health, _, (a, b) = fleet(2, fail_threshold=3, consecutive_5xx=3, consecutive_gateway_failure=0)
+    health.answered(b, 500)
+    health.failed(b, "reset")
+    health.answered(b, 500)
+    health.failed(b, "reset")
+    assert health.state(b.url) == HEALTHY
+    health.answered(b, 500)
+    assert health.snapshot([b])[0]["ejection_reason"] == "5xx"
+
+
+def test_zero_turns_an_answer_signal_off_and_its_answers_are_successes():
+    health, clock, (a, b) = fleet(
+        2, fail_threshold=1, consecutive_5xx=0, consecutive_gateway_failure=0, ejection_time_s=5
+    )
+    for _ in range(50):
+        health.answered(b, 500)
+        health.answered(b, 503)
+    assert health.state(b.url) == HEALTHY
+    health.failed(b, "refused")
+    clock.now += 5
+    assert health.state(b.url) == HALF_OPEN
+    health.answered(b, 503)
+    assert health.state(b.url) == HEALTHY, "with both off, an answer proves it is back, as before"
+    health2, _, (_, c) = fleet(2, consecutive_5xx=0, consecutive_gateway_failure=2)
+    health2.answered(c, 500)
+    health2.answered(c, 500)
+    assert health2.state(c.url) == HEALTHY
+    health2.answered(c, 503)
+    health2.answered(c, 503)
+    assert health2.snapshot([c])[0]["ejection_reason"] == "gateway"
+
+
+def test_half_open_after_a_5xx_ejection_goes_back_out_on_one_5xx_for_twice_as_long():
+    health, clock, (a, b) = fleet(2, ejection_time_s=10)
+    for _ in range(5):
+        health.answered(b, 500)
+    clock.now += 10
+    assert health.state(b.url) == HALF_OPEN
+    assert health.snapshot([b])[0]["ejection_reason"] == "5xx", "the reason stays until a success"
+    health.answered(b, 500)
+    view = health.snapshot([b])[0]
+    assert view["state"] == EJECTED and view["ejected_for_s"] == 20 and view["ejection_reason"] == "5xx"
+    clock.now += 20
+    health.answered(b, 400)
+    view = health.snapshot([b])[0]
+    assert view["state"] == HEALTHY and view["ejection_reason"] is None
+    for _ in range(5):
+        health.answered(b, 500)
+    assert health.snapshot([b])[0]["ejected_for_s"] == 10, "a success reset the doubling"
+
+
+def test_half_open_after_a_5xx_ejection_goes_back_out_on_a_transport_failure_too():
+    health, clock, (a, b) = fleet(2, ejection_time_s=10)
+    for _ in range(5):
+        health.answered(b, 500)
+    clock.now += 10
+    health.failed(b, "refused")
+    view = health.snapshot([b])[0]
+    assert view["state"] == EJECTED and view["ejection_reason"] == "transport"
+
+
+def test_5xx_ejection_keeps_the_budget_and_never_takes_the_last_instance():
+    health, _, members = fleet(4, max_ejection_percent=50)
+    for inst in members:
+        for _ in range(20):
+            health.answered(inst, 500)
+    assert [health.state(m.url) for m in members] == [EJECTED, EJECTED, HEALTHY, HEALTHY]
+    health1, _, (only,) = fleet(1, max_ejection_percent=100)
+    for _ in range(20):
+        health1.answered(only, 500)
+    assert health1.available([only]) == [only]
+
+
+def test_a_passing_check_ends_a_transport_ejection_but_not_one_for_answers():
+    health, clock, (a, b) = fleet(2, fail_threshold=1, ejection_time_s=30)
+    for _ in range(5):
+        health.answered(b, 500)
+    health.checked(b, None)
+    assert health.state(b.url) == EJECTED, "GET /health says nothing about what chat requests get"
+    health.checked(b, "HTTP 503")
+    assert health.state(b.url) == DOWN
+    health.checked(b, None)
+    assert health.state(b.url) == EJECTED, "no longer down, still ejected for its answers"
+    clock.now += 30
+    assert health.available([a, b]) == [a, b]
+    health.answered(b, 200)
+    assert health.state(b.url) == HEALTHY
+    health.failed(b, "refused")
+    health.checked(b, None)
+    assert health.state(b.url) == HEALTHY
+
+
+def test_every_ejection_is_told_with_its_reason():
+    health, clock, (a, b, c, d) = fleet(4, fail_threshold=1, consecutive_gateway_failure=2, ejection_time_s=1)
+    told = []
+    health.on_ejection(lambda role, url, reason: told.append((role, url, reason)))
+    health.failed(a, "refused")
+    for _ in range(5):
+        health.answered(b, 500)
+    assert told == [("encode", a.url, "transport"), ("encode", b.url, "5xx")]
+    clock.now += 1
+    health.answered(b, 200)
+    for _ in range(2):
+        health.answered(b, 503)
+    assert told[-1] == ("encode", b.url, "gateway")

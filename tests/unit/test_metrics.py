@@ -56,3 +56,25 @@ def test_an_instance_back_in_another_role_is_reported_in_that_role_only(multipro
     fleet.register({"role": "prefill_decode", "url": X})
     lines = lines_naming(metrics, X)
     assert lines and all('role="prefill_decode"' in line for line in lines), lines
+
+
+@pytest.mark.parametrize("workers", [False, True], ids=["one process", "workers"])
+def test_ejections_are_counted_by_reason_and_go_with_their_instance(workers, request):
+    if workers:
+        request.getfixturevalue("multiprocess")
+    fleet, health = Registry(dynamic=True), Health(fail_threshold=1, ejection_time_s=1)
+    fleet.watch(health)
+    metrics = Metrics(fleet, health)
+    for url in (X, Y, "http://z:1", "http://w:1"):  # a budget of two ejections
+        fleet.register({"role": "encode", "url": url})
+    x = next(inst for inst in fleet.all() if inst.url == X)
+    health.failed(x, "refused")
+    for _ in range(5):
+        health.answered(next(inst for inst in fleet.all() if inst.url == Y), 500)
+    text = metrics.render().decode()
+    assert f'epd_ejections_total{{instance="{X}",reason="transport",role="encode"}} 1.0' in text
+    assert f'epd_ejections_total{{instance="{Y}",reason="5xx",role="encode"}} 1.0' in text
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fleet.unregister(X)
+    assert lines_naming(metrics, X) == []
