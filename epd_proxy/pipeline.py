@@ -30,7 +30,7 @@ from epd_proxy.registry import Registry
 from epd_proxy.rewrite import rewrite_request
 from epd_proxy.routing import RoutingPolicy
 from epd_proxy.splice import Spliced
-from epd_proxy.upstream import Payload, Timeouts, Upstream, UpstreamFailure
+from epd_proxy.upstream import REFUSED_ANSWER, Payload, Timeouts, Upstream, UpstreamFailure
 
 Dumps = Callable[[Any], Payload]
 
@@ -166,6 +166,9 @@ class Pipeline:
         except UpstreamFailure as exc:
             if counts_against_instance(exc.kind):
                 self.health.failed(instance, exc.reason)
+            elif exc.kind == REFUSED_ANSWER:
+                # What it sent is refused as a 502 would be: a gateway failure of that instance.
+                self._answered(instance, 502, exc.reason, trace)
             raise
         except ProxyError as exc:
             if exc.answered is not None:

@@ -75,6 +75,25 @@ async def test_an_encoder_answering_500_to_every_call_leaves_the_rotation_and_ev
     assert f'epd_ejections_total{{instance="{e1}",reason="5xx",role="encode"}} 1.0' in text
 
 
+async def test_an_encoder_whose_answers_break_a_limit_is_ejected_as_a_gateway_failure(make_stack):
+    """An answer the proxy refuses (here 2 MB where an encoder's answer is a few hundred bytes per
+    item) is what a gateway would turn into a 502: it counts as one, and is counted by reason."""
+    stack = await make_stack(encoders=2, probe_interval_s=0, ejection_time_s=600)
+    broken, e1 = stack.encoders[1], stack.backend_urls["e"][1]
+    broken.faults.fail_next(10_000, 200, "x" * (2 << 20))
+    for i in range(20):
+        async with await stack.chat(chat(image(f"G{i}"))) as resp:
+            assert resp.status == 200
+        if not (await views(stack))[e1]["in_rotation"]:
+            break
+    assert len(broken.requests) == 5
+    view = (await views(stack))[e1]
+    assert view["ejection_reason"] == "gateway" and "answer refused" in view["last_problem"]
+    async with stack.client.get(stack.url + "/metrics") as resp:
+        text = await resp.text()
+    assert 'epd_backend_answers_refused_total{reason="body_too_large",stage="encode"} 5.0' in text
+
+
 @pytest.mark.parametrize("status", [500, 400])
 async def test_a_single_500_or_any_number_of_400s_leaves_an_encoder_in_rotation(make_stack, status):
     stack = await make_stack(encoders=2, probe_interval_s=0)
