@@ -56,3 +56,13 @@ def test_an_instance_back_in_another_role_is_reported_in_that_role_only(multipro
     fleet.register({"role": "prefill_decode", "url": X})
     lines = lines_naming(metrics, X)
     assert lines and all('role="prefill_decode"' in line for line in lines), lines
+
+
+def test_a_file_a_worker_has_created_but_not_yet_sized_is_skipped(multiprocess, tmp_path):
+    """prometheus-client creates a worker's file empty and sizes it a moment later; a scrape in
+    that moment, or ever after if the worker was killed then, must not fail."""
+    fleet, metrics = fleet_metrics()
+    fleet.register({"role": "encode", "url": X})
+    metrics.encoder_subrequests.labels(X).inc()
+    (tmp_path / "counter_999999.db").touch()
+    assert f'epd_encoder_subrequests_total{{encoder="{X}"}} 1.0' in metrics.render().decode()
