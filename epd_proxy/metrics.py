@@ -164,7 +164,7 @@ class Metrics:
         )
         self.parsed_spliced, self.parsed_full = parsed.labels("splice"), parsed.labels("full")
         self._fleet, self._health = fleet, health
-        # Read at scrape time and the same in every worker (the shared roster's state).
+        # Read at scrape time and the same in every worker (read_at_scrape).
         self._shared_collectors: list = []
         self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         if self.multiprocess:
@@ -199,7 +199,12 @@ class Metrics:
                 pass  # never labelled with it (prometheus_client before 0.20 raises for that)
 
     def watch_roster(self, roster: Roster) -> None:
-        collector = _RosterCollector(roster)
+        self.read_at_scrape(_RosterCollector(roster))
+
+    def read_at_scrape(self, collector) -> None:
+        """A collector of figures that are the same whichever worker is asked (state every worker
+        reads, such as the shared roster or the port's connection count), so they never go
+        through the multiprocess files."""
         self.registry.register(collector)
         self._shared_collectors.append(collector)
 
