@@ -8,6 +8,7 @@ figures whichever worker answers; series of instances no longer in the fleet are
 
 from __future__ import annotations
 
+import glob
 import os
 from typing import TYPE_CHECKING
 
@@ -62,6 +63,25 @@ class _FleetCollector:
 _INSTANCE_LABELS = {"instance": None, "encoder": ENCODE, "from_encoder": ENCODE}
 
 
+class _WrittenFiles:
+    """prometheus-client's MultiProcessCollector over the files that hold something. A worker
+    creates its file empty and sizes it a moment later; read in that moment, the empty file fails
+    the whole scrape (prometheus/client_python#1199), and for good if the worker was killed then."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+
+    def collect(self):
+        files = []
+        for name in glob.glob(os.path.join(self._path, "*.db")):
+            try:
+                if os.path.getsize(name):
+                    files.append(name)
+            except OSError:
+                pass  # a dead worker's live gauges, removed meanwhile (mark_process_dead)
+        return MultiProcessCollector.merge(files, accumulate=True)
+
+
 class _CurrentMembersOnly:
     """Every worker's figures (multiprocess files) without the series of instances that left.
 
@@ -69,7 +89,7 @@ class _CurrentMembersOnly:
     them, so this drops them at scrape time instead, as `Metrics.left` does in one process: a
     series stays only if its instance is a member now, in the role the series names."""
 
-    def __init__(self, every_worker: MultiProcessCollector, fleet: Registry) -> None:
+    def __init__(self, every_worker: _WrittenFiles, fleet: Registry) -> None:
         self._every_worker = every_worker
         self._fleet = fleet
 
@@ -159,7 +179,7 @@ class Metrics:
         )
         self.parsed_spliced, self.parsed_full = parsed.labels("splice"), parsed.labels("full")
         self._fleet, self._health = fleet, health
-        # Read at scrape time and the same in every worker (the shared roster's state).
+        # Read at scrape time and the same in every worker (read_at_scrape).
         self._shared_collectors: list = []
         self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         if self.multiprocess:
@@ -196,7 +216,12 @@ class Metrics:
                 pass  # never labelled with it (prometheus_client before 0.20 raises for that)
 
     def watch_roster(self, roster: Roster) -> None:
-        collector = _RosterCollector(roster)
+        self.read_at_scrape(_RosterCollector(roster))
+
+    def read_at_scrape(self, collector) -> None:
+        """A collector of figures that are the same whichever worker is asked (state every worker
+        reads, such as the shared roster or the port's connection count), so they never go
+        through the multiprocess files."""
         self.registry.register(collector)
         self._shared_collectors.append(collector)
 
@@ -212,7 +237,7 @@ class Metrics:
             return generate_latest(self.registry)
         self.publish_fleet()
         every_worker = CollectorRegistry()
-        every_worker.register(_CurrentMembersOnly(MultiProcessCollector(None), self._fleet))
+        every_worker.register(_CurrentMembersOnly(_WrittenFiles(os.environ["PROMETHEUS_MULTIPROC_DIR"]), self._fleet))
         for collector in self._shared_collectors:
             every_worker.register(collector)
         return generate_latest(every_worker)

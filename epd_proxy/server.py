@@ -13,19 +13,22 @@ so this module narrows in where it must:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import ctypes.util
+import fcntl
 import logging
+import os
 import resource
 import signal
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_server import Server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import GaugeMetricFamily
 
 from epd_proxy.config import Config
 from epd_proxy.errors import ProxyError
@@ -59,70 +62,125 @@ class ClientTimeout(ProxyError):
         )
 
 
-class ConnectionGate:
-    """Open client connections against a limit. With --workers the count lives in shared memory
-    (a multiprocessing Value), so the limit holds for the port, not per process."""
+class PortConnections:
+    """The open client connections of a port that several worker processes serve (--workers).
 
-    def __init__(self, limit: int, shared: Any = None) -> None:
-        self.limit = limit
-        self._shared = shared
-        self._local = 0
-        self.refused = 0
-        self.timeouts: Counter[str] = Counter()
+    Each worker counts its own in a slot of an array in shared memory and admits a connection only
+    while all the slots together are under the limit. A worker that dies cannot take its count
+    back, so the parent does when it reaps it (`release`). The check holds an flock(2), which the
+    kernel drops with a process that dies holding it: a multiprocessing lock taken by a killed
+    worker would stay taken, and no worker could admit anyone again."""
+
+    def __init__(self, slots: Any, lock_path: str, slot: int = -1) -> None:
+        self._slots = slots
+        self._lock_path = lock_path
+        self._slot = slot
+        self._lock_fd: int | None = None
+
+    @classmethod
+    def create(cls, ctx: Any, workers: int, lock_path: str) -> PortConnections:
+        """The parent's view, over a new array of `workers` slots; `ctx` is a multiprocessing context."""
+        return cls(ctx.RawArray("q", workers), lock_path)
+
+    def worker(self, slot: int) -> PortConnections:
+        """The view worker `slot` counts through, handed to its process when it starts."""
+        return PortConnections(self._slots, self._lock_path, slot)
+
+    def release(self, slot: int) -> None:
+        """Stop counting the connections of worker `slot`, which has exited."""
+        self._slots[slot] = 0
 
     @property
-    def open(self) -> int:
-        return self._shared.value if self._shared is not None else self._local
+    def total(self) -> int:
+        return sum(self._slots)
 
-    def enter(self) -> bool:
-        if self._shared is None:
-            if self.limit and self._local >= self.limit:
-                self.refused += 1
+    @contextlib.contextmanager
+    def _locked(self):
+        if self._lock_fd is None:
+            self._lock_fd = os.open(self._lock_path, os.O_RDWR | os.O_CLOEXEC)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def enter(self, limit: int) -> bool:
+        with self._locked():
+            if limit and sum(self._slots) >= limit:
                 return False
-            self._local += 1
-            return True
-        with self._shared.get_lock():
-            if self.limit and self._shared.value >= self.limit:
-                self.refused += 1
-                return False
-            self._shared.value += 1
+            self._slots[self._slot] += 1
             return True
 
     def leave(self) -> None:
-        if self._shared is None:
+        # Only this worker writes its slot while it lives; a check that reads the old value a
+        # moment longer only refuses a connection it could have taken.
+        self._slots[self._slot] -= 1
+
+
+class GateCounters:
+    """What the gate counts. Prometheus counters, so that with --workers they live in the shared
+    files (see metrics.py): /metrics adds every worker's up, a dead one's included."""
+
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        self.refused = Counter(
+            "epd_client_connections_refused",
+            "Client connections closed at accept by --max-client-connections",
+            registry=registry,
+        )
+        timeouts = Counter(
+            "epd_client_timeouts", "Client connections closed by a client-side timeout", ["kind"], registry=registry
+        )
+        self.timeouts = {kind: timeouts.labels(kind) for kind in ("header", "body", "keepalive")}
+
+
+class ConnectionGate:
+    """Open client connections against a limit: this process's, or with --workers the port's
+    (`PortConnections`), so the limit holds for the port whichever worker the kernel picked."""
+
+    def __init__(self, limit: int, shared: PortConnections | None = None, counters: GateCounters | None = None) -> None:
+        self.limit = limit
+        self._shared = shared
+        self._local = 0
+        self.counters = counters or GateCounters(None)
+
+    @property
+    def open(self) -> int:
+        return self._shared.total if self._shared is not None else self._local
+
+    def enter(self) -> bool:
+        if self._shared is not None:
+            admitted = self._shared.enter(self.limit)
+        elif admitted := not self.limit or self._local < self.limit:
+            self._local += 1
+        if not admitted:
+            self.counters.refused.inc()
+        return admitted
+
+    def leave(self) -> None:
+        if self._shared is not None:
+            self._shared.leave()
+        else:
             self._local -= 1
-            return
-        with self._shared.get_lock():
-            self._shared.value -= 1
+
+    def timed_out(self, kind: str) -> None:
+        self.counters.timeouts[kind].inc()
 
 
 class GateCollector:
-    """The gate's figures for /metrics, read at scrape time."""
+    """The open connections and their limit for /metrics, read at scrape time; the same whichever
+    worker is asked."""
 
     def __init__(self, gate: ConnectionGate) -> None:
         self._gate = gate
 
     def collect(self):
         gate = self._gate
-        open_ = GaugeMetricFamily(
+        yield GaugeMetricFamily(
             "epd_client_connections", "Open client connections (all workers of this port)", value=gate.open
         )
-        limit = GaugeMetricFamily(
+        yield GaugeMetricFamily(
             "epd_client_connections_limit", "--max-client-connections (0 = unlimited)", value=gate.limit
         )
-        refused = CounterMetricFamily(
-            "epd_client_connections_refused",
-            "Client connections closed at accept by --max-client-connections (this worker)",
-            value=gate.refused,
-        )
-        timeouts = CounterMetricFamily(
-            "epd_client_timeouts",
-            "Client connections closed by a client-side timeout (this worker)",
-            labels=["kind"],
-        )
-        for kind in ("header", "body", "keepalive"):
-            timeouts.add_metric([kind], gate.timeouts[kind])
-        yield from (open_, limit, refused, timeouts)
 
 
 def _raw_response(status: int, reason: str, error: ProxyError, extra: str = "") -> bytes:
@@ -241,7 +299,7 @@ class GuardedRequestHandler(RequestHandler):
             # A pipelined head behind a request still being answered: its clock starts over.
             self._start_head_clock()
             return
-        self._gate.timeouts["header"] += 1
+        self._gate.timed_out("header")
         if self._head_started:
             timeout = ClientTimeout("request head not received", self._limits.header_timeout_s)
             self.transport.write(_raw_response(408, "Request Timeout", timeout))
@@ -264,7 +322,7 @@ class GuardedRequestHandler(RequestHandler):
         if now < deadline:
             self._body_handle = self._loop.call_at(deadline, self._body_clock)
             return
-        self._gate.timeouts["body"] += 1
+        self._gate.timed_out("body")
         self._body = None
         # Nothing more will be read: no lingering for the rest of the body after the answer.
         self._lingering_time = 0.0
@@ -275,7 +333,7 @@ class GuardedRequestHandler(RequestHandler):
         was_open = not self._force_close
         super()._process_keepalive()
         if was_open and self._force_close:
-            self._gate.timeouts["keepalive"] += 1
+            self._gate.timed_out("keepalive")
 
     # -- answers -------------------------------------------------------------------------------
 
@@ -398,16 +456,23 @@ def raise_fd_limit(needed: int) -> None:
 
 
 async def start(
-    app: web.Application, config: Config, *, host: str, port: int, reuse_port: bool = False, shared: Any = None
+    app: web.Application,
+    config: Config,
+    *,
+    host: str,
+    port: int,
+    reuse_port: bool = False,
+    shared: PortConnections | None = None,
 ) -> tuple[GuardedAppRunner, web.TCPSite]:
     """Serve `app` with the client limits of `config` in the running loop; the caller cleans up
     with `await runner.cleanup()`."""
     from epd_proxy.app import STATE
 
     limits = ClientLimits.from_config(config)
-    gate = ConnectionGate(limits.max_connections, shared)
-    if STATE in app:
-        app[STATE].metrics.registry.register(GateCollector(gate))
+    metrics = app[STATE].metrics if STATE in app else None
+    gate = ConnectionGate(limits.max_connections, shared, GateCounters(metrics.registry if metrics else None))
+    if metrics is not None:
+        metrics.read_at_scrape(GateCollector(gate))
     runner = GuardedAppRunner(
         app,
         limits=limits,
@@ -422,7 +487,9 @@ async def start(
     return runner, site
 
 
-def run(app: web.Application, config: Config, *, reuse_port: bool = False, shared: Any = None) -> None:
+def run(
+    app: web.Application, config: Config, *, reuse_port: bool = False, shared: PortConnections | None = None
+) -> None:
     """`web.run_app` with the client limits; returns on SIGTERM or SIGINT after a graceful shutdown."""
 
     async def main() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 import subprocess
 import sys
@@ -62,9 +63,10 @@ class Served:
 
 
 @contextlib.asynccontextmanager
-async def serve_process(*flags: str, stop_within_s: float = 20.0):
+async def serve_process(*flags: str, stop_within_s: float = 20.0, env: dict[str, str] | None = None):
     """`epd-proxy serve` over a fake E and a fake PD, once it answers /health; on the way out the
-    process gets SIGTERM and must exit within `stop_within_s`, then the fakes stop."""
+    process gets SIGTERM and must exit within `stop_within_s`, then the fakes stop. `env` is
+    added to this process's environment."""
     store = ECStore()
     encoder, pd = FakeVLLM("encode", store), FakeVLLM("pd", store)
     servers = [TestServer(encoder.app()), TestServer(pd.app())]
@@ -75,7 +77,8 @@ async def serve_process(*flags: str, stop_within_s: float = 20.0):
     proc = subprocess.Popen(
         serve_command(
             port, "--encode-servers-urls", e_url, "--decode-servers-urls", pd_url, "--log-level", "WARNING", *flags
-        )
+        ),
+        env={**os.environ, **(env or {})},
     )
     served = Served(proc, port, encoder, e_url, pd)
     try:

@@ -78,3 +78,13 @@ def test_ejections_are_counted_by_reason_and_go_with_their_instance(workers, req
         warnings.simplefilter("error")
         fleet.unregister(X)
     assert lines_naming(metrics, X) == []
+
+
+def test_a_file_a_worker_has_created_but_not_yet_sized_is_skipped(multiprocess, tmp_path):
+    """prometheus-client creates a worker's file empty and sizes it a moment later; a scrape in
+    that moment, or ever after if the worker was killed then, must not fail."""
+    fleet, metrics = fleet_metrics()
+    fleet.register({"role": "encode", "url": X})
+    metrics.encoder_subrequests.labels(X).inc()
+    (tmp_path / "counter_999999.db").touch()
+    assert f'epd_encoder_subrequests_total{{encoder="{X}"}} 1.0' in metrics.render().decode()

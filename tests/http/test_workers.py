@@ -1,0 +1,151 @@
+"""`epd-proxy serve --workers`: a worker that dies is replaced, the client connections it held stop
+counting against --max-client-connections, and /metrics shows every series a single process shows."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import aiohttp
+import psutil
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.http.polling import eventually
+from tests.http.test_slow_clients import read_until_closed
+from tests.media import chat, image
+from tests.serve_process import serve_process
+
+DEADLINE_S = 30.0
+HEALTH = b"GET /health HTTP/1.1\r\nHost: proxy\r\n\r\n"
+
+
+def workers_of(parent: int) -> set[int]:
+    """The parent's worker processes (multiprocessing's spawned children, not its helpers)."""
+    found = set()
+    for child in psutil.Process(parent).children():
+        try:
+            if "spawn_main" in " ".join(child.cmdline()):
+                found.add(child.pid)
+        except psutil.Error:
+            pass  # exited meanwhile
+    return found
+
+
+def established(pid: int, port: int) -> int:
+    """Client connections to `port` that process `pid` holds."""
+    connections = psutil.Process(pid).net_connections("tcp")
+    return sum(1 for c in connections if c.status == psutil.CONN_ESTABLISHED and c.laddr.port == port)
+
+
+def listening(pid: int, port: int) -> bool:
+    try:
+        connections = psutil.Process(pid).net_connections("tcp")
+    except psutil.Error:
+        return False
+    return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in connections)
+
+
+async def held_connection(port: int) -> asyncio.StreamWriter:
+    """A client connection answered 200 on /health and kept open."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(HEALTH)
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), DEADLINE_S)
+    assert head.startswith(b"HTTP/1.1 200"), head
+    return writer
+
+
+async def scrape(url: str) -> tuple[int, str]:
+    """/metrics on a connection of its own, so it may land on any worker."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as scraper:
+        async with scraper.get(f"{url}/metrics") as resp:
+            return resp.status, await resp.text()
+
+
+def sample(text: str, name: str) -> float | None:
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and not s.labels:
+                return s.value
+    return None
+
+
+async def test_a_killed_worker_is_replaced_and_the_connections_it_held_are_released(tmp_path):
+    limit = 6
+    flags = ("--workers", "2", "--max-client-connections", str(limit))
+    async with serve_process(*flags, env={"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}) as served:
+        parent, port = served.proc.pid, served.port
+        first = await eventually(lambda: len(workers_of(parent)) == 2 and workers_of(parent), what="two workers")
+        held = [await held_connection(port) for _ in range(limit)]
+        try:
+            # The kernel spread the six over the two workers somehow: kill one that holds some.
+            victim = max(first, key=lambda pid: established(pid, port))
+            holding = established(victim, port)
+            assert holding >= 1
+            assert list(tmp_path.glob(f"gauge_live*_{victim}.db")), "the worker's live gauges are in files"
+            os.kill(victim, signal.SIGKILL)
+        finally:
+            for writer in held:
+                writer.close()
+
+        def replaced() -> set[int]:
+            workers = workers_of(parent)
+            return len(workers) == 2 and victim not in workers and workers - first
+
+        (new,) = await eventually(replaced, timeout=DEADLINE_S, what="the parent to start a new worker")
+        await eventually(lambda: listening(new, port), timeout=DEADLINE_S, what="the new worker to listen")
+        # The dead worker's gauges do not linger in every scrape's sums.
+        assert not list(tmp_path.glob(f"gauge_live*_{victim}.db"))
+        # Nothing counts but the scrape itself: the dead worker's connections were released.
+        await eventually(
+            lambda: scrape_is_alone(served.url),
+            timeout=DEADLINE_S,
+            what=f"epd_client_connections to drop back once the {holding} held by the dead worker went",
+        )
+        # The port serves its full limit again, concurrently, and still no more.
+        fresh = await asyncio.gather(*(held_connection(port) for _ in range(limit)))
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(HEALTH)
+            answer = await read_until_closed(reader)
+            writer.close()
+            assert not answer or answer.startswith(b"HTTP/1.1 503"), answer
+        finally:
+            for writer in fresh:
+                writer.close()
+        await eventually(lambda: scrape_is_alone(served.url), timeout=DEADLINE_S, what="the clients' slots freed")
+        async with aiohttp.ClientSession() as client:
+            async with client.post(f"{served.url}/v1/chat/completions", json=chat(image("after"))) as resp:
+                assert resp.status == 200
+
+
+async def scrape_is_alone(url: str) -> bool:
+    """Whether the scrape is the port's only client connection (a 503 while others still count)."""
+    status, text = await scrape(url)
+    return status == 200 and sample(text, "epd_client_connections") == 1.0
+
+
+def series(text: str) -> set[tuple[str, str, tuple[str, ...]]]:
+    """(sample name, type, label names) of every series, without the `_created` timestamps that
+    prometheus-client's multiprocess mode never writes."""
+    return {
+        (s.name, family.type, tuple(sorted(s.labels)))
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if not s.name.endswith("_created")
+    }
+
+
+async def test_workers_show_every_series_of_a_single_process():
+    seen = {}
+    for workers in ("1", "2"):
+        async with serve_process("--workers", workers, "--max-client-connections", "50") as served:
+            async with aiohttp.ClientSession() as client:
+                async with client.post(f"{served.url}/v1/chat/completions", json=chat(image("a"))) as resp:
+                    assert resp.status == 200
+            status, text = await scrape(served.url)
+            assert status == 200, text
+            seen[workers] = series(text)
+    assert {name for name, _, _ in seen["1"]} >= {"epd_client_connections", "epd_client_timeouts_total"}
+    assert seen["1"] - seen["2"] == set(), "missing with --workers"
+    assert seen["2"] - seen["1"] == set(), "only with --workers"
