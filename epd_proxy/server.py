@@ -18,8 +18,10 @@ import ctypes.util
 import logging
 import resource
 import signal
+import uuid
 from collections import Counter
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any
 
 from aiohttp import web
@@ -28,7 +30,7 @@ from aiohttp.web_server import Server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from epd_proxy.config import Config
-from epd_proxy.errors import ProxyError
+from epd_proxy.errors import InternalError, ProxyError
 
 log = logging.getLogger("epd_proxy.server")
 
@@ -289,13 +291,23 @@ class GuardedRequestHandler(RequestHandler):
         return await super().finish_response(request, resp, start_time)
 
     def handle_error(self, request, status=500, exc=None, message=None):
-        # A handler that let the body timeout escape (a plain `await request.read()`) still
-        # answers 408 in the proxy's JSON shape.
+        """aiohttp's answer for what never reached the app's middleware (a request its parser
+        refused) or escaped it, in the proxy's JSON shape; a 5xx says nothing of the cause."""
         if isinstance(exc, ClientTimeout):
-            resp = web.Response(status=exc.status, body=exc.body(), content_type="application/json")
-            resp.force_close()
-            return resp
-        return super().handle_error(request, status, exc, message)
+            # The body timeout let out of a handler (a plain `await request.read()`) by an app
+            # without the proxy's middleware.
+            error = exc
+        elif status < 500 or request.writer.output_size > 0:
+            # aiohttp's own logging, and its refusal once an answer has begun.
+            super().handle_error(request, status, exc, message)
+            error = ProxyError(status, message or HTTPStatus(status).phrase, stage="request")
+        else:
+            request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+            log.error("request %s: unexpected failure in %s %s", request_id, request.method, request.path, exc_info=exc)
+            error = InternalError(request_id, status)
+        resp = web.Response(status=error.status, body=error.body(), content_type="application/json")
+        resp.force_close()
+        return resp
 
 
 class GuardedServer(Server):
