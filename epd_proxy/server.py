@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_server import Server
@@ -320,6 +321,43 @@ class GuardedServer(Server):
         return GuardedRequestHandler(self, loop=self._loop, limits=self.limits, gate=self.gate, **self._kwargs)
 
 
+# The aiohttp releases the server has been tested with (pyproject.toml pins the same range): the
+# classes above reach into aiohttp's private server internals, which change even between patch
+# releases (_buffer_paused first appears in 3.14.4; 3.9 lacks three of the names below).
+AIOHTTP_RANGE = ">=3.14.4,<3.15"
+_SERVER_INTERNALS = ("_kwargs", "_loop", "request_handler", "request_factory", "handler_cancellation")
+_HANDLER_INTERNALS = (
+    "_buffer_paused",
+    "_close",
+    "_force_close",
+    "_keepalive_handle",
+    "_lingering_time",
+    "_loop",
+    "_messages",
+    "_payload_parser",
+    "_process_keepalive",
+    "_reading_paused",
+    "_request_count",
+    "_request_in_progress",
+    "_upgraded",
+)
+
+
+def check_aiohttp(plain: Server) -> None:
+    """Refuse to serve, naming what is missing, on an aiohttp without the internals the guarded
+    protocol uses; otherwise every request would fail with an AttributeError."""
+    missing = [f"Server.{name}" for name in _SERVER_INTERNALS if not hasattr(plain, name)]
+    if not missing:
+        # A protocol instance, never connected: the names are set in its __init__.
+        handler = plain()
+        missing = [f"RequestHandler.{name}" for name in _HANDLER_INTERNALS if not hasattr(handler, name)]
+    if missing:
+        raise RuntimeError(
+            f"aiohttp {aiohttp.__version__} lacks what epd-proxy's server uses ({', '.join(missing)}); "
+            f"install aiohttp{AIOHTTP_RANGE}"
+        )
+
+
 class _MallInfo2(ctypes.Structure):
     _fields_ = [
         (name, ctypes.c_size_t)
@@ -384,6 +422,7 @@ class GuardedAppRunner(web.AppRunner):
 
     async def _make_server(self) -> Server:
         plain = await super()._make_server()
+        check_aiohttp(plain)
         # Same handler, request factory and protocol options as aiohttp's own server.
         return GuardedServer(
             plain.request_handler,
