@@ -14,7 +14,7 @@ from aiohttp import web
 
 from epd_proxy.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE, Instance
 from epd_proxy.config import Config
-from epd_proxy.errors import ProxyError, UpstreamError, describe
+from epd_proxy.errors import InternalError, ProxyError, UpstreamError
 from epd_proxy.health import Health
 from epd_proxy.metrics import Metrics
 from epd_proxy.pipeline import ClientBody, Pipeline, Trace
@@ -36,6 +36,8 @@ CLUSTER_KEYS = {ENCODE: "encode_cluster", PREFILL: "prefill_cluster", DECODE: "d
 # multi-image request cost 4-16% more CPU per request and 6% less throughput, pinned to one core
 # or not, because the worker and the loop take turns on the GIL for everything but the hashing.
 OFFLOAD_READ_BYTES = 4 * 1024 * 1024
+# What `vllm serve --api-key` guards (its AuthenticationMiddleware): plain string prefixes, so /v1x too.
+GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
 MODELS_TIMEOUTS = Timeouts(total=10)
 PROFILE_TIMEOUTS = Timeouts(total=30)
 
@@ -173,18 +175,27 @@ async def read_body(request: web.Request, limit: int) -> bytearray:
 
 
 def bearer_token_matches(expected: str, authorization: str | None) -> bool:
-    """Constant-time, like `vllm serve --api-key`: only `Authorization: Bearer <key>` counts."""
-    if not authorization or not authorization.startswith("Bearer "):
+    """Constant-time, like `vllm serve --api-key`: only `Authorization: Bearer <key>` counts (the
+    scheme in any case, as HTTP has it)."""
+    if not authorization or authorization[:7].lower() != "bearer ":
         return False
     # surrogateescape: a header with bytes that are not UTF-8 is a wrong key, not a crash.
     return hmac.compare_digest(expected.encode(), authorization[7:].encode("utf-8", "surrogateescape"))
 
 
-def requires_api_key(handler, api_key: str):
-    """The OpenAI routes answer only callers presenting --api-key (401 otherwise)."""
+def client_manners(api_key: str):
+    """Every answer a handler does not make itself, in the proxy's JSON error shape: 401 before
+    routing (so an unknown /v1 path tells a caller without the key nothing), aiohttp's 404 and 405,
+    and a generic 500 for an unexpected exception, whose details go to the log only."""
 
-    async def guarded(request: web.Request) -> web.StreamResponse:
-        if not bearer_token_matches(api_key, request.headers.get("Authorization")):
+    @web.middleware
+    async def middleware(request: web.Request, handler) -> web.StreamResponse:
+        if (
+            api_key
+            and request.method != "OPTIONS"
+            and request.path.startswith(GUARDED_PREFIXES)
+            and not bearer_token_matches(api_key, request.headers.get("Authorization"))
+        ):
             return error_response(
                 ProxyError(
                     401,
@@ -193,9 +204,34 @@ def requires_api_key(handler, api_key: str):
                     error_type="authentication_error",
                 )
             )
-        return await handler(request)
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            response = error_response(ProxyError(exc.status, _http_error_message(request, exc), stage="request"))
+            if "Allow" in exc.headers:
+                response.headers["Allow"] = exc.headers["Allow"]
+            return response
+        except ProxyError as exc:
+            # One a handler let escape, such as the body timeout out of a plain `request.read()`.
+            return error_response(exc)
+        except Exception:
+            if request.writer.output_size > 0:
+                raise  # the answer has begun: aiohttp closes the connection, nothing else can be said
+            request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+            log.exception("request %s: unexpected failure in %s %s", request_id, request.method, request.path)
+            return error_response(InternalError(request_id), request_id)
 
-    return guarded
+    return middleware
+
+
+def _http_error_message(request: web.Request, exc: web.HTTPException) -> str:
+    if exc.status == 404:
+        return f"no such path: {request.path}"
+    if exc.status == 405:
+        return f"{request.method} is not allowed on {request.path} (allowed: {exc.headers.get('Allow', '')})"
+    return exc.text or exc.reason
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -253,10 +289,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         status = 499
         trace.outcome = CLIENT_GONE
         raise
-    except Exception as exc:  # the client must get JSON, whatever broke inside the proxy
+    except Exception:  # the client must get JSON, whatever broke inside the proxy
         log.exception("request %s: unexpected proxy failure", request_id)
         status = 500
-        return error_response(ProxyError(500, f"Proxy error: {describe(exc)}"), request_id)
+        return error_response(InternalError(request_id), request_id)
     finally:
         if admitted:
             state.inflight -= 1
@@ -460,7 +496,9 @@ async def unregister_instance(request: web.Request) -> web.Response:
 
 
 def create_app(config: Config) -> web.Application:
+    # The logging middleware is outermost, so it sees the answers client_manners makes.
     middlewares = [request_logging] if config.log_requests else []
+    middlewares.append(client_manners(config.api_key))
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=middlewares)
     state = ProxyState(config)
     app[STATE] = state
@@ -471,9 +509,8 @@ def create_app(config: Config) -> web.Application:
         await state.close()
 
     app.cleanup_ctx.append(lifespan)
-    guard = (lambda handler: requires_api_key(handler, config.api_key)) if config.api_key else (lambda handler: handler)
-    app.router.add_post("/v1/chat/completions", guard(chat_completions))
-    app.router.add_get("/v1/models", guard(list_models))
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", list_models)
     app.router.add_get("/health", health)
     app.router.add_post("/start_profile", profile_handler("start_profile"))
     app.router.add_post("/stop_profile", profile_handler("stop_profile"))

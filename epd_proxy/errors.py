@@ -49,6 +49,14 @@ class BadRequest(ProxyError):
         super().__init__(400, message, stage="request", error_type="invalid_request_error")
 
 
+class InternalError(ProxyError):
+    """A fault inside the proxy. The client learns that it happened and the id the log has the
+    details under, never the exception's text (it may name files, hosts or internals)."""
+
+    def __init__(self, request_id: str, status: int = 500) -> None:
+        super().__init__(status, f"internal proxy error; the proxy's log has the details under request id {request_id}")
+
+
 class BackendUnreachable(ProxyError):
     """No answer from a backend (refused, reset, timed out). Which kinds count against the
     instance's health is health.py's call; an answered error never does (the instance is alive)."""
@@ -91,9 +99,3 @@ def _message_of(raw_body: bytes) -> str:
         if isinstance(error, str):
             return error
     return raw_body.decode("utf-8", "replace")[:2000]
-
-
-def describe(exc: BaseException) -> str:
-    """`ClientConnectorError: Cannot connect to host ...` rather than a repr full of internals."""
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

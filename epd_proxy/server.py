@@ -21,9 +21,12 @@ import logging
 import os
 import resource
 import signal
+import uuid
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_server import Server
@@ -31,7 +34,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily
 
 from epd_proxy.config import Config
-from epd_proxy.errors import ProxyError
+from epd_proxy.errors import InternalError, ProxyError
 
 log = logging.getLogger("epd_proxy.server")
 
@@ -347,13 +350,23 @@ class GuardedRequestHandler(RequestHandler):
         return await super().finish_response(request, resp, start_time)
 
     def handle_error(self, request, status=500, exc=None, message=None):
-        # A handler that let the body timeout escape (a plain `await request.read()`) still
-        # answers 408 in the proxy's JSON shape.
+        """aiohttp's answer for what never reached the app's middleware (a request its parser
+        refused) or escaped it, in the proxy's JSON shape; a 5xx says nothing of the cause."""
         if isinstance(exc, ClientTimeout):
-            resp = web.Response(status=exc.status, body=exc.body(), content_type="application/json")
-            resp.force_close()
-            return resp
-        return super().handle_error(request, status, exc, message)
+            # The body timeout let out of a handler (a plain `await request.read()`) by an app
+            # without the proxy's middleware.
+            error = exc
+        elif status < 500 or request.writer.output_size > 0:
+            # aiohttp's own logging, and its refusal once an answer has begun.
+            super().handle_error(request, status, exc, message)
+            error = ProxyError(status, message or HTTPStatus(status).phrase, stage="request")
+        else:
+            request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+            log.error("request %s: unexpected failure in %s %s", request_id, request.method, request.path, exc_info=exc)
+            error = InternalError(request_id, status)
+        resp = web.Response(status=error.status, body=error.body(), content_type="application/json")
+        resp.force_close()
+        return resp
 
 
 class GuardedServer(Server):
@@ -364,6 +377,43 @@ class GuardedServer(Server):
 
     def __call__(self) -> RequestHandler:
         return GuardedRequestHandler(self, loop=self._loop, limits=self.limits, gate=self.gate, **self._kwargs)
+
+
+# The aiohttp releases the server has been tested with (pyproject.toml pins the same range): the
+# classes above reach into aiohttp's private server internals, which change even between patch
+# releases (_buffer_paused first appears in 3.14.4; 3.9 lacks three of the names below).
+AIOHTTP_RANGE = ">=3.14.4,<3.15"
+_SERVER_INTERNALS = ("_kwargs", "_loop", "request_handler", "request_factory", "handler_cancellation")
+_HANDLER_INTERNALS = (
+    "_buffer_paused",
+    "_close",
+    "_force_close",
+    "_keepalive_handle",
+    "_lingering_time",
+    "_loop",
+    "_messages",
+    "_payload_parser",
+    "_process_keepalive",
+    "_reading_paused",
+    "_request_count",
+    "_request_in_progress",
+    "_upgraded",
+)
+
+
+def check_aiohttp(plain: Server) -> None:
+    """Refuse to serve, naming what is missing, on an aiohttp without the internals the guarded
+    protocol uses; otherwise every request would fail with an AttributeError."""
+    missing = [f"Server.{name}" for name in _SERVER_INTERNALS if not hasattr(plain, name)]
+    if not missing:
+        # A protocol instance, never connected: the names are set in its __init__.
+        handler = plain()
+        missing = [f"RequestHandler.{name}" for name in _HANDLER_INTERNALS if not hasattr(handler, name)]
+    if missing:
+        raise RuntimeError(
+            f"aiohttp {aiohttp.__version__} lacks what epd-proxy's server uses ({', '.join(missing)}); "
+            f"install aiohttp{AIOHTTP_RANGE}"
+        )
 
 
 class _MallInfo2(ctypes.Structure):
@@ -430,6 +480,7 @@ class GuardedAppRunner(web.AppRunner):
 
     async def _make_server(self) -> Server:
         plain = await super()._make_server()
+        check_aiohttp(plain)
         # Same handler, request factory and protocol options as aiohttp's own server.
         return GuardedServer(
             plain.request_handler,
