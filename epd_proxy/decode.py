@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 
 from epd_proxy.backends import CHAT_PATH, Instance
-from epd_proxy.sse import Verdict, judge
+from epd_proxy.sse import Head, Verdict
 from epd_proxy.upstream import Answer, Payload, Timeouts, Upstream, UpstreamFailure
 
 
@@ -27,6 +27,7 @@ class DecodeAnswer:
 
     answer: Answer
     chunks: AsyncIterator[bytes]
+    backend: str
     held: bytes = b""
 
     @property
@@ -76,19 +77,18 @@ async def open_decode(
             except UpstreamFailure:
                 pass  # the status is the answer; a body cut short only loses the details
         raise answer.error()
-    return DecodeAnswer(answer, answer.chunks())
+    return DecodeAnswer(answer, answer.chunks(), decoder.url)
 
 
 async def hold_head(answer: DecodeAnswer) -> dict[str, Any] | None:
     """Read a stream until its first generated event; vLLM's in-band error object if the stream
     reported a failure before that, else None (the answer is committed). Failures to read raise."""
-    held = bytearray()
+    head = Head()
     async for chunk in answer.chunks:
-        held += chunk
-        verdict, error = judge(held)
+        verdict, error = head.judge(chunk)
         if verdict is Verdict.HOLD:
             continue
-        answer.held = bytes(held)
+        answer.held = bytes(head.held)
         return error if verdict is Verdict.ERROR else None
-    answer.held = bytes(held)
+    answer.held = bytes(head.held)
     return None
