@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 
 from epd_proxy.backends import CHAT_PATH, Instance
-from epd_proxy.sse import Verdict, judge
+from epd_proxy.sse import Head, Verdict
 from epd_proxy.upstream import Answer, Payload, Timeouts, Upstream, UpstreamFailure
 
 # A non-streaming answer is read whole before it is relayed. Its size grows with the request
@@ -31,6 +31,7 @@ class DecodeAnswer:
 
     answer: Answer
     chunks: AsyncIterator[bytes]
+    backend: str
     held: bytes = b""
 
     @property
@@ -81,7 +82,7 @@ async def open_decode(
             except UpstreamFailure:
                 pass  # the status is the answer; a body cut short only loses the details
         raise answer.error()
-    decode_answer = DecodeAnswer(answer, answer.chunks())
+    decode_answer = DecodeAnswer(answer, answer.chunks(), decoder.url)
     if not decode_answer.streaming:
         answer.cap_body(MAX_JSON_ANSWER_BYTES)  # relayed whole, so read whole: bounded
     return decode_answer
@@ -90,13 +91,12 @@ async def open_decode(
 async def hold_head(answer: DecodeAnswer) -> dict[str, Any] | None:
     """Read a stream until its first generated event; vLLM's in-band error object if the stream
     reported a failure before that, else None (the answer is committed). Failures to read raise."""
-    held = bytearray()
+    head = Head()
     async for chunk in answer.chunks:
-        held += chunk
-        verdict, error = judge(held)
+        verdict, error = head.judge(chunk)
         if verdict is Verdict.HOLD:
             continue
-        answer.held = bytes(held)
+        answer.held = bytes(head.held)
         return error if verdict is Verdict.ERROR else None
-    answer.held = bytes(held)
+    answer.held = bytes(head.held)
     return None

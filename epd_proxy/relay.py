@@ -7,8 +7,8 @@ import logging
 from aiohttp import web
 
 from epd_proxy.decode import DecodeAnswer
-from epd_proxy.errors import BackendUnreachable
-from epd_proxy.sse import complete_events, error_event
+from epd_proxy.errors import BackendUnreachable, ProxyError
+from epd_proxy.sse import EventTooLarge, Framer, error_event
 
 log = logging.getLogger("epd_proxy.relay")
 
@@ -30,35 +30,29 @@ async def relay(
         body = answer.held + b"".join([chunk async for chunk in answer.chunks])
         return web.Response(status=answer.status, body=body, headers=headers), COMPLETE
     response = web.StreamResponse(status=answer.status, headers={**headers, "Cache-Control": "no-cache"})
-    # Only whole events go out: if decode breaks off, the error event must not be glued to half an
-    # event the client could not parse.
-    pending = answer.held
+    # Only whole events go out, whatever the line ends: if decode breaks off, the error event must
+    # not be glued to half an event the client could not parse.
+    framer = Framer()
     errored = False
     try:
         await response.prepare(request)
         try:
-            cut = complete_events(pending)
-            if cut:
-                errored = VLLM_ERROR_EVENT in pending[:cut]
-                await response.write(pending[:cut])
-                pending = pending[cut:]
+            ready = framer.feed(answer.held)
+            if ready:
+                errored = VLLM_ERROR_EVENT in ready
+                await response.write(ready)
             async for chunk in answer.chunks:
-                pending += chunk
-                cut = complete_events(pending)
-                if cut:
-                    errored = errored or VLLM_ERROR_EVENT in pending[:cut]
-                    await response.write(pending[:cut])
-                    pending = pending[cut:]
+                ready = framer.feed(chunk)
+                if ready:
+                    errored = errored or VLLM_ERROR_EVENT in ready
+                    await response.write(ready)
         except BackendUnreachable as exc:
-            # Status 200 is on the wire: the error can only travel in-band, as vLLM sends its own.
-            log.warning("request %s: %s", extra_headers.get("x-request-id"), exc.message)
-            await response.write(
-                error_event(
-                    exc.message, error_type=exc.error_type, code=exc.status, stage=exc.stage, backend=exc.backend
-                )
-            )
-            await response.write_eof()
-            return response, ABORTED
+            return await _end_in_band(response, exc, extra_headers), ABORTED
+        except EventTooLarge as exc:
+            if exc.ready:
+                await response.write(exc.ready)
+            return await _end_in_band(response, _too_large(exc, answer.backend), extra_headers), ABORTED
+        pending = framer.pending
         if pending:
             errored = errored or VLLM_ERROR_EVENT in pending
             await response.write(pending)
@@ -68,3 +62,31 @@ async def relay(
         return response, CLIENT_GONE
     # vLLM's own error event ends a stream that failed: relayed as sent, counted as aborted.
     return response, ABORTED if errored else COMPLETE
+
+
+async def _end_in_band(
+    response: web.StreamResponse, failure: ProxyError, extra_headers: dict[str, str]
+) -> web.StreamResponse:
+    """Status 200 is on the wire: the error can only travel in-band, as vLLM sends its own."""
+    log.warning("request %s: %s", extra_headers.get("x-request-id"), failure.message)
+    await response.write(
+        error_event(
+            failure.message,
+            error_type=failure.error_type,
+            code=failure.status,
+            stage=failure.stage,
+            backend=failure.backend,
+        )
+    )
+    await response.write_eof()
+    return response
+
+
+def _too_large(exc: EventTooLarge, backend: str) -> ProxyError:
+    """The event is dropped unread, so memory stays bounded; the decode connection is closed."""
+    return ProxyError(
+        502,
+        f"Decode request failed: an event of its stream is larger than {exc.limit} bytes",
+        stage="decode",
+        backend=backend,
+    )

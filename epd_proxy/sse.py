@@ -5,12 +5,19 @@ role-only chunk (`delta: {"role": "assistant", "content": ""}`); when generation
 (`finish_reason="error"`, e.g. an embedding the EC connector could not obtain) the next event is
 `data: {"error": {...}}` followed by `data: [DONE]`. So a stream can still be retried until its
 first event that carries something generated, and only the events before that are looked at.
-Events are separated by a blank line (`\\n\\n`), which is how vLLM frames them.
+
+Events are framed as the SSE spec has it (WHATWG HTML, "server-sent events"): a line ends with
+CRLF, LF or CR, and an empty line ends an event. vLLM writes `\n\n`, but anything in front of it
+may use the others. One event may be at most MAX_EVENT_BYTES (8 MiB) before its empty line: the
+largest vLLM writes is the first event of a request with `return_token_ids`, which lists every
+prompt token id (about 7 bytes each), so this fits a prompt of a million tokens. A longer one
+ends the stream (EventTooLarge), so a backend that never ends an event cannot grow the proxy.
 """
 
 from __future__ import annotations
 
 import enum
+import re
 from typing import Any
 
 import orjson
@@ -19,6 +26,125 @@ EVENT_END = b"\n\n"
 DONE = b"[DONE]"
 # Events that decide nothing are held at most this many bytes before the stream is committed.
 MAX_HELD_BYTES = 64 * 1024
+MAX_EVENT_BYTES = 8 * 1024 * 1024
+
+_CR, _LF = 0x0D, 0x0A
+_LINE_END_RUN = re.compile(rb"[\r\n]+")
+# One event from the start of a line: its lines, then an empty line. Matched greedily over whole
+# events, a CR followed by LF is always taken as one line end.
+_EVENT = re.compile(rb"(?:[^\r\n]+(?:\r\n?|\n))*(?:\r\n?|\n)")
+
+
+class EventTooLarge(Exception):
+    """An event went past the cap before its empty line; `ready` holds the whole events before it,
+    not yet passed on. The framer that raised it is not to be fed again."""
+
+    def __init__(self, ready: bytes, limit: int) -> None:
+        super().__init__(f"an SSE event is larger than {limit} bytes")
+        self.ready = ready
+        self.limit = limit
+
+
+class Framer:
+    """Cuts a stream, fed chunk by chunk, into whole events with their bytes unchanged, passing each
+    one on as soon as it has ended. Each chunk is looked at once: between chunks only the event not
+    yet ended is kept, with where its last line stands.
+
+    An empty line ending in CR ends its event at once, so a stream framed with CR is not held back
+    waiting for the next byte; when that CR turns out to begin a CRLF, its LF is passed on first
+    thing from the next chunk (it still belongs to the event before)."""
+
+    __slots__ = ("_pending", "_line_start", "_cr", "_cr_ended_event", "_limit")
+
+    def __init__(self, max_event_bytes: int | None = MAX_EVENT_BYTES) -> None:
+        self._pending = bytearray()
+        self._line_start = True  # the last byte ended a line (or nothing came yet)
+        self._cr = False  # the last byte was a CR: an LF next completes that CRLF
+        self._cr_ended_event = False  # and that CR ended the event last passed on
+        self._limit = max_event_bytes
+
+    @property
+    def pending(self) -> bytes:
+        """The event begun but not ended yet."""
+        return bytes(self._pending)
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The whole events this chunk ends (b"" if none), raising EventTooLarge past the cap."""
+        pending, limit = self._pending, self._limit
+        if self._cr or _CR in chunk or (limit is not None and len(pending) + len(chunk) > limit):
+            return self._feed_any(chunk)
+        # vLLM's own framing, the hot path: with no CR anywhere an event ends at an LF that follows
+        # an LF, and the last such pair in the chunk marks how far the events go.
+        end = chunk.rfind(EVENT_END)
+        if end >= 0:
+            end += 2
+        elif chunk and self._line_start and chunk[0] == _LF:  # an empty line begins the chunk
+            end = 1
+        elif chunk:
+            self._line_start = chunk[-1] == _LF
+            pending += chunk
+            return b""
+        else:
+            return b""
+        self._line_start = chunk[-1] == _LF
+        return self._take(chunk, end)
+
+    def _feed_any(self, chunk: bytes) -> bytes:
+        """Any line ends, looked at byte by byte but only where a run of CR and LF bytes is."""
+        limit = self._limit
+        # `end`: where the last event ended in this chunk, -len(pending) while none did.
+        end = -len(self._pending)
+        line_start, cr = self._line_start, self._cr
+        cr_end = 0 if self._cr_ended_event else -1  # where a CR ended an event: an LF there joins it
+        last_stop = 0
+        for run in _LINE_END_RUN.finditer(chunk):
+            run_start, last_stop = run.span()
+            if run_start:  # the run follows other bytes in this chunk
+                line_start = cr = False
+            for i in range(run_start, last_stop):
+                byte = chunk[i]
+                if cr and byte == _LF:
+                    cr = False
+                    if cr_end == i:
+                        end = i + 1
+                    continue
+                cr = byte == _CR
+                if line_start:
+                    if limit is not None and i - end > limit:
+                        raise EventTooLarge(self._take(chunk, end, keep_rest=False), limit)
+                    end = i + 1
+                    if cr:
+                        cr_end = end
+                line_start = True
+        if last_stop < len(chunk):
+            line_start = cr = False
+        self._line_start, self._cr = line_start, cr
+        self._cr_ended_event = cr and cr_end == len(chunk)
+        if limit is not None and len(chunk) - end > limit:
+            raise EventTooLarge(self._take(chunk, end, keep_rest=False), limit)
+        return self._take(chunk, end)
+
+    def _take(self, chunk: bytes, end: int, keep_rest: bool = True) -> bytes:
+        """The whole events, the pending bytes and the chunk up to `end` (none while `end` is not
+        positive: no event ended in this chunk); the rest of the chunk is pending then."""
+        pending = self._pending
+        if end <= 0:
+            ready = b""
+            end = 0
+        elif pending:
+            pending += chunk[:end]
+            ready = bytes(pending)
+            pending.clear()
+        else:
+            ready = chunk[:end]
+        if keep_rest and end < len(chunk):
+            pending += chunk[end:]
+        return ready
+
+
+def events(whole: bytes) -> list[bytes]:
+    """Whole events (as Framer.feed passes them on) one by one."""
+    return _EVENT.findall(whole)
 
 
 class Verdict(enum.Enum):
@@ -27,21 +153,35 @@ class Verdict(enum.Enum):
     ERROR = "error"  # vLLM reported a failure before generating anything
 
 
-def judge(held: bytes) -> tuple[Verdict, dict[str, Any] | None]:
-    """The verdict on the bytes held so far, and the error object for ERROR."""
-    end = held.rfind(EVENT_END)
-    if end >= 0:
-        for event in held[:end].split(EVENT_END):
+class Head:
+    """The verdict on a stream's head, fed chunk by chunk; each event is judged once, when it ends."""
+
+    __slots__ = ("held", "_framer")
+
+    def __init__(self) -> None:
+        self.held = bytearray()
+        # No cap here: the head is committed past MAX_HELD_BYTES, and the relay applies the cap.
+        self._framer = Framer(max_event_bytes=None)
+
+    def judge(self, chunk: bytes) -> tuple[Verdict, dict[str, Any] | None]:
+        """The verdict on everything held so far, and the error object for ERROR."""
+        self.held += chunk
+        for event in events(self._framer.feed(chunk)):
             verdict, error = _judge_event(event)
             if verdict is not Verdict.HOLD:
                 return verdict, error
-    if len(held) > MAX_HELD_BYTES:
-        return Verdict.COMMIT, None
-    return Verdict.HOLD, None
+        if len(self.held) > MAX_HELD_BYTES:
+            return Verdict.COMMIT, None
+        return Verdict.HOLD, None
 
 
 def _judge_event(event: bytes) -> tuple[Verdict, dict[str, Any] | None]:
-    data = b"".join(line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:"))
+    # The spec's reading of a field: one space after the colon is dropped, data lines join with LF.
+    data = b"\n".join(
+        line[6:] if line.startswith(b"data: ") else line[5:]
+        for line in event.splitlines()
+        if line.startswith(b"data:") or line == b"data"
+    )
     if not data:
         return Verdict.HOLD, None  # a comment or an event without data
     if data.strip() == DONE:
@@ -77,10 +217,3 @@ def error_event(message: str, *, error_type: str, code: int, stage: str, backend
     if backend:
         error["backend"] = backend
     return b"data: " + orjson.dumps({"error": error}) + EVENT_END + b"data: " + DONE + EVENT_END
-
-
-def complete_events(pending: bytes) -> int:
-    """How many leading bytes of `pending` are whole events (up to and including the last blank
-    line), so a stream that breaks off is never followed by an error glued to half an event."""
-    end = pending.rfind(EVENT_END)
-    return 0 if end < 0 else end + len(EVENT_END)

@@ -7,7 +7,7 @@ import json
 import orjson
 import pytest
 
-from epd_proxy.sse import MAX_HELD_BYTES, Verdict, complete_events, error_event, judge
+from epd_proxy.sse import MAX_HELD_BYTES, Head, Verdict, error_event
 
 # vLLM's first event (role only) and its GenerationError event, as serving.py writes them.
 ROLE = b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'
@@ -20,6 +20,10 @@ ERROR = (
 )
 CONTENT = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"Hi"},"finish_reason":null}]}\n\n'
 DONE = b"data: [DONE]\n\n"
+
+
+def judge(held: bytes):
+    return Head().judge(held)
 
 
 def test_role_chunk_alone_is_held():
@@ -72,9 +76,3 @@ def test_error_event_has_vllms_shape_and_ends_the_stream():
         "backend": "http://d",
     }
     assert done == b"data: [DONE]" and rest == b""
-
-
-def test_complete_events_stops_at_the_last_boundary():
-    assert complete_events(ROLE + CONTENT[:10]) == len(ROLE)
-    assert complete_events(CONTENT[:10]) == 0
-    assert complete_events(ROLE + CONTENT) == len(ROLE + CONTENT)
