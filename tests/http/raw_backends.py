@@ -91,3 +91,23 @@ async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
     async with asyncio.timeout(timeout_s):
         while not condition():
             await asyncio.sleep(0.01)
+
+
+async def keep_answering(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    while True:
+        await read_request(reader)
+        writer.write(OK)
+
+
+def tag_of(request: bytes) -> bytes:
+    return request.rsplit(b"\r\n\r\n", 1)[1]
+
+
+def answer(body: bytes, extra: bytes = b"") -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n%s\r\n%s" % (len(body), extra, body)
+
+
+async def echo_tags(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Answer every request with its own body: a caller can tell its answer from another's."""
+    while True:
+        writer.write(answer(tag_of(await read_request(reader))))

@@ -4,20 +4,17 @@ always JSON in the proxy's error shape, over the production server class."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 
 import aiohttp
 import aiohttp.web
 import openai
 import pytest
-from aiohttp.test_utils import TestServer
 from multidict import CIMultiDict
 
 from epd_proxy import server
-from epd_proxy.app import STATE, create_app
+from epd_proxy.app import STATE
 from epd_proxy.config import Config
-from epd_proxy.testing.fake_vllm import ECStore, FakeVLLM
 from tests.media import chat, image
 from tests.serve_process import serve_process
 
@@ -30,31 +27,8 @@ async def answer(session: aiohttp.ClientSession, method: str, url: str, **kwargs
         return resp.status, resp.headers.copy(), await resp.json()
 
 
-@pytest.fixture
-async def production_proxy():
-    """create_app behind server.start, as `epd-proxy serve` runs it, over fake E and PD."""
-    cleanups = []
-
-    async def build(**overrides):
-        store = ECStore()
-        fakes = [TestServer(FakeVLLM("encode", store).app()), TestServer(FakeVLLM("pd", store).app())]
-        for fake in fakes:
-            await fake.start_server()
-            cleanups.append(fake.close)
-        e_url, pd_url = (str(f.make_url("")).rstrip("/") for f in fakes)
-        config = dataclasses.replace(Config(encode_urls=(e_url,), decode_urls=(pd_url,)), **overrides)
-        app = create_app(config)
-        runner, site = await server.start(app, config, host="127.0.0.1", port=0)
-        cleanups.append(runner.cleanup)
-        return app, f"http://127.0.0.1:{site.port}"
-
-    yield build
-    for cleanup in reversed(cleanups):
-        await cleanup()
-
-
-async def test_wrong_paths_and_methods_answer_json_like_the_other_errors(production_proxy):
-    _, url = await production_proxy()
+async def test_wrong_paths_and_methods_answer_json_like_the_other_errors(serve_proxy):
+    url = (await serve_proxy()).url
     async with aiohttp.ClientSession() as session:
         for path in ("/nope", "/v1/nope", "/v1/chat/completions/", "/v1"):
             status, _, body = await answer(session, "GET", url + path)
@@ -114,8 +88,9 @@ def broken(*_args, **_kwargs):
     raise RuntimeError(SECRET)
 
 
-async def test_an_internal_fault_tells_the_client_only_the_request_id(production_proxy, caplog):
-    app, url = await production_proxy()
+async def test_an_internal_fault_tells_the_client_only_the_request_id(serve_proxy, caplog):
+    proxy = await serve_proxy()
+    app, url = proxy.runner.app, proxy.url
     state = app[STATE]
     caplog.set_level(logging.ERROR, logger="epd_proxy")
     async with aiohttp.ClientSession() as session:

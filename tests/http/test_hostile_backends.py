@@ -25,15 +25,7 @@ from epd_proxy.upstream import (
     Upstream,
     UpstreamFailure,
 )
-from tests.http.raw_backends import OK, call, failure_of, read_request, until
-
-
-def answer(body: bytes, extra: bytes = b"") -> bytes:
-    return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n%s\r\n%s" % (len(body), extra, body)
-
-
-def tag_of(request: bytes) -> bytes:
-    return request.rsplit(b"\r\n\r\n", 1)[1]
+from tests.http.raw_backends import answer, call, echo_tags, failure_of, keep_answering, read_request, tag_of, until
 
 
 async def post(pool: Upstream, inst: Instance, body: bytes, stage: str = "decode", **options):
@@ -58,9 +50,7 @@ async def test_a_second_answer_glued_after_a_complete_one_reaches_nobody(peer, u
             glued.append(True)
             first = await read_request(reader)
             writer.write(answer(tag_of(first)) + answer(b"forged", b"X-Forged: yes\r\n"))  # one write
-        while True:
-            request = await read_request(reader)
-            writer.write(answer(tag_of(request)))
+        await echo_tags(reader, writer)
 
     backend = await peer(glue)
     refusals = Refusals()
@@ -84,9 +74,7 @@ async def test_bytes_on_an_idle_connection_close_it_and_never_reach_the_next_exc
             writer.write(answer(b"stray"))  # nobody asked
             await writer.drain()
             stray_sent.set()
-        while True:
-            request = await read_request(reader)
-            writer.write(answer(tag_of(request)))
+        await echo_tags(reader, writer)
 
     backend = await peer(speak_out_of_turn)
     refusals = Refusals()
@@ -255,11 +243,6 @@ async def test_a_large_body_waits_for_the_backend_to_read_and_the_write_is_bound
 
 
 async def test_an_instance_that_leaves_takes_its_pool_state_with_it(peer, upstream):
-    async def keep_answering(reader, writer):
-        while True:
-            await read_request(reader)
-            writer.write(OK)
-
     backend = await peer(keep_answering)
     pool, inst = upstream(max_connections_per_backend=2), Instance(backend.url, "encode")
     assert (await call(pool, inst)).status == 200

@@ -20,7 +20,7 @@ from epd_proxy.upstream import (
     Timeouts,
     UpstreamFailure,
 )
-from tests.http.raw_backends import OK, call, failure_of, read_request, until
+from tests.http.raw_backends import OK, call, failure_of, keep_answering, read_request, until
 
 
 async def answer_ok(reader, writer):
@@ -246,11 +246,6 @@ async def test_a_pooled_connection_that_began_answering_is_not_retried(peer, ups
 
 
 async def test_idle_connections_retire_after_keep_alive(peer, upstream):
-    async def keep_answering(reader, writer):
-        while True:
-            await read_request(reader)
-            writer.write(OK)
-
     backend = await peer(keep_answering)
     pool, inst = upstream(keep_alive_s=0.2), Instance(backend.url, "encode")
     assert (await call(pool, inst)).status == 200
