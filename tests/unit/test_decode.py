@@ -1,0 +1,133 @@
+"""Step 7 (decode.py): what decode's answer becomes before anything reaches the client."""
+
+from __future__ import annotations
+
+import pytest
+
+from epd_proxy.backends import CHAT_PATH, PREFILL_DECODE, Instance
+from epd_proxy.decode import MAX_JSON_ANSWER_BYTES, hold_head, open_decode
+from epd_proxy.errors import UpstreamError
+from epd_proxy.upstream import BROKEN, IDLE_TIMEOUT, Limits, Timeouts, UpstreamFailure
+from tests.unit.scripted_upstream import Reply, ScriptedUpstream, json_reply, stream_reply
+
+PD = "http://pd"
+TIMEOUTS = Timeouts(connect=1, headers=2, idle=3)
+ROLE = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
+TOKEN = b'data: {"choices":[{"index":0,"delta":{"content":"Hi"}}]}\n\n'
+VLLM_ERROR = b'data: {"error":{"message":"EC load failed","type":"InternalServerError","code":500}}\n\n'
+DONE = b"data: [DONE]\n\n"
+
+
+def decoder() -> Instance:
+    return Instance(PD, PREFILL_DECODE)
+
+
+async def opened(*replies: Reply, limits: Limits = Limits()):
+    upstream = ScriptedUpstream(limits)
+    upstream.script(PD, *replies)
+    answer = await open_decode(upstream, decoder(), {"model": "m", "stream": True}, {"x-request-id": "r"}, TIMEOUTS)
+    return answer, upstream
+
+
+async def test_the_body_goes_to_chat_completions_without_counting_the_decoder_twice():
+    answer, upstream = await opened(stream_reply(ROLE, TOKEN, DONE))
+    (sent,) = upstream.sent
+    assert (sent.method, sent.path, sent.stage) == ("POST", CHAT_PATH, "decode")
+    assert sent.body == {"model": "m", "stream": True} and sent.headers == {"x-request-id": "r"}
+    assert sent.timeouts is TIMEOUTS
+    # Routing already counted the request against this decoder.
+    assert sent.options["count_inflight"] is False
+    assert answer.backend == PD and answer.status == 200 and answer.streaming
+
+
+@pytest.mark.parametrize("status", [400, 404, 422, 500, 503])
+async def test_an_error_answer_raises_the_backends_own_status_and_body(status):
+    body = b'{"error":{"message":"bad things","code":%d}}' % status
+    upstream = ScriptedUpstream()
+    upstream.script(PD, Reply(status, (body,)))
+    with pytest.raises(UpstreamError) as err:
+        await open_decode(upstream, decoder(), {}, {}, TIMEOUTS)
+    exc = err.value
+    assert (exc.status, exc.answered, exc.raw_body, exc.message) == (status, status, body, "bad things")
+    assert (exc.stage, exc.backend) == ("decode", PD)
+    (answer,) = upstream.answers
+    # An error body is read whole to be passed on, so it is held to the pool's buffered limit.
+    assert answer.capped_at == Limits().buffered_body_bytes
+    assert answer.released
+
+
+async def test_an_error_answer_cut_short_is_still_the_backends_status():
+    upstream = ScriptedUpstream()
+    upstream.script(PD, Reply(500, (b'{"error":{"mess',), breaks=BROKEN))
+    with pytest.raises(UpstreamError) as err:
+        await open_decode(upstream, decoder(), {}, {}, TIMEOUTS)
+    assert err.value.status == 500 and err.value.raw_body == b""
+    assert upstream.answers[0].released
+
+
+async def test_the_error_body_cap_is_the_pools():
+    upstream = ScriptedUpstream(Limits(buffered_body_bytes=1234))
+    upstream.script(PD, Reply(400, (b"no",)))
+    with pytest.raises(UpstreamError):
+        await open_decode(upstream, decoder(), {}, {}, TIMEOUTS)
+    assert upstream.answers[0].capped_at == 1234
+
+
+async def test_a_json_answer_is_capped_since_it_is_relayed_whole():
+    answer, upstream = await opened(json_reply({"choices": []}))
+    assert not answer.streaming and answer.content_type == "application/json"
+    assert upstream.answers[0].capped_at == MAX_JSON_ANSWER_BYTES
+    assert [chunk async for chunk in answer.chunks] == [b'{"choices":[]}']
+
+
+async def test_a_stream_is_not_capped_as_a_whole():
+    _, upstream = await opened(stream_reply(ROLE, TOKEN, DONE))
+    assert upstream.answers[0].capped_at is None
+
+
+async def test_no_answer_at_all_is_the_layers_failure_unchanged():
+    upstream = ScriptedUpstream()
+    upstream.script(PD, Reply(fails="refused"))
+    with pytest.raises(UpstreamFailure) as err:
+        await open_decode(upstream, decoder(), {}, {}, TIMEOUTS)
+    assert err.value.kind == "refused" and err.value.status == 502
+
+
+async def test_the_head_is_held_until_the_first_generated_event_and_the_rest_stays_unread():
+    answer, _ = await opened(stream_reply(ROLE, TOKEN, b'data: {"choices":[{"delta":{"content":"!"}}]}\n\n', DONE))
+    assert await hold_head(answer) is None
+    assert answer.held == ROLE + TOKEN
+    assert [chunk async for chunk in answer.chunks] == [b'data: {"choices":[{"delta":{"content":"!"}}]}\n\n', DONE]
+
+
+async def test_an_event_split_over_chunks_is_judged_once_it_ends():
+    answer, _ = await opened(stream_reply(ROLE + TOKEN[:20], TOKEN[20:], DONE))
+    assert await hold_head(answer) is None
+    assert answer.held == ROLE + TOKEN
+
+
+async def test_vllms_error_before_anything_generated_is_handed_back():
+    answer, _ = await opened(stream_reply(ROLE, VLLM_ERROR, DONE))
+    error = await hold_head(answer)
+    assert error == {"message": "EC load failed", "type": "InternalServerError", "code": 500}
+    assert answer.held == ROLE + VLLM_ERROR
+
+
+async def test_an_error_after_generated_text_is_not_judged():
+    answer, _ = await opened(stream_reply(ROLE, TOKEN, VLLM_ERROR, DONE))
+    assert await hold_head(answer) is None
+    assert answer.held == ROLE + TOKEN
+
+
+async def test_a_stream_that_ends_before_generating_commits_with_all_it_sent():
+    answer, _ = await opened(stream_reply(ROLE, b": keep-alive\n\n"))
+    assert await hold_head(answer) is None
+    assert answer.held == ROLE + b": keep-alive\n\n"
+
+
+@pytest.mark.parametrize("kind", [BROKEN, IDLE_TIMEOUT])
+async def test_a_stream_that_fails_while_its_head_is_held_raises(kind):
+    answer, _ = await opened(stream_reply(ROLE, breaks=kind))
+    with pytest.raises(UpstreamFailure) as err:
+        await hold_head(answer)
+    assert err.value.kind == kind and err.value.stage == "decode"

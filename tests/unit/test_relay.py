@@ -1,0 +1,168 @@
+"""Step 8 (relay.py): decode's answer to the client byte for byte, whole events only, and how it ended."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from aiohttp.test_utils import make_mocked_request
+
+from epd_proxy.decode import DecodeAnswer
+from epd_proxy.relay import ABORTED, CLIENT_GONE, COMPLETE, relay
+from epd_proxy.sse import MAX_EVENT_BYTES
+from epd_proxy.upstream import BROKEN, IDLE_TIMEOUT, UpstreamFailure
+from tests.unit.scripted_upstream import Reply, ScriptedAnswer, json_reply, stream_reply
+
+PD = "http://pd"
+EXTRA = {"x-request-id": "req-1"}
+ROLE = b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'
+TOKEN = b'data: {"choices":[{"delta":{"content":"Hi \xc3\xa9"}}]}\n\n'
+DONE = b"data: [DONE]\n\n"
+VLLM_ERROR = b'data: {"error":{"message":"generation failed","code":500}}\n\n'
+
+
+class Wire:
+    """The writer aiohttp's response writes to: what the client would receive, in the pieces sent."""
+
+    def __init__(self, reset_on_write: int | None = None) -> None:
+        self.status_line = ""
+        self.headers: dict[str, str] = {}
+        self.writes: list[bytes] = []
+        self.eof = False
+        self.length: int | None = None
+        self.output_size = 0
+        self.buffer_size = 0
+        self._reset_on_write = reset_on_write
+
+    async def write_headers(self, status_line: str, headers) -> None:
+        self.status_line = status_line
+        self.headers = dict(headers)
+
+    def send_headers(self) -> None:
+        pass
+
+    def enable_chunking(self) -> None:
+        pass
+
+    async def write(self, data) -> None:
+        if self._reset_on_write is not None and len(self.writes) >= self._reset_on_write:
+            raise ConnectionResetError("the client went away")
+        self.writes.append(bytes(data))
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        self.eof = True
+
+    async def drain(self) -> None:
+        pass
+
+    @property
+    def sent(self) -> bytes:
+        return b"".join(self.writes)
+
+
+def decode_answer(reply: Reply, held: bytes = b"") -> DecodeAnswer:
+    answer = ScriptedAnswer(reply, PD, "decode", "Decode request")
+    return DecodeAnswer(answer, answer.chunks(), PD, held)
+
+
+async def relayed(answer: DecodeAnswer, wire: Wire | None = None):
+    wire = wire or Wire()
+    request = make_mocked_request("POST", "/v1/chat/completions", writer=wire)
+    response, outcome = await relay(request, answer, EXTRA)
+    return response, outcome, wire
+
+
+def in_band_error(sent: bytes) -> dict:
+    error, done, end = sent.split(b"\n\n")[-3:]
+    assert (done, end) == (b"data: [DONE]", b"")
+    return orjson.loads(error.removeprefix(b"data: "))["error"]
+
+
+async def test_a_json_answer_goes_out_whole_with_decodes_status_and_content_type():
+    answer = decode_answer(Reply(201, (b'{"choi', b'ces":[]}'), "application/json; charset=utf-8"), held=b"")
+    response, outcome, wire = await relayed(answer)
+    assert outcome == COMPLETE
+    assert response.status == 201 and response.body == b'{"choices":[]}'
+    assert response.headers["Content-Type"] == "application/json; charset=utf-8"
+    assert response.headers["x-request-id"] == "req-1"
+    assert wire.writes == []  # the handler sends it, as any other response
+
+
+async def test_a_stream_reaches_the_client_byte_for_byte_held_head_first():
+    answer = decode_answer(stream_reply(TOKEN, DONE), held=ROLE)
+    response, outcome, wire = await relayed(answer)
+    assert outcome == COMPLETE and wire.eof
+    assert wire.sent == ROLE + TOKEN + DONE
+    assert wire.status_line == "HTTP/1.1 200 OK"
+    assert wire.headers["Content-Type"] == "text/event-stream"
+    assert wire.headers["Cache-Control"] == "no-cache" and wire.headers["x-request-id"] == "req-1"
+
+
+async def test_only_whole_events_are_written_however_the_chunks_fall():
+    stream = ROLE + TOKEN + DONE
+    cuts = [stream[i : i + 7] for i in range(0, len(stream), 7)]
+    _, outcome, wire = await relayed(decode_answer(stream_reply(*cuts)))
+    assert outcome == COMPLETE and wire.sent == stream
+    assert all(piece.endswith(b"\n\n") for piece in wire.writes), wire.writes
+
+
+async def test_a_last_event_without_its_empty_line_is_still_passed_on():
+    _, outcome, wire = await relayed(decode_answer(stream_reply(TOKEN, b"data: [DONE]\n")))
+    assert outcome == COMPLETE and wire.sent == TOKEN + b"data: [DONE]\n"
+
+
+async def test_vllms_own_error_event_is_relayed_as_sent_and_counts_as_aborted():
+    _, outcome, wire = await relayed(decode_answer(stream_reply(TOKEN, VLLM_ERROR, DONE), held=ROLE))
+    assert outcome == ABORTED
+    assert wire.sent == ROLE + TOKEN + VLLM_ERROR + DONE
+
+
+async def test_vllms_error_event_in_the_held_head_counts_as_aborted():
+    _, outcome, wire = await relayed(decode_answer(stream_reply(DONE), held=ROLE + VLLM_ERROR))
+    assert outcome == ABORTED and wire.sent == ROLE + VLLM_ERROR + DONE
+
+
+async def test_generated_text_that_quotes_an_error_is_not_an_abort():
+    quoting = b'data: {"choices":[{"delta":{"content":"data: {\\"error\\""}}]}\n\n'
+    _, outcome, _ = await relayed(decode_answer(stream_reply(quoting, DONE)))
+    assert outcome == COMPLETE
+
+
+@pytest.mark.parametrize("kind", [BROKEN, IDLE_TIMEOUT])
+async def test_decode_breaking_off_ends_the_stream_with_an_in_band_error_after_the_whole_events(kind):
+    half_event = TOKEN[:15]
+    _, outcome, wire = await relayed(decode_answer(stream_reply(TOKEN, half_event, breaks=kind), held=ROLE))
+    assert outcome == ABORTED and wire.eof
+    assert wire.sent.startswith(ROLE + TOKEN + b"data: {")
+    assert half_event not in wire.sent[len(ROLE + TOKEN) :]
+    error = in_band_error(wire.sent)
+    assert error["stage"] == "decode" and error["backend"] == PD
+    assert error["code"] == (504 if kind == IDLE_TIMEOUT else 502)
+    assert error["message"].startswith("Decode request")
+
+
+async def test_an_event_over_the_cap_is_dropped_and_ends_the_stream_in_band():
+    huge = b"data: " + b"x" * MAX_EVENT_BYTES
+    _, outcome, wire = await relayed(decode_answer(stream_reply(TOKEN, huge[:1000], huge[1000:])))
+    assert outcome == ABORTED
+    assert wire.sent.startswith(TOKEN + b"data: {") and b"xxxx" not in wire.sent
+    error = in_band_error(wire.sent)
+    assert (error["code"], error["stage"], error["backend"]) == (502, "decode", PD)
+    assert f"larger than {MAX_EVENT_BYTES} bytes" in error["message"]
+
+
+async def test_a_client_that_goes_away_mid_stream_is_a_client_disconnect():
+    answer = decode_answer(stream_reply(TOKEN, TOKEN, DONE))
+    _, outcome, wire = await relayed(answer, Wire(reset_on_write=1))
+    assert outcome == CLIENT_GONE and wire.writes == [TOKEN]
+
+
+async def test_a_json_answer_that_breaks_off_is_raised_to_the_caller():
+    with pytest.raises(UpstreamFailure) as err:
+        await relayed(decode_answer(Reply(200, (b'{"cho',), breaks=BROKEN)))
+    assert err.value.kind == BROKEN and err.value.status == 502
+
+
+async def test_a_json_answer_read_whole_is_released_to_the_pool():
+    answer = decode_answer(json_reply({"ok": True}))
+    await relayed(answer)
+    assert answer.answer.released
