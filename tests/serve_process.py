@@ -8,7 +8,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 
 import aiohttp
@@ -16,6 +15,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from epd_proxy.testing.fake_vllm import ECStore, FakeVLLM
+from tests.http.polling import eventually
 
 
 def free_port() -> int:
@@ -33,18 +33,15 @@ async def wait_healthy(
     proc: subprocess.Popen, url: str, deadline_s: float = 30.0, what: str = "the proxy process did not become healthy"
 ) -> None:
     """Poll `url`/health until it answers 200; fail (saying `what`) if the process exits or the deadline passes."""
-    deadline = time.monotonic() + deadline_s
     async with aiohttp.ClientSession() as probe:
-        while True:
-            try:
-                async with probe.get(f"{url}/health") as resp:
-                    if resp.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            if time.monotonic() > deadline or proc.poll() is not None:
+
+        async def healthy() -> bool:
+            if proc.poll() is not None:
                 pytest.fail(what)
-            await asyncio.sleep(0.1)
+            async with probe.get(f"{url}/health") as resp:
+                return resp.status == 200
+
+        await eventually(healthy, timeout=deadline_s, interval=0.1, what=what, ignoring=(aiohttp.ClientError,))
 
 
 @dataclass

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -115,6 +114,7 @@ def test_two_arms_cannot_share_a_name(tmp_path: Path) -> None:
 @pytest.mark.parametrize("server", ["aiohttp", "bare"])
 def test_sink_servers_read_a_chat_request_and_answer(server: str) -> None:
     """The server-only arms (`python -m epd_proxy.bench.sink`) take the reference's command line."""
+    from tests.http.polling import eventually_sync
     from tests.serve_process import free_port
 
     port = free_port()
@@ -122,17 +122,13 @@ def test_sink_servers_read_a_chat_request_and_answer(server: str) -> None:
     proc = subprocess.Popen([*cmd, "--encode-servers-urls", "http://e:1", "--decode-servers-urls", "http://d:1"])
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while True:
+
+        def answers() -> bool:
             assert proc.poll() is None, "the sink exited"
-            try:
-                with urllib.request.urlopen(url + "/v1/models", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "the sink did not start"
-            time.sleep(0.05)
+            with urllib.request.urlopen(url + "/v1/models", timeout=2) as resp:
+                return resp.status == 200
+
+        eventually_sync(answers, timeout=30, interval=0.05, what="the sink did not start", ignoring=(OSError,))
         body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 300_000}]}).encode()
         request = urllib.request.Request(url + "/v1/chat/completions", data=body, method="POST")
         for _ in range(2):  # the same connection-level state serves the next request too

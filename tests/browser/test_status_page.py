@@ -10,12 +10,12 @@ import asyncio
 import contextlib
 import os
 import shutil
-import time
 from pathlib import Path
 
 import pytest
 from playwright.async_api import async_playwright
 
+from tests.http.polling import eventually
 from tests.media import chat, image
 
 CHROMIUM_FLAGS = [
@@ -42,10 +42,12 @@ def chromium_path() -> str:
 async def wait_until(page, expression: str, arg=None) -> None:
     """Poll an expression in the page. Playwright's wait_for_function would evaluate a string
     inside the page, which the page's Content-Security-Policy (no eval) rightly refuses."""
-    deadline = time.monotonic() + WAIT_S
-    while not await page.evaluate(expression, arg):
-        assert time.monotonic() < deadline, f"page never satisfied {expression} ({arg})"
-        await asyncio.sleep(0.1)
+    await eventually(
+        lambda: page.evaluate(expression, arg),
+        timeout=WAIT_S,
+        interval=0.1,
+        what=f"page never satisfied {expression} ({arg})",
+    )
 
 
 async def drive(stack, stop: asyncio.Event) -> None:

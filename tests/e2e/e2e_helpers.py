@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from epd_proxy.local.supervisor import http_ok
+from tests.http.polling import eventually_sync
 from tests.serve_process import free_port, serve_command
 
 MODEL = "tiny-vlm"
@@ -50,10 +51,12 @@ def extra_proxy(stack, name: str, *flags: str, decode_url: str | None = None) ->
         )
         url = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 60
-            while not http_ok(url + "/metrics"):
-                assert proc.poll() is None and time.monotonic() < deadline, f"{name} did not start"
-                time.sleep(0.2)
+
+            def started() -> bool:
+                assert proc.poll() is None, f"{name} did not start"
+                return http_ok(url + "/metrics")
+
+            eventually_sync(started, timeout=60, interval=0.2, what=f"{name} did not start")
             yield url
         finally:
             proc.terminate()

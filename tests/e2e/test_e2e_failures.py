@@ -24,6 +24,7 @@ import urllib.request
 import pytest
 
 from epd_proxy.local.supervisor import http_ok
+from tests.http.polling import eventually_sync
 
 from .e2e_helpers import chat_body, chat_ok, extra_proxy, finished_requests, make_image, post_json
 
@@ -108,10 +109,9 @@ def test_vllm_in_band_error_is_retried_then_relayed_as_sent(stack, trusting_prox
     assert _metric(trusting_proxy, 'epd_retries_total{stage="decode"}') == retries + 1
     assert [e for e in via_proxy if isinstance(e, dict) and "error" in e] == errors
     assert via_proxy[-1] == "[DONE]"
-    deadline = time.monotonic() + 10
-    while finished_requests(stack.pd_url) < pd_before + 2 and time.monotonic() < deadline:
-        time.sleep(0.3)
-    assert finished_requests(stack.pd_url) >= pd_before + 2
+    eventually_sync(
+        lambda: finished_requests(stack.pd_url) >= pd_before + 2, interval=0.3, what="PD counts both generations"
+    )
     assert http_ok(stack.by_name("pd").health_url), "PD died"
 
 

@@ -14,6 +14,8 @@ import time
 import blake3
 import pytest
 
+from tests.http.polling import eventually_sync
+
 from .e2e_helpers import (
     BLACK_BG,
     LOWERCASE_IDS,
@@ -296,13 +298,6 @@ def _proxy_health(proxy_url: str) -> dict:
         return json.loads(err.read())
 
 
-def _wait_for(predicate, timeout: float, what: str, interval: float = 0.5):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"not within {timeout:g}s: {what}"
-        time.sleep(interval)
-
-
 # The proxy's default --ejection-time: a restarted encoder must be back in rotation within it.
 EJECTION_TIME_S = 30.0
 
@@ -338,9 +333,10 @@ def test_zy_encoder_stopped_mid_run_fails_over_and_rejoins_after_restart(stack):
             assert_same(data, want)
         assert _proxy_metric(stack.proxy_url, "epd_encoder_failovers_total") > before
         # Transport failures eject it, or three failed checks call it down (checks every 5 s).
-        _wait_for(
+        eventually_sync(
             lambda: not _proxy_health(stack.proxy_url)["instances"][victim_url]["in_rotation"],
             timeout=60,
+            interval=0.5,
             what="the stopped encoder leaves the rotation",
         )
         status, data = post_json(stack.proxy_url, after_restart[0])
@@ -356,7 +352,7 @@ def test_zy_encoder_stopped_mid_run_fails_over_and_rejoins_after_restart(stack):
             break
         time.sleep(1.0)
     # vLLM bumps its counter a moment after answering: allow that for the last request sent.
-    _wait_for(lambda: finished_requests(victim_url) >= 1, timeout=10, what="the restarted encoder serves")
+    eventually_sync(lambda: finished_requests(victim_url) >= 1, interval=0.5, what="the restarted encoder serves")
     elapsed = last_answered - restarted
     sys.stderr.write(f"\n[e2e] restarted encoder served again {elapsed:.1f} s after it was ready\n")
     assert elapsed < EJECTION_TIME_S, f"back in rotation only after {elapsed:.1f}s"

@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 import urllib.request
 
 import pytest
 
 from epd_proxy.local.supervisor import find_free_port_block, http_ok
 from epd_proxy.testing.redis_server import RedisServer
+from tests.http.polling import eventually_sync
 from tests.serve_process import serve_command
 
 from .e2e_helpers import chat_body, chat_ok, loaded_hashes, make_image, settled_encoder_total
@@ -28,14 +28,6 @@ def _call(method: str, url: str, body: dict | None = None) -> dict:
     req.add_header("Content-Type", "application/json")
     with urllib.request.urlopen(req, timeout=30) as resp:
         return json.loads(resp.read())
-
-
-def _wait(check, what: str, deadline_s: float = 30.0) -> None:
-    deadline = time.monotonic() + deadline_s
-    while not check():
-        if time.monotonic() > deadline:
-            pytest.fail(f"not within {deadline_s}s: {what}")
-        time.sleep(0.1)
 
 
 @pytest.fixture
@@ -55,7 +47,7 @@ def shared_roster_proxies(stack):
             log.close()
             urls.append(f"http://127.0.0.1:{port}")
         for url in urls:
-            _wait(lambda u=url: http_ok(u + "/health"), f"{url} answers /health")
+            eventually_sync(lambda u=url: http_ok(u + "/health"), timeout=30, what=f"{url} answers /health")
         yield urls
     finally:
         for proc in procs:
@@ -74,7 +66,11 @@ def test_registered_through_one_proxy_served_through_the_other(stack, shared_ros
         "registered": True
     }
     want_roster = {"live": [encoder], "evicted": []}
-    _wait(lambda: _call("GET", router + "/instances")["encode"] == want_roster, "the other proxy sees the encoder")
+    eventually_sync(
+        lambda: _call("GET", router + "/instances")["encode"] == want_roster,
+        timeout=30,
+        what="the other proxy sees the encoder",
+    )
     assert _call("GET", router + "/instances")["prefill_decode"]["live"] == [stack.pd_url]
 
     images = [make_image(seed) for seed in range(30_000, 30_003)]

@@ -8,19 +8,60 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+# What a message is: text, or a function asked only once the deadline passed (to say what was seen last).
+What = str | Callable[[], str]
 
-async def eventually(check: Callable[[], Any], *, timeout: float = 10.0, interval: float = 0.02, what: str = "") -> Any:
-    """Call `check` (plain or async) until it returns something truthy, and return that."""
+
+def _failure(timeout: float, what: What, check: Callable[[], Any]) -> AssertionError:
+    said = what() if callable(what) else what
+    return AssertionError(f"not true within {timeout:g}s: {said or check}")
+
+
+async def eventually(
+    check: Callable[[], Any],
+    *,
+    timeout: float = 10.0,
+    interval: float = 0.02,
+    what: What = "",
+    ignoring: tuple[type[BaseException], ...] = (),
+) -> Any:
+    """Call `check` (plain or async) until it returns something truthy, and return that. An exception
+    of a type in `ignoring` counts as not yet (a server still starting), any other one fails at once."""
     deadline = time.monotonic() + timeout
     while True:
-        result = check()
-        if inspect.isawaitable(result):
-            result = await result
+        try:
+            result = check()
+            if inspect.isawaitable(result):
+                result = await result
+        except ignoring:
+            result = None
         if result:
             return result
         if time.monotonic() > deadline:
-            raise AssertionError(f"not true within {timeout:g}s: {what or check}")
+            raise _failure(timeout, what, check)
         await asyncio.sleep(interval)
+
+
+def eventually_sync(
+    check: Callable[[], Any],
+    *,
+    timeout: float = 10.0,
+    interval: float = 0.1,
+    what: What = "",
+    ignoring: tuple[type[BaseException], ...] = (),
+) -> Any:
+    """`eventually` for tests that block (threads, subprocesses) rather than run on an event loop."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            result = check()
+        except ignoring:
+            result = None
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise _failure(timeout, what, check)
+        time.sleep(interval)
 
 
 async def get_json(client, url: str) -> tuple[int, Any]:

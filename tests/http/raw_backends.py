@@ -87,12 +87,6 @@ async def failure_of(awaitable) -> UpstreamFailure:
     return err.value
 
 
-async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not condition():
-            await asyncio.sleep(0.01)
-
-
 async def keep_answering(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     while True:
         await read_request(reader)

@@ -25,7 +25,8 @@ from epd_proxy.upstream import (
     Upstream,
     UpstreamFailure,
 )
-from tests.http.raw_backends import answer, call, echo_tags, failure_of, keep_answering, read_request, tag_of, until
+from tests.http.polling import eventually
+from tests.http.raw_backends import answer, call, echo_tags, failure_of, keep_answering, read_request, tag_of
 
 
 async def post(pool: Upstream, inst: Instance, body: bytes, stage: str = "decode", **options):
@@ -81,7 +82,7 @@ async def test_bytes_on_an_idle_connection_close_it_and_never_reach_the_next_exc
     pool, inst = upstream(on_refused=refusals), Instance(backend.url, "decode")
     assert (await post(pool, inst, b"one")).body == b"one"
     parked.set()
-    await until(lambda: refusals.seen == [("idle", "unsolicited")])
+    await eventually(lambda: refusals.seen == [("idle", "unsolicited")])
     assert (await post(pool, inst, b"two")).body == b"two"
     assert backend.connections == 2
 
@@ -249,7 +250,7 @@ async def test_an_instance_that_leaves_takes_its_pool_state_with_it(peer, upstre
     assert inst.url in pool._origins and inst.url in pool._slots
     pool.left(inst)
     assert inst.url not in pool._origins and inst.url not in pool._slots
-    await until(lambda: backend.closed_by_client == 1)
+    await eventually(lambda: backend.closed_by_client == 1)
 
 
 async def test_under_concurrency_every_caller_gets_exactly_its_own_answer(peer, upstream):
@@ -297,5 +298,5 @@ async def test_under_concurrency_every_caller_gets_exactly_its_own_answer(peer, 
 
     await asyncio.gather(*(client(n) for n in range(40)))
     assert outcomes["own"] > 500 and outcomes["failed"] > 0
-    await until(lambda: pool.connections_in_use() == 0)
+    await eventually(lambda: pool.connections_in_use() == 0)
     assert inst.inflight == 0

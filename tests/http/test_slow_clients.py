@@ -4,25 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 
 import aiohttp
 import orjson
 import pytest
 
+from tests.http.polling import eventually
 from tests.media import chat, image
 from tests.serve_process import serve_process, wait_healthy
 
 DEADLINE_S = 15.0
 JSON = {"Content-Type": "application/json"}
-
-
-async def poll(condition: Callable[[], bool], what: str, deadline_s: float = DEADLINE_S) -> None:
-    deadline = time.monotonic() + deadline_s
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 def upload_head(length: int, path: str = "/v1/chat/completions") -> bytes:
@@ -72,7 +64,9 @@ async def test_stalled_uploads_leave_admission_to_the_other_clients(serve_proxy)
             stalled.append(writer)
         # Their heads are parsed and their handlers run: they hold whatever a request holds while
         # its body is still on the way.
-        await poll(lambda: proxy.handlers_in_progress() == 3, "three stalled uploads inside the proxy")
+        await eventually(
+            lambda: proxy.handlers_in_progress() == 3, what="three stalled uploads inside the proxy", timeout=DEADLINE_S
+        )
         for round_ in range(2):  # up to the limit at once, twice
             results = await asyncio.gather(*(proxy.chat(chat(image(f"{round_}-{n}"))) for n in range(3)))
             assert [status for status, _ in results] == [200] * 3, results
@@ -158,7 +152,7 @@ async def test_a_connection_that_sends_nothing_is_closed_after_the_header_timeou
     finally:
         writer.close()
     assert time.monotonic() - started >= 0.9
-    await poll(lambda: proxy.gate.open == 0, "the proxy to forget the connection")
+    await eventually(lambda: proxy.gate.open == 0, what="the proxy to forget the connection", timeout=DEADLINE_S)
 
 
 async def test_an_idle_kept_alive_connection_is_closed_after_the_keepalive_timeout(serve_proxy):
@@ -183,7 +177,7 @@ async def test_connections_over_the_limit_are_refused_while_the_others_are_serve
     proxy = await serve_proxy(max_client_connections=4, client_header_timeout_s=60.0)
     idle = [await asyncio.open_connection(proxy.host, proxy.port) for _ in range(3)]
     try:
-        await poll(lambda: proxy.gate.open == 3, "three idle connections to be counted")
+        await eventually(lambda: proxy.gate.open == 3, what="three idle connections to be counted", timeout=DEADLINE_S)
         # The fourth: one kept-alive client connection that keeps being served.
         client = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1))
         try:
@@ -207,7 +201,9 @@ async def test_connections_over_the_limit_are_refused_while_the_others_are_serve
             assert "epd_client_connections 4.0" in text
             # A slot freed is a slot for the next client.
             idle.pop()[1].close()
-            await poll(lambda: proxy.gate.open == 3, "the closed connection to be released")
+            await eventually(
+                lambda: proxy.gate.open == 3, what="the closed connection to be released", timeout=DEADLINE_S
+            )
             async with proxy.client.get(f"{proxy.url}/health") as resp:
                 assert resp.status == 200
         finally:
@@ -291,11 +287,12 @@ async def test_memory_stays_bounded_under_many_slow_uploads_and_drops_back(limit
             )
             assert peak_growth <= limit * max_body, f"peak RSS grew {peak_growth / 1e6:.1f} MB"
             # Gone, and given back (within a few MB of the baseline).
-            deadline = time.monotonic() + 30
-            while rss_bytes(proc.pid) - baseline > 8e6:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"RSS stays {(rss_bytes(proc.pid) - baseline) / 1e6:.1f} MB above the baseline")
-                await asyncio.sleep(0.2)
+            await eventually(
+                lambda: rss_bytes(proc.pid) - baseline <= 8e6,
+                timeout=30,
+                interval=0.2,
+                what=lambda: f"RSS stays {(rss_bytes(proc.pid) - baseline) / 1e6:.1f} MB above the baseline",
+            )
             print(f"limit {limit}: {(rss_bytes(proc.pid) - baseline) / 1e6:.1f} MB above the baseline after")
             async with client.post(f"{url}/v1/chat/completions", json=chat(image("after"))) as resp:
                 assert resp.status == 200

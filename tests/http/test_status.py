@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 
+from tests.http.polling import eventually
 from tests.media import chat, image
 
 
@@ -17,13 +17,16 @@ async def status_json(stack) -> dict:
 
 
 async def poll(stack, predicate, timeout_s: float = 20.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        snap = await status_json(stack)
-        if predicate(snap):
-            return snap
-        assert time.monotonic() < deadline, f"status never matched; last: {snap}"
-        await asyncio.sleep(0.05)
+    """The first /status.json snapshot that satisfies `predicate`."""
+    last: list[dict] = []
+
+    async def matched() -> dict | None:
+        last[:] = [await status_json(stack)]
+        return last[0] if predicate(last[0]) else None
+
+    return await eventually(
+        matched, timeout=timeout_s, interval=0.05, what=lambda: f"status never matched; last: {last[0]}"
+    )
 
 
 async def test_status_json_reports_roster_window_and_totals(make_stack):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import tracemalloc
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import orjson
 
 import epd_proxy.app
 from epd_proxy.app import STATE
+from tests.http.polling import eventually
 from tests.media import chat, image
 
 VLLM_ERROR = {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}
@@ -34,13 +34,6 @@ def events(raw: bytes) -> list:
 
 def text_of(evs: list) -> str:
     return "".join(e["choices"][0]["delta"].get("content", "") for e in evs if isinstance(e, dict) and e.get("choices"))
-
-
-async def until(condition, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
 
 
 def state_of(stack):
@@ -116,8 +109,8 @@ async def test_stream_silent_after_content_gets_an_error_event_and_frees_everyth
     assert evs[-1] == "[DONE]" and error["code"] == 504 and error["stage"] == "decode"
     assert "timed out" in error["message"]
     state = state_of(stack)
-    await until(lambda: stack.pd.cancelled == 1)
-    await until(lambda: state.inflight == 0 and all(i.inflight == 0 for i in state.fleet.all()))
+    await eventually(lambda: stack.pd.cancelled == 1)
+    await eventually(lambda: state.inflight == 0 and all(i.inflight == 0 for i in state.fleet.all()))
 
 
 async def test_non_streaming_answer_silent_after_headers_is_504(make_stack):
@@ -128,7 +121,7 @@ async def test_non_streaming_answer_silent_after_headers_is_504(make_stack):
             assert resp.status == 504
             error = (await resp.json())["error"]
     assert error["stage"] == "decode" and error["backend"] == stack.pd_url
-    await until(lambda: stack.pd.cancelled == 1)
+    await eventually(lambda: stack.pd.cancelled == 1)
     assert state_of(stack).inflight == 0
 
 
@@ -171,12 +164,12 @@ async def test_client_leaving_mid_stream_is_a_client_disconnect(make_stack, capl
         await resp.content.read(200)
         resp.close()
         await client.close()
-        await until(lambda: any(r.name == "epd_proxy.request" for r in caplog.records))
+        await eventually(lambda: any(r.name == "epd_proxy.request" for r in caplog.records))
     [record] = [r for r in caplog.records if r.name == "epd_proxy.request"]
     assert record.fields["outcome"] == "client_disconnect" and record.fields["status"] == 499
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("epd_proxy")]
     assert 'epd_requests_total{status="499"} 1.0' in await metric_lines(stack)
-    await until(lambda: stack.pd.cancelled == 1)
+    await eventually(lambda: stack.pd.cancelled == 1)
 
 
 # -- 4. memory of a long stream --------------------------------------------------------------------
@@ -224,4 +217,4 @@ async def test_waiting_for_a_decode_connection_is_bounded_by_the_decode_timeout(
     finally:
         first.close()
     state = state_of(stack)
-    await until(lambda: state.inflight == 0 and all(i.inflight == 0 for i in state.fleet.all()))
+    await eventually(lambda: state.inflight == 0 and all(i.inflight == 0 for i in state.fleet.all()))

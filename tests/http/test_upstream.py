@@ -20,7 +20,8 @@ from epd_proxy.upstream import (
     Timeouts,
     UpstreamFailure,
 )
-from tests.http.raw_backends import OK, call, failure_of, keep_answering, read_request, until
+from tests.http.polling import eventually
+from tests.http.raw_backends import OK, call, failure_of, keep_answering, read_request
 
 
 async def answer_ok(reader, writer):
@@ -82,7 +83,7 @@ async def test_headers_timeout_closes_the_connection(peer, upstream):
     failure = await failure_of(call(upstream(), inst, Timeouts(headers=0.2)))
     assert failure.kind == HEADERS_TIMEOUT and failure.status == 504
     assert failure.message == "Encoder request timed out after 0.2s waiting for the answer"
-    await until(lambda: backend.closed_by_client == 1)
+    await eventually(lambda: backend.closed_by_client == 1)
     assert inst.inflight == 0
 
 
@@ -94,7 +95,7 @@ async def test_the_total_limit_covers_the_body_and_is_named(peer, upstream):
     backend = await peer(slow_body)
     failure = await failure_of(call(upstream(), Instance(backend.url, "encode"), Timeouts(total=0.3)))
     assert failure.kind == IDLE_TIMEOUT and failure.limit_s == 0.3 and failure.status == 504
-    await until(lambda: backend.closed_by_client == 1)
+    await eventually(lambda: backend.closed_by_client == 1)
 
 
 async def test_stream_idle_timeout_between_chunks(peer, upstream):
@@ -113,7 +114,7 @@ async def test_stream_idle_timeout_between_chunks(peer, upstream):
             received.append(chunk)
     assert received == [b"first"] and err.value.kind == IDLE_TIMEOUT and err.value.limit_s == 0.2
     assert inst.inflight == 0
-    await until(lambda: backend.closed_by_client == 1)
+    await eventually(lambda: backend.closed_by_client == 1)
     answer.release()  # idempotent
     assert inst.inflight == 0
 
@@ -181,11 +182,11 @@ async def test_cancelling_a_call_closes_its_connection(peer, upstream):
     backend = await peer(silent)
     inst = Instance(backend.url, "encode")
     task = asyncio.create_task(call(upstream(), inst))
-    await until(lambda: backend.connections == 1)
+    await eventually(lambda: backend.connections == 1)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await until(lambda: backend.closed_by_client == 1)
+    await eventually(lambda: backend.closed_by_client == 1)
     assert inst.inflight == 0
 
 
@@ -249,7 +250,7 @@ async def test_idle_connections_retire_after_keep_alive(peer, upstream):
     backend = await peer(keep_answering)
     pool, inst = upstream(keep_alive_s=0.2), Instance(backend.url, "encode")
     assert (await call(pool, inst)).status == 200
-    await until(lambda: backend.closed_by_client == 1)
+    await eventually(lambda: backend.closed_by_client == 1)
     assert (await call(pool, inst)).status == 200
     assert backend.connections == 2 and pool.connections_in_use() == 0
 
