@@ -1,11 +1,34 @@
-"""The one configuration object: every default lives here, and topology rules are checked once."""
+"""The one configuration object. Each field declares its option once (flag, environment variable,
+kind, help); the command line (cli.py), the README's option table and every check come from that.
+
+A value is checked once, here, whichever way it arrived: the command line only turns text into
+values, so a flag out of its limits and a field set out of its limits in code fail with the same
+message. `python -m epd_proxy.config` prints the README's table.
+"""
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+from urllib.parse import urlsplit
 
-from epd_proxy.extract import MEDIA_HASHES
+# The names a user may pick. Their implementations (extract.MEDIA_HASHES, routing.POLICIES) are
+# keyed by them; declared here so that the configuration depends on no component.
+MEDIA_HASH_NAMES = ("sha256", "blake3")
+ENCODE_POLICIES = ("round_robin", "least_loaded", "content_affinity", "random", "power_of_two")
+SERVING_POLICIES = ("least_loaded", "power_of_two", "round_robin", "random")
+LOG_FORMATS = ("text", "json")
+LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
+ROSTER_SCHEMES = ("redis", "rediss", "unix")
+
+# The groups of `epd-proxy serve --help`, in this order.
+REFERENCE = "reference proxy flags (same meaning as vLLM's disagg_epd_proxy.py)"
+OURS = "epd-proxy flags"
+CLIENTS = "client side (slow and greedy clients)"
+GROUPS = (REFERENCE, OURS, CLIENTS)
 
 _DISABLED_PREFILL = {"", "none", "disable", "disabled"}
 
@@ -20,124 +43,504 @@ def split_urls(value: str | None) -> tuple[str, ...]:
     return tuple(url.strip().rstrip("/") for url in value.split(",") if url.strip())
 
 
+class Kind:
+    """What an option's text means (`parse`, which raises ValueError on text that is not of the
+    kind) and which values it takes (`problem`, None when the value is fine)."""
+
+    metavar: ClassVar[str] = "TEXT"
+    # Text is taken as written (a key may hold spaces); other kinds strip it, and an empty
+    # environment variable counts as unset.
+    verbatim: ClassVar[bool] = False
+
+    def parse(self, text: str) -> Any:
+        return text
+
+    def problem(self, value: Any) -> str | None:
+        return None
+
+
+@dataclass(frozen=True)
+class Text(Kind):
+    # When set, a non-empty value must be a URL with one of these schemes.
+    schemes: tuple[str, ...] = ()
+    verbatim: ClassVar[bool] = True
+
+    def problem(self, value: str) -> str | None:
+        if value and self.schemes and value.split("://", 1)[0] not in self.schemes:
+            names = [f"{scheme}://" for scheme in self.schemes]
+            return f"must be a {', '.join(names[:-1])} or {names[-1]} URL, got {value!r}"
+        return None
+
+
+@dataclass(frozen=True)
+class Switch(Kind):
+    """A flag without a value: giving it sets the field to `value`."""
+
+    value: bool = True
+
+
+@dataclass(frozen=True)
+class Count(Kind):
+    minimum: int = 0
+    maximum: int | None = None
+    metavar: ClassVar[str] = "N"
+
+    def parse(self, text: str) -> int:
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"expected an integer, got {text!r}") from None
+
+    def problem(self, value: int) -> str | None:
+        if self.maximum is not None and not self.minimum <= value <= self.maximum:
+            return f"must be within {self.minimum}..{self.maximum}, got {value}"
+        if value < self.minimum:
+            return f"must be >= {self.minimum}, got {value}"
+        return None
+
+
+@dataclass(frozen=True)
+class Number(Kind):
+    """Seconds, any value: what a negative one means is the option's to say."""
+
+    metavar: ClassVar[str] = "SECONDS"
+
+    def parse(self, text: str) -> float:
+        try:
+            number = float(text)
+        except ValueError:
+            number = math.nan
+        if math.isnan(number):
+            raise ValueError(f"expected a number of seconds, got {text!r}")
+        return number
+
+
+@dataclass(frozen=True)
+class Seconds(Number):
+    # 0 refused; with `zero_is_none`, a 0 on the command line means no limit (None).
+    positive: bool = False
+    zero_is_none: bool = False
+
+    def parse(self, text: str) -> float | None:
+        number = super().parse(text)
+        return None if self.zero_is_none and number == 0 else number
+
+    def problem(self, value: float | None) -> str | None:
+        if self.zero_is_none:
+            if value is None or value > 0:
+                return None
+            if value == 0:
+                return "must be > 0 seconds, or None for no limit, got 0"
+            return f"must be >= 0 seconds (0 = none), got {value:g}"
+        if value < 0 or (value == 0 and self.positive):
+            return f"must be {'> 0' if self.positive else '>= 0'} seconds, got {value:g}"
+        return None
+
+
+@dataclass(frozen=True)
+class Choice(Kind):
+    choices: tuple[str, ...]
+    upper: bool = False  # any case on the command line
+
+    @property
+    def metavar(self) -> str:
+        return "{" + ",".join(self.choices) + "}"
+
+    def parse(self, text: str) -> str:
+        return text.upper() if self.upper else text
+
+    def problem(self, value: str) -> str | None:
+        if value not in self.choices:
+            return f"invalid choice: {value!r} (choose from {', '.join(self.choices)})"
+        return None
+
+
+@dataclass(frozen=True)
+class CommaList(Kind):
+    """A comma list; `none`, `disable` or empty is the empty list."""
+
+    http_urls: bool = True
+    metavar: ClassVar[str] = "URLS"
+
+    def parse(self, text: str) -> tuple[str, ...]:
+        return split_urls(text)
+
+    def problem(self, value: tuple[str, ...]) -> str | None:
+        # Here so that a typo is a usage error at startup, not a failure on the first request.
+        for url in value if self.http_urls else ():
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                return f"{url!r} is not an http:// or https:// URL with a host"
+            try:
+                _ = parts.port
+            except ValueError:
+                return f"{url!r} has an invalid port"
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    kind: Kind
+    # Markdown, for the README; `--help` shows it without the markup.
+    help: str
+    flag: str | None = None
+    env: str | None = None
+    group: str = OURS
+    metavar: str | None = None
+    # How the default reads, when not as the value itself.
+    shown: str | None = None
+
+    @property
+    def label(self) -> str:
+        """How an error names the option."""
+        if self.flag and self.env:
+            return f"argument {self.flag} (or {self.env})"
+        return f"argument {self.flag}" if self.flag else self.env or ""
+
+
+def option(default: Any, kind: Kind, help: str, **declaration: Any) -> Any:
+    return field(default=default, metadata={"option": Option(kind, help, **declaration)})
+
+
 @dataclass(frozen=True, slots=True)
 class Config:
-    encode_urls: tuple[str, ...] = ()
-    decode_urls: tuple[str, ...] = ()
-    prefill_urls: tuple[str, ...] = ()
-    host: str = "0.0.0.0"
-    port: int = 8000
-    decode_retries: int = 1
-    rewrite: bool = True
-    ec_consumer_zmq_addrs: tuple[str, ...] = ()
-    ec_consumer_dp_size: int = 1
-    log_requests: bool = False
-    # Images per encoder sub-request; 0 means one sub-request per encoder.
-    encoder_max_batch_size: int = 0
+    host: str = option("0.0.0.0", Text(), "address to listen on", flag="--host", group=REFERENCE, metavar="HOST")
+    port: int = option(8000, Count(0, 65535), "port to listen on", flag="--port", group=REFERENCE)
+    encode_urls: tuple[str, ...] = option(
+        (),
+        CommaList(),
+        "comma list of encoder (E) URLs; required in static mode",
+        flag="--encode-servers-urls",
+        group=REFERENCE,
+    )
+    prefill_urls: tuple[str, ...] = option(
+        (),
+        CommaList(),
+        "comma list of prefill (P) URLs; `none`, `disable` or empty = E+PD",
+        flag="--prefill-servers-urls",
+        group=REFERENCE,
+        shown="none",
+    )
+    decode_urls: tuple[str, ...] = option(
+        (),
+        CommaList(),
+        "comma list of decode (D) or PD URLs; required in static mode",
+        flag="--decode-servers-urls",
+        group=REFERENCE,
+    )
+    decode_retries: int = option(
+        1,
+        Count(0),
+        "on a consumer HTTP 500 (decode, or prefill in E+P+D), or an error event in decode's stream before any "
+        "generated text, re-encode and resend; 0 disables; see "
+        "[Failure behaviour](#failure-behaviour-better-than-the-reference)",
+        flag="--decode-retries",
+        group=REFERENCE,
+    )
+    rewrite: bool = option(
+        True,
+        Switch(False),
+        "forward raw media to P/D and attach only the EC handles",
+        flag="--no-rewrite",
+        group=REFERENCE,
+    )
+    ec_consumer_zmq_addrs: tuple[str, ...] = option(
+        (),
+        CommaList(http_urls=False),
+        "Mooncake EC consumer control addresses, aligned with `--decode-servers-urls` (E+PD only)",
+        flag="--ec-consumer-zmq-addrs",
+        group=REFERENCE,
+        metavar="ADDRS",
+    )
+    ec_consumer_dp_size: int = option(
+        1,
+        Count(1),
+        "data-parallel replicas per consumer; list each server's addresses consecutively",
+        flag="--ec-consumer-dp-size",
+        group=REFERENCE,
+    )
+    log_requests: bool = option(
+        False, Switch(), "log every HTTP request at DEBUG level", flag="--log-requests", group=REFERENCE
+    )
+    dynamic_registration: bool = option(
+        False,
+        Switch(),
+        "start with an empty fleet; instances join and leave via `/instances` (needs env `ADMIN_API_KEY`; "
+        "URL flags are then refused)",
+        flag="--dynamic-registration",
+        group=REFERENCE,
+    )
+    admin_api_key: str = option(
+        "",
+        Text(),
+        "dynamic mode: required in `X-API-Key` on `POST`/`DELETE /instances` (constant-time compare); once "
+        "clients authenticate, on profiling too",
+        env="ADMIN_API_KEY",
+    )
+    probe_interval_s: float = option(
+        5.0,
+        Seconds(),
+        "seconds between active `GET /health` checks of every instance (both modes, own connections); 0 disables",
+        flag="--probe-interval",
+        group=REFERENCE,
+    )
+    probe_timeout_s: float = option(
+        2.0, Seconds(positive=True), "seconds a check may take", flag="--probe-timeout", group=REFERENCE
+    )
+    fail_threshold: int = option(
+        3,
+        Count(1),
+        "consecutive failed checks (down), or consecutive transport failures on live traffic (ejected), that take "
+        "an instance out of rotation; see [Health](#health-who-takes-traffic)",
+        flag="--fail-threshold",
+        group=REFERENCE,
+    )
+    evicted_ttl_s: float = option(
+        900.0,
+        Seconds(),
+        "dynamic mode: forget instances out of rotation (no success since) for this long; 0 = never",
+        flag="--evicted-ttl",
+        group=REFERENCE,
+    )
+    ejection_time_s: float = option(
+        30.0,
+        Seconds(positive=True),
+        "seconds an instance stays ejected by outlier detection (transport, 5xx or gateway failures in a row); "
+        "doubles per repeat without a success in between",
+        flag="--ejection-time",
+    )
+    max_ejection_time_s: float = option(
+        300.0, Seconds(), "cap on the doubled ejection time", flag="--max-ejection-time"
+    )
+    max_ejection_percent: int = option(
+        50,
+        Count(0, 100),
+        "most of a role's instances outlier detection may eject at once; one always stays",
+        flag="--max-ejection-percent",
+    )
+    # 5 is Envoy's default for both: vLLM answers 500 for some single bad inputs, so a lower count
+    # would eject healthy instances.
+    consecutive_5xx: int = option(
+        5,
+        Count(0),
+        "answers with a 5xx status in a row on live traffic that eject an instance (Envoy's `consecutive_5xx`); "
+        "0 = off; 4xx never counts, and a request's retries count once; see [Health](#health-who-takes-traffic) "
+        "for why not fewer",
+        flag="--consecutive-5xx",
+    )
+    consecutive_gateway_failure: int = option(
+        5,
+        Count(0),
+        "gateway failures in a row (502, 503, 504 answers and transport failures alike) that eject an instance "
+        "(Envoy's `consecutive_gateway_failure`); 0 = off",
+        flag="--consecutive-gateway-failure",
+    )
+    encoder_max_batch_size: int = option(
+        0,
+        Count(0),
+        "images per encoder sub-request, 0 = unlimited (one sub-request per encoder)",
+        flag="--encoder-max-batch-size",
+        env="ENCODER_MAX_BATCH_SIZE",
+    )
+    encode_policy: str = option(
+        "round_robin",
+        Choice(ENCODE_POLICIES),
+        "how items are spread over encoders: `round_robin` (the reference's per-item rotation), `least_loaded`, "
+        "`content_affinity` (consistent hashing of the content uuid with a 1.25x load bound, so a repeated image "
+        "lands where it is cached), `random`, `power_of_two`",
+        flag="--encode-policy",
+    )
+    prefill_policy: str = option(
+        "least_loaded",
+        Choice(SERVING_POLICIES),
+        "how a prefill instance is chosen per request: `least_loaded` (in-flight count), `power_of_two`, "
+        "`round_robin`, `random`",
+        flag="--prefill-policy",
+    )
+    decode_policy: str = option(
+        "least_loaded",
+        Choice(SERVING_POLICIES),
+        "how a decode (or PD) instance is chosen per request, as `--prefill-policy`",
+        flag="--decode-policy",
+    )
+    encoder_failovers: int = option(
+        1,
+        Count(0),
+        "other encoders a failed encoder sub-request (transport error, timeout, 5xx) is retried on; 4xx is never "
+        "retried",
+        flag="--encoder-failovers",
+    )
+    connect_timeout_s: float = option(
+        10.0,
+        Seconds(positive=True),
+        "seconds to open a connection to an encoder, prefill or decode instance, within the stage's own limit",
+        flag="--connect-timeout",
+    )
+    encode_timeout_s: float | None = option(
+        300.0,
+        Seconds(zero_is_none=True),
+        "seconds per encoder sub-request (0 = none); 504 naming the stage",
+        flag="--encode-timeout",
+    )
+    prefill_timeout_s: float | None = option(
+        600.0, Seconds(zero_is_none=True), "seconds for prefill (0 = none)", flag="--prefill-timeout"
+    )
+    decode_timeout_s: float | None = option(
+        600.0,
+        Seconds(zero_is_none=True),
+        "seconds until decode's response headers, and separately the longest wait for a free decode connection "
+        "under `--max-connections-per-backend` (0 = none)",
+        flag="--decode-timeout",
+    )
+    stream_idle_timeout_s: float | None = option(
+        300.0,
+        Seconds(zero_is_none=True),
+        "longest silence between two chunks of decode's answer once its headers arrived (0 = none)",
+        flag="--stream-idle-timeout",
+    )
     # vLLM (uvicorn) closes idle connections after this many seconds; we pool for half of it.
-    backend_keep_alive_s: float = 5.0
-    # Seconds; None disables the limit. Decode's limit covers the wait for response headers.
-    encode_timeout_s: float | None = 300.0
-    prefill_timeout_s: float | None = 600.0
-    decode_timeout_s: float | None = 600.0
-    # Longest silence between two chunks of decode's answer once its headers arrived.
-    stream_idle_timeout_s: float | None = 300.0
-    connect_timeout_s: float = 10.0
-    max_body_bytes: int = 64 * 1024 * 1024
-    max_media_items: int = 256
-    # Open connections per backend instance; 0 = unlimited (requests queue for a free one).
-    max_connections_per_backend: int = 0
-    # Requests in flight beyond which new ones get 503 + Retry-After; 0 = unlimited.
-    max_inflight: int = 0
-    # Client side (nginx's client_header_timeout, client_body_timeout, keepalive_timeout), seconds;
-    # header and body 0 = none. Open client connections beyond max_client_connections are refused.
-    client_header_timeout_s: float = 60.0
-    client_body_timeout_s: float = 60.0
-    client_keepalive_timeout_s: float = 75.0
-    max_client_connections: int = 1024
-    dynamic_registration: bool = False
-    admin_api_key: str = ""
-    # Health probing of every instance (both modes); interval 0 disables it.
-    probe_interval_s: float = 5.0
-    probe_timeout_s: float = 2.0
-    fail_threshold: int = 3
-    # Dynamic mode forgets instances evicted for longer than this; 0 = never.
-    evicted_ttl_s: float = 900.0
-    # Passive outlier detection: first ejection length, doubled per repeat up to the cap.
-    ejection_time_s: float = 30.0
-    max_ejection_time_s: float = 300.0
-    # Share of a role's instances that outlier detection may eject at once (one always stays).
-    max_ejection_percent: int = 50
-    # Outlier detection on answers (health.py), 0 = off. 5 is Envoy's default for both: vLLM
-    # answers 500 for some single bad inputs, so a lower count would eject healthy instances.
-    consecutive_5xx: int = 5
-    consecutive_gateway_failure: int = 5
-    # Dynamic mode: the roster lives in this store (redis://host:port/db?prefix=...), shared by
-    # every proxy process; empty = in-process roster, one worker.
-    roster_url: str = ""
-    log_format: str = "text"
-    # How many other encoders a failed sub-request may be retried on (transport error, timeout, 5xx).
-    encoder_failovers: int = 1
-    # Honour client uuids, *_embeds parts and ec/kv_transfer_params (only behind a trusted router).
-    trust_client_fields: bool = False
-    # How media are named for the encoder cache (extract.MEDIA_HASHES): the reference's sha256, or blake3.
-    media_hash: str = "sha256"
-    encode_policy: str = "round_robin"
-    prefill_policy: str = "least_loaded"
-    decode_policy: str = "least_loaded"
-    # Bearer token for every backend call and probe (vLLM started with --api-key).
-    backend_api_key: str = ""
-    # Bearer token for profiling calls only ($OPENAI_API_KEY, as in the reference proxy).
-    profile_api_key: str = ""
-    # Clients must present `Authorization: Bearer <api_key>` on /v1/* when set.
-    api_key: str = ""
+    backend_keep_alive_s: float = option(
+        5.0,
+        Number(),
+        "the backends' keep-alive in seconds; idle pooled connections retire after half of it (`<= 0`: no reuse)",
+        env="VLLM_HTTP_TIMEOUT_KEEP_ALIVE",
+    )
+    max_inflight: int = option(
+        0,
+        Count(0),
+        "requests in flight beyond which new ones get 503 with `Retry-After: 1` (0 = unlimited); a request counts "
+        "once its body is read and validated",
+        flag="--max-inflight",
+    )
+    max_body_bytes: int = option(64 * 1024 * 1024, Count(1), "larger request bodies get 413", flag="--max-body-bytes")
+    # nginx's client_header_timeout, client_body_timeout and keepalive_timeout.
+    client_header_timeout_s: float = option(
+        60.0,
+        Seconds(),
+        "seconds for a whole request head (from accept, or from its first byte on a kept-alive connection); then "
+        "408 and close; 0 = none",
+        flag="--client-header-timeout",
+        group=CLIENTS,
+    )
+    client_body_timeout_s: float = option(
+        60.0,
+        Seconds(),
+        "seconds allowed between two reads of a request body (nginx's meaning); then 408 and close; 0 = none",
+        flag="--client-body-timeout",
+        group=CLIENTS,
+    )
+    client_keepalive_timeout_s: float = option(
+        75.0,
+        Seconds(),
+        "seconds an idle kept-alive client connection stays open",
+        flag="--client-keepalive-timeout",
+        group=CLIENTS,
+    )
+    max_client_connections: int = option(
+        1024,
+        Count(0),
+        "open client connections, all workers together; more are answered 503 and closed at accept (0 = unlimited)",
+        flag="--max-client-connections",
+        group=CLIENTS,
+    )
+    max_media_items: int = option(256, Count(1), "more media items in one request get 400", flag="--max-media-items")
+    max_connections_per_backend: int = option(
+        0,
+        Count(0),
+        "open connections per backend instance (0 = unlimited); requests queue for a free one",
+        flag="--max-connections-per-backend",
+    )
+    media_hash: str = option(
+        "sha256",
+        Choice(MEDIA_HASH_NAMES),
+        "how media are named for the encoder cache: `sha256` of the URL, as the reference proxy names them "
+        "(fleets mixing both proxies, or an EC store warmed by the reference, keep their cache keys), or `blake3`, "
+        "as collision-resistant and about three times cheaper (0.10 vs 0.31 ms per 628 KB request here, the "
+        "benchmark's floor line)",
+        flag="--media-hash",
+    )
+    trust_client_fields: bool = option(
+        False,
+        Switch(),
+        "accept client `uuid`s, `*_embeds` parts and `ec_transfer_params`/`kv_transfer_params` (only behind a "
+        "trusted router); parts naming two kinds stay a 400",
+        flag="--trust-client-fields",
+    )
+    api_key: str = option(
+        "",
+        Text(),
+        "clients must send `Authorization: Bearer <key>` on `/v1/*` (401 otherwise), as `vllm serve --api-key`; "
+        "prefer the env, as a flag shows in the process list",
+        flag="--api-key",
+        env="EPD_API_KEY",
+        metavar="KEY",
+    )
+    backend_api_key: str = option(
+        "",
+        Text(),
+        "bearer token sent to every backend call and health probe (vLLM started with `--api-key`)",
+        flag="--backend-api-key",
+        env="EPD_BACKEND_API_KEY",
+        metavar="KEY",
+    )
+    profile_api_key: str = option(
+        "",
+        Text(),
+        "bearer token for profiling calls only (as in the reference); falls back to the backend key",
+        env="OPENAI_API_KEY",
+    )
+    workers: int = option(
+        1,
+        Count(1),
+        "proxy processes sharing the port (`SO_REUSEPORT`); each has its own cursor and pool, `/metrics` adds them "
+        'all up; a worker that dies is replaced (see "Scaling out"); in dynamic mode only with `--roster`',
+        flag="--workers",
+    )
+    roster_url: str = option(
+        "",
+        Text(ROSTER_SCHEMES),
+        "dynamic mode: keep the roster in Redis, `redis://host:6379/0?prefix=epd` (also `rediss://`, `unix://`), "
+        'shared by every worker and replica; see "Scaling out"',
+        flag="--roster",
+        metavar="URL",
+    )
+    log_format: str = option(
+        "text",
+        Choice(LOG_FORMATS),
+        "`text` or `json` (one object per line; the request line carries its fields)",
+        flag="--log-format",
+    )
+    log_level: str = option(
+        "INFO",
+        Choice(LOG_LEVELS, upper=True),
+        "proxy log level, any case; one line per request at INFO",
+        flag="--log-level",
+    )
 
     def __post_init__(self) -> None:
+        for name, _, declared in options():
+            if problem := declared.kind.problem(getattr(self, name)):
+                raise ConfigError(f"{declared.label}: {problem}")
+        self._check_topology()
+
+    def _check_topology(self) -> None:
+        """The rules that involve several options."""
         if self.dynamic_registration:
             if self.encode_urls or self.decode_urls or self.prefill_urls or self.ec_consumer_zmq_addrs:
                 raise ConfigError("--dynamic-registration takes instances from POST /instances, not from URL flags")
             if not self.admin_api_key:
                 raise ConfigError("--dynamic-registration needs ADMIN_API_KEY in the environment")
+            if self.workers > 1 and not self.roster_url:
+                raise ConfigError(
+                    "--workers > 1 in dynamic mode needs --roster: each worker would hold its own registry"
+                )
         else:
             if not self.decode_urls:
                 raise ConfigError("--decode-servers-urls needs at least one URL")
             if not self.encode_urls:
                 raise ConfigError("--encode-servers-urls needs at least one URL")
-        if self.roster_url:
-            if not self.dynamic_registration:
-                raise ConfigError("--roster holds the dynamic roster: add --dynamic-registration")
-            if self.roster_url.split("://", 1)[0] not in ("redis", "rediss", "unix"):
-                raise ConfigError(f"--roster must be a redis://, rediss:// or unix:// URL, got {self.roster_url!r}")
-        if self.fail_threshold < 1:
-            raise ConfigError(f"--fail-threshold must be >= 1, got {self.fail_threshold}")
-        for name in ("consecutive_5xx", "consecutive_gateway_failure"):
-            if getattr(self, name) < 0:
-                flag = "--" + name.replace("_", "-")
-                raise ConfigError(f"{flag} must be >= 0 (0 = off), got {getattr(self, name)}")
-        if self.ejection_time_s <= 0:
-            raise ConfigError(f"--ejection-time must be > 0, got {self.ejection_time_s}")
-        if not 0 <= self.max_ejection_percent <= 100:
-            raise ConfigError(f"--max-ejection-percent must be within 0..100, got {self.max_ejection_percent}")
-        if self.media_hash not in MEDIA_HASHES:
-            raise ConfigError(f"--media-hash must be one of {', '.join(sorted(MEDIA_HASHES))}, got {self.media_hash!r}")
-        if self.log_format not in ("text", "json"):
-            raise ConfigError(f"--log-format must be text or json, got {self.log_format!r}")
-        if self.max_inflight < 0:
-            raise ConfigError(f"--max-inflight must be >= 0, got {self.max_inflight}")
-        for name in ("client_header_timeout_s", "client_body_timeout_s", "client_keepalive_timeout_s"):
-            if getattr(self, name) < 0:
-                flag = "--" + name.removesuffix("_s").replace("_", "-")
-                raise ConfigError(f"{flag} must be >= 0, got {getattr(self, name)}")
-        if self.max_client_connections < 0:
-            raise ConfigError(
-                f"--max-client-connections must be >= 0 (0 = unlimited), got {self.max_client_connections}"
-            )
-        if self.encoder_max_batch_size < 0:
-            raise ConfigError(f"ENCODER_MAX_BATCH_SIZE must be >= 0 (0 = unlimited), got {self.encoder_max_batch_size}")
-        if self.ec_consumer_dp_size < 1:
-            raise ConfigError(f"--ec-consumer-dp-size must be >= 1, got {self.ec_consumer_dp_size}")
-        if self.decode_retries < 0:
-            object.__setattr__(self, "decode_retries", 0)
+        if self.roster_url and not self.dynamic_registration:
+            raise ConfigError("--roster holds the dynamic roster: add --dynamic-registration")
         if self.ec_consumer_zmq_addrs:
             if self.prefill_urls:
                 raise ConfigError(
@@ -151,10 +554,6 @@ class Config:
                     f"{expected} (decode servers {len(self.decode_urls)} x dp size {self.ec_consumer_dp_size}, "
                     "each server's replicas listed consecutively)"
                 )
-        for name in ("encode_timeout_s", "prefill_timeout_s", "decode_timeout_s", "stream_idle_timeout_s"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                object.__setattr__(self, name, None)
 
     @property
     def pool_keep_alive_s(self) -> float | None:
@@ -164,24 +563,59 @@ class Config:
         return self.backend_keep_alive_s / 2
 
 
-def _env_number(env: Mapping[str, str], name: str, default, kind, what: str):
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        return kind(raw)
-    except ValueError as exc:
-        raise ConfigError(f"{name} must be {what}, got {raw!r}") from exc
+def options() -> list[tuple[str, Any, Option]]:
+    """Every option as (field name, default, declaration), in the order of the fields."""
+    return [(item.name, item.default, item.metadata["option"]) for item in fields(Config)]
 
 
-def env_int(env: Mapping[str, str], name: str, default: int) -> int:
-    return _env_number(env, name, default, int, "an integer")
+def from_sources(given: Mapping[str, Any], env: Mapping[str, str]) -> Config:
+    """The Config of a command line: `given` (field name to value) wins over an option's
+    environment variable, which wins over its default."""
+    values = dict(given)
+    for name, _, declared in options():
+        if name in values or declared.env is None or (text := env.get(declared.env)) is None:
+            continue
+        if not declared.kind.verbatim:
+            text = text.strip()
+            if not text:
+                continue
+        try:
+            values[name] = declared.kind.parse(text)
+        except ValueError as exc:
+            raise ConfigError(f"{declared.env}: {exc}") from None
+    return Config(**values)
 
 
-def env_float(env: Mapping[str, str], name: str, default: float) -> float:
-    return _env_number(env, name, default, float, "a number")
+def shown_default(default: Any, declared: Option) -> tuple[str, bool]:
+    """How an option's default reads, and whether that is a literal value (set in code in the README)."""
+    if declared.shown is not None:
+        return declared.shown, True
+    if isinstance(declared.kind, Switch):
+        return "off", False
+    if default in ("", ()):
+        return "empty", False
+    if isinstance(default, float) and default.is_integer():
+        return str(int(default)), True
+    return str(default), True
 
 
-def default(name: str):
-    """A Config field's default, so flags and code never restate it."""
-    return Config.__dataclass_fields__[name].default
+def plain(markdown: str) -> str:
+    """An option's help without its Markdown: links keep their text, code loses its backticks."""
+    return re.sub(r"\[([^]]+)\]\([^)]*\)", r"\1", markdown).replace("`", "")
+
+
+def markdown_table() -> str:
+    """The README's table of `epd-proxy serve` options."""
+    rows = ["| Flag / env | Default | Meaning |", "|---|---|---|"]
+    for _, default, declared in options():
+        names = [f"`{declared.flag}`"] if declared.flag else []
+        if declared.env:
+            names.append(f"env `{declared.env}`")
+        text, literal = shown_default(default, declared)
+        meaning = declared.help + ("; the flag wins over the env" if declared.flag and declared.env else "")
+        rows.append(f"| {', '.join(names)} | {f'`{text}`' if literal else text} | {meaning} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown_table(), end="")

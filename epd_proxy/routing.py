@@ -136,8 +136,6 @@ POLICIES: dict[str, Callable[[], RoutingPolicy]] = {
     "power_of_two": PowerOfTwo,
     "content_affinity": ContentAffinity,
 }
-ENCODE_POLICIES = ("round_robin", "least_loaded", "content_affinity", "random", "power_of_two")
-SERVING_POLICIES = ("least_loaded", "power_of_two", "round_robin", "random")
 
 
 def make_policy(name: str) -> RoutingPolicy:

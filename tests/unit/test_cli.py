@@ -4,7 +4,6 @@ tracebacks, and a way forward when an optional extra is missing."""
 from __future__ import annotations
 
 import argparse
-import inspect
 import re
 import subprocess
 import sys
@@ -15,7 +14,8 @@ import pytest
 
 from epd_proxy import __version__, cli
 from epd_proxy.bench.runner import build_parser as bench_parser
-from epd_proxy.cli import add_serve_arguments, config_from_args, main
+from epd_proxy.cli import add_serve_arguments, main
+from epd_proxy.config import options
 from epd_proxy.local.up import build_parser as up_parser
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,7 +59,7 @@ def test_every_flag_has_a_help_text(parser):
 
 
 def test_serve_help_lists_every_environment_variable_it_reads():
-    read = set(re.findall(r'"([A-Z][A-Z0-9_]{3,})"', inspect.getsource(config_from_args)))
+    read = {declared.env for _, _, declared in options() if declared.env}
     assert {"ENCODER_MAX_BATCH_SIZE", "OPENAI_API_KEY", "ADMIN_API_KEY"} <= read
     help_text = run("serve", "--help").stdout
     assert [name for name in sorted(read) if name not in help_text] == []
@@ -86,7 +86,17 @@ def test_version_matches_the_package():
         (["--fail-threshold", "0"], "argument --fail-threshold: must be >= 1"),
         (["--consecutive-5xx", "-1"], "argument --consecutive-5xx: must be >= 0"),
         (["--encode-timeout", "-3"], "argument --encode-timeout: must be >= 0"),
-        (["--port", "70000"], "argument --port: must be a TCP port"),
+        (["--port", "70000"], "argument --port: must be within 0..65535"),
+        (["--decode-retries", "-5"], "argument --decode-retries: must be >= 0, got -5"),
+        (["--ejection-time", "0"], "argument --ejection-time: must be > 0 seconds, got 0"),
+        (["--max-ejection-percent", "101"], "argument --max-ejection-percent: must be within 0..100, got 101"),
+        (["--connect-timeout", "0"], "argument --connect-timeout: must be > 0 seconds"),
+        (["--ec-consumer-dp-size", "two"], "argument --ec-consumer-dp-size: expected an integer, got 'two'"),
+        (
+            ["--encoder-max-batch-size", "-1"],
+            "argument --encoder-max-batch-size (or ENCODER_MAX_BATCH_SIZE): must be >= 0",
+        ),
+        (["--roster", "etcd://h:2379"], "argument --roster: must be a redis://, rediss:// or unix:// URL"),
         (["--encode-servers-urls", "localhost:8001"], "'localhost:8001' is not an http:// or https:// URL"),
         (["--decode-servers-urls", "http://d:1,d2:8002"], "'d2:8002' is not an http:// or https:// URL"),
         (["--prefill-servers-urls", "ftp://p:1"], "'ftp://p:1' is not an http:// or https:// URL"),
@@ -107,7 +117,7 @@ def test_bad_environment_is_a_usage_error_too(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(VALID)
     assert exit_info.value.code == 2
-    assert "ENCODER_MAX_BATCH_SIZE must be an integer" in capsys.readouterr().err
+    assert "ENCODER_MAX_BATCH_SIZE: expected an integer, got 'lots'" in capsys.readouterr().err
 
 
 def test_a_real_process_prints_a_message_not_a_traceback():
