@@ -1,4 +1,5 @@
-"""Step 1: one normalising pass over the client's request.
+"""Step 1: the client's request read once: `parse_request` is the entry, lifting large media out
+of the body first where it can (splice.py), then one normalising pass over what is left.
 
 Every content part gets exactly one kind, decided as the pinned vLLM's chat parser decides it
 (`vllm/renderers/chat_utils.py`, `_parse_chat_message_content_mm_part` in vLLM 0.32): by `type`
@@ -19,8 +20,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import blake3
+import orjson
 
+from epd_proxy.dataurl import canonical_media_url
 from epd_proxy.errors import BadRequest
+from epd_proxy.splice import LIFT_MIN_BYTES, Spliced, lift
 
 # Media the proxy disaggregates, by the kind vLLM assigns; `input_image` (Responses-style) is read
 # by vLLM as an image URL and is normalised to an `image_url` part.
@@ -83,10 +87,6 @@ class NormalisedRequest:
     items: list[MediaItem]
 
 
-_WHITESPACE = " \t\r\n\f\v"
-_DROP_WHITESPACE = str.maketrans("", "", _WHITESPACE)
-
-
 Digest = Callable[[bytes | memoryview], str]
 
 
@@ -102,33 +102,6 @@ def _blake3_hex(data: bytes | memoryview) -> str:
 # formula, so both proxies give the same image the same cache key; blake3 is as collision-resistant
 # and about three times cheaper here (the benchmark's floor line), for fleets that no reference proxy shares.
 MEDIA_HASHES: dict[str, Digest] = {"sha256": _sha256_hex, "blake3": _blake3_hex}
-
-
-def canonical_media_url(url: str) -> str:
-    """The same bytes written differently are the same item: a base64 `data:` URL loses the line
-    breaks and spaces inside its payload and gets a lower-case scheme and media type. A URL that
-    is already canonical comes back unchanged (the same object), so it hashes exactly as the
-    reference proxy hashes it. Other URLs are kept as they are.
-    """
-    if url[:5].lower() != "data:":
-        return url
-    comma = url.find(",")
-    if comma < 0:
-        return url
-    header = url[:comma]
-    mediatype, semicolon, params = header[5:].partition(";")
-    param_list = [p.strip() for p in params.split(";")] if semicolon else []
-    is_base64 = any(p.lower() == "base64" for p in param_list)
-    canonical_header = "data:" + mediatype.strip().lower()
-    canonical_header += "".join(";base64" if p.lower() == "base64" else ";" + p for p in param_list)
-    # str.find is a memchr-speed scan; slicing or rebuilding a megabyte payload is what costs.
-    dirty = is_base64 and any(url.find(c, comma + 1) >= 0 for c in _WHITESPACE)
-    if not dirty and canonical_header == header:
-        return url
-    payload = url[comma + 1 :]
-    if dirty:
-        payload = payload.translate(_DROP_WHITESPACE)
-    return f"{canonical_header},{payload}"
 
 
 def media_url(part: dict[str, Any], kind: str) -> str | None:
@@ -304,3 +277,36 @@ def normalise_request(
             cleaned_messages[m] = {**message, "content": cleaned_content}
     cleaned = body if cleaned_messages is None else {**body, "messages": cleaned_messages}
     return NormalisedRequest(cleaned, items)
+
+
+def parse_json_body(raw: bytes | bytearray) -> Any:
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+
+
+def parse_request(
+    raw: bytes | bytearray,
+    *,
+    trust_client_fields: bool = False,
+    max_media_items: int = 0,
+    media_hash: str = "sha256",
+    lift_min_bytes: int = LIFT_MIN_BYTES,
+) -> tuple[NormalisedRequest, Spliced | None]:
+    """The normalised request and, when the fast path held, the buffer its tokens point into."""
+    options = {
+        "trust_client_fields": trust_client_fields,
+        "max_media_items": max_media_items,
+        "media_hash": media_hash,
+    }
+    lifted = lift(raw, lift_min_bytes)
+    if lifted is not None:
+        skeleton, spliced = lifted
+        try:
+            normalised = normalise_request(orjson.loads(skeleton), **options, lifted=spliced.bytes_of)
+        except (orjson.JSONDecodeError, BadRequest):
+            normalised = None  # the full parse gives the exact error
+        if normalised is not None and spliced.accounts_for(media_url(i.part, i.kind) for i in normalised.items):
+            return normalised, spliced
+    return normalise_request(parse_json_body(raw), **options), None

@@ -1,4 +1,4 @@
-"""One request's journey: route → encode (plan, send, match) → rewrite → prefill → decode, with retries.
+"""One request's journey: route → encode (encode.py) → rewrite → prefill → decode, with retries.
 
 Every attempt starts again from the client's untouched body, so a retry never inherits the
 previous attempt's transfer ids, EC handles or KV block ids.
@@ -6,11 +6,10 @@ previous attempt's transfer ids, EC handles or KV block ids.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -18,21 +17,18 @@ import orjson
 from epd_proxy.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE, Instance
 from epd_proxy.config import Config
 from epd_proxy.decode import DecodeAnswer, hold_head, open_decode
-from epd_proxy.encode import EncoderReply, IdMint, encoder_body, post_encoder
-from epd_proxy.errors import BackendUnreachable, BadRequest, ProxyError, UpstreamError
+from epd_proxy.encode import EncodeStep
+from epd_proxy.errors import BadRequest, ProxyError, UpstreamError
 from epd_proxy.extract import MediaItem
 from epd_proxy.health import Health, counts_against_instance
-from epd_proxy.match import Matches, match_group
 from epd_proxy.metrics import Metrics
-from epd_proxy.plan import EncoderGroup, plan_groups
 from epd_proxy.prefill import run_prefill
 from epd_proxy.registry import Registry
 from epd_proxy.rewrite import rewrite_request
 from epd_proxy.routing import RoutingPolicy
 from epd_proxy.splice import Spliced
+from epd_proxy.trace import Trace
 from epd_proxy.upstream import REFUSED_ANSWER, Payload, Timeouts, Upstream, UpstreamFailure
-
-Dumps = Callable[[Any], Payload]
 
 log = logging.getLogger("epd_proxy.pipeline")
 DP_RANK_HEADER = "X-data-parallel-rank"
@@ -74,27 +70,6 @@ class ClientBody:
             raise BadRequest(f"the request cannot be forwarded: it nests too deeply ({exc})") from None
 
 
-@dataclass(slots=True)
-class Trace:
-    """What one request did, for its log line and metrics."""
-
-    request_id: str
-    items: int = 0
-    attempts: int = 0
-    encoder_requests: int = 0
-    encoder_failovers: int = 0
-    encode_s: float = 0.0
-    prefill_s: float = 0.0
-    decode_ttfb_s: float = 0.0
-    # How the answer ended once decode committed: complete, aborted (an error event after 200),
-    # client_disconnect.
-    outcome: str = "-"
-    started: float = field(default_factory=time.perf_counter)
-    # Instances already charged a 5xx answer for this request: its retries and failovers resend the
-    # same input, and an input that makes vLLM answer 500 must count once, not once per attempt.
-    charged_5xx: set[str] = field(default_factory=set)
-
-
 def _unavailable(message: str) -> ProxyError:
     return ProxyError(503, message, stage="route", error_type="service_unavailable")
 
@@ -115,11 +90,20 @@ class Pipeline:
         self.upstream = upstream
         self.policies = policies
         self.metrics = metrics
-        self.ids = IdMint()
         # Encode and prefill answer in one piece, so their limit covers the whole exchange; decode's
         # covers the wait for its headers, since a long stream after them is legitimate, and the idle
         # limit each silence within that stream.
-        self.encode_timeouts = Timeouts(connect=config.connect_timeout_s, total=config.encode_timeout_s)
+        self.encode = EncodeStep(
+            upstream,
+            metrics,
+            policies[ENCODE],
+            lambda: self.candidates(ENCODE),
+            self._call,
+            timeouts=Timeouts(connect=config.connect_timeout_s, total=config.encode_timeout_s),
+            max_batch_size=config.encoder_max_batch_size,
+            send_uuid=config.rewrite,
+            failovers=config.encoder_failovers,
+        )
         self.prefill_timeouts = Timeouts(connect=config.connect_timeout_s, total=config.prefill_timeout_s)
         # The decode limit bounds the wait for a free connection too (--max-connections-per-backend):
         # behind long streams, a request would otherwise queue for as long as they last.
@@ -184,99 +168,6 @@ class Pipeline:
             trace.charged_5xx.add(instance.url)
         self.health.answered(instance, status, message)
 
-    async def encode(
-        self, body: dict[str, Any], items: Sequence[MediaItem], route: Route, trace: Trace, dumps: Dumps = orjson.dumps
-    ) -> Matches:
-        matches = Matches()
-        if not items:
-            return matches
-        started = time.perf_counter()
-        encoders = self.candidates(ENCODE)
-        if not encoders:
-            raise _unavailable("the request has media but no encoder is live")
-        assignment = self.policies[ENCODE].choose(encoders, [item.uuid for item in items])
-        groups = plan_groups(items, assignment, self.config.encoder_max_batch_size)
-        trace.encoder_requests += len(groups)
-        results = await _all_or_first_failure(
-            [self._encode_group(body, items, group, route, trace, dumps) for group in groups]
-        )
-        audio_in_video = _truthy_option(body, "use_audio_in_video")
-        for group, (reply, transfer_ids) in zip(groups, results):
-            match_group(
-                [items[i] for i in group.indices],
-                transfer_ids,
-                reply.ec_transfer_params,
-                matches,
-                audio_in_video=audio_in_video,
-                push_mode=route.consumer_zmq is not None,
-                backend=reply.encoder.url,
-            )
-        trace.encode_s += time.perf_counter() - started
-        return matches
-
-    async def _encode_group(
-        self,
-        body: dict[str, Any],
-        items: Sequence[MediaItem],
-        group: EncoderGroup[Instance],
-        route: Route,
-        trace: Trace,
-        dumps: Dumps,
-    ) -> tuple[EncoderReply, list[str]]:
-        """Send one group; on a transport error, timeout or 5xx, fail over to another encoder."""
-        group_items = [items[i] for i in group.indices]
-        encoder = group.encoder
-        tried: list[Instance] = []
-        while True:
-            transfer_ids = [self.ids.transfer_id() for _ in group_items]
-            sub_body = encoder_body(
-                body,
-                group_items,
-                send_uuid=self.config.rewrite,
-                transfer_ids=transfer_ids,
-                consumer_zmq=route.consumer_zmq,
-            )
-            tried.append(encoder)
-            self.metrics.encoder_subrequests.labels(encoder.url).inc()
-            self.metrics.items_per_subrequest.observe(len(group_items))
-            try:
-                reply = await self._call(
-                    encoder,
-                    post_encoder(
-                        self.upstream,
-                        encoder,
-                        dumps(sub_body),
-                        self.ids.child_request_id(trace.request_id, group.indices[0]),
-                        self.encode_timeouts,
-                    ),
-                    trace,
-                )
-                return reply, transfer_ids
-            except ProxyError as exc:
-                worth_retrying = isinstance(exc, BackendUnreachable) or exc.status >= 500
-                fallback = self._failover_target(tried) if worth_retrying else None
-                if fallback is None:
-                    raise
-                log.warning(
-                    "request %s: encoder %s failed (%s); retrying its %d item(s) on %s",
-                    trace.request_id,
-                    encoder.url,
-                    exc.message,
-                    len(group_items),
-                    fallback.url,
-                )
-                trace.encoder_failovers += 1
-                self.metrics.failovers.labels(encoder.url).inc()
-                encoder = fallback
-
-    def _failover_target(self, tried: list[Instance]) -> Instance | None:
-        if len(tried) > self.config.encoder_failovers:
-            return None
-        others = [e for e in self.candidates(ENCODE) if e not in tried]
-        if not others:
-            return None
-        return min(others, key=lambda e: e.inflight)
-
     async def open(self, job: ClientBody, route: Route, trace: Trace) -> DecodeAnswer:
         """Run attempts until decode commits, then let go of the client's body.
 
@@ -300,7 +191,7 @@ class Pipeline:
         while True:
             attempt += 1
             trace.attempts = attempt
-            matches = await self.encode(job.body, job.items, route, trace, job.dumps)
+            matches = await self.encode.run(job.body, job.items, route.consumer_zmq, trace, job.dumps)
             prepared = rewrite_request(job.body, job.items, matches, rewrite=config.rewrite, push_mode=push_mode)
             try:
                 decode_body = prepared
@@ -356,21 +247,3 @@ class Pipeline:
             trace.attempts + 1,
             self.config.decode_retries + 1,
         )
-
-
-async def _all_or_first_failure(coros: list) -> list:
-    """Run concurrently; the first failure cancels the rest (one failed group fails the request,
-    so the others are not worth waiting for) and is raised as itself, not as a group."""
-    if len(coros) == 1:
-        return [await coros[0]]
-    try:
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(coro) for coro in coros]
-    except BaseExceptionGroup as failures:
-        raise failures.exceptions[0] from None
-    return [task.result() for task in tasks]
-
-
-def _truthy_option(body: dict[str, Any], name: str) -> bool:
-    kwargs = body.get("mm_processor_kwargs")
-    return isinstance(kwargs, dict) and bool(kwargs.get(name))

@@ -7,7 +7,6 @@ members may take traffic right now is health's call, never the registry's.
 
 from __future__ import annotations
 
-import hmac
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -227,15 +226,3 @@ class Registry:
         for watcher in self._watchers:
             watcher.left(inst)
         return inst
-
-
-def check_admin_key(
-    expected: str, presented: str | None, action: str = "change the fleet", stage: str = "registry"
-) -> None:
-    if (
-        not expected
-        or presented is None
-        or not hmac.compare_digest(expected.encode(), presented.encode("utf-8", "surrogateescape"))
-    ):
-        hint = "" if expected else " (the proxy has no ADMIN_API_KEY set)"
-        raise ProxyError(403, f"a valid X-API-Key is required to {action}{hint}", stage=stage, error_type="forbidden")

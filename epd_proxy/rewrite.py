@@ -92,33 +92,3 @@ def rewrite_request(
     if params is not None:
         out["ec_transfer_params"] = params
     return out
-
-
-# Sampling fields that contradict a single non-streamed token: vLLM rejects min_tokens > max_tokens
-# with a 400, and extra sequences (n, best_of, beam search) would only multiply prefill's work.
-_PREFILL_DROPPED = ("min_tokens", "best_of", "use_beam_search", "stream_options")
-
-
-def prefill_request(prepared: dict[str, Any]) -> dict[str, Any]:
-    """Prefill runs one token and hands its KV cache to decode; decode samples with the client's
-    own options."""
-    body = {
-        **prepared,
-        "kv_transfer_params": {
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "remote_host": None,
-            "remote_port": None,
-        },
-        "stream": False,
-        "max_tokens": 1,
-    }
-    if "max_completion_tokens" in body:
-        body["max_completion_tokens"] = 1
-    if "n" in body:
-        body["n"] = 1
-    for name in _PREFILL_DROPPED:
-        body.pop(name, None)
-    return body

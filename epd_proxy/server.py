@@ -35,6 +35,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from epd_proxy.config import Config
 from epd_proxy.errors import InternalError, ProxyError
+from epd_proxy.proxy import STATE
 
 log = logging.getLogger("epd_proxy.server")
 
@@ -517,8 +518,6 @@ async def start(
 ) -> tuple[GuardedAppRunner, web.TCPSite]:
     """Serve `app` with the client limits of `config` in the running loop; the caller cleans up
     with `await runner.cleanup()`."""
-    from epd_proxy.app import STATE
-
     limits = ClientLimits.from_config(config)
     metrics = app[STATE].metrics if STATE in app else None
     gate = ConnectionGate(limits.max_connections, shared, GateCounters(metrics.registry if metrics else None))

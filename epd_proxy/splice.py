@@ -3,9 +3,9 @@
 A multimodal request is mostly base64: parsing it into Python strings, hashing copies of them and
 serialising them again into encoder bodies is most of what a proxy would spend per request, in
 CPU and in memory. Here every large `data:...;base64,` string is lifted out of the body before
-parsing and replaced by a short token, so the JSON parser sees only the skeleton; the normalising
-pass (`extract.normalise_request`) runs on that skeleton unchanged, hashing each lifted URL in
-place; and bodies sent to backends are serialised with the tokens put back as slices of the
+parsing and replaced by a short token, so the JSON parser sees only the skeleton; step 1's entry
+(`extract.parse_request`) runs the normalising pass on that skeleton unchanged, hashing each lifted
+URL in place; and bodies sent to backends are serialised with the tokens put back as slices of the
 client's buffer, written with `writelines` and never joined.
 
 The fast path only lifts what provably reads the same either way: a string that is an object
@@ -19,26 +19,18 @@ instead, so the outcome (items, identities, bodies, errors) is exactly the full 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import orjson
 import pybase64
 
-from epd_proxy.errors import BadRequest
-from epd_proxy.extract import MediaItem, NormalisedRequest, canonical_media_url, media_url, normalise_request
+from epd_proxy.dataurl import canonical_media_url
 
 # Shorter URLs are not worth a token: parsing them costs less than the bookkeeping.
 LIFT_MIN_BYTES = 512
 _WHITESPACE = b" \t\r\n"
 _COLON = ord(":")
-
-
-def parse_json_body(raw: bytes | bytearray) -> Any:
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from None
 
 
 class Spliced:
@@ -64,12 +56,11 @@ class Spliced:
             return None
         return self.span(url)
 
-    def accounts_for(self, items: Sequence[MediaItem]) -> bool:
-        """Whether every lifted URL is exactly one media item's URL, which is the only place the
-        normalising pass reads it through `bytes_of` instead of as a string."""
+    def accounts_for(self, urls: Iterable[str | None]) -> bool:
+        """Whether every lifted URL is exactly one of the media items' `urls`, which is the only
+        place the normalising pass reads it through `bytes_of` instead of as a string."""
         used = 0
-        for item in items:
-            url = media_url(item.part, item.kind)
+        for url in urls:
             if url is not None and url.startswith(self.prefix):
                 used += 1
         return used == len(self.spans)
@@ -147,29 +138,3 @@ def _is_canonical_base64(raw: bytes | bytearray, start: int, end: int) -> bool:
     except ValueError:
         return False
     return True
-
-
-def parse_request(
-    raw: bytes | bytearray,
-    *,
-    trust_client_fields: bool = False,
-    max_media_items: int = 0,
-    media_hash: str = "sha256",
-    lift_min_bytes: int = LIFT_MIN_BYTES,
-) -> tuple[NormalisedRequest, Spliced | None]:
-    """The normalised request and, when the fast path held, the buffer its tokens point into."""
-    options = {
-        "trust_client_fields": trust_client_fields,
-        "max_media_items": max_media_items,
-        "media_hash": media_hash,
-    }
-    lifted = lift(raw, lift_min_bytes)
-    if lifted is not None:
-        skeleton, spliced = lifted
-        try:
-            normalised = normalise_request(orjson.loads(skeleton), **options, lifted=spliced.bytes_of)
-        except (orjson.JSONDecodeError, BadRequest):
-            normalised = None  # the full parse gives the exact error
-        if normalised is not None and spliced.accounts_for(normalised.items):
-            return normalised, spliced
-    return normalise_request(parse_json_body(raw), **options), None

@@ -21,9 +21,9 @@ from aiohttp import web
 from epd_proxy import __version__
 from epd_proxy.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE
 from epd_proxy.health import DOWN, EJECTED, HALF_OPEN, HEALTHY
+from epd_proxy.proxy import ProxyState
 
 if TYPE_CHECKING:
-    from epd_proxy.app import ProxyState
     from epd_proxy.metrics import Metrics
 
 ROLE_ORDER = {ENCODE: 0, PREFILL: 1, DECODE: 2, PREFILL_DECODE: 3}

@@ -11,7 +11,7 @@ import blake3
 import orjson
 import pytest
 
-import epd_proxy.app as app_module
+import epd_proxy.routes as routes_module
 from tests.media import audio, chat, image
 
 SIZE = {"size": {"shortest_edge": 3136, "longest_edge": 1000000}}
@@ -184,14 +184,14 @@ async def test_large_bodies_are_read_off_the_loop_with_the_same_outcome(make_sta
     """Bodies above the offload size are lifted and hashed in a worker thread; everything the
     backends see is what the loop itself would have produced."""
     threads = []
-    real_parse_request = app_module.parse_request
+    real_parse_request = routes_module.parse_request
 
     def recording_parse_request(*args, **kwargs):
         threads.append(threading.current_thread() is threading.main_thread())
         return real_parse_request(*args, **kwargs)
 
-    monkeypatch.setattr(app_module, "OFFLOAD_READ_BYTES", offload_above)
-    monkeypatch.setattr(app_module, "parse_request", recording_parse_request)
+    monkeypatch.setattr(routes_module, "OFFLOAD_READ_BYTES", offload_above)
+    monkeypatch.setattr(routes_module, "parse_request", recording_parse_request)
     stack = await make_stack(encoders=2)
     body = chat(big_image("A", 90_000), big_image("B", 60_000), image("C"))
     answer = await answer_of(stack, body)

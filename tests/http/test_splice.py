@@ -7,8 +7,8 @@ import hashlib
 
 import orjson
 
-from epd_proxy import app
-from epd_proxy.splice import parse_request
+from epd_proxy import routes
+from epd_proxy.extract import parse_request
 from tests.media import chat
 
 
@@ -29,7 +29,7 @@ async def test_spliced_and_fully_parsed_requests_reach_the_backends_identically(
         took_fast_path.append(spliced is not None)
         return normalised, spliced
 
-    monkeypatch.setattr(app, "parse_request", recording)
+    monkeypatch.setattr(routes, "parse_request", recording)
     images = [big_image(1), big_image(2), big_image(1)]
     body = chat(*images, mm_processor_kwargs={"size": 1})
     seen = {}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from epd_proxy import __version__, cli
+from epd_proxy import __version__
 from epd_proxy.bench.runner import build_parser as bench_parser
 from epd_proxy.cli import add_serve_arguments, main
 from epd_proxy.config import options
@@ -165,14 +165,3 @@ def test_a_taken_port_is_a_message_not_a_traceback(workers):
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     assert f"epd-proxy serve: cannot serve on 127.0.0.1:{port}" in result.stderr
-
-
-def test_a_worker_that_keeps_dying_young_waits_longer_each_time():
-    delays, delay = [], 0.0
-    for _ in range(9):
-        delay = cli.restart_delay(delay, ran_s=1.0)
-        delays.append(delay)
-    assert delays == [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0]
-    # One that ran for a good while is replaced at once, and the doubling starts over.
-    assert cli.restart_delay(30.0, ran_s=cli.STABLE_RUN_S) == 0.0
-    assert cli.restart_delay(0.0, ran_s=1.0) == 0.5

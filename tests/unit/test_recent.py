@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from epd_proxy.pipeline import Trace
 from epd_proxy.recent import RecentRequests, percentile
+from epd_proxy.trace import Trace
 
 
 class Clock:

@@ -4,7 +4,8 @@ import copy
 
 from epd_proxy.extract import normalise_request
 from epd_proxy.match import ItemMatch, Matches
-from epd_proxy.rewrite import flatten_metadata, prefill_request, rewrite_request
+from epd_proxy.prefill import prefill_request
+from epd_proxy.rewrite import flatten_metadata, rewrite_request
 from tests.media import audio, chat, image
 
 

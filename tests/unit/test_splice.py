@@ -14,12 +14,13 @@ from hypothesis import strategies as st
 from epd_proxy.backends import Instance
 from epd_proxy.encode import encoder_body
 from epd_proxy.errors import BadRequest
-from epd_proxy.extract import MEDIA_HASHES, normalise_request
+from epd_proxy.extract import MEDIA_HASHES, normalise_request, parse_request
 from epd_proxy.match import Matches, match_group
 from epd_proxy.plan import plan_groups
-from epd_proxy.rewrite import prefill_request, rewrite_request
+from epd_proxy.prefill import prefill_request
+from epd_proxy.rewrite import rewrite_request
 from epd_proxy.routing import RoundRobin
-from epd_proxy.splice import lift, parse_request
+from epd_proxy.splice import lift
 
 
 def data_url(payload: bytes, header: str = "data:image/png;base64,") -> str:

@@ -1,0 +1,128 @@
+"""The composition root: every part of the proxy built from one Config, started and stopped here.
+
+The registry, health, routing policies, metrics, roster, upstream pools, prober and pipeline are
+made and wired together in this one place; the HTTP routes (routes.py) only read them, and
+create_app (app.py) ties their lifespan to the server's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from epd_proxy.backends import DECODE, ENCODE, PREFILL
+from epd_proxy.config import Config
+from epd_proxy.health import Health
+from epd_proxy.metrics import Metrics
+from epd_proxy.pipeline import Pipeline
+from epd_proxy.prober import Prober, check_pool
+from epd_proxy.registry import Registry
+from epd_proxy.roster import open_roster
+from epd_proxy.routing import make_policy
+from epd_proxy.upstream import Upstream
+
+
+class ProxyState:
+    """Everything that lives as long as the server: the fleet, its health, routing cursors, the pools."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.fleet = Registry.from_config(config)
+        self.health = Health(
+            fail_threshold=config.fail_threshold,
+            consecutive_5xx=config.consecutive_5xx,
+            consecutive_gateway_failure=config.consecutive_gateway_failure,
+            ejection_time_s=config.ejection_time_s,
+            max_ejection_time_s=config.max_ejection_time_s,
+            max_ejection_percent=config.max_ejection_percent,
+            panic_when_all_down=not config.dynamic_registration,
+        )
+        self.fleet.watch(self.health)
+        self.policies = {
+            ENCODE: make_policy(config.encode_policy),
+            PREFILL: make_policy(config.prefill_policy),
+            DECODE: make_policy(config.decode_policy),
+        }
+        self.metrics = Metrics(self.fleet, self.health)
+        # Shared membership for replicas and workers; health stays per process.
+        self.roster = open_roster(config, self.fleet, self.health.in_rotation)
+        if self.roster is not None:
+            self.metrics.watch_roster(self.roster)
+        self.inflight = 0
+        # How every request body is read; fixed for the server's life.
+        self.parse_options = {
+            "trust_client_fields": config.trust_client_fields,
+            "max_media_items": config.max_media_items,
+            "media_hash": config.media_hash,
+        }
+        self.upstream: Upstream | None = None
+        # Active checks get their own small pool: a backend whose request connections are all busy
+        # streaming (--max-connections-per-backend) must still answer its health checks.
+        self.probes: Upstream | None = None
+        self.prober: Prober | None = None
+        self.pipeline: Pipeline | None = None
+        self._background: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        config = self.config
+        headers = {"Authorization": f"Bearer {config.backend_api_key}"} if config.backend_api_key else None
+        self.upstream = Upstream(
+            keep_alive_s=config.pool_keep_alive_s,
+            max_connections_per_backend=config.max_connections_per_backend,
+            headers=headers,
+            on_refused=lambda stage, reason: self.metrics.backend_refused.labels(stage, reason).inc(),
+        )
+        self.fleet.watch(self.upstream)
+        self.pipeline = Pipeline(config, self.fleet, self.health, self.upstream, self.policies, self.metrics)
+        if self.roster is not None:
+            await self.roster.start()
+        if self.metrics.multiprocess:
+            self._background.append(asyncio.create_task(self._publish_fleet_forever()))
+        if config.probe_interval_s > 0:
+            self.probes = check_pool(config)
+            self.fleet.watch(self.probes)
+            self.prober = Prober(
+                self.probes,
+                self.health,
+                self.fleet.all,
+                interval_s=config.probe_interval_s,
+                timeout_s=config.probe_timeout_s,
+            )
+            self._background.append(asyncio.create_task(self.prober.run_forever(self.forget_expired)))
+        elif config.dynamic_registration and config.evicted_ttl_s > 0:
+            self._background.append(asyncio.create_task(self._forget_expired_forever()))
+
+    def forget_expired(self) -> None:
+        """Dynamic mode: instances out of rotation for longer than --evicted-ttl leave the fleet."""
+        ttl = self.config.evicted_ttl_s
+        if not self.config.dynamic_registration or ttl <= 0:
+            return
+        if self.roster is not None:
+            return  # the store's TTL forgets them, for every process at once (roster.py)
+        for url in self.health.out_longer_than(ttl):
+            self.fleet.forget(url, f"out of rotation for more than {ttl:g}s")
+
+    async def _forget_expired_forever(self) -> None:
+        while True:
+            await asyncio.sleep(min(5.0, self.config.evicted_ttl_s))
+            self.forget_expired()
+
+    async def _publish_fleet_forever(self) -> None:
+        """--workers: another worker's /metrics shows this one's fleet view at most a second old."""
+        while True:
+            self.metrics.publish_fleet()
+            await asyncio.sleep(1.0)
+
+    async def close(self) -> None:
+        if self.roster is not None:
+            await self.roster.close()
+        for task in self._background:
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        for pool in (self.upstream, self.probes):
+            if pool is not None:
+                await pool.close()
+
+
+STATE = web.AppKey("state", ProxyState)
