@@ -13,6 +13,11 @@ from epd_proxy.errors import ProxyError
 GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
 
 
+def bearer(key: str) -> dict[str, str]:
+    """The header that carries `key` to a backend (vLLM's `--api-key`); none without a key."""
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def bearer_token_matches(expected: str, authorization: str | None) -> bool:
     """Like `vllm serve --api-key`: only `Authorization: Bearer <key>` counts (the scheme in any
     case, as HTTP has it)."""

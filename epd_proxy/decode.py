@@ -17,7 +17,7 @@ import orjson
 
 from epd_proxy.backends import CHAT_PATH, Instance
 from epd_proxy.sse import Head, Verdict
-from epd_proxy.upstream import Answer, Payload, Timeouts, Upstream, UpstreamFailure
+from epd_proxy.upstream import Answer, NoAnswer, Payload, Timeouts, Upstream
 
 # A non-streaming answer is read whole before it is relayed. Its size grows with the request
 # (n choices x max_tokens x top logprobs): 64 MiB holds n=8 x 4096 tokens with 20 top logprobs.
@@ -27,7 +27,7 @@ MAX_JSON_ANSWER_BYTES = 64 << 20
 @dataclass(slots=True)
 class DecodeAnswer:
     """Decode's 2xx answer: the bytes read while judging its head, and the rest still unread.
-    `chunks` raises UpstreamFailure when decode goes silent (`--stream-idle-timeout`) or breaks off."""
+    `chunks` raises NoAnswer when decode goes silent (`--stream-idle-timeout`) or breaks off."""
 
     answer: Answer
     chunks: AsyncIterator[bytes]
@@ -79,7 +79,7 @@ async def open_decode(
         async with answer:
             try:
                 await answer.read()
-            except UpstreamFailure:
+            except NoAnswer:
                 pass  # the status is the answer; a body cut short only loses the details
         raise answer.error()
     decode_answer = DecodeAnswer(answer, answer.chunks(), decoder.url)

@@ -65,7 +65,7 @@ class BackendUnreachable(ProxyError):
         super().__init__(504 if timed_out else 502, message, stage=stage, backend=backend)
 
 
-class UpstreamError(ProxyError):
+class ErrorAnswer(ProxyError):
     """A backend answered with an error; its status and body are passed on as they were."""
 
     def __init__(self, status: int, raw_body: bytes, content_type: str, *, stage: str, backend: str) -> None:

@@ -28,7 +28,6 @@ from epd_proxy.splice import LIFT_MIN_BYTES, Spliced, lift
 
 # Media the proxy disaggregates, by the kind vLLM assigns; `input_image` (Responses-style) is read
 # by vLLM as an image URL and is normalised to an `image_url` part.
-URL_MEDIA_KINDS = ("image_url", "audio_url", "video_url")
 EMBEDS_TYPE = {
     "image_url": "image_embeds",
     "audio_url": "audio_embeds",

@@ -15,10 +15,9 @@ from typing import Any
 import orjson
 
 from epd_proxy.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE, Instance
-from epd_proxy.config import Config
 from epd_proxy.decode import DecodeAnswer, hold_head, open_decode
 from epd_proxy.encode import EncodeStep
-from epd_proxy.errors import BadRequest, ProxyError, UpstreamError
+from epd_proxy.errors import BadRequest, ErrorAnswer, ProxyError
 from epd_proxy.extract import MediaItem
 from epd_proxy.health import Health, counts_against_instance
 from epd_proxy.metrics import Metrics
@@ -28,7 +27,7 @@ from epd_proxy.rewrite import rewrite_request
 from epd_proxy.routing import RoutingPolicy
 from epd_proxy.splice import Spliced
 from epd_proxy.trace import Trace
-from epd_proxy.upstream import REFUSED_ANSWER, Payload, Timeouts, Upstream, UpstreamFailure
+from epd_proxy.upstream import REFUSED_ANSWER, NoAnswer, Payload, Timeouts, Upstream
 
 log = logging.getLogger("epd_proxy.pipeline")
 DP_RANK_HEADER = "X-data-parallel-rank"
@@ -77,42 +76,40 @@ def _unavailable(message: str) -> ProxyError:
 class Pipeline:
     def __init__(
         self,
-        config: Config,
         fleet: Registry,
         health: Health,
         upstream: Upstream,
         policies: dict[str, RoutingPolicy],
         metrics: Metrics,
+        *,
+        encode_timeouts: Timeouts,
+        prefill_timeouts: Timeouts,
+        decode_timeouts: Timeouts,
+        decode_retries: int,
+        rewrite: bool,
+        encoder_max_batch_size: int,
+        encoder_failovers: int,
     ) -> None:
-        self.config = config
         self.fleet = fleet
         self.health = health
         self.upstream = upstream
         self.policies = policies
         self.metrics = metrics
-        # Encode and prefill answer in one piece, so their limit covers the whole exchange; decode's
-        # covers the wait for its headers, since a long stream after them is legitimate, and the idle
-        # limit each silence within that stream.
+        self.decode_retries = decode_retries
+        self.rewrite = rewrite
         self.encode = EncodeStep(
             upstream,
             metrics,
             policies[ENCODE],
             lambda: self.candidates(ENCODE),
             self._call,
-            timeouts=Timeouts(connect=config.connect_timeout_s, total=config.encode_timeout_s),
-            max_batch_size=config.encoder_max_batch_size,
-            send_uuid=config.rewrite,
-            failovers=config.encoder_failovers,
+            timeouts=encode_timeouts,
+            max_batch_size=encoder_max_batch_size,
+            send_uuid=rewrite,
+            failovers=encoder_failovers,
         )
-        self.prefill_timeouts = Timeouts(connect=config.connect_timeout_s, total=config.prefill_timeout_s)
-        # The decode limit bounds the wait for a free connection too (--max-connections-per-backend):
-        # behind long streams, a request would otherwise queue for as long as they last.
-        self.decode_timeouts = Timeouts(
-            connect=config.connect_timeout_s,
-            pool=config.decode_timeout_s,
-            headers=config.decode_timeout_s,
-            idle=config.stream_idle_timeout_s,
-        )
+        self.prefill_timeouts = prefill_timeouts
+        self.decode_timeouts = decode_timeouts
 
     def candidates(self, role: str) -> Sequence[Instance]:
         """The registry's members of a role that health lets take traffic now."""
@@ -147,7 +144,7 @@ class Pipeline:
         unwritable body, a timeout after connecting) say nothing about the instance."""
         try:
             result = await call
-        except UpstreamFailure as exc:
+        except NoAnswer as exc:
             if counts_against_instance(exc.kind):
                 self.health.failed(instance, exc.reason)
             elif exc.kind == REFUSED_ANSWER:
@@ -185,14 +182,13 @@ class Pipeline:
             else:
                 decode_headers = pinned_headers
         push_mode = route.consumer_zmq is not None
-        config = self.config
-        attempts = config.decode_retries + 1
+        attempts = self.decode_retries + 1
         attempt = 0
         while True:
             attempt += 1
             trace.attempts = attempt
             matches = await self.encode.run(job.body, job.items, route.consumer_zmq, trace, job.dumps)
-            prepared = rewrite_request(job.body, job.items, matches, rewrite=config.rewrite, push_mode=push_mode)
+            prepared = rewrite_request(job.body, job.items, matches, rewrite=self.rewrite, push_mode=push_mode)
             try:
                 decode_body = prepared
                 if route.prefill is not None:
@@ -229,7 +225,7 @@ class Pipeline:
                     continue
                 job.release()
                 return answer
-            except UpstreamError as exc:
+            except ErrorAnswer as exc:
                 # A consumer answers 500 when an embedding it was promised never arrived:
                 # re-encoding republishes it, so 500 (and only 500) is worth another attempt.
                 if exc.status != 500 or attempt == attempts:
@@ -245,5 +241,5 @@ class Pipeline:
             what,
             str(message)[:200],
             trace.attempts + 1,
-            self.config.decode_retries + 1,
+            self.decode_retries + 1,
         )

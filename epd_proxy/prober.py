@@ -13,15 +13,14 @@ import logging
 from collections.abc import Callable, Iterable
 
 from epd_proxy.backends import Instance
-from epd_proxy.config import Config
 from epd_proxy.health import Health
-from epd_proxy.upstream import Timeouts, Upstream, UpstreamFailure
+from epd_proxy.upstream import NoAnswer, Timeouts, Upstream
 
 log = logging.getLogger("epd_proxy.prober")
 
 
-def check_pool(config: Config) -> Upstream:
-    headers = {"Authorization": f"Bearer {config.backend_api_key}"} if config.backend_api_key else None
+def check_pool(headers: dict[str, str]) -> Upstream:
+    """Checks' own pool: no keep-alive, never capped, and not counted as in-flight work."""
     return Upstream(keep_alive_s=None, headers=headers, count_inflight=False)
 
 
@@ -36,7 +35,7 @@ async def check(pool: Upstream, inst: Instance, timeout_s: float) -> str | None:
             stage="health_check",
             what="Health check",
         )
-    except UpstreamFailure as failure:
+    except NoAnswer as failure:
         return failure.reason
     return None if answer.status == 200 else f"HTTP {answer.status}"
 

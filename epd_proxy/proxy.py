@@ -11,6 +11,7 @@ import asyncio
 
 from aiohttp import web
 
+from epd_proxy.auth import bearer
 from epd_proxy.backends import DECODE, ENCODE, PREFILL
 from epd_proxy.config import Config
 from epd_proxy.health import Health
@@ -19,8 +20,42 @@ from epd_proxy.pipeline import Pipeline
 from epd_proxy.prober import Prober, check_pool
 from epd_proxy.registry import Registry
 from epd_proxy.roster import open_roster
-from epd_proxy.routing import make_policy
-from epd_proxy.upstream import Upstream
+from epd_proxy.routing import RoutingPolicy, make_policy
+from epd_proxy.upstream import Timeouts, Upstream
+
+
+def build_pipeline(
+    config: Config,
+    fleet: Registry,
+    health: Health,
+    upstream: Upstream,
+    policies: dict[str, RoutingPolicy],
+    metrics: Metrics,
+) -> Pipeline:
+    """The pipeline with the options it uses. Encode and prefill answer in one piece, so their
+    limit covers the whole exchange; decode's covers the wait for its headers and for a free
+    connection under --max-connections-per-backend (behind long streams a request would otherwise
+    queue as long as they last), and the idle limit each silence within the stream."""
+    connect = config.connect_timeout_s
+    return Pipeline(
+        fleet,
+        health,
+        upstream,
+        policies,
+        metrics,
+        encode_timeouts=Timeouts(connect=connect, total=config.encode_timeout_s),
+        prefill_timeouts=Timeouts(connect=connect, total=config.prefill_timeout_s),
+        decode_timeouts=Timeouts(
+            connect=connect,
+            pool=config.decode_timeout_s,
+            headers=config.decode_timeout_s,
+            idle=config.stream_idle_timeout_s,
+        ),
+        decode_retries=config.decode_retries,
+        rewrite=config.rewrite,
+        encoder_max_batch_size=config.encoder_max_batch_size,
+        encoder_failovers=config.encoder_failovers,
+    )
 
 
 class ProxyState:
@@ -66,7 +101,7 @@ class ProxyState:
 
     async def start(self) -> None:
         config = self.config
-        headers = {"Authorization": f"Bearer {config.backend_api_key}"} if config.backend_api_key else None
+        headers = bearer(config.backend_api_key)
         self.upstream = Upstream(
             keep_alive_s=config.pool_keep_alive_s,
             max_connections_per_backend=config.max_connections_per_backend,
@@ -74,13 +109,13 @@ class ProxyState:
             on_refused=lambda stage, reason: self.metrics.backend_refused.labels(stage, reason).inc(),
         )
         self.fleet.watch(self.upstream)
-        self.pipeline = Pipeline(config, self.fleet, self.health, self.upstream, self.policies, self.metrics)
+        self.pipeline = build_pipeline(config, self.fleet, self.health, self.upstream, self.policies, self.metrics)
         if self.roster is not None:
             await self.roster.start()
         if self.metrics.multiprocess:
             self._background.append(asyncio.create_task(self._publish_fleet_forever()))
         if config.probe_interval_s > 0:
-            self.probes = check_pool(config)
+            self.probes = check_pool(headers)
             self.fleet.watch(self.probes)
             self.prober = Prober(
                 self.probes,

@@ -103,7 +103,7 @@ class Watcher(Protocol):
 class Registry:
     def __init__(self, *, dynamic: bool) -> None:
         self.dynamic = dynamic
-        self._records: dict[str, Instance] = {}
+        self._instances: dict[str, Instance] = {}
         self._members: dict[str, list[Instance]] = {role: [] for role in ROLES}
         self._watchers: list[Watcher] = []
         # Shared roster only: each member's registration generation last read (see sync).
@@ -128,7 +128,7 @@ class Registry:
                 for i, url in enumerate(config.decode_urls)
             ]
         for inst in static:
-            if inst.url in registry._records:
+            if inst.url in registry._instances:
                 raise ConfigError(f"{inst.url} is listed twice; each instance has one role")
             registry._add(inst)
         return registry
@@ -136,7 +136,7 @@ class Registry:
     def watch(self, watcher: Watcher) -> None:
         """Subscribe to membership changes; the current members are reported as joining."""
         self._watchers.append(watcher)
-        for inst in self._records.values():
+        for inst in self._instances.values():
             watcher.joined(inst)
 
     # -- reading -----------------------------------------------------------------------------------
@@ -144,23 +144,23 @@ class Registry:
         return self._members[role]
 
     def all(self) -> Iterable[Instance]:
-        return self._records.values()
+        return self._instances.values()
 
     def snapshot(self, in_rotation: Callable[[Instance], bool]) -> dict[str, dict[str, list[str]]]:
         """The reference's roster shape; `in_rotation` is health's verdict, not the registry's."""
         out: dict[str, dict[str, list[str]]] = {role: {"live": [], "evicted": []} for role in ROLES}
-        for inst in self._records.values():
+        for inst in self._instances.values():
             out[inst.role]["live" if in_rotation(inst) else "evicted"].append(inst.url)
         return out
 
     def _rebuild(self) -> None:
         members: dict[str, list[Instance]] = {role: [] for role in ROLES}
-        for inst in self._records.values():
+        for inst in self._instances.values():
             members[inst.role].append(inst)
         self._members = members
 
     def _add(self, inst: Instance) -> None:
-        self._records[inst.url] = inst
+        self._instances[inst.url] = inst
         self._rebuild()
         for watcher in self._watchers:
             watcher.joined(inst)
@@ -169,8 +169,8 @@ class Registry:
     def register(self, payload: Any) -> bool:
         """Validate like the reference proxy; True if the URL is new."""
         record = parse_registration(payload)
-        check_fits(record, self._records)
-        existing = self._records.get(record.url)
+        check_fits(record, self._instances)
+        existing = self._instances.get(record.url)
         if existing is not None:
             if (existing.zmq_addrs, existing.dp_size) != (record.zmq_addrs, record.dp_size):
                 # Same role, new details: update in place so in-flight counts survive.
@@ -185,14 +185,14 @@ class Registry:
     def sync(self, records: Mapping[str, Record]) -> None:
         """Make membership equal to a shared roster's records (see roster.py). Members that stay
         keep their in-flight counts and, through the watchers, their local health state."""
-        for url, inst in list(self._records.items()):
+        for url, inst in list(self._instances.items()):
             record = records.get(url)
             if record is None or record.role != inst.role:
                 self._remove(url)
                 self._generations.pop(url, None)
                 log.info("roster: %s %s left", inst.role, url)
         for record in sorted(records.values(), key=lambda r: r.seq):
-            inst = self._records.get(record.url)
+            inst = self._instances.get(record.url)
             seen = self._generations.get(record.url)
             self._generations[record.url] = record.gen
             if inst is None:
@@ -219,7 +219,7 @@ class Registry:
             log.info("forgot %s %s: %s", inst.role, url, why)
 
     def _remove(self, url: str) -> Instance | None:
-        inst = self._records.pop(url, None)
+        inst = self._instances.pop(url, None)
         if inst is None:
             return None
         self._rebuild()

@@ -15,10 +15,10 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from epd_proxy.auth import check_admin_key, check_client_key
+from epd_proxy.auth import bearer, check_admin_key, check_client_key
 from epd_proxy.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE, Instance
 from epd_proxy.config import Config
-from epd_proxy.errors import InternalError, ProxyError, UpstreamError
+from epd_proxy.errors import ErrorAnswer, InternalError, ProxyError
 from epd_proxy.extract import parse_json_body, parse_request
 from epd_proxy.metrics import Metrics
 from epd_proxy.pipeline import ClientBody
@@ -26,7 +26,7 @@ from epd_proxy.proxy import STATE
 from epd_proxy.registry import normalize_url, parse_registration
 from epd_proxy.relay import ABORTED, CLIENT_GONE, relay
 from epd_proxy.trace import Trace
-from epd_proxy.upstream import Timeouts, Upstream, UpstreamFailure
+from epd_proxy.upstream import NoAnswer, Timeouts, Upstream
 
 # The names operators' log filters know; logs.py turns the first up for --log-requests.
 log = logging.getLogger("epd_proxy.app")
@@ -44,7 +44,7 @@ PROFILE_TIMEOUTS = Timeouts(total=30)
 
 def error_response(exc: ProxyError, request_id: str | None = None) -> web.Response:
     headers = {"x-request-id": request_id} if request_id else {}
-    if isinstance(exc, UpstreamError) and exc.raw_body:
+    if isinstance(exc, ErrorAnswer) and exc.raw_body:
         # A backend's own error body (vLLM's OpenAI error object) is the most faithful answer.
         headers["x-epd-stage"] = exc.stage
         return web.Response(
@@ -225,7 +225,7 @@ async def list_models(request: web.Request) -> web.Response:
             what=f"model list from {decoder.url}",
             count_inflight=False,
         )
-    except UpstreamFailure as exc:
+    except NoAnswer as exc:
         return error_response(ProxyError(502, exc.message, stage="decode", backend=decoder.url))
     return web.Response(status=answer.status, body=answer.body, headers={"Content-Type": answer.content_type})
 
@@ -263,9 +263,7 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def _profile_one(upstream: Upstream, instance: Instance, action: str, payload: bytes, api_key: str):
-    headers = {"Content-Type": "application/json"}
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
+    headers = {"Content-Type": "application/json", **bearer(api_key)}
     try:
         answer = await upstream.call(
             instance,
@@ -278,7 +276,7 @@ async def _profile_one(upstream: Upstream, instance: Instance, action: str, payl
             what=action,
             count_inflight=False,
         )
-    except UpstreamFailure as exc:
+    except NoAnswer as exc:
         return {"status": None, "error": exc.message}
     if answer.status == 404:
         return None

@@ -4,7 +4,7 @@ It owns what each caller used to do on its own: the connection pool (keep-alive 
 backends' idle timeout, an optional cap per backend), the connect / pool-wait / headers / per-chunk
 idle timeouts, in-flight counting, cancellation (a cancelled call closes its connection), streaming
 the answer chunk by chunk, and one classification of what happened. A caller gets either an
-`Answer` (the backend answered with some status) or an `UpstreamFailure` that says which kind of
+`Answer` (the backend answered with some status) or an `NoAnswer` that says which kind of
 "no answer" it was; it never handles a timeout or a client-library exception itself.
 
 A second pool (health probes on their own small connector, never limited by
@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from epd_proxy.errors import BackendUnreachable, UpstreamError
+from epd_proxy.errors import BackendUnreachable, ErrorAnswer
 
 # What went wrong when there was no (complete) answer. Transport failures:
 REFUSED = "refused"  # the connection could not be made (refused, unreachable, DNS)
@@ -53,7 +53,7 @@ _WAITING_FOR = {
 }
 
 
-class UpstreamFailure(BackendUnreachable):
+class NoAnswer(BackendUnreachable):
     """No complete answer from a backend: 504 for a timeout, 502 otherwise, naming the stage."""
 
     def __init__(self, kind: str, detail: str, *, what: str, stage: str, backend: str, limit_s: float | None = None):
@@ -474,9 +474,9 @@ class Answer:
     def content_type(self) -> str:
         return self.headers.get("content-type", "application/json")
 
-    def error(self) -> UpstreamError:
+    def error(self) -> ErrorAnswer:
         """This answer as the error the client gets: the backend's own status and body."""
-        return UpstreamError(
+        return ErrorAnswer(
             self.status, self.body or b"", self.content_type, stage=self._call.stage, backend=self._call.target.url
         )
 
@@ -487,7 +487,7 @@ class Answer:
         return self.body
 
     async def chunks(self, idle_timeout: float | None = None) -> AsyncIterator[bytes]:
-        """The body as the backend wrote it, never re-split; an UpstreamFailure (IDLE_TIMEOUT or
+        """The body as the backend wrote it, never re-split; an NoAnswer (IDLE_TIMEOUT or
         BROKEN) when it stalls for `idle_timeout` seconds between two chunks or breaks off."""
         conn, call = self._conn, self._call
         idle = _smaller(idle_timeout, call.timeouts.idle)
@@ -580,8 +580,8 @@ class _Call:
             self.slot.release()
             self.slot = None
 
-    def failure(self, kind: str, detail: str, limit_s: float | None = None) -> UpstreamFailure:
-        return UpstreamFailure(kind, detail, what=self.what, stage=self.stage, backend=self.target.url, limit_s=limit_s)
+    def failure(self, kind: str, detail: str, limit_s: float | None = None) -> NoAnswer:
+        return NoAnswer(kind, detail, what=self.what, stage=self.stage, backend=self.target.url, limit_s=limit_s)
 
 
 class _Origin:

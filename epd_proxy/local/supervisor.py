@@ -14,7 +14,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -257,13 +257,3 @@ def pss_kib(pgid: int) -> int:
                 total += int(line.split()[1])
                 break
     return total
-
-
-def iter_group_pids(pgid: int) -> Iterable[int]:
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if os.getpgid(int(entry.name)) == pgid:
-                    yield int(entry.name)
-            except (OSError, ProcessLookupError):
-                continue

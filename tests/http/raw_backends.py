@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 
 from epd_proxy.backends import Instance
-from epd_proxy.upstream import Timeouts, Upstream, UpstreamFailure
+from epd_proxy.upstream import NoAnswer, Timeouts, Upstream
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
@@ -80,8 +80,8 @@ async def call(pool: Upstream, inst: Instance, timeouts: Timeouts = Timeouts(), 
     return await pool.call(inst, "POST", path, body=b"{}", timeouts=timeouts, stage="encode", what="Encoder request")
 
 
-async def failure_of(awaitable) -> UpstreamFailure:
-    with pytest.raises(UpstreamFailure) as err:
+async def failure_of(awaitable) -> NoAnswer:
+    with pytest.raises(NoAnswer) as err:
         async with asyncio.timeout(10):
             await awaitable
     return err.value

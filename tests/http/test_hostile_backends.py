@@ -21,9 +21,9 @@ from epd_proxy.upstream import (
     HEADERS_TIMEOUT,
     REFUSED_ANSWER,
     Limits,
+    NoAnswer,
     Timeouts,
     Upstream,
-    UpstreamFailure,
 )
 from tests.http.polling import eventually
 from tests.http.raw_backends import answer, call, echo_tags, failure_of, keep_answering, read_request, tag_of
@@ -290,7 +290,7 @@ async def test_under_concurrency_every_caller_gets_exactly_its_own_answer(peer, 
             tag = b"client-%d-call-%d" % (n, i)
             try:
                 got = await post(pool, inst, tag)
-            except UpstreamFailure:
+            except NoAnswer:
                 outcomes["failed"] += 1
                 continue
             assert got.body == tag, (got.body, tag)

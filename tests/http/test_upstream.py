@@ -17,8 +17,8 @@ from epd_proxy.upstream import (
     POOL_TIMEOUT,
     REFUSED,
     RESET,
+    NoAnswer,
     Timeouts,
-    UpstreamFailure,
 )
 from tests.http.polling import eventually
 from tests.http.raw_backends import OK, call, failure_of, keep_answering, read_request
@@ -109,7 +109,7 @@ async def test_stream_idle_timeout_between_chunks(peer, upstream):
     answer = await pool.open(inst, "POST", "/x", body=b"{}", timeouts=Timeouts(), stage="decode", what="Decode")
     assert answer.status == 200 and inst.inflight == 1
     received = []
-    with pytest.raises(UpstreamFailure) as err:
+    with pytest.raises(NoAnswer) as err:
         async for chunk in answer.chunks(idle_timeout=0.2):
             received.append(chunk)
     assert received == [b"first"] and err.value.kind == IDLE_TIMEOUT and err.value.limit_s == 0.2

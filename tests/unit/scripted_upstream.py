@@ -10,8 +10,8 @@ from typing import Any
 
 import orjson
 
-from epd_proxy.errors import UpstreamError
-from epd_proxy.upstream import Limits, Payload, Timeouts, UpstreamFailure
+from epd_proxy.errors import ErrorAnswer
+from epd_proxy.upstream import Limits, NoAnswer, Payload, Timeouts
 
 SSE = "text/event-stream"
 
@@ -67,15 +67,15 @@ class ScriptedAnswer:
     def cap_body(self, max_bytes: int) -> None:
         self.capped_at = max_bytes
 
-    def error(self) -> UpstreamError:
-        return UpstreamError(self.status, self.body or b"", self.content_type, stage=self._stage, backend=self._url)
+    def error(self) -> ErrorAnswer:
+        return ErrorAnswer(self.status, self.body or b"", self.content_type, stage=self._stage, backend=self._url)
 
     async def chunks(self) -> AsyncIterator[bytes]:
         for chunk in self._reply.chunks:
             yield chunk
         if self._reply.breaks is not None:
             self.release()
-            raise UpstreamFailure(self._reply.breaks, "scripted", what=self._what, stage=self._stage, backend=self._url)
+            raise NoAnswer(self._reply.breaks, "scripted", what=self._what, stage=self._stage, backend=self._url)
         self.release()
 
     async def read(self) -> bytes:
@@ -131,7 +131,7 @@ class ScriptedUpstream:
         assert script, f"{target.url} was called more often than scripted"
         reply = script.popleft()
         if reply.fails is not None:
-            raise UpstreamFailure(reply.fails, "scripted", what=what, stage=stage, backend=target.url)
+            raise NoAnswer(reply.fails, "scripted", what=what, stage=stage, backend=target.url)
         answer = ScriptedAnswer(reply, target.url, stage, what)
         self.answers.append(answer)
         return answer

@@ -3,11 +3,11 @@ from __future__ import annotations
 import pytest
 
 from epd_proxy.backends import Instance
-from epd_proxy.upstream import CONNECT_TIMEOUT, UpstreamFailure
+from epd_proxy.upstream import CONNECT_TIMEOUT, NoAnswer
 
 
 def test_a_timeout_without_a_limit_is_still_described():
-    failure = UpstreamFailure(CONNECT_TIMEOUT, "", what="Encoder request", stage="encode", backend="http://e")
+    failure = NoAnswer(CONNECT_TIMEOUT, "", what="Encoder request", stage="encode", backend="http://e")
     assert failure.status == 504 and failure.message == "Encoder request timed out while connecting"
 
 

@@ -6,8 +6,8 @@ import pytest
 
 from epd_proxy.backends import CHAT_PATH, PREFILL_DECODE, Instance
 from epd_proxy.decode import MAX_JSON_ANSWER_BYTES, hold_head, open_decode
-from epd_proxy.errors import UpstreamError
-from epd_proxy.upstream import BROKEN, IDLE_TIMEOUT, Limits, Timeouts, UpstreamFailure
+from epd_proxy.errors import ErrorAnswer
+from epd_proxy.upstream import BROKEN, IDLE_TIMEOUT, Limits, NoAnswer, Timeouts
 from tests.unit.scripted_upstream import Reply, ScriptedUpstream, json_reply, stream_reply
 
 PD = "http://pd"
@@ -45,7 +45,7 @@ async def test_an_error_answer_raises_the_backends_own_status_and_body(status):
     body = b'{"error":{"message":"bad things","code":%d}}' % status
     upstream = ScriptedUpstream()
     upstream.script(PD, Reply(status, (body,)))
-    with pytest.raises(UpstreamError) as err:
+    with pytest.raises(ErrorAnswer) as err:
         await open_decode(upstream, decoder(), {}, {}, TIMEOUTS)
     exc = err.value
     assert (exc.status, exc.answered, exc.raw_body, exc.message) == (status, status, body, "bad things")
@@ -59,7 +59,7 @@ async def test_an_error_answer_raises_the_backends_own_status_and_body(status):
 async def test_an_error_answer_cut_short_is_still_the_backends_status():
     upstream = ScriptedUpstream()
     upstream.script(PD, Reply(500, (b'{"error":{"mess',), breaks=BROKEN))
-    with pytest.raises(UpstreamError) as err:
+    with pytest.raises(ErrorAnswer) as err:
         await open_decode(upstream, decoder(), {}, {}, TIMEOUTS)
     assert err.value.status == 500 and err.value.raw_body == b""
     assert upstream.answers[0].released
@@ -68,7 +68,7 @@ async def test_an_error_answer_cut_short_is_still_the_backends_status():
 async def test_the_error_body_cap_is_the_pools():
     upstream = ScriptedUpstream(Limits(buffered_body_bytes=1234))
     upstream.script(PD, Reply(400, (b"no",)))
-    with pytest.raises(UpstreamError):
+    with pytest.raises(ErrorAnswer):
         await open_decode(upstream, decoder(), {}, {}, TIMEOUTS)
     assert upstream.answers[0].capped_at == 1234
 
@@ -88,7 +88,7 @@ async def test_a_stream_is_not_capped_as_a_whole():
 async def test_no_answer_at_all_is_the_layers_failure_unchanged():
     upstream = ScriptedUpstream()
     upstream.script(PD, Reply(fails="refused"))
-    with pytest.raises(UpstreamFailure) as err:
+    with pytest.raises(NoAnswer) as err:
         await open_decode(upstream, decoder(), {}, {}, TIMEOUTS)
     assert err.value.kind == "refused" and err.value.status == 502
 
@@ -128,6 +128,6 @@ async def test_a_stream_that_ends_before_generating_commits_with_all_it_sent():
 @pytest.mark.parametrize("kind", [BROKEN, IDLE_TIMEOUT])
 async def test_a_stream_that_fails_while_its_head_is_held_raises(kind):
     answer, _ = await opened(stream_reply(ROLE, breaks=kind))
-    with pytest.raises(UpstreamFailure) as err:
+    with pytest.raises(NoAnswer) as err:
         await hold_head(answer)
     assert err.value.kind == kind and err.value.stage == "decode"

@@ -7,14 +7,15 @@ import pytest
 
 from epd_proxy.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE
 from epd_proxy.config import Config
-from epd_proxy.errors import BadRequest, ProxyError, UpstreamError
+from epd_proxy.errors import BadRequest, ErrorAnswer, ProxyError
 from epd_proxy.extract import normalise_request
 from epd_proxy.health import Health
 from epd_proxy.metrics import Metrics
-from epd_proxy.pipeline import DP_RANK_HEADER, ClientBody, Pipeline, Trace
+from epd_proxy.pipeline import DP_RANK_HEADER, ClientBody, Trace
+from epd_proxy.proxy import build_pipeline
 from epd_proxy.registry import Registry
 from epd_proxy.routing import LeastLoaded, RoundRobin
-from epd_proxy.upstream import CONNECT_TIMEOUT, HEADERS_TIMEOUT, REFUSED, REFUSED_ANSWER, UpstreamFailure
+from epd_proxy.upstream import CONNECT_TIMEOUT, HEADERS_TIMEOUT, REFUSED, REFUSED_ANSWER, NoAnswer
 from tests.media import chat, image
 from tests.unit.scripted_upstream import Reply, ScriptedUpstream, json_reply, stream_reply
 
@@ -71,7 +72,7 @@ class Journey:
         self.upstream = ScriptedUpstream()
         self.metrics = Metrics(self.fleet, self.health)
         policies = {ENCODE: RoundRobin(), PREFILL: LeastLoaded(), DECODE: LeastLoaded()}
-        self.pipeline = Pipeline(self.config, self.fleet, self.health, self.upstream, policies, self.metrics)
+        self.pipeline = build_pipeline(self.config, self.fleet, self.health, self.upstream, policies, self.metrics)
 
     def script(self, url: str, *replies: Reply) -> None:
         self.upstream.script(url, *replies)
@@ -215,7 +216,7 @@ async def test_decodes_500_is_retried_up_to_decode_retries_with_fresh_transfer_i
 async def test_the_last_500_is_the_clients_answer():
     journey = Journey(decode_retries=1)
     journey.script(PD, failed_with(500), failed_with(500))
-    with pytest.raises(UpstreamError) as err:
+    with pytest.raises(ErrorAnswer) as err:
         await journey.run(chat())
     assert err.value.status == 500 and err.value.stage == "decode"
     assert journey.trace.attempts == 2 and len(journey.upstream.to(PD)) == 2
@@ -224,7 +225,7 @@ async def test_the_last_500_is_the_clients_answer():
 async def test_zero_retries_means_one_attempt():
     journey = Journey(decode_retries=0)
     journey.script(PD, failed_with(500))
-    with pytest.raises(UpstreamError):
+    with pytest.raises(ErrorAnswer):
         await journey.run(chat())
     assert journey.trace.attempts == 1
 
@@ -233,7 +234,7 @@ async def test_zero_retries_means_one_attempt():
 async def test_other_statuses_are_never_retried(status):
     journey = Journey(decode_retries=3)
     journey.script(PD, failed_with(status))
-    with pytest.raises(UpstreamError) as err:
+    with pytest.raises(ErrorAnswer) as err:
         await journey.run(chat())
     assert err.value.status == status and journey.trace.attempts == 1
     assert journey.metric("epd_retries_total", stage="decode") == 0
@@ -243,7 +244,7 @@ async def test_other_statuses_are_never_retried(status):
 async def test_no_answer_from_decode_is_not_retried(kind):
     journey = Journey(decode_retries=3)
     journey.script(PD, Reply(fails=kind))
-    with pytest.raises(UpstreamFailure):
+    with pytest.raises(NoAnswer):
         await journey.run(chat())
     assert journey.trace.attempts == 1
 
@@ -275,7 +276,7 @@ async def test_an_error_after_generated_text_is_never_retried():
 async def test_a_stream_that_breaks_while_its_head_is_held_is_released_and_raised():
     journey = Journey(decode_retries=3)
     journey.script(PD, stream_reply(ROLE, breaks="broken"))
-    with pytest.raises(UpstreamFailure):
+    with pytest.raises(NoAnswer):
         await journey.run(chat())
     assert journey.upstream.answers[0].released and journey.trace.attempts == 1
 
@@ -307,7 +308,7 @@ async def test_prefills_500_is_retried_under_decode_retries_too():
 async def test_prefills_4xx_ends_the_request_before_decode():
     journey = Journey(decode_urls=(D,), prefill_urls=(P,), decode_retries=3)
     journey.script(P, failed_with(400))
-    with pytest.raises(UpstreamError) as err:
+    with pytest.raises(ErrorAnswer) as err:
         await journey.run(chat())
     assert (err.value.status, err.value.stage) == (400, "prefill")
     assert journey.upstream.to(D) == []
@@ -327,7 +328,7 @@ async def test_without_kv_handles_decode_gets_the_prepared_body_as_is():
 async def test_an_instance_is_charged_one_5xx_per_request_however_often_it_is_retried():
     journey = Journey(decode_retries=2)
     journey.script(PD, failed_with(500), failed_with(500), failed_with(500))
-    with pytest.raises(UpstreamError):
+    with pytest.raises(ErrorAnswer):
         await journey.run(chat())
     assert journey.health.reports == [("answered", PD, 500)]
 
@@ -345,7 +346,7 @@ async def test_answers_and_transport_failures_reach_health_but_timeouts_after_co
 async def test_a_refused_answer_counts_as_that_instance_answering_502():
     journey = Journey()
     journey.script(PD, Reply(fails=REFUSED_ANSWER))
-    with pytest.raises(UpstreamFailure):
+    with pytest.raises(NoAnswer):
         await journey.run(chat())
     assert journey.health.reports == [("answered", PD, 502)]
 
@@ -364,6 +365,6 @@ def test_a_body_nested_deeper_than_can_be_written_is_a_bad_request():
 async def test_a_failed_request_keeps_the_body_a_later_retry_would_need():
     journey = Journey(decode_retries=0)
     journey.script(PD, failed_with(500))
-    with pytest.raises(UpstreamError):
+    with pytest.raises(ErrorAnswer):
         await journey.run(chat())
     assert journey.job.body is not None

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from epd_proxy.backends import CHAT_PATH, PREFILL, Instance
-from epd_proxy.errors import ProxyError, UpstreamError
+from epd_proxy.errors import ErrorAnswer, ProxyError
 from epd_proxy.prefill import run_prefill
-from epd_proxy.upstream import RESET, Timeouts, UpstreamFailure
+from epd_proxy.upstream import RESET, NoAnswer, Timeouts
 from tests.unit.scripted_upstream import Reply, ScriptedUpstream, json_reply
 
 P = "http://prefill"
@@ -48,7 +48,7 @@ async def test_a_json_answer_that_is_not_an_object_gives_none():
 
 @pytest.mark.parametrize("status", [400, 500, 503])
 async def test_an_error_answer_keeps_prefills_own_status_and_body(status):
-    with pytest.raises(UpstreamError) as err:
+    with pytest.raises(ErrorAnswer) as err:
         await prefilled(Reply(status, (b'{"error":{"message":"no"}}',)))
     exc = err.value
     assert (exc.status, exc.answered, exc.stage, exc.backend, exc.message) == (status, status, "prefill", P, "no")
@@ -58,12 +58,12 @@ async def test_a_2xx_that_is_not_json_is_a_502_that_prefill_answered():
     with pytest.raises(ProxyError) as err:
         await prefilled(Reply(200, (b"<html>",)))
     exc = err.value
-    assert not isinstance(exc, UpstreamError)
+    assert not isinstance(exc, ErrorAnswer)
     assert (exc.status, exc.answered, exc.stage, exc.backend) == (502, 200, "prefill", P)
     assert "not JSON" in exc.message
 
 
 async def test_no_answer_is_the_layers_failure_unchanged():
-    with pytest.raises(UpstreamFailure) as err:
+    with pytest.raises(NoAnswer) as err:
         await prefilled(Reply(fails=RESET))
     assert err.value.kind == RESET and err.value.stage == "prefill"

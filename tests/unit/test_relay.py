@@ -9,7 +9,7 @@ from aiohttp.test_utils import make_mocked_request
 from epd_proxy.decode import DecodeAnswer
 from epd_proxy.relay import ABORTED, CLIENT_GONE, COMPLETE, relay
 from epd_proxy.sse import MAX_EVENT_BYTES
-from epd_proxy.upstream import BROKEN, IDLE_TIMEOUT, UpstreamFailure
+from epd_proxy.upstream import BROKEN, IDLE_TIMEOUT, NoAnswer
 from tests.unit.scripted_upstream import Reply, ScriptedAnswer, json_reply, stream_reply
 
 PD = "http://pd"
@@ -157,7 +157,7 @@ async def test_a_client_that_goes_away_mid_stream_is_a_client_disconnect():
 
 
 async def test_a_json_answer_that_breaks_off_is_raised_to_the_caller():
-    with pytest.raises(UpstreamFailure) as err:
+    with pytest.raises(NoAnswer) as err:
         await relayed(decode_answer(Reply(200, (b'{"cho',), breaks=BROKEN)))
     assert err.value.kind == BROKEN and err.value.status == 502
 

@@ -28,8 +28,8 @@ from epd_proxy.upstream import (
     Answer,
     Headers,
     Limits,
+    NoAnswer,
     Timeouts,
-    UpstreamFailure,
     _Call,
     _Connection,
 )
@@ -125,7 +125,7 @@ def test_a_timeout_is_a_504_that_names_the_phase_and_the_limit():
     assert (failure.status, failure.stage, failure.backend, failure.timed_out) == (504, "encode", "http://b", True)
     assert failure.message == "Encoder request timed out after 2.5s waiting for the answer"
     assert failure.reason == "headers_timeout within 2.5s"
-    assert UpstreamFailure(IDLE_TIMEOUT, "", what="Decode", stage="decode", backend="b").reason == "idle_timeout"
+    assert NoAnswer(IDLE_TIMEOUT, "", what="Decode", stage="decode", backend="b").reason == "idle_timeout"
 
 
 def test_no_answer_is_a_502_that_says_what_happened():
@@ -352,6 +352,6 @@ async def test_capping_a_body_already_past_the_cap_refuses_it():
     answer, pool = answer_over(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n012345")
     answer.cap_body(4)
     assert pool.refused == [("decode", BODY_TOO_LARGE)]
-    with pytest.raises(UpstreamFailure) as err:
+    with pytest.raises(NoAnswer) as err:
         await answer.read()
     assert err.value.kind == REFUSED_ANSWER and pool.given_back == [False]
