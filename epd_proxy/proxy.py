@@ -81,7 +81,7 @@ class ProxyState:
         }
         self.metrics = Metrics(self.fleet, self.health)
         # Shared membership for replicas and workers; health stays per process.
-        self.roster = open_roster(config, self.fleet, self.health.in_rotation)
+        self.roster = open_roster(config.roster_url, config.evicted_ttl_s, self.fleet, self.health.in_rotation)
         if self.roster is not None:
             self.metrics.watch_roster(self.roster)
         self.inflight = 0

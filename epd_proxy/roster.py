@@ -28,7 +28,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import orjson
 
 from epd_proxy.backends import Instance
-from epd_proxy.config import Config, ConfigError
+from epd_proxy.config import ConfigError
 from epd_proxy.errors import ProxyError
 from epd_proxy.registry import Record, Registry, check_fits
 
@@ -366,15 +366,17 @@ def require_client() -> None:
         raise ConfigError("--roster needs the Redis client: pip install 'epd-proxy[roster]'") from None
 
 
-def open_roster(config: Config, registry: Registry, in_rotation: Callable[[Instance], bool]) -> Roster | None:
-    """The shared roster the config asks for, feeding `registry`; None for an in-process one.
-    `in_rotation` is this process's health verdict: only what it can route to gets renewed."""
-    if not config.roster_url:
+def open_roster(
+    roster_url: str, ttl_s: float, registry: Registry, in_rotation: Callable[[Instance], bool]
+) -> Roster | None:
+    """The shared roster at `roster_url` (--roster), feeding `registry`; None for an in-process
+    one. `in_rotation` is this process's health verdict: only what it can route to gets renewed."""
+    if not roster_url:
         return None
     require_client()
     return RedisRoster(
-        config.roster_url,
-        ttl_s=config.evicted_ttl_s,
+        roster_url,
+        ttl_s=ttl_s,
         on_change=registry.sync,
         in_rotation=lambda: [inst.url for inst in registry.all() if in_rotation(inst)],
     )

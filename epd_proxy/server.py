@@ -509,16 +509,15 @@ def raise_fd_limit(needed: int) -> None:
 
 async def start(
     app: web.Application,
-    config: Config,
+    limits: ClientLimits,
     *,
     host: str,
     port: int,
     reuse_port: bool = False,
     shared: PortConnections | None = None,
 ) -> tuple[GuardedAppRunner, web.TCPSite]:
-    """Serve `app` with the client limits of `config` in the running loop; the caller cleans up
-    with `await runner.cleanup()`."""
-    limits = ClientLimits.from_config(config)
+    """Serve `app` with `limits` in the running loop; the caller cleans up with
+    `await runner.cleanup()`."""
     metrics = app[STATE].metrics if STATE in app else None
     gate = ConnectionGate(limits.max_connections, shared, GateCounters(metrics.registry if metrics else None))
     if metrics is not None:
@@ -538,7 +537,13 @@ async def start(
 
 
 def run(
-    app: web.Application, config: Config, *, reuse_port: bool = False, shared: PortConnections | None = None
+    app: web.Application,
+    limits: ClientLimits,
+    *,
+    host: str,
+    port: int,
+    reuse_port: bool = False,
+    shared: PortConnections | None = None,
 ) -> None:
     """`web.run_app` with the client limits; returns on SIGTERM or SIGINT after a graceful shutdown."""
 
@@ -547,15 +552,13 @@ def run(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        runner, site = await start(
-            app, config, host=config.host, port=config.port, reuse_port=reuse_port, shared=shared
-        )
+        runner, site = await start(app, limits, host=host, port=port, reuse_port=reuse_port, shared=shared)
         logging.getLogger("epd_proxy").info("serving on %s", site.name)
         try:
             await stop.wait()
         finally:
             await runner.cleanup()
 
-    if config.max_client_connections:
-        raise_fd_limit(config.max_client_connections + 1024)
+    if limits.max_connections:
+        raise_fd_limit(limits.max_connections + 1024)
     asyncio.run(main())

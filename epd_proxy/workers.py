@@ -36,7 +36,8 @@ def _run_worker(config: Config, log_level: str, reuse_port: bool, connections=No
     gc.collect()
     gc.freeze()
     gc.set_threshold(50_000, 20, 100)
-    server.run(app, config, reuse_port=reuse_port, shared=connections)
+    limits = server.ClientLimits.from_config(config)
+    server.run(app, limits, host=config.host, port=config.port, reuse_port=reuse_port, shared=connections)
 
 
 # The exit status of a worker that could not open the port: another would fail the same way.

@@ -61,7 +61,9 @@ async def serve_proxy():
             cleanups.append(fake.close)
         e_url, pd_url = (str(f.make_url("")).rstrip("/") for f in fakes)
         config = dataclasses.replace(Config(encode_urls=(e_url,), decode_urls=(pd_url,)), **overrides)
-        runner, site = await server.start(create_app(config), config, host="127.0.0.1", port=0)
+        runner, site = await server.start(
+            create_app(config), server.ClientLimits.from_config(config), host="127.0.0.1", port=0
+        )
         cleanups.append(runner.cleanup)
         client = aiohttp.ClientSession()
         cleanups.append(client.close)

@@ -120,7 +120,7 @@ async def test_a_fault_no_middleware_caught_is_a_generic_json_500_from_the_serve
     app = aiohttp.web.Application()
     app.router.add_get("/", raising)
     config = Config(encode_urls=("http://127.0.0.1:9",), decode_urls=("http://127.0.0.1:9",))
-    runner, site = await server.start(app, config, host="127.0.0.1", port=0)
+    runner, site = await server.start(app, server.ClientLimits.from_config(config), host="127.0.0.1", port=0)
     caplog.set_level(logging.ERROR, logger="epd_proxy")
     try:
         async with aiohttp.ClientSession() as session:
