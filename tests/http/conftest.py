@@ -10,6 +10,7 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
+from epd_proxy import server as server_module
 from epd_proxy.app import create_app
 from epd_proxy.config import Config
 from epd_proxy.testing.fake_vllm import ECStore, FakeVLLM
@@ -45,6 +46,17 @@ class Stack:
         return [seen.body for e in self.encoders for seen in e.requests]
 
 
+class ProductionServer:
+    """The proxy behind server.start, closed like the fakes' TestServers."""
+
+    def __init__(self, runner: server_module.GuardedAppRunner) -> None:
+        self.runner = runner
+        self.app = runner.app
+
+    async def close(self) -> None:
+        await self.runner.cleanup()
+
+
 @pytest.fixture
 async def make_stack():
     stacks: list[Stack] = []
@@ -73,15 +85,17 @@ async def make_stack():
                 urls[key].append(str(server.make_url("")).rstrip("/"))
         config = Config(encode_urls=tuple(urls["e"]), prefill_urls=tuple(urls["p"]), decode_urls=tuple(urls["d"]))
         config = dataclasses.replace(config, **config_overrides)
-        proxy = TestServer(create_app(config))
-        await proxy.start_server()
-        servers.append(proxy)
+        # The proxy runs under the production server class, as `epd-proxy serve` runs it.
+        runner, site = await server_module.start(
+            create_app(config), server_module.ClientLimits.from_config(config), host="127.0.0.1", port=0
+        )
+        servers.append(ProductionServer(runner))
         stack = Stack(
             fake_encoders,
             fake_consumers,
             fake_prefills,
             store,
-            str(proxy.make_url("")).rstrip("/"),
+            f"http://127.0.0.1:{site.port}",
             aiohttp.ClientSession(),
             servers,
             urls,
