@@ -4,33 +4,30 @@ It owns what each caller used to do on its own: the connection pool (keep-alive 
 backends' idle timeout, an optional cap per backend), the connect / pool-wait / headers / per-chunk
 idle timeouts, in-flight counting, cancellation (a cancelled call closes its connection), streaming
 the answer chunk by chunk, and one classification of what happened. A caller gets either an
-`Answer` (the backend answered with some status) or an `NoAnswer` that says which kind of
+`Answer` (the backend answered with some status) or a `NoAnswer` that says which kind of
 "no answer" it was; it never handles a timeout or a client-library exception itself.
 
 A second pool (health probes on their own small connector, never limited by
 `--max-connections-per-backend`) is just another `Upstream`.
 
-Underneath is a lean HTTP/1.1 client: an asyncio.Protocol per connection feeding httptools'
-parser (the C parser uvicorn uses), chosen by measurement over aiohttp's client, which cost the
-proxy about as much CPU per request as everything else it does (see the README's benchmark).
-Requests are written with one `writelines`, answers are handed on as the chunks the socket gave,
-and nothing is decompressed, so relayed bytes are exactly what the backend wrote.
+Underneath is a lean HTTP/1.1 client (connection.py: an asyncio.Protocol per connection feeding
+httptools' parser, the C parser uvicorn uses), chosen by measurement over aiohttp's client, which
+cost the proxy about as much CPU per request as everything else it does (see the README's
+benchmark). Answers are handed on as the chunks the socket gave, and nothing is decompressed, so
+relayed bytes are exactly what the backend wrote.
 """
 
 from __future__ import annotations
 
 import asyncio
-import select
 import ssl
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-import httptools
-
+from epd_proxy.connection import BODY_TOO_LARGE, Closed, Connection, Headers, Limits, decoded
 from epd_proxy.errors import BackendUnreachable, ErrorAnswer
 
 # What went wrong when there was no (complete) answer. Transport failures:
@@ -105,360 +102,13 @@ class Target(Protocol):
     inflight: int
 
 
-# Reading stops while this much of an answer waits unconsumed, so a slow client cannot make the
-# proxy buffer a fast backend's whole stream.
-_PAUSE_ABOVE = 1 << 20
-_RESUME_BELOW = 1 << 18
-# A request larger than this is written a piece at a time, each after the socket drained, so a
-# backend that reads slowly never makes the proxy hold a second copy of a large body.
-_WRITE_PIECE = 1 << 18
-_WRITE_WHOLE_UP_TO = 1 << 20
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    """What one backend may send in one answer. The head limits are Envoy's defaults (100 headers,
-    60 KiB) with aiohttp's field size; the body cap applies to answers that are read whole (`call`),
-    a streamed answer is bounded by its reader instead (read pauses, SSE event cap)."""
-
-    head_bytes: int = 60 * 1024
-    header_count: int = 100
-    field_bytes: int = 8190
-    buffered_body_bytes: int = 8 << 20
-
-
-# Why an answer was refused, for the error message and epd_backend_answers_refused_total:
-HEAD_TOO_LARGE = "head_too_large"
-TOO_MANY_HEADERS = "too_many_headers"
-FIELD_TOO_LARGE = "field_too_large"
-BODY_TOO_LARGE = "body_too_large"
-SECOND_ANSWER = "second_answer"  # a message began after this exchange's answer was complete
-UNSOLICITED = "unsolicited"  # bytes on a connection with no exchange waiting for them
-NOT_HTTP = "not_http"
-UPGRADE = "upgrade"
-
-
-class Headers:
-    """An answer's headers as sent, duplicates kept, looked up without regard to case."""
-
-    __slots__ = ("_items",)
-
-    def __init__(self, items: list[tuple[str, str]]) -> None:
-        self._items = items
-
-    def get(self, name: str, default: str | None = None) -> str | None:
-        """One value; repeated fields joined with ", " as RFC 9110 §5.3 allows."""
-        values = self.get_all(name)
-        if not values:
-            return default
-        return values[0] if len(values) == 1 else ", ".join(values)
-
-    def get_all(self, name: str) -> list[str]:
-        name = name.lower()
-        return [value for key, value in self._items if key == name]
-
-    def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and any(key == name.lower() for key, _ in self._items)
-
-    def items(self) -> list[tuple[str, str]]:
-        return list(self._items)
-
-
-def _decoded(items: list[tuple[bytes, bytes]]) -> Headers:
-    # llhttp keeps a value's trailing whitespace, which RFC 9110 §5.5 says is not part of it.
-    return Headers([(name.decode("latin-1").lower(), value.decode("latin-1").rstrip(" \t")) for name, value in items])
-
-
-class _Closed(Exception):
-    """The exchange ended without a (complete) answer. `answered`: whether any byte of the answer
-    had arrived; `kind`: the failure kind for the caller (RESET, BROKEN or REFUSED_ANSWER)."""
-
-    def __init__(self, detail: str, answered: bool, kind: str | None = None) -> None:
-        super().__init__(detail)
-        self.detail = detail
-        self.answered = answered
-        self.kind = kind or (BROKEN if answered else RESET)
-
-
-class _Stop(Exception):
-    """Raised inside a parser callback to stop parsing what a backend must not have sent."""
-
-
-class _Connection(asyncio.Protocol):
-    """One keep-alive connection, one exchange at a time.
-
-    Bytes are parsed only while an exchange waits for its answer, and only one answer per
-    exchange: bytes on an idle connection, a second message after a complete one, or an answer
-    over a limit close the connection, so nothing a backend sends out of turn can reach the next
-    caller. Per-message state is reset when a message begins, not when the connection is reused.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, pool: Upstream) -> None:
-        self.loop = loop
-        self.pool = pool
-        self.limits = pool.limits
-        self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpResponseParser(self)
-        self.lost = False
-        self.reused = False
-        self.idle_since = 0.0
-        self.parked_in: list[_Connection] | None = None
-        self.stage = "idle"
-        self.expecting = False  # an exchange waits for its answer
-        self.write_paused = False
-        self.drain_waiter: asyncio.Future | None = None
-        self.max_body: int | None = None
-        self.waiter: asyncio.Future | None = None
-        self._new_message()
-        self.final_done = False
-        self.failure: _Closed | None = None
-
-    def begin(self, stage: str, max_body: int | None) -> None:
-        """A request is about to go out on this connection: its answer is the next message."""
-        self.stage = stage
-        self.max_body = max_body
-        self.expecting = True
-        self.wrote = False  # any byte of the request handed to the transport
-        self.answered = False
-        self.head_bytes = 0
-        self.final_done = False
-        self.failure = None
-        self._new_message()
-
-    def _new_message(self) -> None:
-        self.status = 0
-        self.header_items: list[tuple[bytes, bytes]] = []
-        self.trailer_items: list[tuple[bytes, bytes]] = []
-        self.headers_done = False
-        self.complete = False
-        self.keep_alive = False
-        self.until_eof = False
-        self.chunks: deque[bytes] = deque()
-        self.buffered = 0
-        self.body_bytes = 0
-        self.paused = False
-
-    # -- asyncio.Protocol ----------------------------------------------------------------------------
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        if not self.expecting or self.lost:
-            self._refuse(UNSOLICITED, f"{len(data)} bytes arrived with no request waiting for them")
-            return
-        self.answered = True
-        if not self.headers_done:
-            self.head_bytes += len(data)
-        try:
-            self.parser.feed_data(data)
-        except _Stop:
-            pass
-        except httptools.HttpParserCallbackError as exc:
-            if not isinstance(exc.__context__, _Stop):
-                raise
-        except httptools.HttpParserUpgrade:
-            self._refuse(UPGRADE, "the backend switched protocols")
-        except httptools.HttpParserError as exc:
-            self._refuse(NOT_HTTP, f"not a valid HTTP answer: {exc}")
-        else:
-            if not self.headers_done and self.head_bytes > self.limits.head_bytes:
-                self._refuse(HEAD_TOO_LARGE, f"response head over {self.limits.head_bytes} bytes")
-
-    def eof_received(self) -> bool:
-        self.lost = True  # whatever follows, this connection takes no further request
-        return False  # close our side too
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.lost = True
-        self._wake_writer()
-        if self.parked_in is not None:
-            try:
-                self.parked_in.remove(self)
-            except ValueError:
-                pass
-            self.parked_in = None
-            return
-        if not self.expecting:
-            return
-        if self.headers_done and self.until_eof and not self.complete:
-            self.complete = True  # a body without length ends where the connection does
-            self.final_done = True
-        elif not self.complete and self.failure is None:
-            detail = f"{type(exc).__name__}: {exc}" if exc else "the backend closed the connection"
-            self.failure = _Closed(detail, self.answered)
-        self._wake()
-
-    def pause_writing(self) -> None:
-        self.write_paused = True
-
-    def resume_writing(self) -> None:
-        self.write_paused = False
-        self._wake_writer()
-
-    # -- httptools callbacks -------------------------------------------------------------------------
-    def on_message_begin(self) -> None:
-        if self.final_done:
-            self._refuse(SECOND_ANSWER, "a second answer followed a complete one", fails_exchange=False)
-            raise _Stop
-        self._new_message()
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        items = self.trailer_items if self.headers_done else self.header_items
-        if len(name) + len(value) > self.limits.field_bytes:
-            self._refuse(FIELD_TOO_LARGE, f"a header field over {self.limits.field_bytes} bytes")
-            raise _Stop
-        if len(items) >= self.limits.header_count:
-            self._refuse(TOO_MANY_HEADERS, f"more than {self.limits.header_count} header fields")
-            raise _Stop
-        items.append((name, value))
-
-    def on_headers_complete(self) -> None:
-        status = self.parser.get_status_code()
-        if status < 200:
-            self.header_items = []  # an interim answer (100 Continue): the real one follows
-            return
-        self.status = status
-        self.headers_done = True
-        framed = False
-        for name, _ in self.header_items:
-            lowered = name.lower()
-            if lowered == b"content-length" or lowered == b"transfer-encoding":
-                framed = True
-                break
-        self.until_eof = not framed and status not in (204, 304)
-        self._wake()
-
-    def on_body(self, body: bytes) -> None:
-        self.body_bytes += len(body)
-        if self.max_body is not None and self.body_bytes > self.max_body:
-            self._refuse(BODY_TOO_LARGE, f"an answer over {self.max_body} bytes")
-            raise _Stop
-        self.chunks.append(body)
-        self.buffered += len(body)
-        if self.buffered > _PAUSE_ABOVE and not self.paused:
-            self.paused = True
-            self.transport.pause_reading()
-        self._wake()
-
-    def on_message_complete(self) -> None:
-        if self.headers_done:
-            self.complete = True
-            self.final_done = True
-            # Asked now: once the parser has moved past the message it no longer knows.
-            self.keep_alive = self.parser.should_keep_alive()
-            self._wake()
-
-    # -- refusing what a backend must not send -------------------------------------------------------
-    def _refuse(self, reason: str, detail: str, *, fails_exchange: bool = True) -> None:
-        """Close the connection for good. Unless the exchange already has its whole answer, that
-        exchange fails; nothing parsed from here on reaches anyone."""
-        self.pool._refused(self.stage if self.expecting else "idle", reason)
-        if fails_exchange and self.expecting and not self.complete and self.failure is None:
-            self.failure = _Closed(f"answer refused: {detail}", True, REFUSED_ANSWER)
-        self.expecting = False
-        self.lost = True
-        if self.transport is not None:
-            self.transport.abort()
-        self._wake()
-
-    # -- for the caller ------------------------------------------------------------------------------
-    def _wake(self) -> None:
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def _wake_writer(self) -> None:
-        waiter = self.drain_waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def wait(self, limit: float | None) -> None:
-        """Until something happens (headers, a chunk, the end, a failure); TimeoutError after `limit`."""
-        self.waiter = waiter = self.loop.create_future()
-        try:
-            if limit is None:
-                await waiter
-            else:
-                async with asyncio.timeout(limit):
-                    await waiter
-        finally:
-            self.waiter = None
-
-    async def send(self, request: list) -> None:
-        """Write the request, waiting for the socket to drain between pieces of a large one. An
-        answer may start before the request is fully written (an early error): writing stops only
-        when the connection does."""
-        transport = self.transport
-        if sum(len(part) for part in request) <= _WRITE_WHOLE_UP_TO:
-            transport.writelines(request)
-            self.wrote = True
-            return
-        for part in request:
-            view = memoryview(part).cast("B")
-            for offset in range(0, len(view), _WRITE_PIECE):
-                if self.lost:
-                    return
-                transport.write(view[offset : offset + _WRITE_PIECE])
-                self.wrote = True
-                while self.write_paused and not self.lost:
-                    self.drain_waiter = self.loop.create_future()
-                    try:
-                        await self.drain_waiter
-                    finally:
-                        self.drain_waiter = None
-
-    def take(self) -> bytes:
-        chunk = self.chunks.popleft()
-        self.buffered -= len(chunk)
-        if self.paused and self.buffered < _RESUME_BELOW:
-            self.paused = False
-            self.transport.resume_reading()
-        return chunk
-
-    def headers(self) -> Headers:
-        return _decoded(self.header_items)
-
-    def answer_ended(self) -> None:
-        """The caller is done with this exchange: from now on any byte is out of turn."""
-        self.expecting = False
-
-    def reusable(self) -> bool:
-        return (
-            self.final_done
-            and self.keep_alive
-            and not self.lost
-            and not self.until_eof
-            and not self.chunks
-            and self.failure is None
-        )
-
-    def looks_idle(self) -> bool:
-        """httpcore's check before reuse: a parked connection that is readable has either data
-        nobody asked for or the backend's EOF, and either way must not carry a request."""
-        if self.lost or self.transport is None or self.transport.is_closing():
-            return False
-        sock = self.transport.get_extra_info("socket")
-        if sock is None:
-            return True
-        try:
-            readable, _, _ = select.select([sock.fileno()], [], [], 0)
-        except (OSError, ValueError):
-            return False
-        return not readable
-
-    def abort(self) -> None:
-        if self.transport is not None and not self.lost:
-            self.transport.abort()
-        self.lost = True
-
-
 class Answer:
     """A backend's answer: status and headers, and the body read whole (`call`) or still to be
     streamed (`open`). An open answer holds its connection until `release()`."""
 
     __slots__ = ("status", "headers", "body", "trailers", "_conn", "_call", "_pool", "_done")
 
-    def __init__(self, conn: _Connection, call: _Call, pool: Upstream) -> None:
+    def __init__(self, conn: Connection, call: _Call, pool: Upstream) -> None:
         self.status = conn.status
         self.headers = conn.headers()
         self.body: bytes | None = None
@@ -497,12 +147,12 @@ class Answer:
                 continue
             if conn.complete:
                 if conn.trailer_items:
-                    self.trailers = _decoded(conn.trailer_items)
+                    self.trailers = decoded(conn.trailer_items)
                 self.release()
                 return
             if conn.failure is not None:
                 self._end(reuse=False)
-                raise call.failure(conn.failure.kind, conn.failure.detail) from None
+                raise call.failure(_kind_of(conn.failure), conn.failure.detail) from None
             limit, reported = call.budget(idle)
             try:
                 await conn.wait(limit)
@@ -598,7 +248,7 @@ class _Origin:
         self.host_line = f"Host: {parts.netloc}\r\n".encode("latin-1")
         # Most recently used last: reusing the freshest connection is least likely to hit one the
         # backend is just closing.
-        self.idle: list[_Connection] = []
+        self.idle: list[Connection] = []
 
 
 class Upstream:
@@ -616,7 +266,7 @@ class Upstream:
     ) -> None:
         # Idle connections retire before the backend (uvicorn, 5 s) drops them, so a reused
         # connection is almost never one the server already closed, and one that is readable or
-        # at EOF is never taken (see _Connection.looks_idle).
+        # at EOF is never taken (see Connection.looks_idle).
         self.keep_alive_s = keep_alive_s
         self.limits = limits
         # Told (stage, reason) of every answer refused; the metrics count them.
@@ -734,7 +384,7 @@ class Upstream:
 
     async def _exchange(
         self, call: _Call, method: str, path: str, body, headers, idempotent: bool, max_body: int | None
-    ) -> _Connection:
+    ) -> Connection:
         url = call.target.url
         origin = self._origins.get(url)
         if origin is None:
@@ -766,18 +416,18 @@ class Upstream:
                     try:
                         await conn.send(request)
                     except (RuntimeError, OSError) as exc:  # closed under us since it was parked
-                        raise _Closed(_describe(exc), False) from None
+                        raise Closed(_describe(exc), False) from None
                     while not conn.headers_done:
                         if conn.failure is not None:
                             raise conn.failure
                         await conn.wait(None)
                 return conn
-            except _Closed as closed:
+            except Closed as closed:
                 self._give_back(url, conn, False)
                 if conn.reused and not closed.answered and not fresh and (idempotent or not conn.wrote):
                     fresh = True  # the backend dropped an idle connection just as we took it
                     continue
-                raise call.failure(closed.kind, closed.detail) from None
+                raise call.failure(_kind_of(closed), closed.detail) from None
             except TimeoutError:
                 self._give_back(url, conn, False)
                 raise call.failure(HEADERS_TIMEOUT, "", reported) from None
@@ -785,7 +435,7 @@ class Upstream:
                 self._give_back(url, conn, False)
                 raise
 
-    async def _connection(self, call: _Call, origin: _Origin, fresh: bool) -> _Connection:
+    async def _connection(self, call: _Call, origin: _Origin, fresh: bool) -> Connection:
         idle = origin.idle
         if idle and not fresh:
             oldest_allowed = time.monotonic() - (self.keep_alive_s or 0)
@@ -802,7 +452,7 @@ class Upstream:
         try:
             async with asyncio.timeout(limit):
                 _, conn = await loop.create_connection(
-                    lambda: _Connection(loop, self),
+                    lambda: Connection(loop, self.limits, self._refused),
                     origin.host,
                     origin.port,
                     ssl=origin.ssl,
@@ -814,7 +464,7 @@ class Upstream:
             raise call.failure(REFUSED, _describe(exc)) from None
         return conn
 
-    def _give_back(self, url: str, conn: _Connection, reuse: bool) -> None:
+    def _give_back(self, url: str, conn: Connection, reuse: bool) -> None:
         self._in_use -= 1
         origin = self._origins.get(url)
         if not reuse or self.keep_alive_s is None or self._closed or origin is None:
@@ -870,3 +520,9 @@ def _describe(exc: BaseException) -> str:
     """`ConnectionRefusedError: [Errno 111] ...` rather than a repr full of internals."""
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _kind_of(closed: Closed) -> str:
+    if closed.refused:
+        return REFUSED_ANSWER
+    return BROKEN if closed.answered else RESET
