@@ -1,4 +1,5 @@
-"""In-process fake vLLM servers that speak the EPD wire protocol, for tests and benchmarks.
+"""Fake vLLM servers that speak the EPD wire protocol: in-process for the tests, and a process of
+them for the benchmark (`python -m epd_proxy.testing.fake_vllm SPEC`, see `main`).
 
 They model the behaviour the proxy must get right, not the model: an encoder derives the cache
 identifier from uuid + processing options exactly when vLLM does, stores what a shared-storage EC
@@ -9,6 +10,9 @@ Failures during generation take vLLM's shape (vllm/entrypoints/openai/chat_compl
 a streaming request has already answered 200 and sent its first (role) chunk when the engine
 reports `finish_reason="error"`, so the error arrives in-band as `data: {"error": {...}}` followed
 by `data: [DONE]`; a non-streaming request answers 500 with the same error object.
+
+The tests inject faults (`Faults`); the benchmark gives the servers a cost model (`Costs`) and
+reads per-phase counters (`GET /stats`).
 """
 
 from __future__ import annotations
@@ -17,9 +21,14 @@ import asyncio
 import hashlib
 import itertools
 import json
+import os
+import signal
+import sys
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+import blake3
 import orjson
 from aiohttp import web
 
@@ -69,6 +78,12 @@ def _digest(*parts: Any) -> str:
     return hashlib.sha256(orjson.dumps(parts, option=orjson.OPT_SORT_KEYS)).hexdigest()
 
 
+def media_id(media: str) -> str:
+    """The identity of one item's media. blake3, the fastest hash at hand: hashing the media is
+    most of what the fake spends in the benchmark, on the harness's core."""
+    return blake3.blake3(media.encode("utf-8", "surrogatepass")).hexdigest()
+
+
 def media_source(part: dict[str, Any], kind: str) -> str:
     value = part.get(kind)
     if isinstance(value, dict):
@@ -89,15 +104,16 @@ def hash_factors(modality: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def identifier(uuid: str | None, media: str, factors: dict[str, Any] | None) -> str:
-    """vLLM's rule: the uuid verbatim when there are no hash factors, else a derived hash."""
+    """vLLM's rule: the uuid verbatim when there are no hash factors, else a derived hash.
+    `media` is the item's `media_id` (its content, hashed once)."""
     if uuid and not factors:
         return uuid
     return _digest("tiny-vlm", uuid or media, factors or {})
 
 
-def placeholder_shape(modality: str, media: str, factors: dict[str, Any] | None) -> list[int]:
+def placeholder_shape(modality: str, identity: str, factors: dict[str, Any] | None) -> list[int]:
     """A deterministic grid that changes with the processing options, like a resize would."""
-    d = bytes.fromhex(_digest(media))
+    d = bytes.fromhex(identity)
     processor_kwargs = (factors or {}).get("mm_processor_kwargs") or {}
     scale = 2 if processor_kwargs.get("size") else 1
     if modality == "audio":
@@ -186,6 +202,38 @@ class Faults:
         return False
 
 
+@dataclass(frozen=True)
+class Costs:
+    """The time a real server takes, for the benchmark. An encoder is one GPU: its sub-requests
+    run back to back, each costing `request_s` plus `image_s` per media item. A consumer answers
+    after `answer_s`; a stream sends its role event and first token at once and the rest then."""
+
+    request_s: float = 0.0
+    image_s: float = 0.0
+    answer_s: float = 0.0
+
+
+class Counts:
+    """Chat requests, media items and bytes received, per tag: the first character of the request
+    id, which the benchmark's load generator sets to w/m/c for warm-up, measured and cool-down
+    requests, so the harness can count exactly one phase. `images` are the items an encoder
+    encoded or a consumer took as `*_embeds` references; `raw_images` the raw media a consumer got."""
+
+    def __init__(self) -> None:
+        self.requests: defaultdict[str, int] = defaultdict(int)
+        self.images: defaultdict[str, int] = defaultdict(int)
+        self.raw_images: defaultdict[str, int] = defaultdict(int)
+        self.bytes_in: defaultdict[str, int] = defaultdict(int)
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        return {
+            "requests": self.requests,
+            "images": self.images,
+            "raw_images": self.raw_images,
+            "bytes_in": self.bytes_in,
+        }
+
+
 @dataclass
 class Seen:
     headers: dict[str, str]
@@ -209,6 +257,8 @@ class FakeVLLM:
         mooncake: bool = False,
         legacy_params: bool = False,
         success_status: int = 200,
+        costs: Costs = Costs(),
+        piece_bytes: int | None = 7,
     ) -> None:
         self.role = role
         # A Mooncake EC consumer: every media item must arrive by a push under its own transfer id.
@@ -222,6 +272,13 @@ class FakeVLLM:
         self.handles = handles or {}
         self.tokens_per_chunk = tokens_per_chunk
         self.stream_pause_s = stream_pause_s
+        # Bodies are written in pieces of this size (None: whole), `stream_pause_s` apart.
+        self.piece_bytes = piece_bytes
+        self.costs = costs
+        # When the encoder's GPU is free again. An exact clock rather than lock + sleep, so timer
+        # rounding (1 ms in the event loop) does not add up across queued sub-requests.
+        self._free_at = 0.0
+        self.counts = Counts()
         # Long runs (soak, benchmarks) turn recording off so the fake's memory stays flat.
         self.record = record
         self.faults = Faults()
@@ -242,6 +299,7 @@ class FakeVLLM:
         app = web.Application(client_max_size=256 * 1024 * 1024)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/stats", self.stats)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/start_profile", self.profile)
         app.router.add_post("/stop_profile", self.profile)
@@ -251,6 +309,9 @@ class FakeVLLM:
         self.health_checks += 1
         return web.Response(status=200 if self.healthy else 503)
 
+    async def stats(self, request: web.Request) -> web.Response:
+        return _json({"role": self.role, **self.counts.as_dict()})
+
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "tiny-vlm", "object": "model"}]})
 
@@ -259,13 +320,17 @@ class FakeVLLM:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         try:
-            body = orjson.loads(await request.read())
+            raw = await request.read()
+            body = orjson.loads(raw)
             if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
                 raise ValueError("messages must be a list")
         except ValueError as exc:
             return _engine_error(f"invalid request: {exc}", status=400)
         if self.record:
             self.requests.append(Seen({k.lower(): v for k, v in request.headers.items()}, body))
+        tag = (request.headers.get("x-request-id") or "?")[:1]
+        self.counts.requests[tag] += 1
+        self.counts.bytes_in[tag] += len(raw)
         if self.role != "encode" and (problem := _sampling_problem(body)):
             # vLLM's SamplingParams validation: a 400 before anything runs.
             return _engine_error(problem, status=400)
@@ -276,8 +341,8 @@ class FakeVLLM:
             if injected is not None:
                 return injected
             if self.role == "encode":
-                return self._encode(request, body)
-            return await self._consume(request, body)
+                return await self._encode(request, body, tag)
+            return await self._consume(request, body, tag)
         except (asyncio.CancelledError, ConnectionResetError):
             # The caller went away: what a backend sees when the proxy cancels its sub-request.
             self.cancelled += 1
@@ -289,7 +354,7 @@ class FakeVLLM:
             self.active -= 1
 
     # -- encoder ---------------------------------------------------------------------------------
-    def _encode(self, request: web.Request, body: dict[str, Any]) -> web.Response:
+    async def _encode(self, request: web.Request, body: dict[str, Any], tag: str) -> web.Response:
         params: dict[str, Any] = {}
         push = body.get("ec_transfer_params") or {}
         push_items = push.get("ec_items") or [] if push.get("consumer_zmq") else None
@@ -302,9 +367,10 @@ class FakeVLLM:
             modality = MEDIA_KEYS[kind]
             media = media_source(part, kind)
             factors = hash_factors(modality, body)
-            key = identifier(part.get("uuid"), media, factors)
-            shape = placeholder_shape(modality, media, factors)
-            self.store.entries[key] = (_digest(media), shape)
+            identity = media_id(media)
+            key = identifier(part.get("uuid"), identity, factors)
+            shape = placeholder_shape(modality, identity, factors)
+            self.store.entries[key] = (identity, shape)
             if push_items is not None:
                 # A Mooncake producer takes each item's transfer id by position; without one it
                 # falls back to an id of its own that no consumer can name.
@@ -320,6 +386,12 @@ class FakeVLLM:
             position += 1
         if legacy_items:
             params["ec_items"] = legacy_items
+        self.counts.images[tag] += position
+        cost = self.costs.request_s + self.costs.image_s * position
+        if cost > 0:
+            now = asyncio.get_running_loop().time()
+            self._free_at = max(now, self._free_at) + cost
+            await asyncio.sleep(self._free_at - now)
         return _json(
             {
                 "id": f"chatcmpl-enc-{next(self._ids)}",
@@ -332,11 +404,12 @@ class FakeVLLM:
         )
 
     # -- consumers -------------------------------------------------------------------------------
-    def _resolve_media(self, body: dict[str, Any]) -> tuple[list[str], list[str]] | web.Response:
-        """Each media item's identity and engine identifier as the consumer sees them, or vLLM's
-        error for a bad reference."""
+    def _resolve_media(self, body: dict[str, Any]) -> tuple[list[str], list[str], int] | web.Response:
+        """Each media item's identity and engine identifier as the consumer sees them, and how many
+        came as `*_embeds` references; or vLLM's error for a bad reference."""
         seen: list[str] = []
         identifiers: list[str] = []
+        references = 0
         for message in body["messages"]:
             content = message.get("content")
             if not isinstance(content, list):
@@ -358,7 +431,7 @@ class FakeVLLM:
                             "Expected number of multimodal embeddings to match number of input items: "
                             "1, but got len(mm_embeddings)=0"
                         )
-                    media_id, shape = stored
+                    identity, shape = stored
                     claimed = part[kind].get(GRID_FIELD[modality])
                     if claimed != shape:
                         have, want = tokens_of(modality, shape), tokens_of(modality, claimed or [0, 0, 0])
@@ -366,21 +439,23 @@ class FakeVLLM:
                             f"Attempted to assign {have} = {have} multimodal tokens to {want} placeholders"
                         )
                     self.loaded_from_cache += 1
-                    seen.append(f"{media_id}:{shape}")
+                    references += 1
+                    seen.append(f"{identity}:{shape}")
                     identifiers.append(key)
                 elif kind in MEDIA_KEYS:
                     modality = MEDIA_KEYS[kind]
                     media = media_source(part, kind)
                     factors = hash_factors(modality, body)
-                    shape = placeholder_shape(modality, media, factors)
-                    key = identifier(part.get("uuid"), media, factors)
+                    identity = media_id(media)
+                    shape = placeholder_shape(modality, identity, factors)
+                    key = identifier(part.get("uuid"), identity, factors)
                     if key in self.store.entries:
                         self.loaded_from_cache += 1
                     else:
                         self.encoded_locally += 1
-                    seen.append(f"{_digest(media)}:{shape}")
+                    seen.append(f"{identity}:{shape}")
                     identifiers.append(key)
-        return seen, identifiers
+        return seen, identifiers, references
 
     def _unresolved_push(self, body: dict[str, Any], identifiers: list[str]) -> str | None:
         """Why a Mooncake consumer cannot obtain some item's embedding, or None.
@@ -417,7 +492,7 @@ class FakeVLLM:
             used.add(transfer_id)
         return None
 
-    async def _consume(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+    async def _consume(self, request: web.Request, body: dict[str, Any], tag: str) -> web.StreamResponse:
         if self.role == "decode":
             kv = body.get("kv_transfer_params") or {}
             if not kv.get("remote_block_ids"):
@@ -425,7 +500,9 @@ class FakeVLLM:
         resolved = self._resolve_media(body)
         if isinstance(resolved, web.Response):
             return resolved
-        resolved, identifiers = resolved
+        resolved, identifiers, references = resolved
+        self.counts.images[tag] += references
+        self.counts.raw_images[tag] += len(resolved) - references
         failure = "injected generation error" if self.faults.generation_error() else None
         if failure is None and self.mooncake:
             failure = self._unresolved_push(body, identifiers)
@@ -471,6 +548,8 @@ class FakeVLLM:
             }
             cut, stall = self.faults.break_stream(), self.faults.stall_stream()
             if not (cut or stall):
+                if self.costs.answer_s:
+                    await asyncio.sleep(self.costs.answer_s)
                 return _json(completion, status=self.success_status)
             # The body breaks off (or goes silent) after the headers: chunked, in pieces.
             response = web.StreamResponse(status=self.success_status, headers={"Content-Type": "application/json"})
@@ -534,18 +613,31 @@ class FakeVLLM:
                 "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
             }
         )
-        payload = b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+        frames = [b"data: " + orjson.dumps(e) + b"\n\n" for e in events]
+        payload = b"".join(frames) + b"data: [DONE]\n\n"
+        # Generating takes `answer_s` after the first token (the role event, then that token).
+        first_token_end = len(frames[0]) + len(frames[1])
         return await self._write_paced(
-            request, response, payload, self.faults.break_stream(), self.faults.stall_stream()
+            request, response, payload, self.faults.break_stream(), self.faults.stall_stream(), first_token_end
         )
 
     async def _write_paced(
-        self, request: web.Request, response: web.StreamResponse, payload: bytes, cut: bool, stall: bool
+        self,
+        request: web.Request,
+        response: web.StreamResponse,
+        payload: bytes,
+        cut: bool,
+        stall: bool,
+        first_token_end: int = 0,
     ) -> web.StreamResponse:
         """Odd-sized writes cut through multibyte characters and SSE frames on purpose. A cut
-        resets the connection halfway; a stall goes silent halfway until the caller goes away."""
+        resets the connection at the first piece past halfway; a stall goes silent there until the
+        caller goes away. The bytes after `first_token_end` wait for the answer's cost."""
         halfway = len(payload) // 2
-        for start in range(0, len(payload), 7):
+        step = self.piece_bytes or len(payload)
+        hold = first_token_end if self.costs.answer_s else len(payload)
+        start = 0
+        while start < len(payload):
             if start >= halfway and cut:
                 request.transport.close()
                 raise InjectedDrop("fault injected: stream cut halfway")
@@ -554,8 +646,12 @@ class FakeVLLM:
                     await asyncio.sleep(0.02)
                 self.cancelled += 1
                 raise InjectedDrop("fault injected: stalled stream abandoned by the caller")
-            await response.write(payload[start : start + 7])
+            if start == hold:
+                await asyncio.sleep(self.costs.answer_s)
+            end = min(start + step, hold if start < hold else len(payload))
+            await response.write(payload[start:end])
             await asyncio.sleep(self.stream_pause_s)
+            start = end
         await response.write_eof()
         return response
 
@@ -574,3 +670,62 @@ def _json(obj: Any, status: int = 200) -> web.Response:
 
 def _engine_error(message: str, status: int = 500) -> web.Response:
     return _json({"error": {"message": message, "type": "InternalServerError", "param": None, "code": status}}, status)
+
+
+# The benchmark's streams: the answer in two tokens, each body written whole, as a server would.
+BENCH_TOKENS_PER_CHUNK = 20
+
+
+async def serve(spec: dict[str, Any]) -> None:
+    """Host the servers of `spec` on 127.0.0.1, print one JSON line of their ports and serve
+    until SIGTERM or until the parent process is gone. They share one EC store and keep no
+    record of requests, so memory stays flat however long the benchmark runs."""
+    loop = asyncio.get_running_loop()
+    store = ECStore()
+    runners, ports = [], {}
+    for entry in spec["servers"]:
+        costs = Costs(
+            entry.get("request_ms", 0.0) / 1000, entry.get("image_ms", 0.0) / 1000, entry.get("answer_ms", 0.0) / 1000
+        )
+        fake = FakeVLLM(
+            entry["role"],
+            store,
+            costs=costs,
+            record=False,
+            piece_bytes=None,
+            tokens_per_chunk=BENCH_TOKENS_PER_CHUNK,
+        )
+        runner = web.AppRunner(fake.app(), access_log=None, handle_signals=False)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", entry.get("port", 0), backlog=1024).start()
+        runners.append(runner)
+        ports[entry["name"]] = runner.addresses[0][1]
+    sys.stdout.write(orjson.dumps({"ports": ports}).decode() + "\n")
+    sys.stdout.flush()
+    stop = loop.create_future()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, lambda: stop.done() or stop.set_result(None))
+    parent = os.getppid()
+    # An orphaned host would hold its ports forever: leave when the harness is gone.
+    while not stop.done() and os.getppid() == parent:
+        await asyncio.wait([stop], timeout=1.0)
+    for runner in runners:
+        await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m epd_proxy.testing.fake_vllm '{"servers": [{"name", "role", "request_ms",
+    "image_ms", "answer_ms", "port"}, ...]}'`: the benchmark's fakes, in a process of their own."""
+    argv = sys.argv[1:] if argv is None else argv
+    spec = orjson.loads(argv[0])
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(serve(spec))
+    else:
+        uvloop.run(serve(spec))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
