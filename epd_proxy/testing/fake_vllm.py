@@ -12,7 +12,9 @@ reports `finish_reason="error"`, so the error arrives in-band as `data: {"error"
 by `data: [DONE]`; a non-streaming request answers 500 with the same error object.
 
 The tests inject faults (`Faults`); the benchmark gives the servers a cost model (`Costs`) and
-reads per-phase counters (`GET /stats`).
+reads per-phase counters (`GET /stats`). The handlers answer through an `Exchange`, so one fake runs
+behind two front ends: aiohttp's server for the tests (`FakeVLLM.app`), and for the benchmark the
+lean server of `bare_server`, whose cost per message does not make the harness the bottleneck.
 """
 
 from __future__ import annotations
@@ -25,12 +27,15 @@ import os
 import signal
 import sys
 from collections import defaultdict
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 import blake3
 import orjson
 from aiohttp import web
+
+from epd_proxy.testing import bare_server
 
 MEDIA_KEYS = {"image_url": "image", "audio_url": "audio", "input_audio": "audio", "video_url": "video"}
 EMBEDS_KEYS = {"image_embeds": "image", "audio_embeds": "audio", "video_embeds": "video"}
@@ -72,6 +77,10 @@ def vllm_part_kind(part: Any) -> str:
 
 # Multibyte characters on purpose: a relay that re-chunks or decodes bytes would break them.
 ANSWER_SUFFIX = " héllo wörld 世界 🙂"
+MODELS = {"object": "list", "data": [{"id": "tiny-vlm", "object": "model"}]}
+SSE = "text/event-stream; charset=utf-8"
+# What aiohttp's json_response sent, which these answers came from.
+JSON_TEXT = "application/json; charset=utf-8"
 
 
 def _digest(*parts: Any) -> str:
@@ -142,6 +151,69 @@ class InjectedDrop(Exception):
     """Raised after closing the connection on purpose (not a cancellation by the caller)."""
 
 
+class Answer(NamedTuple):
+    """A whole response."""
+
+    status: int
+    body: bytes = b""
+    content_type: str | None = None
+
+
+class Exchange(Protocol):
+    """One request and the means to answer it, as a front end gives it to the handlers: `reply` at
+    once, or `start`, `write` and `end` a body in pieces; `drop` closes the connection, `gone` says
+    whether the caller went away. `headers` answers `get` by lowercase name."""
+
+    method: str
+    path: str
+    headers: Mapping[str, str]
+    body: bytes
+    gone: bool
+
+    def reply(self, status: int, body: bytes = b"", content_type: str | None = None) -> None: ...
+
+    async def start(self, status: int, content_type: str | None = None) -> None: ...
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def end(self) -> None: ...
+
+    def drop(self) -> None: ...
+
+
+class _AiohttpExchange:
+    """The `Exchange` of a request to aiohttp's server; `response` is what the handler returns."""
+
+    def __init__(self, request: web.Request, body: bytes) -> None:
+        self.method, self.path, self.headers, self.body = request.method, request.path, request.headers, body
+        self._request = request
+        self.response: web.StreamResponse | None = None
+
+    @property
+    def gone(self) -> bool:
+        transport = self._request.transport
+        return transport is None or transport.is_closing()
+
+    def reply(self, status: int, body: bytes = b"", content_type: str | None = None) -> None:
+        headers = {"Content-Type": content_type} if content_type else None
+        self.response = web.Response(status=status, body=body, headers=headers)
+
+    async def start(self, status: int, content_type: str | None = None) -> None:
+        self.response = web.StreamResponse(
+            status=status, headers={"Content-Type": content_type} if content_type else None
+        )
+        await self.response.prepare(self._request)
+
+    async def write(self, data: bytes) -> None:
+        await self.response.write(data)
+
+    async def end(self) -> None:
+        await self.response.write_eof()
+
+    def drop(self) -> None:
+        self._request.transport.close()
+
+
 @dataclass
 class Faults:
     """Inject failures: the next `fail_times` requests answer `fail_status` with a vLLM error body
@@ -178,20 +250,18 @@ class Faults:
             return True
         return False
 
-    async def apply(self, request: web.Request) -> web.Response | None:
+    async def apply(self, exchange: Exchange) -> Answer | None:
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         if self.fail_times > 0:
             self.fail_times -= 1
             if self.fail_status == 0:
-                request.transport.close()
+                exchange.drop()
                 raise InjectedDrop("fault injected: connection dropped")
             if self.fail_status == 200:
-                return web.Response(text=self.fail_body)
-            return web.json_response(
-                {"error": {"message": self.fail_body, "type": "InternalServerError", "code": self.fail_status}},
-                status=self.fail_status,
-            )
+                return Answer(200, self.fail_body.encode(), "text/plain; charset=utf-8")
+            error = {"error": {"message": self.fail_body, "type": "InternalServerError", "code": self.fail_status}}
+            return Answer(self.fail_status, json.dumps(error).encode(), JSON_TEXT)
         return None
 
     def break_stream(self) -> bool:
@@ -295,40 +365,61 @@ class FakeVLLM:
         self.max_active = 0
         self._ids = itertools.count()
 
+    def routes(self) -> dict[tuple[str, str], Callable[[Exchange], Awaitable[Answer | None]]]:
+        """Method and path -> handler. A handler returns a whole answer, or None once it has
+        streamed one through the exchange."""
+        return {
+            ("POST", "/v1/chat/completions"): self.chat,
+            ("GET", "/health"): self.health,
+            ("GET", "/stats"): self.stats,
+            ("GET", "/v1/models"): self.models,
+            ("POST", "/start_profile"): self.profile,
+            ("POST", "/stop_profile"): self.profile,
+        }
+
     def app(self) -> web.Application:
+        """The fake under aiohttp's server, as the tests run it."""
         app = web.Application(client_max_size=256 * 1024 * 1024)
-        app.router.add_post("/v1/chat/completions", self.chat)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/stats", self.stats)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_post("/start_profile", self.profile)
-        app.router.add_post("/stop_profile", self.profile)
+        for (method, path), handler in self.routes().items():
+            app.router.add_route(method, path, _under_aiohttp(handler))
         return app
 
-    async def health(self, request: web.Request) -> web.Response:
-        self.health_checks += 1
-        return web.Response(status=200 if self.healthy else 503)
+    def bare_handler(self) -> bare_server.Handler:
+        """The fake under `bare_server`, as the benchmark hosts it."""
+        routes = self.routes()
 
-    async def stats(self, request: web.Request) -> web.Response:
+        async def serve(exchange: bare_server.Exchange) -> None:
+            handler = routes.get((exchange.method, exchange.path))
+            answer = Answer(404) if handler is None else await handler(exchange)
+            if answer is not None:
+                exchange.reply(*answer)
+
+        return serve
+
+    async def health(self, exchange: Exchange) -> Answer:
+        self.health_checks += 1
+        return Answer(200 if self.healthy else 503)
+
+    async def stats(self, exchange: Exchange) -> Answer:
         return _json({"role": self.role, **self.counts.as_dict()})
 
-    async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "tiny-vlm", "object": "model"}]})
+    async def models(self, exchange: Exchange) -> Answer:
+        return Answer(200, json.dumps(MODELS).encode(), JSON_TEXT)
 
-    async def profile(self, request: web.Request) -> web.Response:
-        return web.Response(status=200)
+    async def profile(self, exchange: Exchange) -> Answer:
+        return Answer(200)
 
-    async def chat(self, request: web.Request) -> web.StreamResponse:
+    async def chat(self, exchange: Exchange) -> Answer | None:
         try:
-            raw = await request.read()
+            raw = exchange.body
             body = orjson.loads(raw)
             if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
                 raise ValueError("messages must be a list")
         except ValueError as exc:
             return _engine_error(f"invalid request: {exc}", status=400)
         if self.record:
-            self.requests.append(Seen({k.lower(): v for k, v in request.headers.items()}, body))
-        tag = (request.headers.get("x-request-id") or "?")[:1]
+            self.requests.append(Seen({k.lower(): v for k, v in exchange.headers.items()}, body))
+        tag = (exchange.headers.get("x-request-id") or "?")[:1]
         self.counts.requests[tag] += 1
         self.counts.bytes_in[tag] += len(raw)
         if self.role != "encode" and (problem := _sampling_problem(body)):
@@ -337,12 +428,12 @@ class FakeVLLM:
         self.active += 1
         self.max_active = max(self.max_active, self.active)
         try:
-            injected = await self.faults.apply(request)
+            injected = await self.faults.apply(exchange)
             if injected is not None:
                 return injected
             if self.role == "encode":
-                return await self._encode(request, body, tag)
-            return await self._consume(request, body, tag)
+                return await self._encode(exchange, body, tag)
+            return await self._consume(exchange, body, tag)
         except (asyncio.CancelledError, ConnectionResetError):
             # The caller went away: what a backend sees when the proxy cancels its sub-request.
             self.cancelled += 1
@@ -354,7 +445,7 @@ class FakeVLLM:
             self.active -= 1
 
     # -- encoder ---------------------------------------------------------------------------------
-    async def _encode(self, request: web.Request, body: dict[str, Any], tag: str) -> web.Response:
+    async def _encode(self, exchange: Exchange, body: dict[str, Any], tag: str) -> Answer:
         params: dict[str, Any] = {}
         push = body.get("ec_transfer_params") or {}
         push_items = push.get("ec_items") or [] if push.get("consumer_zmq") else None
@@ -375,7 +466,7 @@ class FakeVLLM:
                 # A Mooncake producer takes each item's transfer id by position; without one it
                 # falls back to an id of its own that no consumer can name.
                 given = push_items[position] if position < len(push_items) else {}
-                transfer_id = given.get("transfer_id") or f"{request.headers.get('x-request-id')}:{position}"
+                transfer_id = given.get("transfer_id") or f"{exchange.headers.get('x-request-id')}:{position}"
                 self.store.pushes[transfer_id] = key
             if self.legacy_params:
                 legacy_items.append({"mm_hash": key})
@@ -404,7 +495,7 @@ class FakeVLLM:
         )
 
     # -- consumers -------------------------------------------------------------------------------
-    def _resolve_media(self, body: dict[str, Any]) -> tuple[list[str], list[str], int] | web.Response:
+    def _resolve_media(self, body: dict[str, Any]) -> tuple[list[str], list[str], int] | Answer:
         """Each media item's identity and engine identifier as the consumer sees them, and how many
         came as `*_embeds` references; or vLLM's error for a bad reference."""
         seen: list[str] = []
@@ -492,13 +583,13 @@ class FakeVLLM:
             used.add(transfer_id)
         return None
 
-    async def _consume(self, request: web.Request, body: dict[str, Any], tag: str) -> web.StreamResponse:
+    async def _consume(self, exchange: Exchange, body: dict[str, Any], tag: str) -> Answer | None:
         if self.role == "decode":
             kv = body.get("kv_transfer_params") or {}
             if not kv.get("remote_block_ids"):
                 return _engine_error("decode instance got no kv_transfer_params from prefill", status=400)
         resolved = self._resolve_media(body)
-        if isinstance(resolved, web.Response):
+        if isinstance(resolved, Answer):
             return resolved
         resolved, identifiers, references = resolved
         self.counts.images[tag] += references
@@ -509,7 +600,7 @@ class FakeVLLM:
         if failure is not None:
             self.generation_failures.append(failure)
             if body.get("stream") and self.role != "prefill":
-                return await self._stream_generation_error(request, f"chatcmpl-{next(self._ids)}", body.get("model"))
+                return await self._stream_generation_error(exchange, f"chatcmpl-{next(self._ids)}", body.get("model"))
             return _engine_error("Internal server error")
         texts = [
             part.get("text", "") if isinstance(part, dict) else ""
@@ -552,16 +643,14 @@ class FakeVLLM:
                     await asyncio.sleep(self.costs.answer_s)
                 return _json(completion, status=self.success_status)
             # The body breaks off (or goes silent) after the headers: chunked, in pieces.
-            response = web.StreamResponse(status=self.success_status, headers={"Content-Type": "application/json"})
-            await response.prepare(request)
-            return await self._write_paced(request, response, orjson.dumps(completion), cut, stall)
-        return await self._stream(request, completion_id, body.get("model"), answer)
+            await exchange.start(self.success_status, "application/json")
+            return await self._write_paced(exchange, orjson.dumps(completion), cut, stall)
+        return await self._stream(exchange, completion_id, body.get("model"), answer)
 
-    async def _stream_generation_error(self, request: web.Request, completion_id: str, model: Any):
+    async def _stream_generation_error(self, exchange: Exchange, completion_id: str, model: Any) -> None:
         """vLLM's stream when the engine fails the request: the role chunk of the first iteration,
         then the GenerationError as an event, then [DONE], all after status 200."""
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
-        await response.prepare(request)
+        await exchange.start(200, SSE)
         role = {
             "id": completion_id,
             "object": "chat.completion.chunk",
@@ -573,17 +662,13 @@ class FakeVLLM:
         error = {
             "error": {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}
         }
-        await response.write(b"data: " + orjson.dumps(role) + b"\n\n")
-        await response.write(b"data: " + json.dumps(error).encode() + b"\n\n")
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
+        await exchange.write(b"data: " + orjson.dumps(role) + b"\n\n")
+        await exchange.write(b"data: " + json.dumps(error).encode() + b"\n\n")
+        await exchange.write(b"data: [DONE]\n\n")
+        await exchange.end()
 
-    async def _stream(self, request: web.Request, completion_id: str, model: Any, answer: str) -> web.StreamResponse:
-        response = web.StreamResponse(
-            status=self.success_status, headers={"Content-Type": "text/event-stream; charset=utf-8"}
-        )
-        await response.prepare(request)
+    async def _stream(self, exchange: Exchange, completion_id: str, model: Any, answer: str) -> None:
+        await exchange.start(self.success_status, SSE)
         # vLLM's first event carries the role only; generated text follows.
         role = {"role": "assistant", "content": ""}
         events = [
@@ -617,19 +702,13 @@ class FakeVLLM:
         payload = b"".join(frames) + b"data: [DONE]\n\n"
         # Generating takes `answer_s` after the first token (the role event, then that token).
         first_token_end = len(frames[0]) + len(frames[1])
-        return await self._write_paced(
-            request, response, payload, self.faults.break_stream(), self.faults.stall_stream(), first_token_end
+        await self._write_paced(
+            exchange, payload, self.faults.break_stream(), self.faults.stall_stream(), first_token_end
         )
 
     async def _write_paced(
-        self,
-        request: web.Request,
-        response: web.StreamResponse,
-        payload: bytes,
-        cut: bool,
-        stall: bool,
-        first_token_end: int = 0,
-    ) -> web.StreamResponse:
+        self, exchange: Exchange, payload: bytes, cut: bool, stall: bool, first_token_end: int = 0
+    ) -> None:
         """Odd-sized writes cut through multibyte characters and SSE frames on purpose. A cut
         resets the connection at the first piece past halfway; a stall goes silent there until the
         caller goes away. The bytes after `first_token_end` wait for the answer's cost."""
@@ -639,21 +718,20 @@ class FakeVLLM:
         start = 0
         while start < len(payload):
             if start >= halfway and cut:
-                request.transport.close()
+                exchange.drop()
                 raise InjectedDrop("fault injected: stream cut halfway")
             if start >= halfway and stall:
-                while request.transport is not None and not request.transport.is_closing():
+                while not exchange.gone:
                     await asyncio.sleep(0.02)
                 self.cancelled += 1
                 raise InjectedDrop("fault injected: stalled stream abandoned by the caller")
             if start == hold:
                 await asyncio.sleep(self.costs.answer_s)
             end = min(start + step, hold if start < hold else len(payload))
-            await response.write(payload[start:end])
+            await exchange.write(payload[start:end])
             await asyncio.sleep(self.stream_pause_s)
             start = end
-        await response.write_eof()
-        return response
+        await exchange.end()
 
 
 def _sampling_problem(body: dict[str, Any]) -> str | None:
@@ -664,12 +742,25 @@ def _sampling_problem(body: dict[str, Any]) -> str | None:
     return None
 
 
-def _json(obj: Any, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
+def _json(obj: Any, status: int = 200) -> Answer:
+    return Answer(status, orjson.dumps(obj), "application/json")
 
 
-def _engine_error(message: str, status: int = 500) -> web.Response:
+def _engine_error(message: str, status: int = 500) -> Answer:
     return _json({"error": {"message": message, "type": "InternalServerError", "param": None, "code": status}}, status)
+
+
+def _under_aiohttp(
+    handler: Callable[[Exchange], Awaitable[Answer | None]],
+) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    async def serve(request: web.Request) -> web.StreamResponse:
+        exchange = _AiohttpExchange(request, await request.read())
+        answer = await handler(exchange)
+        if answer is not None:
+            exchange.reply(*answer)
+        return exchange.response
+
+    return serve
 
 
 # The benchmark's streams: the answer in two tokens, each body written whole, as a server would.
@@ -679,10 +770,11 @@ BENCH_TOKENS_PER_CHUNK = 20
 async def serve(spec: dict[str, Any]) -> None:
     """Host the servers of `spec` on 127.0.0.1, print one JSON line of their ports and serve
     until SIGTERM or until the parent process is gone. They share one EC store and keep no
-    record of requests, so memory stays flat however long the benchmark runs."""
+    record of requests, so memory stays flat however long the benchmark runs. They run under
+    `bare_server`: aiohttp's server would cost the harness's core twice the CPU per request."""
     loop = asyncio.get_running_loop()
     store = ECStore()
-    runners, ports = [], {}
+    servers, ports = [], {}
     for entry in spec["servers"]:
         costs = Costs(
             entry.get("request_ms", 0.0) / 1000, entry.get("image_ms", 0.0) / 1000, entry.get("answer_ms", 0.0) / 1000
@@ -695,11 +787,9 @@ async def serve(spec: dict[str, Any]) -> None:
             piece_bytes=None,
             tokens_per_chunk=BENCH_TOKENS_PER_CHUNK,
         )
-        runner = web.AppRunner(fake.app(), access_log=None, handle_signals=False)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", entry.get("port", 0), backlog=1024).start()
-        runners.append(runner)
-        ports[entry["name"]] = runner.addresses[0][1]
+        server = await bare_server.start_server(fake.bare_handler(), "127.0.0.1", entry.get("port", 0))
+        servers.append(server)
+        ports[entry["name"]] = server.sockets[0].getsockname()[1]
     sys.stdout.write(orjson.dumps({"ports": ports}).decode() + "\n")
     sys.stdout.flush()
     stop = loop.create_future()
@@ -709,8 +799,8 @@ async def serve(spec: dict[str, Any]) -> None:
     # An orphaned host would hold its ports forever: leave when the harness is gone.
     while not stop.done() and os.getppid() == parent:
         await asyncio.wait([stop], timeout=1.0)
-    for runner in runners:
-        await runner.cleanup()
+    for server in servers:
+        server.close()
 
 
 def main(argv: list[str] | None = None) -> int:
