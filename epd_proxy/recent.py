@@ -20,7 +20,8 @@ _STAGE_FIELD = {"encode": _ENCODE, "prefill": _PREFILL, "decode_ttfb": _TTFB, "t
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile: always a value that was observed."""
+    """Nearest-rank percentile, `q` from 0 to 1: always a value that was observed. The status page
+    and the benchmark's report both use this one."""
     if not sorted_values:
         return None
     rank = max(1, math.ceil(q * len(sorted_values)))

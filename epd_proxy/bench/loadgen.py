@@ -4,6 +4,10 @@ A block is a schedule of (body index, request id) sent over `concurrency` keep-a
 connections, each sending its next request as soon as the previous answer is in. The request id's
 first character (w/m/c) marks warm-up, measured and cool-down requests: cool-down keeps the pipe
 full until the last measured answer, so the measured window is steady state.
+
+Requests go through the proxy's own backend-call layer (`epd_proxy.upstream`): measured against
+aiohttp's client, it costs the load generator a fraction of the CPU per request, and the load
+generators share the harness core with the fakes.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from epd_proxy.bench.http11 import connect, request_head
+from epd_proxy.upstream import Timeouts, Upstream, UpstreamFailure
 
 REQUEST_TIMEOUT_S = 120.0
 
@@ -33,42 +37,49 @@ class Block:
     stream: bool = False
 
 
+@dataclass
+class _Target:
+    url: str
+    inflight: int = 0
+
+
 async def _run_block(bodies: list[bytes], block: Block) -> list[tuple[str, float, float, int]]:
     results: list[tuple[str, float, float, int]] = []
     todo: Iterator[tuple[int, str]] = iter(block.schedule)
-    hostport = f"{block.host}:{block.port}"
-    heads = {}
+    target = _Target(f"http://{block.host}:{block.port}")
+    timeouts = Timeouts(total=REQUEST_TIMEOUT_S)
+    # Keep-alive outlasts the block, so every connection is reused until the block ends.
+    upstream = Upstream(
+        keep_alive_s=REQUEST_TIMEOUT_S, count_inflight=False, headers={"Content-Type": "application/json"}
+    )
     streamed: dict[int, bytes] = {}
 
     async def worker() -> None:
-        conn = None
-        try:
-            for index, rid in todo:
-                body = bodies[index]
-                if block.stream:
-                    body = streamed.get(index) or streamed.setdefault(index, body[:-1] + b',"stream":true}')
-                head = heads.get(index)
-                if head is None:
-                    head = heads[index] = request_head("POST", hostport, block.path, len(body))
-                # The id goes last, just before the blank line that ends the head.
-                full_head = head[:-2] + b"x-request-id: " + rid.encode() + b"\r\n\r\n"
-                started = time.perf_counter()
+        for index, rid in todo:
+            body = bodies[index]
+            if block.stream:
+                body = streamed.get(index) or streamed.setdefault(index, body[:-1] + b',"stream":true}')
+            started = time.perf_counter()
+            try:
+                answer = await upstream.call(
+                    target,
+                    "POST",
+                    block.path,
+                    body=body,
+                    headers={"x-request-id": rid},
+                    timeouts=timeouts,
+                    stage="bench",
+                    what="bench request",
+                )
+                status = answer.status
+            except UpstreamFailure:
                 status = 0
-                try:
-                    if conn is None or not conn.alive:
-                        conn = await connect(block.host, block.port)
-                    async with asyncio.timeout(REQUEST_TIMEOUT_S):
-                        status, _, _ = await conn.request(full_head, body)
-                except (OSError, ConnectionError, TimeoutError, ValueError):
-                    if conn is not None:
-                        conn.close()
-                    conn = None
-                results.append((rid, started, time.perf_counter(), status))
-        finally:
-            if conn is not None:
-                conn.close()
+            results.append((rid, started, time.perf_counter(), status))
 
-    await asyncio.gather(*(worker() for _ in range(max(1, block.concurrency))))
+    try:
+        await asyncio.gather(*(worker() for _ in range(max(1, block.concurrency))))
+    finally:
+        await upstream.close()
     return results
 
 

@@ -56,10 +56,6 @@ def tree_cpu_split(pid: int) -> tuple[float, float]:
     return user, system
 
 
-def tree_cpu_seconds(pid: int) -> float:
-    return sum(tree_cpu_split(pid))
-
-
 def peak_rss_mb(pid: int) -> float:
     """VmHWM summed over the tree: workers are separate address spaces."""
     return _status_mb(pid, "VmHWM:")

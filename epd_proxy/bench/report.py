@@ -10,23 +10,20 @@ from typing import Any
 
 import orjson
 
-from epd_proxy.bench import procs
-
-
-def _median(values: list[float]) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
+from epd_proxy.recent import percentile
 
 
 def _sum(blocks: list[dict], key: str) -> float:
     return sum(b.get(key, 0) for b in blocks)
 
 
-def summarise(arm, peak_rss: dict[str, float]) -> dict[str, Any]:
-    from epd_proxy.bench.runner import percentile
+def _quantile(sorted_values: list[float], q: float) -> float:
+    """NaN for no values, so the differences and ratios below stay numbers."""
+    value = percentile(sorted_values, q)
+    return float("nan") if value is None else value
 
+
+def summarise(arm, peak_rss: dict[str, float]) -> dict[str, Any]:
     blocks = arm.blocks
     lat = sorted(arm.latencies_ms)
     measured = _sum(blocks, "measured")
@@ -50,9 +47,9 @@ def summarise(arm, peak_rss: dict[str, float]) -> dict[str, Any]:
         "req_per_s_rounds": [b["measured"] / b["window_s"] for b in blocks if b.get("window_s")],
         **_clean(arm, blocks),
         "lat_mean_ms": sum(lat) / len(lat) if lat else float("nan"),
-        "lat_p50_ms": percentile(lat, 50),
-        "lat_p90_ms": percentile(lat, 90),
-        "lat_p99_ms": percentile(lat, 99),
+        "lat_p50_ms": _quantile(lat, 0.50),
+        "lat_p90_ms": _quantile(lat, 0.90),
+        "lat_p99_ms": _quantile(lat, 0.99),
         "lat_max_ms": lat[-1] if lat else float("nan"),
     }
     if arm.kind == "real":
@@ -60,8 +57,8 @@ def summarise(arm, peak_rss: dict[str, float]) -> dict[str, Any]:
     for key, values in (("unloaded", arm.unloaded_ms), ("unloaded_free", arm.unloaded_free_ms)):
         if values:
             ordered = sorted(values)
-            out[f"{key}_p50_ms"] = percentile(ordered, 50)
-            out[f"{key}_p99_ms"] = percentile(ordered, 99)
+            out[f"{key}_p50_ms"] = _quantile(ordered, 0.50)
+            out[f"{key}_p99_ms"] = _quantile(ordered, 0.99)
             out[f"{key}_mean_ms"] = sum(ordered) / len(ordered)
     out.update(
         {
@@ -474,6 +471,3 @@ def summarise_profile(raw: Path, top: int = 30) -> str:
     lines += ["", "## inclusive time", "", "| % | function |", "|---|---|"]
     lines += [f"| {100 * n / total:.1f} | `{f}` |" for f, n in inclusive.most_common(top)]
     return "\n".join(lines) + "\n"
-
-
-__all__ = ["build", "write", "summarise_profile", "procs"]

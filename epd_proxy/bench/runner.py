@@ -23,7 +23,7 @@ from typing import Any
 
 import orjson
 
-from epd_proxy.bench import procs
+from epd_proxy.bench import procs, report
 from epd_proxy.bench.loadgen import Block, ClientPool
 from epd_proxy.bench.workload import WorkloadSpec, get_pool
 
@@ -193,13 +193,6 @@ def proxy_supports_workers() -> bool:
     return "--workers" in out.stdout
 
 
-def percentile(sorted_values: list[float], q: float) -> float:
-    if not sorted_values:
-        return float("nan")
-    k = min(len(sorted_values) - 1, max(0, round(q / 100 * (len(sorted_values) - 1))))
-    return sorted_values[k]
-
-
 def json_floor(bodies: list[bytes], repeat: int) -> dict[str, float]:
     """What a proxy must spend per request at the very least: parse the body once and write it
     once (orjson), plus name every image (sha256 of its URL, the reference's content uuid; blake3
@@ -298,12 +291,10 @@ class Bench:
         servers = []
         for cluster, enc_ms, img_ms, pd_ms in ((COST, a.encoder_ms, a.encoder_image_ms, a.pd_ms), (FREE, 0, 0, 0)):
             for i in range(a.encoders):
-                servers.append(
-                    {"name": f"{cluster}-e{i}", "role": "encode", "per_request_ms": enc_ms, "per_image_ms": img_ms}
-                )
-            servers.append({"name": f"{cluster}-pd", "role": "pd", "delay_ms": pd_ms})
+                servers.append({"name": f"{cluster}-e{i}", "role": "encode", "request_ms": enc_ms, "image_ms": img_ms})
+            servers.append({"name": f"{cluster}-pd", "role": "pd", "answer_ms": pd_ms})
         self.fakes = subprocess.Popen(
-            [sys.executable, "-m", "epd_proxy.bench.fakes", orjson.dumps({"servers": servers})],
+            [sys.executable, "-m", "epd_proxy.testing.fake_vllm", orjson.dumps({"servers": servers})],
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -622,9 +613,7 @@ class Bench:
         except subprocess.TimeoutExpired:
             self.profile.kill()
         if self.profile_raw.exists():
-            from epd_proxy.bench.report import summarise_profile
-
-            (self.out / "profile-top.md").write_text(summarise_profile(self.profile_raw))
+            (self.out / "profile-top.md").write_text(report.summarise_profile(self.profile_raw))
 
     # -- main ------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -695,8 +684,6 @@ class Bench:
             peak = {arm.name: procs.peak_rss_mb(arm.proc.pid) for arm in active if arm.proc}
         finally:
             self.shutdown()
-        from epd_proxy.bench import report
-
         result = report.build(self, arms, floor, peak, pool)
         report.write(self.out, result, arms, chart=not a.no_chart)
         return result

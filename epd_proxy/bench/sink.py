@@ -5,19 +5,19 @@ client-facing server alone, with no backend behind it, as a bench arm.
       --proxy "sink-aiohttp@saturation=python -m epd_proxy.bench.sink --server aiohttp" \
       --proxy "sink-bare@saturation=python -m epd_proxy.bench.sink --server bare"
 
-`aiohttp` reads the body as epd-proxy's handler does; `bare` is an asyncio.Protocol over httptools
-with nothing else (no limits, timeouts or error handling): the floor a hand-rolled server could
-reach. Takes the reference proxy's command line and ignores the backend flags.
+`aiohttp` reads the body as epd-proxy's handler does; `bare` is the lean server the benchmark's
+fakes run under (epd_proxy.testing.bare_server, an asyncio.Protocol over httptools with no limits,
+timeouts or flow control): the floor a hand-rolled server could reach. Takes the reference proxy's command line and ignores the backend flags.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 
-import httptools
 import uvloop
 from aiohttp import web
+
+from epd_proxy.testing import bare_server
 
 ANSWER = (
     b'{"id":"sink","object":"chat.completion","model":"sink","choices":[{"index":0,'
@@ -45,36 +45,16 @@ def serve_aiohttp(host: str, port: int) -> None:
     web.run_app(app, host=host, port=port, access_log=None, print=None)
 
 
-_CHAT_ANSWER = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
-    len(ANSWER),
-    ANSWER,
-)
-_OK_ANSWER = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 2\r\n\r\nok"
-
-
-class _BareProtocol(asyncio.Protocol):
-    def connection_made(self, transport: asyncio.Transport) -> None:
-        self.transport = transport
-        self.parser = httptools.HttpRequestParser(self)
-        self.body = bytearray()
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError:
-            self.transport.close()
-
-    def on_body(self, chunk: bytes) -> None:
-        self.body += chunk
-
-    def on_message_complete(self) -> None:
-        self.transport.write(_CHAT_ANSWER if self.parser.get_method() == b"POST" else _OK_ANSWER)
-        self.body = bytearray()
+def _answer(exchange: bare_server.Exchange) -> None:
+    if exchange.method == "POST":
+        exchange.reply(200, ANSWER, "application/json")
+    else:
+        exchange.reply(200, b"ok", "text/plain")
 
 
 def serve_bare(host: str, port: int) -> None:
     async def main() -> None:
-        server = await asyncio.get_running_loop().create_server(_BareProtocol, host, port)
+        server = await bare_server.start_server(_answer, host, port)
         await server.serve_forever()
 
     uvloop.run(main())

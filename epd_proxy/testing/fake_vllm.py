@@ -1,4 +1,5 @@
-"""In-process fake vLLM servers that speak the EPD wire protocol, for tests and benchmarks.
+"""Fake vLLM servers that speak the EPD wire protocol: in-process for the tests, and a process of
+them for the benchmark (`python -m epd_proxy.testing.fake_vllm SPEC`, see `main`).
 
 They model the behaviour the proxy must get right, not the model: an encoder derives the cache
 identifier from uuid + processing options exactly when vLLM does, stores what a shared-storage EC
@@ -9,6 +10,11 @@ Failures during generation take vLLM's shape (vllm/entrypoints/openai/chat_compl
 a streaming request has already answered 200 and sent its first (role) chunk when the engine
 reports `finish_reason="error"`, so the error arrives in-band as `data: {"error": {...}}` followed
 by `data: [DONE]`; a non-streaming request answers 500 with the same error object.
+
+The tests inject faults (`Faults`); the benchmark gives the servers a cost model (`Costs`) and
+reads per-phase counters (`GET /stats`). The handlers answer through an `Exchange`, so one fake runs
+behind two front ends: aiohttp's server for the tests (`FakeVLLM.app`), and for the benchmark the
+lean server of `bare_server`, whose cost per message does not make the harness the bottleneck.
 """
 
 from __future__ import annotations
@@ -17,11 +23,19 @@ import asyncio
 import hashlib
 import itertools
 import json
+import os
+import signal
+import sys
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
+import blake3
 import orjson
 from aiohttp import web
+
+from epd_proxy.testing import bare_server
 
 MEDIA_KEYS = {"image_url": "image", "audio_url": "audio", "input_audio": "audio", "video_url": "video"}
 EMBEDS_KEYS = {"image_embeds": "image", "audio_embeds": "audio", "video_embeds": "video"}
@@ -63,10 +77,20 @@ def vllm_part_kind(part: Any) -> str:
 
 # Multibyte characters on purpose: a relay that re-chunks or decodes bytes would break them.
 ANSWER_SUFFIX = " héllo wörld 世界 🙂"
+MODELS = {"object": "list", "data": [{"id": "tiny-vlm", "object": "model"}]}
+SSE = "text/event-stream; charset=utf-8"
+# What aiohttp's json_response sent, which these answers came from.
+JSON_TEXT = "application/json; charset=utf-8"
 
 
 def _digest(*parts: Any) -> str:
     return hashlib.sha256(orjson.dumps(parts, option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+
+def media_id(media: str) -> str:
+    """The identity of one item's media. blake3, the fastest hash at hand: hashing the media is
+    most of what the fake spends in the benchmark, on the harness's core."""
+    return blake3.blake3(media.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def media_source(part: dict[str, Any], kind: str) -> str:
@@ -89,15 +113,16 @@ def hash_factors(modality: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def identifier(uuid: str | None, media: str, factors: dict[str, Any] | None) -> str:
-    """vLLM's rule: the uuid verbatim when there are no hash factors, else a derived hash."""
+    """vLLM's rule: the uuid verbatim when there are no hash factors, else a derived hash.
+    `media` is the item's `media_id` (its content, hashed once)."""
     if uuid and not factors:
         return uuid
     return _digest("tiny-vlm", uuid or media, factors or {})
 
 
-def placeholder_shape(modality: str, media: str, factors: dict[str, Any] | None) -> list[int]:
+def placeholder_shape(modality: str, identity: str, factors: dict[str, Any] | None) -> list[int]:
     """A deterministic grid that changes with the processing options, like a resize would."""
-    d = bytes.fromhex(_digest(media))
+    d = bytes.fromhex(identity)
     processor_kwargs = (factors or {}).get("mm_processor_kwargs") or {}
     scale = 2 if processor_kwargs.get("size") else 1
     if modality == "audio":
@@ -124,6 +149,69 @@ class ECStore:
 
 class InjectedDrop(Exception):
     """Raised after closing the connection on purpose (not a cancellation by the caller)."""
+
+
+class Answer(NamedTuple):
+    """A whole response."""
+
+    status: int
+    body: bytes = b""
+    content_type: str | None = None
+
+
+class Exchange(Protocol):
+    """One request and the means to answer it, as a front end gives it to the handlers: `reply` at
+    once, or `start`, `write` and `end` a body in pieces; `drop` closes the connection, `gone` says
+    whether the caller went away. `headers` answers `get` by lowercase name."""
+
+    method: str
+    path: str
+    headers: Mapping[str, str]
+    body: bytes
+    gone: bool
+
+    def reply(self, status: int, body: bytes = b"", content_type: str | None = None) -> None: ...
+
+    async def start(self, status: int, content_type: str | None = None) -> None: ...
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def end(self) -> None: ...
+
+    def drop(self) -> None: ...
+
+
+class _AiohttpExchange:
+    """The `Exchange` of a request to aiohttp's server; `response` is what the handler returns."""
+
+    def __init__(self, request: web.Request, body: bytes) -> None:
+        self.method, self.path, self.headers, self.body = request.method, request.path, request.headers, body
+        self._request = request
+        self.response: web.StreamResponse | None = None
+
+    @property
+    def gone(self) -> bool:
+        transport = self._request.transport
+        return transport is None or transport.is_closing()
+
+    def reply(self, status: int, body: bytes = b"", content_type: str | None = None) -> None:
+        headers = {"Content-Type": content_type} if content_type else None
+        self.response = web.Response(status=status, body=body, headers=headers)
+
+    async def start(self, status: int, content_type: str | None = None) -> None:
+        self.response = web.StreamResponse(
+            status=status, headers={"Content-Type": content_type} if content_type else None
+        )
+        await self.response.prepare(self._request)
+
+    async def write(self, data: bytes) -> None:
+        await self.response.write(data)
+
+    async def end(self) -> None:
+        await self.response.write_eof()
+
+    def drop(self) -> None:
+        self._request.transport.close()
 
 
 @dataclass
@@ -162,20 +250,18 @@ class Faults:
             return True
         return False
 
-    async def apply(self, request: web.Request) -> web.Response | None:
+    async def apply(self, exchange: Exchange) -> Answer | None:
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         if self.fail_times > 0:
             self.fail_times -= 1
             if self.fail_status == 0:
-                request.transport.close()
+                exchange.drop()
                 raise InjectedDrop("fault injected: connection dropped")
             if self.fail_status == 200:
-                return web.Response(text=self.fail_body)
-            return web.json_response(
-                {"error": {"message": self.fail_body, "type": "InternalServerError", "code": self.fail_status}},
-                status=self.fail_status,
-            )
+                return Answer(200, self.fail_body.encode(), "text/plain; charset=utf-8")
+            error = {"error": {"message": self.fail_body, "type": "InternalServerError", "code": self.fail_status}}
+            return Answer(self.fail_status, json.dumps(error).encode(), JSON_TEXT)
         return None
 
     def break_stream(self) -> bool:
@@ -184,6 +270,38 @@ class Faults:
             self.cut_streams -= 1
             return True
         return False
+
+
+@dataclass(frozen=True)
+class Costs:
+    """The time a real server takes, for the benchmark. An encoder is one GPU: its sub-requests
+    run back to back, each costing `request_s` plus `image_s` per media item. A consumer answers
+    after `answer_s`; a stream sends its role event and first token at once and the rest then."""
+
+    request_s: float = 0.0
+    image_s: float = 0.0
+    answer_s: float = 0.0
+
+
+class Counts:
+    """Chat requests, media items and bytes received, per tag: the first character of the request
+    id, which the benchmark's load generator sets to w/m/c for warm-up, measured and cool-down
+    requests, so the harness can count exactly one phase. `images` are the items an encoder
+    encoded or a consumer took as `*_embeds` references; `raw_images` the raw media a consumer got."""
+
+    def __init__(self) -> None:
+        self.requests: defaultdict[str, int] = defaultdict(int)
+        self.images: defaultdict[str, int] = defaultdict(int)
+        self.raw_images: defaultdict[str, int] = defaultdict(int)
+        self.bytes_in: defaultdict[str, int] = defaultdict(int)
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        return {
+            "requests": self.requests,
+            "images": self.images,
+            "raw_images": self.raw_images,
+            "bytes_in": self.bytes_in,
+        }
 
 
 @dataclass
@@ -209,6 +327,8 @@ class FakeVLLM:
         mooncake: bool = False,
         legacy_params: bool = False,
         success_status: int = 200,
+        costs: Costs = Costs(),
+        piece_bytes: int | None = 7,
     ) -> None:
         self.role = role
         # A Mooncake EC consumer: every media item must arrive by a push under its own transfer id.
@@ -222,6 +342,13 @@ class FakeVLLM:
         self.handles = handles or {}
         self.tokens_per_chunk = tokens_per_chunk
         self.stream_pause_s = stream_pause_s
+        # Bodies are written in pieces of this size (None: whole), `stream_pause_s` apart.
+        self.piece_bytes = piece_bytes
+        self.costs = costs
+        # When the encoder's GPU is free again. An exact clock rather than lock + sleep, so timer
+        # rounding (1 ms in the event loop) does not add up across queued sub-requests.
+        self._free_at = 0.0
+        self.counts = Counts()
         # Long runs (soak, benchmarks) turn recording off so the fake's memory stays flat.
         self.record = record
         self.faults = Faults()
@@ -238,46 +365,75 @@ class FakeVLLM:
         self.max_active = 0
         self._ids = itertools.count()
 
+    def routes(self) -> dict[tuple[str, str], Callable[[Exchange], Awaitable[Answer | None]]]:
+        """Method and path -> handler. A handler returns a whole answer, or None once it has
+        streamed one through the exchange."""
+        return {
+            ("POST", "/v1/chat/completions"): self.chat,
+            ("GET", "/health"): self.health,
+            ("GET", "/stats"): self.stats,
+            ("GET", "/v1/models"): self.models,
+            ("POST", "/start_profile"): self.profile,
+            ("POST", "/stop_profile"): self.profile,
+        }
+
     def app(self) -> web.Application:
+        """The fake under aiohttp's server, as the tests run it."""
         app = web.Application(client_max_size=256 * 1024 * 1024)
-        app.router.add_post("/v1/chat/completions", self.chat)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_post("/start_profile", self.profile)
-        app.router.add_post("/stop_profile", self.profile)
+        for (method, path), handler in self.routes().items():
+            app.router.add_route(method, path, _under_aiohttp(handler))
         return app
 
-    async def health(self, request: web.Request) -> web.Response:
+    def bare_handler(self) -> bare_server.Handler:
+        """The fake under `bare_server`, as the benchmark hosts it."""
+        routes = self.routes()
+
+        async def serve(exchange: bare_server.Exchange) -> None:
+            handler = routes.get((exchange.method, exchange.path))
+            answer = Answer(404) if handler is None else await handler(exchange)
+            if answer is not None:
+                exchange.reply(*answer)
+
+        return serve
+
+    async def health(self, exchange: Exchange) -> Answer:
         self.health_checks += 1
-        return web.Response(status=200 if self.healthy else 503)
+        return Answer(200 if self.healthy else 503)
 
-    async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "tiny-vlm", "object": "model"}]})
+    async def stats(self, exchange: Exchange) -> Answer:
+        return _json({"role": self.role, **self.counts.as_dict()})
 
-    async def profile(self, request: web.Request) -> web.Response:
-        return web.Response(status=200)
+    async def models(self, exchange: Exchange) -> Answer:
+        return Answer(200, json.dumps(MODELS).encode(), JSON_TEXT)
 
-    async def chat(self, request: web.Request) -> web.StreamResponse:
+    async def profile(self, exchange: Exchange) -> Answer:
+        return Answer(200)
+
+    async def chat(self, exchange: Exchange) -> Answer | None:
         try:
-            body = orjson.loads(await request.read())
+            raw = exchange.body
+            body = orjson.loads(raw)
             if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
                 raise ValueError("messages must be a list")
         except ValueError as exc:
             return _engine_error(f"invalid request: {exc}", status=400)
         if self.record:
-            self.requests.append(Seen({k.lower(): v for k, v in request.headers.items()}, body))
+            self.requests.append(Seen({k.lower(): v for k, v in exchange.headers.items()}, body))
+        tag = (exchange.headers.get("x-request-id") or "?")[:1]
+        self.counts.requests[tag] += 1
+        self.counts.bytes_in[tag] += len(raw)
         if self.role != "encode" and (problem := _sampling_problem(body)):
             # vLLM's SamplingParams validation: a 400 before anything runs.
             return _engine_error(problem, status=400)
         self.active += 1
         self.max_active = max(self.max_active, self.active)
         try:
-            injected = await self.faults.apply(request)
+            injected = await self.faults.apply(exchange)
             if injected is not None:
                 return injected
             if self.role == "encode":
-                return self._encode(request, body)
-            return await self._consume(request, body)
+                return await self._encode(exchange, body, tag)
+            return await self._consume(exchange, body, tag)
         except (asyncio.CancelledError, ConnectionResetError):
             # The caller went away: what a backend sees when the proxy cancels its sub-request.
             self.cancelled += 1
@@ -289,7 +445,7 @@ class FakeVLLM:
             self.active -= 1
 
     # -- encoder ---------------------------------------------------------------------------------
-    def _encode(self, request: web.Request, body: dict[str, Any]) -> web.Response:
+    async def _encode(self, exchange: Exchange, body: dict[str, Any], tag: str) -> Answer:
         params: dict[str, Any] = {}
         push = body.get("ec_transfer_params") or {}
         push_items = push.get("ec_items") or [] if push.get("consumer_zmq") else None
@@ -302,14 +458,15 @@ class FakeVLLM:
             modality = MEDIA_KEYS[kind]
             media = media_source(part, kind)
             factors = hash_factors(modality, body)
-            key = identifier(part.get("uuid"), media, factors)
-            shape = placeholder_shape(modality, media, factors)
-            self.store.entries[key] = (_digest(media), shape)
+            identity = media_id(media)
+            key = identifier(part.get("uuid"), identity, factors)
+            shape = placeholder_shape(modality, identity, factors)
+            self.store.entries[key] = (identity, shape)
             if push_items is not None:
                 # A Mooncake producer takes each item's transfer id by position; without one it
                 # falls back to an id of its own that no consumer can name.
                 given = push_items[position] if position < len(push_items) else {}
-                transfer_id = given.get("transfer_id") or f"{request.headers.get('x-request-id')}:{position}"
+                transfer_id = given.get("transfer_id") or f"{exchange.headers.get('x-request-id')}:{position}"
                 self.store.pushes[transfer_id] = key
             if self.legacy_params:
                 legacy_items.append({"mm_hash": key})
@@ -320,6 +477,12 @@ class FakeVLLM:
             position += 1
         if legacy_items:
             params["ec_items"] = legacy_items
+        self.counts.images[tag] += position
+        cost = self.costs.request_s + self.costs.image_s * position
+        if cost > 0:
+            now = asyncio.get_running_loop().time()
+            self._free_at = max(now, self._free_at) + cost
+            await asyncio.sleep(self._free_at - now)
         return _json(
             {
                 "id": f"chatcmpl-enc-{next(self._ids)}",
@@ -332,11 +495,12 @@ class FakeVLLM:
         )
 
     # -- consumers -------------------------------------------------------------------------------
-    def _resolve_media(self, body: dict[str, Any]) -> tuple[list[str], list[str]] | web.Response:
-        """Each media item's identity and engine identifier as the consumer sees them, or vLLM's
-        error for a bad reference."""
+    def _resolve_media(self, body: dict[str, Any]) -> tuple[list[str], list[str], int] | Answer:
+        """Each media item's identity and engine identifier as the consumer sees them, and how many
+        came as `*_embeds` references; or vLLM's error for a bad reference."""
         seen: list[str] = []
         identifiers: list[str] = []
+        references = 0
         for message in body["messages"]:
             content = message.get("content")
             if not isinstance(content, list):
@@ -358,7 +522,7 @@ class FakeVLLM:
                             "Expected number of multimodal embeddings to match number of input items: "
                             "1, but got len(mm_embeddings)=0"
                         )
-                    media_id, shape = stored
+                    identity, shape = stored
                     claimed = part[kind].get(GRID_FIELD[modality])
                     if claimed != shape:
                         have, want = tokens_of(modality, shape), tokens_of(modality, claimed or [0, 0, 0])
@@ -366,21 +530,23 @@ class FakeVLLM:
                             f"Attempted to assign {have} = {have} multimodal tokens to {want} placeholders"
                         )
                     self.loaded_from_cache += 1
-                    seen.append(f"{media_id}:{shape}")
+                    references += 1
+                    seen.append(f"{identity}:{shape}")
                     identifiers.append(key)
                 elif kind in MEDIA_KEYS:
                     modality = MEDIA_KEYS[kind]
                     media = media_source(part, kind)
                     factors = hash_factors(modality, body)
-                    shape = placeholder_shape(modality, media, factors)
-                    key = identifier(part.get("uuid"), media, factors)
+                    identity = media_id(media)
+                    shape = placeholder_shape(modality, identity, factors)
+                    key = identifier(part.get("uuid"), identity, factors)
                     if key in self.store.entries:
                         self.loaded_from_cache += 1
                     else:
                         self.encoded_locally += 1
-                    seen.append(f"{_digest(media)}:{shape}")
+                    seen.append(f"{identity}:{shape}")
                     identifiers.append(key)
-        return seen, identifiers
+        return seen, identifiers, references
 
     def _unresolved_push(self, body: dict[str, Any], identifiers: list[str]) -> str | None:
         """Why a Mooncake consumer cannot obtain some item's embedding, or None.
@@ -417,22 +583,24 @@ class FakeVLLM:
             used.add(transfer_id)
         return None
 
-    async def _consume(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+    async def _consume(self, exchange: Exchange, body: dict[str, Any], tag: str) -> Answer | None:
         if self.role == "decode":
             kv = body.get("kv_transfer_params") or {}
             if not kv.get("remote_block_ids"):
                 return _engine_error("decode instance got no kv_transfer_params from prefill", status=400)
         resolved = self._resolve_media(body)
-        if isinstance(resolved, web.Response):
+        if isinstance(resolved, Answer):
             return resolved
-        resolved, identifiers = resolved
+        resolved, identifiers, references = resolved
+        self.counts.images[tag] += references
+        self.counts.raw_images[tag] += len(resolved) - references
         failure = "injected generation error" if self.faults.generation_error() else None
         if failure is None and self.mooncake:
             failure = self._unresolved_push(body, identifiers)
         if failure is not None:
             self.generation_failures.append(failure)
             if body.get("stream") and self.role != "prefill":
-                return await self._stream_generation_error(request, f"chatcmpl-{next(self._ids)}", body.get("model"))
+                return await self._stream_generation_error(exchange, f"chatcmpl-{next(self._ids)}", body.get("model"))
             return _engine_error("Internal server error")
         texts = [
             part.get("text", "") if isinstance(part, dict) else ""
@@ -471,18 +639,18 @@ class FakeVLLM:
             }
             cut, stall = self.faults.break_stream(), self.faults.stall_stream()
             if not (cut or stall):
+                if self.costs.answer_s:
+                    await asyncio.sleep(self.costs.answer_s)
                 return _json(completion, status=self.success_status)
             # The body breaks off (or goes silent) after the headers: chunked, in pieces.
-            response = web.StreamResponse(status=self.success_status, headers={"Content-Type": "application/json"})
-            await response.prepare(request)
-            return await self._write_paced(request, response, orjson.dumps(completion), cut, stall)
-        return await self._stream(request, completion_id, body.get("model"), answer)
+            await exchange.start(self.success_status, "application/json")
+            return await self._write_paced(exchange, orjson.dumps(completion), cut, stall)
+        return await self._stream(exchange, completion_id, body.get("model"), answer)
 
-    async def _stream_generation_error(self, request: web.Request, completion_id: str, model: Any):
+    async def _stream_generation_error(self, exchange: Exchange, completion_id: str, model: Any) -> None:
         """vLLM's stream when the engine fails the request: the role chunk of the first iteration,
         then the GenerationError as an event, then [DONE], all after status 200."""
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
-        await response.prepare(request)
+        await exchange.start(200, SSE)
         role = {
             "id": completion_id,
             "object": "chat.completion.chunk",
@@ -494,17 +662,13 @@ class FakeVLLM:
         error = {
             "error": {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}
         }
-        await response.write(b"data: " + orjson.dumps(role) + b"\n\n")
-        await response.write(b"data: " + json.dumps(error).encode() + b"\n\n")
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
+        await exchange.write(b"data: " + orjson.dumps(role) + b"\n\n")
+        await exchange.write(b"data: " + json.dumps(error).encode() + b"\n\n")
+        await exchange.write(b"data: [DONE]\n\n")
+        await exchange.end()
 
-    async def _stream(self, request: web.Request, completion_id: str, model: Any, answer: str) -> web.StreamResponse:
-        response = web.StreamResponse(
-            status=self.success_status, headers={"Content-Type": "text/event-stream; charset=utf-8"}
-        )
-        await response.prepare(request)
+    async def _stream(self, exchange: Exchange, completion_id: str, model: Any, answer: str) -> None:
+        await exchange.start(self.success_status, SSE)
         # vLLM's first event carries the role only; generated text follows.
         role = {"role": "assistant", "content": ""}
         events = [
@@ -534,30 +698,40 @@ class FakeVLLM:
                 "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
             }
         )
-        payload = b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n"
-        return await self._write_paced(
-            request, response, payload, self.faults.break_stream(), self.faults.stall_stream()
+        frames = [b"data: " + orjson.dumps(e) + b"\n\n" for e in events]
+        payload = b"".join(frames) + b"data: [DONE]\n\n"
+        # Generating takes `answer_s` after the first token (the role event, then that token).
+        first_token_end = len(frames[0]) + len(frames[1])
+        await self._write_paced(
+            exchange, payload, self.faults.break_stream(), self.faults.stall_stream(), first_token_end
         )
 
     async def _write_paced(
-        self, request: web.Request, response: web.StreamResponse, payload: bytes, cut: bool, stall: bool
-    ) -> web.StreamResponse:
+        self, exchange: Exchange, payload: bytes, cut: bool, stall: bool, first_token_end: int = 0
+    ) -> None:
         """Odd-sized writes cut through multibyte characters and SSE frames on purpose. A cut
-        resets the connection halfway; a stall goes silent halfway until the caller goes away."""
+        resets the connection at the first piece past halfway; a stall goes silent there until the
+        caller goes away. The bytes after `first_token_end` wait for the answer's cost."""
         halfway = len(payload) // 2
-        for start in range(0, len(payload), 7):
+        step = self.piece_bytes or len(payload)
+        hold = first_token_end if self.costs.answer_s else len(payload)
+        start = 0
+        while start < len(payload):
             if start >= halfway and cut:
-                request.transport.close()
+                exchange.drop()
                 raise InjectedDrop("fault injected: stream cut halfway")
             if start >= halfway and stall:
-                while request.transport is not None and not request.transport.is_closing():
+                while not exchange.gone:
                     await asyncio.sleep(0.02)
                 self.cancelled += 1
                 raise InjectedDrop("fault injected: stalled stream abandoned by the caller")
-            await response.write(payload[start : start + 7])
+            if start == hold:
+                await asyncio.sleep(self.costs.answer_s)
+            end = min(start + step, hold if start < hold else len(payload))
+            await exchange.write(payload[start:end])
             await asyncio.sleep(self.stream_pause_s)
-        await response.write_eof()
-        return response
+            start = end
+        await exchange.end()
 
 
 def _sampling_problem(body: dict[str, Any]) -> str | None:
@@ -568,9 +742,80 @@ def _sampling_problem(body: dict[str, Any]) -> str | None:
     return None
 
 
-def _json(obj: Any, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
+def _json(obj: Any, status: int = 200) -> Answer:
+    return Answer(status, orjson.dumps(obj), "application/json")
 
 
-def _engine_error(message: str, status: int = 500) -> web.Response:
+def _engine_error(message: str, status: int = 500) -> Answer:
     return _json({"error": {"message": message, "type": "InternalServerError", "param": None, "code": status}}, status)
+
+
+def _under_aiohttp(
+    handler: Callable[[Exchange], Awaitable[Answer | None]],
+) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    async def serve(request: web.Request) -> web.StreamResponse:
+        exchange = _AiohttpExchange(request, await request.read())
+        answer = await handler(exchange)
+        if answer is not None:
+            exchange.reply(*answer)
+        return exchange.response
+
+    return serve
+
+
+# The benchmark's streams: the answer in two tokens, each body written whole, as a server would.
+BENCH_TOKENS_PER_CHUNK = 20
+
+
+async def serve(spec: dict[str, Any]) -> None:
+    """Host the servers of `spec` on 127.0.0.1, print one JSON line of their ports and serve
+    until SIGTERM or until the parent process is gone. They share one EC store and keep no
+    record of requests, so memory stays flat however long the benchmark runs. They run under
+    `bare_server`: aiohttp's server would cost the harness's core twice the CPU per request."""
+    loop = asyncio.get_running_loop()
+    store = ECStore()
+    servers, ports = [], {}
+    for entry in spec["servers"]:
+        costs = Costs(
+            entry.get("request_ms", 0.0) / 1000, entry.get("image_ms", 0.0) / 1000, entry.get("answer_ms", 0.0) / 1000
+        )
+        fake = FakeVLLM(
+            entry["role"],
+            store,
+            costs=costs,
+            record=False,
+            piece_bytes=None,
+            tokens_per_chunk=BENCH_TOKENS_PER_CHUNK,
+        )
+        server = await bare_server.start_server(fake.bare_handler(), "127.0.0.1", entry.get("port", 0))
+        servers.append(server)
+        ports[entry["name"]] = server.sockets[0].getsockname()[1]
+    sys.stdout.write(orjson.dumps({"ports": ports}).decode() + "\n")
+    sys.stdout.flush()
+    stop = loop.create_future()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, lambda: stop.done() or stop.set_result(None))
+    parent = os.getppid()
+    # An orphaned host would hold its ports forever: leave when the harness is gone.
+    while not stop.done() and os.getppid() == parent:
+        await asyncio.wait([stop], timeout=1.0)
+    for server in servers:
+        server.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m epd_proxy.testing.fake_vllm '{"servers": [{"name", "role", "request_ms",
+    "image_ms", "answer_ms", "port"}, ...]}'`: the benchmark's fakes, in a process of their own."""
+    argv = sys.argv[1:] if argv is None else argv
+    spec = orjson.loads(argv[0])
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(serve(spec))
+    else:
+        uvloop.run(serve(spec))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
