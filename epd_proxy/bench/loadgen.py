@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from epd_proxy.upstream import Timeouts, Upstream, UpstreamFailure
+from epd_proxy.upstream import NoAnswer, Timeouts, Upstream
 
 REQUEST_TIMEOUT_S = 120.0
 
@@ -72,7 +72,7 @@ async def _run_block(bodies: list[bytes], block: Block) -> list[tuple[str, float
                     what="bench request",
                 )
                 status = answer.status
-            except UpstreamFailure:
+            except NoAnswer:
                 status = 0
             results.append((rid, started, time.perf_counter(), status))
 
