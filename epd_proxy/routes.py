@@ -58,15 +58,18 @@ def error_response(exc: ProxyError, request_id: str | None = None) -> web.Respon
 async def read_body(request: web.Request, limit: int) -> bytearray:
     """The body in one buffer: `request.read()` would copy it twice more (a megabyte per
     multi-image request), and orjson parses a bytearray directly."""
-    too_large = ProxyError(413, f"request body exceeds {limit} bytes", stage="request")
     if request.content_length is not None and request.content_length > limit:
-        raise too_large
+        raise _too_large(limit)
     body = bytearray()
     async for chunk in request.content.iter_any():
         body += chunk
         if len(body) > limit:
-            raise too_large
+            raise _too_large(limit)
     return body
+
+
+def _too_large(limit: int) -> ProxyError:
+    return ProxyError(413, f"request body exceeds {limit} bytes", stage="request")
 
 
 def client_manners(api_key: str):
