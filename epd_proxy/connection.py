@@ -351,11 +351,13 @@ class Connection(asyncio.Protocol):
         sock = self.transport.get_extra_info("socket")
         if sock is None:
             return True
+        # poll, not select: a busy proxy's backend sockets sit above select()'s descriptor limit.
+        poller = select.poll()
         try:
-            readable, _, _ = select.select([sock.fileno()], [], [], 0)
+            poller.register(sock.fileno(), select.POLLIN)
+            return not poller.poll(0)
         except (OSError, ValueError):
             return False
-        return not readable
 
     def abort(self) -> None:
         if self.transport is not None and not self.lost:

@@ -4,6 +4,10 @@ read pausing. What it does over real sockets is tests/http/test_hostile_backends
 
 from __future__ import annotations
 
+import os
+import resource
+import socket
+
 import pytest
 
 from epd_proxy.connection import (
@@ -18,7 +22,7 @@ from epd_proxy.connection import (
     Headers,
     Limits,
 )
-from tests.unit.stub_connection import body_of, connection
+from tests.unit.stub_connection import Transport, body_of, connection
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Type: application/json\r\n\r\nhi"
 
@@ -169,3 +173,34 @@ def test_reading_pauses_while_much_waits_unconsumed_and_resumes_once_taken():
     while conn.chunks:
         conn.take()
     assert conn.transport.resumed == 1
+
+
+class _SocketTransport(Transport):
+    def __init__(self, sock: socket.socket) -> None:
+        super().__init__()
+        self.sock = sock
+
+    def get_extra_info(self, name: str):
+        return self.sock if name == "socket" else None
+
+
+@pytest.mark.parametrize("fd_above", [0, 1100])
+def test_a_parked_connection_is_idle_until_bytes_arrive_whatever_its_descriptor_number(fd_above):
+    """A proxy with many clients holds backend sockets above descriptor 1024, which select() cannot
+    watch: the check before reuse must still tell an idle connection from a readable one."""
+    ours, theirs = socket.socketpair()
+    if fd_above:
+        if resource.getrlimit(resource.RLIMIT_NOFILE)[0] <= fd_above:
+            pytest.fail("the open-files limit is too low for this test")
+        os.dup2(ours.fileno(), fd_above)
+        ours.close()
+        ours = socket.socket(fileno=fd_above)
+    try:
+        conn, _ = connection(stage=None)
+        conn.transport = _SocketTransport(ours)
+        assert conn.looks_idle()
+        theirs.send(b"HTTP/1.1 200 OK\r\n")
+        assert not conn.looks_idle()
+    finally:
+        ours.close()
+        theirs.close()
