@@ -295,12 +295,12 @@ class Connection(asyncio.Protocol):
         finally:
             self.waiter = None
 
-    async def send(self, request: list) -> None:
-        """Write the request, waiting for the socket to drain between pieces of a large one. An
-        answer may start before the request is fully written (an early error): writing stops only
-        when the connection does."""
+    async def send(self, request: list, body_size: int) -> None:
+        """Write the request (its head, then a body of `body_size` bytes), waiting for the socket to
+        drain between pieces of a large one. An answer may start before the request is fully
+        written (an early error): writing stops only when the connection does."""
         transport = self.transport
-        if sum(len(part) for part in request) <= _WRITE_WHOLE_UP_TO:
+        if body_size <= _WRITE_WHOLE_UP_TO:
             transport.writelines(request)
             self.wrote = True
             return

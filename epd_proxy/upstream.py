@@ -414,7 +414,7 @@ class Upstream:
                 # One limit for writing the request and the whole head, however slowly either goes.
                 async with asyncio.timeout(limit):
                     try:
-                        await conn.send(request)
+                        await conn.send(request, size)
                     except (RuntimeError, OSError) as exc:  # closed under us since it was parked
                         raise Closed(_describe(exc), False) from None
                     while not conn.headers_done:
