@@ -89,3 +89,17 @@ def core_busy() -> dict[int, tuple[float, float]]:
             total = sum(ticks[:8])
             out[int(name[3:])] = ((total - idle) * TICK_S, total * TICK_S)
     return out
+
+
+def pin_tree(pid: int, cpus: set[int]) -> None:
+    """Every thread of `pid` and its descendants onto `cpus` (affinity is per thread on Linux)."""
+    for p in tree(pid):
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                os.sched_setaffinity(int(task), cpus)
+            except OSError:
+                continue  # the thread ended meanwhile

@@ -52,8 +52,6 @@ def summarise(arm, peak_rss: dict[str, float]) -> dict[str, Any]:
         "lat_p99_ms": _quantile(lat, 0.99),
         "lat_max_ms": lat[-1] if lat else float("nan"),
     }
-    if arm.kind == "real":
-        return out
     for key, values in (("unloaded", arm.unloaded_ms), ("unloaded_free", arm.unloaded_free_ms)):
         if values:
             ordered = sorted(values)

@@ -39,24 +39,19 @@ class Preset:
     requests: int  # measured requests per block (one "round" of an arm)
     rounds: int
     warmup: int
-    real_requests: int
     unloaded_requests: int  # per arm per round, one at a time
 
 
 PRESETS = {
-    "quick": Preset(
-        pool_size=24, concurrency=16, requests=48, rounds=2, warmup=16, real_requests=8, unloaded_requests=8
-    ),
-    "full": Preset(
-        pool_size=128, concurrency=96, requests=768, rounds=4, warmup=96, real_requests=32, unloaded_requests=64
-    ),
+    "quick": Preset(pool_size=24, concurrency=16, requests=48, rounds=2, warmup=16, unloaded_requests=8),
+    "full": Preset(pool_size=128, concurrency=96, requests=768, rounds=4, warmup=96, unloaded_requests=64),
 }
 
 
 @dataclass
 class Arm:
     name: str
-    kind: str  # "proxy" | "direct" | "real"
+    kind: str  # "proxy" | "direct"
     cluster: str = COST
     batch: int = 0
     workers: int = 1
@@ -108,13 +103,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="requests per arm per round sent one at a time for unloaded latency (0 = skip)",
     )
-    p.add_argument(
-        "--real-stack-url",
-        default=None,
-        help="also measure an already-running proxy in front of real vLLM (tiny images)",
-    )
-    p.add_argument("--real-requests", type=int, default=None, help="requests against --real-stack-url")
-    p.add_argument("--real-concurrency", type=int, default=4, help="connections against --real-stack-url")
     p.add_argument(
         "--profile-arm",
         default=None,
@@ -271,7 +259,6 @@ class Bench:
         self.requests = args.requests or preset.requests
         self.rounds = args.rounds or preset.rounds
         self.warmup = preset.warmup if args.warmup is None else args.warmup
-        self.real_requests = args.real_requests or preset.real_requests
         self.unloaded_requests = preset.unloaded_requests if args.unloaded_requests is None else args.unloaded_requests
         self.preset = "quick" if args.quick else "full"
         stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -534,47 +521,6 @@ class Bench:
         if block["all_errors"]:
             self.notes.append(f"{arm.name} round {round_no}: {block['all_errors']} non-200 answers")
 
-    # -- real stack --------------------------------------------------------------------------------
-    def real_model(self, url: str) -> str:
-        try:
-            data = orjson.loads(http_get(f"{url}/v1/models", timeout=30))
-            return data["data"][0]["id"]
-        except Exception as exc:  # the stack's own model name is only a convenience
-            self.notes.append(f"real stack: /v1/models failed ({exc!r}); sending model 'bench-vlm'")
-            return "bench-vlm"
-
-    def run_real(self, arm: Arm, url: str) -> None:
-        from urllib.parse import urlsplit
-
-        parts = urlsplit(url)
-        schedule = [(i % self.real_pool_size, f"w-real-{i}") for i in range(2)]
-        schedule += [(i % self.real_pool_size, f"m-real-{i}") for i in range(self.real_requests)]
-        started = time.perf_counter()
-        results = self.clients.run(
-            Block(
-                parts.hostname,
-                parts.port or 80,
-                "/v1/chat/completions",
-                self.args.real_concurrency,
-                schedule,
-                pool="real",
-            )
-        )
-        measured = [r for r in results if r[0].startswith("m")]
-        ok = [r for r in measured if r[3] == 200]
-        arm.latencies_ms.extend((r[2] - r[1]) * 1000 for r in ok)
-        arm.blocks.append(
-            {
-                "round": 0,
-                "measured": len(measured),
-                "errors": len(measured) - len(ok),
-                "all_requests": len(results),
-                "all_errors": sum(1 for r in results if r[3] != 200),
-                "window_s": (max(r[2] for r in measured) - min(r[1] for r in measured)) if measured else 0.0,
-                "wall_s": time.perf_counter() - started,
-            }
-        )
-
     # -- profiling -------------------------------------------------------------------------------
     def start_profile(self, arm: Arm) -> None:
         import shutil
@@ -631,11 +577,6 @@ class Bench:
             f"(ready in {time.perf_counter() - t0:.1f} s; {pool.path})",
             flush=True,
         )
-        if a.real_stack_url:
-            model = self.real_model(a.real_stack_url.rstrip("/"))
-            real = get_pool(WorkloadSpec(seed=a.seed, requests=16, tiny=True, model=model), a.cache_dir)
-            self.real_pool_size = len(real.bodies)
-            pool_paths["real"] = str(real.path)
         floor = json_floor(pool.bodies, repeat=3 if a.quick else 10)
         arms = self.build_arms()
         active = [arm for arm in arms if arm.skipped is None]
@@ -677,10 +618,6 @@ class Bench:
                     for i, arm in order:
                         self.run_unloaded(arm, r, i)
             self.stop_profile()
-            if a.real_stack_url:
-                real_arm = Arm("real-stack", "real", note=a.real_stack_url)
-                self.run_real(real_arm, a.real_stack_url.rstrip("/"))
-                arms.append(real_arm)
             peak = {arm.name: procs.peak_rss_mb(arm.proc.pid) for arm in active if arm.proc}
         finally:
             self.shutdown()
@@ -705,6 +642,11 @@ class Bench:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from epd_proxy.bench import real
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if real.wants_real_mode(argv):
+        return real.main(argv)
     args = parse_args(argv)
     bench = Bench(args)
     result = bench.run()

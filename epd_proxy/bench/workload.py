@@ -198,3 +198,137 @@ def get_pool(spec: WorkloadSpec, cache_dir: Path) -> Pool:
     _save(pool, path)
     pool.path = path
     return pool
+
+
+# --- Chats for real engines ------------------------------------------------------------------------
+# Sizes a chat client sends; the tiny model's processor scales each down to at most 224x224 (64
+# image tokens), so even 16 images fit its 2048-token context.
+CHAT_SIZES = ((448, 448), (336, 336), (640, 480), (480, 640), (224, 224))
+# What later turns carry as the assistant's earlier replies. A chat client re-sends the real reply;
+# a fixed one keeps every arm's bodies byte-identical, so answers stay comparable across arms.
+EARLIER_REPLY = "Noted. Ask me about these images."
+FOLLOW_UPS = (
+    "And compared with the new ones?",
+    "Which of all the images so far is the brightest?",
+    "Is anything from the first images repeated here?",
+)
+
+
+@dataclass(frozen=True)
+class ChatMixSpec:
+    """A MUIRBench-like mix with the repeats real traffic has.
+
+    - images per request follow MUIRBench's 1..12 (mean ~4.3), some requests list one image twice;
+    - `popular_share` of image slots are drawn from `popular_images` shared images (Zipf-like
+      weights), the way a few images (a logo, a product shot) recur across users;
+    - `multi_turn_share` of conversations have 2..`max_turns` turns; each turn adds new images and
+      re-sends every earlier image, as chat clients do, up to `max_images` per request.
+    """
+
+    seed: int = 1234
+    conversations: int = 64
+    popular_images: int = 16
+    popular_share: float = 0.25
+    repeat_share: float = 0.2
+    multi_turn_share: float = 0.3
+    max_turns: int = 3
+    max_images: int = 12
+    min_image_bytes: int = 8_000
+    max_image_bytes: int = 40_000
+    max_tokens: int = 16
+    model: str = MODEL
+
+    def cache_key(self) -> str:
+        raw = json.dumps([GENERATOR_VERSION, "chats", *self.__dict__.values()])
+        return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+@dataclass
+class ChatMix:
+    # conversations[c][t]: the body of turn t of conversation c, ready to send.
+    conversations: list[list[bytes]]
+    # images (with repeats) in each turn's body, in the same shape.
+    images: list[list[int]]
+
+    @property
+    def requests(self) -> int:
+        return sum(map(len, self.conversations))
+
+    @property
+    def mean_images(self) -> float:
+        flat = [n for turns in self.images for n in turns]
+        return sum(flat) / max(1, len(flat))
+
+    def summary(self) -> dict:
+        turns = [len(t) for t in self.conversations]
+        return {
+            "conversations": len(self.conversations),
+            "requests": self.requests,
+            "multi_turn_conversations": sum(1 for n in turns if n > 1),
+            "mean_images_per_request": round(self.mean_images, 2),
+        }
+
+
+def generate_chats(spec: ChatMixSpec) -> ChatMix:
+    rng = random.Random(spec.seed)
+    lo, hi = spec.min_image_bytes, spec.max_image_bytes
+    popular = [_data_url(_textured_jpeg(rng, rng.choice(CHAT_SIZES), lo, hi)) for _ in range(spec.popular_images)]
+    popularity = [1.0 / (rank + 1) ** 1.1 for rank in range(len(popular))]
+
+    def fresh_or_popular() -> str:
+        if popular and rng.random() < spec.popular_share:
+            return rng.choices(popular, weights=popularity)[0]
+        return _data_url(_textured_jpeg(rng, rng.choice(CHAT_SIZES), lo, hi))
+
+    conversations, image_counts = [], []
+    for _ in range(spec.conversations):
+        turns = rng.randint(2, spec.max_turns) if rng.random() < spec.multi_turn_share else 1
+        messages: list[dict] = []
+        bodies, counts, sent = [], [], 0
+        for turn in range(turns):
+            room = spec.max_images - sent
+            if room < 1:
+                break
+            n = min(room, rng.choices(range(1, 13), weights=IMAGES_PER_REQUEST_WEIGHTS)[0])
+            urls = [fresh_or_popular() for _ in range(n)]
+            if n >= 2 and rng.random() < spec.repeat_share:
+                urls[rng.randrange(1, n)] = urls[0]
+            question = rng.choice(QUESTIONS) if turn == 0 else rng.choice(FOLLOW_UPS)
+            content: list[dict] = [{"type": "text", "text": question}]
+            for url in urls:
+                content.append({"type": "image_url", "image_url": {"url": url}})
+            if messages:
+                messages.append({"role": "assistant", "content": EARLIER_REPLY})
+            messages.append({"role": "user", "content": content})
+            sent += n
+            body = {
+                "model": spec.model,
+                "messages": messages,
+                "max_tokens": spec.max_tokens,
+                "temperature": 0.0,
+                "seed": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            bodies.append(orjson.dumps(body))
+            counts.append(sent)
+        conversations.append(bodies)
+        image_counts.append(counts)
+    return ChatMix(conversations, image_counts)
+
+
+def get_chats(spec: ChatMixSpec, cache_dir: Path) -> ChatMix:
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    path = cache_dir / f"chats-seed{spec.seed}-n{spec.conversations}-{spec.cache_key()}.json"
+    try:
+        raw = orjson.loads(path.read_bytes())
+        return ChatMix([[b.encode() for b in c] for c in raw["conversations"]], raw["images"])
+    except (OSError, ValueError, KeyError):
+        pass  # absent or unreadable: generate below
+    mix = generate_chats(spec)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(
+        orjson.dumps({"conversations": [[b.decode() for b in c] for c in mix.conversations], "images": mix.images})
+    )
+    os.replace(tmp, path)
+    return mix
