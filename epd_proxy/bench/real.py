@@ -281,10 +281,12 @@ class RealBench:
             before = engines.scrape_all(self.engines)
             proxy_before = procs.tree_cpu_split(proc.pid) if proc else (0.0, 0.0)
             harness_before = _own_cpu()
+            cores_before = procs.core_busy()
             started = time.perf_counter()
             results = self.drive(url, measured, level)
             wall = time.perf_counter() - started
             harness = _own_cpu() - harness_before
+            cores_after = procs.core_busy()
             proxy_after = procs.tree_cpu_split(proc.pid) if proc else (0.0, 0.0)
             after = engines.scrape_all(self.engines)
         finally:
@@ -297,6 +299,11 @@ class RealBench:
             arm_engines = [Engine(e.name, PD, e.url, e.pid) for e in arm_engines]
         ok = [r for r in results if r.ok]
         sent = sum(map(len, measured))
+        # Busy time on this machine that none of our processes explain: other tenants.
+        busy = sum(cores_after[c][0] - cores_before[c][0] for c in cores_after)
+        ours = harness + sum(proxy_after) - sum(proxy_before)
+        ours += sum(d.get("cpu_s", 0.0) for d in deltas.values())
+        local = all(e.pid is not None for e in self.engines)
         block = {
             "level": list(level),
             "round": round_no,
@@ -310,6 +317,8 @@ class RealBench:
             "ttft_s": [r.ttft for r in ok if r.ttft is not None],
             "proxy_cpu_ms_per_request": 1000 * sum(proxy_after) - 1000 * sum(proxy_before),
             "harness_core_share": harness / wall if wall else 0.0,
+            # In cores' worth; only known when every engine runs here.
+            "other_load_cores": max(0.0, busy - ours) / wall if local and wall else None,
             "engines": engines.summarise(arm_engines, {e.name: deltas[e.name] for e in arm_engines}, len(ok)),
         }
         block["proxy_cpu_ms_per_request"] /= max(1, len(ok))

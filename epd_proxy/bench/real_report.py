@@ -69,6 +69,7 @@ def summarise_arm(blocks: list[dict[str, Any]]) -> dict[str, Any]:
         "ttft_p99_ms": _ms(_pct(ttfts, 0.99)),
         "proxy_cpu_ms_per_request": _spread([b["proxy_cpu_ms_per_request"] for b in blocks]),
         "harness_core_share": _spread([b["harness_core_share"] for b in blocks]),
+        "other_load_cores": _spread([b.get("other_load_cores") for b in blocks]),
     }
     for key in ENGINE_KEYS:
         values = [b["engines"].get(key) for b in blocks]
@@ -196,8 +197,8 @@ def table(result: dict[str, Any]) -> str:
         "Engines' own figures (their /metrics) and CPU per request (their process trees, local stack):",
         "",
         "| level | arm | E queue ms | LM queue / prefill / decode ms | encoder CPU ms/req | LM CPU ms/req "
-        "| all engines CPU ms/req (min-max) | proxy CPU ms/req | harness core share |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| all engines CPU ms/req (min-max) | proxy CPU ms/req | harness core share | other load, cores |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         level = f"{'c' if r['level'][0] == 'concurrency' else 'rate'} {r['level'][1]:g}"
@@ -211,7 +212,8 @@ def table(result: dict[str, Any]) -> str:
             f"| {_med(r, 'queue_ms')} / {_med(r, 'prefill_ms')} / {_med(r, 'decode_ms')} "
             f"| {_med(r, 'encode_cpu_ms_per_request', '{:.0f}')} | {' + '.join(lm_cpu) or '-'} "
             f"| {_range(r.get('engine_cpu_ms_per_request'), '{:.0f}')} "
-            f"| {_med(r, 'proxy_cpu_ms_per_request', '{:.2f}')} | {_med(r, 'harness_core_share', '{:.0%}')} |"
+            f"| {_med(r, 'proxy_cpu_ms_per_request', '{:.2f}')} | {_med(r, 'harness_core_share', '{:.0%}')} "
+            f"| {_range(r.get('other_load_cores'))} |"
         )
     compared = [r for r in result["rows"] if r.get("vs_first")]
     if compared:
