@@ -68,6 +68,8 @@ class Stacks:
         if kind in self.failed:
             pytest.fail(f"the {kind} stack did not start:\n{self.failed[kind]}", pytrace=False)
         self.close()
+        # Dev mode adds vLLM's cache reset endpoints, which the real-engine benchmark's smoke uses.
+        os.environ["VLLM_SERVER_DEV_MODE"] = "1"
         st = LocalStack(stack_config(kind), progress_stream=sys.stderr)
         try:
             st.start(tty=False)

@@ -26,6 +26,8 @@ def test_real_bench_reports_what_the_engines_did_for_each_arm(stack, tmp_path: P
         stack.pd_url,
         "--baseline-url",
         stack.baseline_url,
+        "--ec-store",
+        str(stack.ec_store),
         "--quick",
         "--concurrency",
         "2",
@@ -46,6 +48,7 @@ def test_real_bench_reports_what_the_engines_did_for_each_arm(stack, tmp_path: P
     rows = {r["arm"]: r for r in result["rows"]}
     assert set(rows) == {"batched", "per-item", "single-instance"}
     assert result["flagged"] == []
+    assert result["caches_reset_between_blocks"], result["notes"]
     for name, row in rows.items():
         assert row["failed"] == 0, (name, row["errors"])
         assert row["exact"] is not None, name
