@@ -36,7 +36,11 @@ def video_bytes(seed: int, frames: int = 8, size: tuple[int, int] = (112, 112), 
             frame[:] = ((bg + i * 29) % 256).astype(np.uint8)
             x = (seed * 37 + i * 11) % max(1, w - 32)
             y = (seed * 13 + i * 7) % max(1, h - 32)
-            frame[y : y + 32, x : x + 32] = ((i * 80 + seed * 40) % 256, (seed * 90 + i * 11) % 256, (255 - i * 20) % 256)
+            frame[y : y + 32, x : x + 32] = (
+                (i * 80 + seed * 40) % 256,
+                (seed * 90 + i * 11) % 256,
+                (255 - i * 20) % 256,
+            )
             writer.write(frame)
         writer.release()
         with open(path, "rb") as f:

@@ -57,7 +57,7 @@ def test_audio_requests_reference_all_or_nothing():
     assert [p["type"] for p in content[1:]] == ["image_url", "audio_url"]
     assert all(p["uuid"] == i.uuid for p, i in zip(content[1:], items))
     both = rewrite_request(
-        body, items, matched(items, {0: {"image_grid_thw": [[1, 2, 2]]}, 1: {"audio_feature_lengths": [9]}})
+        body, items, matched(items, {0: {"image_grid_thw": [[1, 2, 2]]}, 1: {"audio_num_tokens": [9]}})
     )
     assert [p["type"] for p in both["messages"][0]["content"][1:]] == ["image_embeds", "audio_embeds"]
 
