@@ -11,8 +11,8 @@ torch/transformers are imported inside functions only: the rest of the
 package must stay importable without them.
 
 The audio model is Qwen2-Audio's architecture (a Whisper-style encoder in front of a Qwen2
-language model) with its Whisper feature extractor configured here, not downloaded; its audio
-window is 2 s instead of 30 s, so an audio item is at most 50 tokens and encodes in milliseconds.
+language model) with its Whisper feature extractor configured here, not downloaded. The window
+stays Whisper's 30 s (vLLM 0.32 checks for 3000 mel frames), so a 1 s sound is 25 audio tokens.
 
     python -m epd_proxy.local.tiny_model DEST [--kind vision|audio] [--seed N] [--force]
 """
@@ -63,9 +63,10 @@ AUDIO_SPECIAL_TOKENS = (
     "<|audio_eos|>",
 )
 AUDIO_SPECIAL_IDS = {tok: 256 + i for i, tok in enumerate(AUDIO_SPECIAL_TOKENS)}
-# Whisper's front end at its usual rate, over a 2 s window: 200 mel frames, 50 audio tokens at most.
+# Whisper's front end as Qwen2-Audio has it: 16 kHz, a 30 s window of 3000 mel frames (vLLM's
+# Qwen2AudioFeatureInputs insists on 3000), 25 audio tokens per second of sound.
 AUDIO_SAMPLING_RATE = 16000
-AUDIO_CHUNK_SECONDS = 2
+AUDIO_CHUNK_SECONDS = 30
 AUDIO_MEL_BINS = 80
 VOCAB_SIZE = 512
 LOWERCASE_IDS = tuple(range(ord("a"), ord("z") + 1))
