@@ -16,6 +16,8 @@ import hashlib
 
 import pytest
 
+from epd_proxy.local.up import example_body
+
 from .e2e_helpers import (
     LOWERCASE_IDS,
     MODEL,
@@ -107,9 +109,10 @@ def test_same_video_twice(stack, fidelity):
     # one sub-request per occurrence, one stored embedding, both placeholders filled from it
     assert after_enc - before_enc == 2
     assert new_entries(stack, before_store) == {sha(v): True}
-    assert want["usage"]["prompt_tokens"] > chat_ok(stack.baseline_url, media_body([video_part(v)]))["usage"][
-        "prompt_tokens"
-    ]
+    assert (
+        want["usage"]["prompt_tokens"]
+        > chat_ok(stack.baseline_url, media_body([video_part(v)]))["usage"]["prompt_tokens"]
+    )
 
 
 def test_video_options_reach_the_encoders(stack, fidelity):
@@ -130,6 +133,12 @@ def test_video_options_reach_the_encoders(stack, fidelity):
     new = new_entries(stack, before_store)
     assert len(new) == 2 and all(new.values()) and sha(a) in new and sha(v) not in new, new
     assert set(new) <= set(loaded_hashes(stack.log_path("pd")))
+
+
+def test_up_video_example_request_is_answered(stack):
+    """The request `epd-proxy up --model-kind video` writes works against the real stack."""
+    got = chat_ok(stack.proxy_url, example_body("video", stack.model_name, tiny=True))
+    assert text_of(got) and set(text_of(got)) <= set("abcdefghijklmnopqrstuvwxyz")
 
 
 def test_zz_video_negative_control_options_not_forwarded(stack):
