@@ -330,7 +330,19 @@ def build_weights(dest: Path, seed: int, kind: str = "vision") -> int:
             n += p.numel()
     model = model.to(torch.bfloat16)
     model.save_pretrained(dest, safe_serialization=True)
+    if kind == "audio":
+        _audio_checkpoint_names(dest / "model.safetensors")
     return n
+
+
+def _audio_checkpoint_names(path: Path) -> None:
+    """Rename the language model's weights to the published Qwen2-Audio checkpoints' layout, which
+    vLLM 0.32 loads: transformers 5 saves them one `model.` deeper than it reads them back."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path))
+    renamed = {k.replace("language_model.model.model.", "language_model.model.", 1): v for k, v in tensors.items()}
+    save_file(renamed, str(path), metadata={"format": "pt"})
 
 
 def _marker_matches(dest: Path, seed: int, kind: str) -> bool:
