@@ -53,6 +53,24 @@ def _transfer_params(
     return merged or None
 
 
+def referenced(items: Sequence[MediaItem], matches: Matches) -> list[bool]:
+    """Which items the consumer gets as `*_embeds` references; the others stay raw media.
+
+    An item is referable when its encoder reported metadata for it. vLLM 0.32 refuses a request
+    that mixes raw media and embeddings of one modality with a 400 ("Mixing raw video and
+    embedding inputs is not allowed", `renderers/chat_utils.py` `_resolve_items`), so one item
+    without metadata keeps every item of its modality raw. With audio in the request it is all or
+    nothing across modalities: audio processors may count placeholders of other modalities.
+    """
+    referable = [bool(matches.items.get(i.index) and matches.items[i.index].metadata) for i in items]
+    if all(referable):
+        return referable
+    if any(item.kind in AUDIO_TYPES for item in items):
+        return [False] * len(items)
+    raw = {EMBEDS_TYPE[item.kind] for item, ok in zip(items, referable) if not ok}
+    return [ok and EMBEDS_TYPE[item.kind] not in raw for item, ok in zip(items, referable)]
+
+
 def rewrite_request(
     body: dict[str, Any],
     items: Sequence[MediaItem],
@@ -65,9 +83,8 @@ def rewrite_request(
 
     rewrite=True: matched items with metadata become `*_embeds` references; every other item
     stays raw media but carries the proxy uuid, so the consumer derives the identifier the encoder
-    stored under and still loads the embedding instead of re-encoding. If the request has audio
-    and any item cannot be referenced, nothing is referenced (audio processors may count
-    placeholders of other modalities), but every item keeps its uuid.
+    stored under and still loads the embedding instead of re-encoding. Which items are referenced
+    is `referenced`'s rule (per modality, and all or nothing with audio); every item keeps its uuid.
 
     rewrite=False: media stays as the client sent it; only the handles are attached.
     """
@@ -78,11 +95,9 @@ def rewrite_request(
     ]
     out = dict(body)
     if rewrite:
-        referable = [bool(matches.items.get(i.index) and matches.items[i.index].metadata) for i in items]
-        all_raw = not all(referable) and any(item.kind in AUDIO_TYPES for item in items)
         parts = [
-            _embeds_part(item, matches.items[item.index]) if ok and not all_raw else {**item.part, "uuid": item.uuid}
-            for item, ok in zip(items, referable)
+            _embeds_part(item, matches.items[item.index]) if ok else {**item.part, "uuid": item.uuid}
+            for item, ok in zip(items, referenced(items, matches))
         ]
         if parts:
             out["messages"] = _with_parts(body, items, parts)

@@ -38,6 +38,11 @@ from epd_proxy.local.supervisor import (
 )
 
 TINY_SERVED_NAME = "tiny-vlm"
+TINY_AUDIO_SERVED_NAME = "tiny-alm"
+# What the local stack is for: image and video run the tiny Qwen2-VL model (the kind picks the
+# ready banner's example), audio the tiny Qwen2-Audio model.
+MODEL_KINDS = ("image", "video", "audio")
+DEFAULT_LIMITS = {"image": '{"image": 16}', "video": '{"image": 16, "video": 4}', "audio": '{"audio": 8}'}
 VLLM_ENTRY = ("-m", "vllm.entrypoints.openai.api_server")
 STATE_FILE = "stack.json"
 
@@ -54,7 +59,9 @@ class StackConfig:
     host: str = "127.0.0.1"
     health_timeout: float = 240.0
     max_model_len: int = 2048
-    limit_mm_per_prompt: str = '{"image": 16}'
+    # None: DEFAULT_LIMITS of the model kind
+    limit_mm_per_prompt: str | None = None
+    model_kind: str = "image"
     # --enforce-eager skips ~30 s of torch.compile; a small KV cache on PD
     # saves ~1 GiB.  Turn off for real hardware.
     lean: bool = True
@@ -147,12 +154,16 @@ class LocalStack:
         c = self.config
         if c.encoders < 1:
             raise ValueError("need at least one encoder")
+        if c.model_kind not in MODEL_KINDS:
+            raise ValueError(f"unknown model kind {c.model_kind!r}; one of {', '.join(MODEL_KINDS)}")
         self.work_dir = Path(c.work_dir).resolve()
         self.ec_store = self.work_dir / "ec_store"
         self.kv_store = self.work_dir / "kv_store"
         self.log_dir = self.work_dir / "logs"
-        self.model_dir = Path(c.model).resolve() if c.model else self.work_dir / "tiny-vlm"
-        self.served_model_name = c.served_model_name or (TINY_SERVED_NAME if c.model is None else None)
+        tiny_name = TINY_AUDIO_SERVED_NAME if c.model_kind == "audio" else TINY_SERVED_NAME
+        self.model_dir = Path(c.model).resolve() if c.model else self.work_dir / tiny_name
+        self.served_model_name = c.served_model_name or (tiny_name if c.model is None else None)
+        self.limit_mm_per_prompt = c.limit_mm_per_prompt or DEFAULT_LIMITS[c.model_kind]
         self.progress_stream = progress_stream
         self.instances: list[Managed] = []
         self.proxy: Managed | None = None
@@ -164,6 +175,11 @@ class LocalStack:
     def model_name(self) -> str:
         """The ``model`` value clients must send."""
         return self.served_model_name or str(self.model_dir)
+
+    @property
+    def tiny_kind(self) -> str:
+        """The tiny model built for this stack (`python -m epd_proxy.local.tiny_model --kind`)."""
+        return "audio" if self.config.model_kind == "audio" else "vision"
 
     @property
     def decoder_name(self) -> str:
@@ -254,7 +270,7 @@ class LocalStack:
             "--max-model-len",
             str(c.max_model_len),
             "--limit-mm-per-prompt",
-            c.limit_mm_per_prompt,
+            self.limit_mm_per_prompt,
             # Per-request mm_processor_kwargs are refused (400) otherwise.
             "--trust-request-mm-kwargs",
             "--enable-request-id-headers",
@@ -342,7 +358,9 @@ class LocalStack:
         env = self.common_env()
         lines.append("mkdir -p " + " ".join(q(str(p)) for p in (self.log_dir, *self.stores(), w / "tmp", w / "cache")))
         if self.config.model is None:
-            lines.append(f"{q(self.config.python)} -m epd_proxy.local.tiny_model {q(str(self.model_dir))}")
+            lines.append(
+                f"{q(self.config.python)} -m epd_proxy.local.tiny_model {q(str(self.model_dir))} --kind {self.tiny_kind}"
+            )
         lines.append("export " + " ".join(f"{k}={q(v)}" for k, v in env.items()))
         lines.append(f"cd {q(str(w))}")
         for m in self.instances:
@@ -445,7 +463,7 @@ class LocalStack:
             env = dict(os.environ)
             env.update(self.common_env())
             proc = subprocess.run(
-                [c.python, "-m", "epd_proxy.local.tiny_model", str(self.model_dir)],
+                [c.python, "-m", "epd_proxy.local.tiny_model", str(self.model_dir), "--kind", self.tiny_kind],
                 env=env,
                 cwd=str(_repo_root()),
                 capture_output=True,

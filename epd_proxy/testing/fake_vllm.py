@@ -39,7 +39,12 @@ from epd_proxy.testing import bare_server
 
 MEDIA_KEYS = {"image_url": "image", "audio_url": "audio", "input_audio": "audio", "video_url": "video"}
 EMBEDS_KEYS = {"image_embeds": "image", "audio_embeds": "audio", "video_embeds": "video"}
-GRID_FIELD = {"image": "image_grid_thw", "video": "video_grid_thw", "audio": "audio_feature_lengths"}
+# The placeholder metadata an EC producer publishes per modality (`embedding_fields` of the model's
+# data parser, vllm/model_executor/models/qwen2_vl.py and qwen2_audio.py in 0.32).
+GRID_FIELD = {"image": "image_grid_thw", "video": "video_grid_thw", "audio": "audio_num_tokens"}
+# Processor kwargs scoped to one modality (vllm/multimodal/processing/inputs.py): an item's identifier
+# folds in only its own modality's, plus every unscoped key.
+SCOPED_PROCESSOR_KWARGS = {"image": "images_kwargs", "video": "videos_kwargs", "audio": "audio_kwargs"}
 # How vLLM 0.32 gives a content part its kind (vllm/renderers/chat_utils.py): from `type` only when
 # the type is known and the part has no uuid; otherwise from the first of these keys present. Kept
 # apart from the proxy's own classifier on purpose, so a test can catch the two disagreeing.
@@ -102,13 +107,18 @@ def media_source(part: dict[str, Any], kind: str) -> str:
 
 def hash_factors(modality: str, body: dict[str, Any]) -> dict[str, Any]:
     """What vLLM folds into an item's identifier besides the uuid (ProcessorInputs.get_mm_hashes):
-    the processor kwargs and this modality's own `media_io_kwargs`, whichever are non-empty."""
+    the processor kwargs but another modality's scoped ones (`videos_kwargs` does not touch an
+    image), and this modality's own `media_io_kwargs`, whichever are non-empty."""
     factors: dict[str, Any] = {}
     media_io = body.get("media_io_kwargs")
     if isinstance(media_io, dict) and media_io.get(modality):
         factors["media_io_kwargs"] = {modality: media_io[modality]}
-    if body.get("mm_processor_kwargs"):
-        factors["mm_processor_kwargs"] = body["mm_processor_kwargs"]
+    processor = body.get("mm_processor_kwargs")
+    if isinstance(processor, dict):
+        others = set(SCOPED_PROCESSOR_KWARGS.values()) - {SCOPED_PROCESSOR_KWARGS[modality]}
+        processor = {k: v for k, v in processor.items() if k not in others}
+    if processor:
+        factors["mm_processor_kwargs"] = processor
     return factors
 
 
@@ -329,8 +339,13 @@ class FakeVLLM:
         success_status: int = 200,
         costs: Costs = Costs(),
         piece_bytes: int | None = 7,
+        no_metadata: frozenset[str] = frozenset(),
     ) -> None:
         self.role = role
+        # Media (URL or `input_audio` data) this encoder reports with empty metadata, as a vLLM
+        # producer does for a model whose parser declares no placeholder fields for the modality
+        # (PlaceholderMetadataResolver), or for an item whose processed data it no longer holds.
+        self.no_metadata = no_metadata
         # A Mooncake EC consumer: every media item must arrive by a push under its own transfer id.
         self.mooncake = mooncake
         # An older encoder: `ec_transfer_params` holds only a bare `ec_items` list, no per-hash entries.
@@ -471,7 +486,9 @@ class FakeVLLM:
             if self.legacy_params:
                 legacy_items.append({"mm_hash": key})
             else:
-                entry = params.setdefault(key, {"metadata": {GRID_FIELD[modality]: [shape]}, **self.handles})
+                bare = media in self.no_metadata or (part.get(kind) or {}).get("data") in self.no_metadata
+                metadata = {} if bare else {GRID_FIELD[modality]: [shape]}
+                entry = params.setdefault(key, {"metadata": metadata, **self.handles})
                 if self.report_indices:
                     entry.setdefault("item_indices", []).append(position)
             position += 1
@@ -501,6 +518,8 @@ class FakeVLLM:
         seen: list[str] = []
         identifiers: list[str] = []
         references = 0
+        if problem := _mixed_modality(body):
+            return _engine_error(problem, 400)
         for message in body["messages"]:
             content = message.get("content")
             if not isinstance(content, list):
@@ -732,6 +751,25 @@ class FakeVLLM:
             await asyncio.sleep(self.stream_pause_s)
             start = end
         await exchange.end()
+
+
+def _mixed_modality(body: dict[str, Any]) -> str | None:
+    """vLLM's _resolve_items (renderers/chat_utils.py): raw media and embeddings of one modality in
+    one request are a 400 while the request is parsed, before the engine looks anything up."""
+    raw: set[str] = set()
+    embeds: set[str] = set()
+    for message in body["messages"]:
+        content = message.get("content")
+        for part in content if isinstance(content, list) else ():
+            kind = vllm_part_kind(part)
+            if kind in MEDIA_KEYS:
+                raw.add(MEDIA_KEYS[kind])
+            elif kind in EMBEDS_KEYS or kind == "image_pil":
+                embeds.add(EMBEDS_KEYS.get(kind, "image"))
+    for modality in ("image", "audio", "video"):
+        if modality in raw and modality in embeds:
+            return f"Mixing raw {modality} and embedding inputs is not allowed (parameter={modality}_embeds)"
+    return None
 
 
 def _sampling_problem(body: dict[str, Any]) -> str | None:

@@ -3,13 +3,15 @@
 - ``stack``: E+PD, 2 encoders + PD + a baseline + the proxy.
 - ``prefill_stack``: E+P+D, 2 encoders + prefill + decode + a baseline + the proxy
   (KV handed from prefill to decode through a folder, vLLM's ExampleConnector).
+- ``audio_stack``: E+PD on the tiny Qwen2-Audio model, 1 encoder + PD + a baseline + the proxy.
 
 The baseline is a plain vLLM instance with no EC or KV role, started from the
 same model folder and flags, so a correct proxy must reproduce its answers exactly.
 
-Each stack is five vLLM servers of ~1.5 GiB: asking for the other kind stops
-the live one first. Test files use one kind each and run in file order, so a
-session starts each kind once.
+Each stack is up to six vLLM servers of ~1.5 GiB: asking for another kind stops
+the live one first. Tests are run grouped by the stack they use (those needing none
+first, then E+PD, E+P+D, audio), each group in file order, so a session starts each
+kind once.
 
 Set EPD_E2E_WORK_DIR to move the E+PD stack's work folder (default: work/e2e-stack
 under the repository; the E+P+D stack uses the same path + "-prefill"); nothing
@@ -28,27 +30,52 @@ import pytest
 from epd_proxy.local.stack import LocalStack, StackConfig
 from epd_proxy.local.supervisor import find_free_port_block, http_ok
 
-from .e2e_helpers import EPD, PREFILL, comparable
+from .e2e_helpers import AUDIO, EPD, PREFILL, comparable
 
 REPO = Path(__file__).resolve().parents[2]
 WORK = Path(os.environ.get("EPD_E2E_WORK_DIR", REPO / "work" / "e2e-stack"))
 
 
+# The order the stacks are started in; tests that need none run first.
+STACK_ORDER = {EPD: 1, PREFILL: 2, AUDIO: 3}
+STACK_FIXTURES = {"stack": EPD, "prefill_stack": PREFILL, "audio_stack": AUDIO}
+
+
+def pytest_collection_modifyitems(items):
+    """Group the e2e tests by the stack they use (a stable sort: file and definition order stay
+    within a group), so each stack starts once however many files use it."""
+
+    def group(item) -> int:
+        names = getattr(item, "fixturenames", ())
+        kinds = [STACK_ORDER[kind] for name, kind in STACK_FIXTURES.items() if name in names]
+        return min(kinds, default=0)
+
+    here = Path(__file__).parent
+    e2e = [i for i in items if Path(i.path).parent == here]
+    if e2e:
+        # The folder's tests are contiguous; sort them in place.
+        first = items.index(e2e[0])
+        items[first : first + len(e2e)] = sorted(e2e, key=group)
+
+
 def stack_config(kind: str) -> StackConfig:
-    # 2 encoders, PD or prefill + decode, the baseline, then the proxy right after them.
-    servers = 5 if kind == EPD else 6
+    # Encoders, PD or prefill + decode, the baseline, then the proxy right after them.
+    encoders = 1 if kind == AUDIO else 2
+    servers = encoders + (3 if kind == PREFILL else 2)
     base = find_free_port_block(servers + 1, start=int(os.environ.get("EPD_E2E_BASE_PORT", "18200")))
+    suffix = {EPD: "", PREFILL: "-prefill", AUDIO: "-audio"}[kind]
     return StackConfig(
-        encoders=2,
+        encoders=encoders,
         baseline=True,
         prefill=kind == PREFILL,
-        work_dir=WORK if kind == EPD else WORK.with_name(WORK.name + "-prefill"),
+        model_kind="audio" if kind == AUDIO else "image",
+        work_dir=WORK.with_name(WORK.name + suffix),
         base_port=base,
         port=base + servers,
         health_timeout=float(os.environ.get("EPD_E2E_HEALTH_TIMEOUT", "240")),
         # PD's DEBUG log is the only place that says it loaded an embedding
-        # from the store instead of running its own vision encoder.
-        pd_debug_log=kind == EPD,
+        # from the store instead of running its own encoder.
+        pd_debug_log=kind in (EPD, AUDIO),
         # Pin the spread so 5 images over 2 encoders are exactly 2 sub-requests.
         proxy_args=["--encode-policy", "round_robin", "--log-level", "DEBUG"],
         python=sys.executable,
@@ -110,13 +137,19 @@ def prefill_stack(_stacks) -> LocalStack:
     return _stacks.get(PREFILL)
 
 
+@pytest.fixture
+def audio_stack(_stacks) -> LocalStack:
+    return _stacks.get(AUDIO)
+
+
 @pytest.fixture(autouse=True)
 def _pd_alive(request):
-    """Bring PD back if an earlier test (the negative control) killed it."""
-    if "stack" not in request.fixturenames:
+    """Bring PD back if an earlier test (a negative control) killed it."""
+    name = next((n for n in ("stack", "audio_stack") if n in request.fixturenames), None)
+    if name is None:
         yield
         return
-    st: LocalStack = request.getfixturevalue("stack")
+    st: LocalStack = request.getfixturevalue(name)
     pd = st.by_name("pd")
     if not pd.alive() or not http_ok(pd.health_url):
         st.restart("pd")
@@ -183,7 +216,7 @@ def fidelity(_stacks):
         report = table.markdown()
         WORK.mkdir(parents=True, exist_ok=True)
         (WORK / "fidelity.md").write_text(report)
-        _SUMMARY.append(f"[e2e] fidelity, proxy (2 encoders + PD or P + D) vs one plain vLLM ({WORK}/fidelity.md):")
+        _SUMMARY.append(f"[e2e] fidelity, proxy (encoders + PD or P + D) vs one plain vLLM ({WORK}/fidelity.md):")
         _SUMMARY.extend(report.splitlines())
     for kind, st in _stacks.started.items():
         try:

@@ -21,8 +21,8 @@ from tests.http.polling import eventually_sync
 from tests.serve_process import free_port, serve_command
 
 MODEL = "tiny-vlm"
-# The two topologies the tests run, as the fidelity table names them.
-EPD, PREFILL = "E+PD", "E+P+D"
+# The topologies the tests run, as the fidelity table names them.
+EPD, PREFILL, AUDIO = "E+PD", "E+P+D", "E+PD audio"
 # Byte-level tokenizer of the tiny model: byte b has token id b.
 LOWERCASE_IDS = list(range(ord("a"), ord("z") + 1))
 SMALL = (224, 160)  # 8 x 6 merged patches = 48 image tokens by default
@@ -32,16 +32,18 @@ BLACK_BG = {"image": {"rgba_background_color": [0, 0, 0]}}
 
 
 @contextlib.contextmanager
-def extra_proxy(stack, name: str, *flags: str, decode_url: str | None = None) -> Iterator[str]:
-    """One more `epd-proxy serve` in front of the stack's own encoders and PD (or `decode_url`),
-    with `flags`; yields its URL."""
+def extra_proxy(
+    stack, name: str, *flags: str, decode_url: str | None = None, encoder_urls: list[str] | None = None
+) -> Iterator[str]:
+    """One more `epd-proxy serve` in front of the stack's own encoders (or `encoder_urls`) and PD
+    (or `decode_url`), with `flags`; yields its URL."""
     port = free_port()
     with open(stack.work_dir / f"{name}.log", "wb") as log:
         proc = subprocess.Popen(
             serve_command(
                 port,
                 "--encode-servers-urls",
-                ",".join(stack.encoder_urls),
+                ",".join(encoder_urls or stack.encoder_urls),
                 "--decode-servers-urls",
                 decode_url or stack.pd_url,
                 *flags,

@@ -226,3 +226,34 @@ def test_stale_groups_from_a_killed_run_are_stopped():
         import shutil
 
         shutil.rmtree(work, ignore_errors=True)
+
+
+def test_dry_run_audio_builds_and_serves_the_audio_model(capsys):
+    work = Path("/nonexistent-epd-dry-run/a")
+    assert up_main(["--model-kind", "audio", "--baseline", "--dry-run", "--work-dir", str(work)]) == 0
+    out = capsys.readouterr().out
+    assert f"epd_proxy.local.tiny_model {work / 'tiny-alm'} --kind audio" in out
+    servers = _vllm_lines(out)
+    assert list(servers) == ["encoder-0", "pd", "baseline"]
+    for argv in servers.values():
+        assert argv[argv.index("--served-model-name") + 1] == "tiny-alm"
+        assert _json_flag(argv, "--limit-mm-per-prompt") == {"audio": 8}
+    assert up_main(["--model-kind", "video", "--dry-run", "--work-dir", str(work)]) == 0
+    out = capsys.readouterr().out
+    assert "--kind vision" in out and '{"image": 16, "video": 4}' in out
+
+
+def test_ready_banner_for_video_and_audio_points_at_a_written_request(tmp_path):
+    from epd_proxy.local.up import ready_banner, write_example
+
+    for kind, part_type in (("video", "video_url"), ("audio", "input_audio")):
+        st = LocalStack(StackConfig(encoders=1, port=8123, work_dir=tmp_path / kind, model_kind=kind))
+        st.work_dir.mkdir(parents=True)
+        write_example(st)
+        text = ready_banner(st)
+        path = st.work_dir / f"example-{kind}.json"
+        assert f"-d @{path}" in text and f"json.load(open({str(path)!r}))" in text
+        body = json.loads(path.read_text())
+        assert body["model"] == ("tiny-alm" if kind == "audio" else "tiny-vlm")
+        assert body["messages"][0]["content"][1]["type"] == part_type
+        assert body["allowed_token_ids"] == list(range(97, 123))

@@ -6,7 +6,7 @@ from epd_proxy.extract import normalise_request
 from epd_proxy.match import ItemMatch, Matches
 from epd_proxy.prefill import prefill_request
 from epd_proxy.rewrite import flatten_metadata, rewrite_request
-from tests.media import audio, chat, image
+from tests.media import audio, chat, image, video
 
 
 def matched(items, metadata_by_index, handles=None):
@@ -34,10 +34,17 @@ def test_matched_items_become_embeds_references_and_input_is_untouched():
     assert body == before
     content = out["messages"][1]["content"]
     assert content[0] == {"type": "text", "text": "What is shown?"}
-    assert content[1] == {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 4, 6]}, "uuid": items[0].uuid}
-    # no metadata: raw media, but with the uuid so the consumer finds what the encoder stored
+    # B has no metadata: raw media, with the uuid so the consumer finds what the encoder stored;
+    # and A stays raw too, as vLLM refuses raw images mixed with image embeddings
+    assert content[1] == {**image("A"), "uuid": items[0].uuid}
     assert content[2] == {**image("B"), "uuid": items[1].uuid}
     assert out["messages"][0] is body["messages"][0]
+    both = rewrite_request(body, items, matched(items, {0: {"image_grid_thw": [[1, 4, 6]]}, 1: {"g": [2]}}))
+    assert both["messages"][1]["content"][1] == {
+        "type": "image_embeds",
+        "image_embeds": {"image_grid_thw": [1, 4, 6]},
+        "uuid": items[0].uuid,
+    }
     assert out["ec_transfer_params"] == {"h0": {"x": 1}, "ec_items": [{"mm_hash": "h0", "transfer_id": "t0"}]}
     assert out["seed"] == 7 and out["mm_processor_kwargs"] == body["mm_processor_kwargs"]
 
@@ -50,7 +57,7 @@ def test_audio_requests_reference_all_or_nothing():
     assert [p["type"] for p in content[1:]] == ["image_url", "audio_url"]
     assert all(p["uuid"] == i.uuid for p, i in zip(content[1:], items))
     both = rewrite_request(
-        body, items, matched(items, {0: {"image_grid_thw": [[1, 2, 2]]}, 1: {"audio_feature_lengths": [9]}})
+        body, items, matched(items, {0: {"image_grid_thw": [[1, 2, 2]]}, 1: {"audio_num_tokens": [9]}})
     )
     assert [p["type"] for p in both["messages"][0]["content"][1:]] == ["image_embeds", "audio_embeds"]
 
@@ -100,6 +107,19 @@ def test_ec_items_stay_aligned_with_item_occurrences_when_an_item_has_no_metadat
     out = rewrite_request(body, items, matches, push_mode=True)
     assert [i["transfer_id"] for i in out["ec_transfer_params"]["ec_items"]] == ["t0", "t1", "t2"]
     assert out["messages"][0]["content"][2] == {**image("B"), "uuid": items[1].uuid}
+    assert out["messages"][0]["content"][1] == {**image("A"), "uuid": items[0].uuid}
+
+
+def test_one_item_without_metadata_keeps_only_its_own_modality_raw():
+    # vLLM answers 400 to raw media and embeddings of one modality in one request; another
+    # modality is unaffected (without audio in the request).
+    normalised = normalise_request(chat(image("A"), video("v"), video("w")))
+    body, items = normalised.body, normalised.items
+    out = rewrite_request(
+        body, items, matched(items, {0: {"image_grid_thw": [[1, 2, 2]]}, 1: {"video_grid_thw": [[2, 2, 2]]}, 2: {}})
+    )
+    assert [p["type"] for p in out["messages"][0]["content"][1:]] == ["image_embeds", "video_url", "video_url"]
+    assert all(p["uuid"] == i.uuid for p, i in zip(out["messages"][0]["content"][1:], items))
 
 
 def test_prefill_drops_what_contradicts_a_single_token():
