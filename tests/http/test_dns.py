@@ -90,13 +90,13 @@ class Fleet:
 
 
 class Proxy:
-    def __init__(self, client: aiohttp.ClientSession, dns: UnboundServer, *flags: str) -> None:
+    def __init__(self, client: aiohttp.ClientSession, dns: UnboundServer, *flags: str, env: dict | None = None) -> None:
         self.client = client
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = serve_command(self.port, "--dns-server", dns.address, "--dns-refresh", str(REFRESH_S))
         cmd += ["--probe-interval", "0.5", "--probe-timeout", "1", "--log-level", "WARNING", *flags]
-        self.proc = subprocess.Popen(cmd, env=dict(os.environ))
+        self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})})
 
     async def get(self, path: str) -> tuple[int, dict | str]:
         async with self.client.get(self.url + path) as resp:
@@ -186,8 +186,8 @@ async def proxy_for(unbound):
     started: list[Proxy] = []
     client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15))
 
-    async def start(*flags: str) -> Proxy:
-        proxy = Proxy(client, unbound, *flags)
+    async def start(*flags: str, env: dict | None = None) -> Proxy:
+        proxy = Proxy(client, unbound, *flags, env=env)
         started.append(proxy)
         await eventually(lambda: _status_is(proxy, 200), what="the proxy answers /health with 200", **POLL)
         return proxy
@@ -361,3 +361,31 @@ async def test_a_failed_resolution_keeps_the_last_good_set_and_says_so(unbound, 
     assert body["decode_cluster"] == "empty" and pd_url not in body["instances"]
     async with proxy.client.post(f"{proxy.url}/v1/chat/completions", json=chat(text="hi")) as resp:
         assert resp.status == 503
+
+
+async def test_dns_names_next_to_dynamic_registration(unbound, fleet, proxy_for):
+    """Encoders from DNS, the PD registered: each source keeps what it added."""
+    _, e_url = await fleet.start("encode", "127.0.0.1")
+    pd, pd_url = await fleet.start("pd", "127.0.0.1")
+    unbound.records = [f"_http._tcp.enc SRV 0 0 {e_url.rsplit(':', 1)[1]} host", "host A 127.0.0.1"]
+    unbound.start()
+    key = {"X-API-Key": "dns-test-key"}
+    proxy = await proxy_for(
+        "--dynamic-registration",
+        "--encode-servers-urls",
+        f"dns+srv://{unbound.name('_http._tcp.enc')}",
+        env={"ADMIN_API_KEY": key["X-API-Key"]},
+    )
+    instances = f"{proxy.url}/instances"
+    async with proxy.client.post(instances, json={"role": "prefill_decode", "url": pd_url}, headers=key) as resp:
+        assert resp.status == 200, await resp.text()
+    async with proxy.client.post(f"{proxy.url}/v1/chat/completions", json=chat(image("x"))) as resp:
+        assert resp.status == 200, await resp.text()
+    assert pd.loaded_from_cache == 1
+    # What DNS found is DNS's to remove, not an admin's (it would be back on the next refresh).
+    async with proxy.client.delete(instances, params={"url": e_url}, headers=key) as resp:
+        body = await resp.json()
+        assert resp.status == 409 and "found through dns+srv://" in body["error"]["message"], body
+    body = await proxy.health()
+    assert body["dns"][f"dns+srv://{unbound.name('_http._tcp.enc')}"]["addresses"] == [e_url]
+    assert body["instances"]["encode"]["live"] == [e_url]
