@@ -133,6 +133,7 @@ class Traffic:
         self._stop = asyncio.Event()
         self._budget = max_requests
         self._until = time.monotonic() + max_seconds
+        self.answered = [0] * CONCURRENCY  # per worker
         self._tasks = [asyncio.create_task(self._loop(n)) for n in range(CONCURRENCY)]
 
     @property
@@ -153,6 +154,7 @@ class Traffic:
             except aiohttp.ClientError as exc:
                 status, body = 0, repr(exc).encode()
             self.statuses[status] += 1
+            self.answered[worker] += 1
             if status != 200:
                 self.failures.append(f"{status}: {body[:300]!r}")
 
@@ -160,6 +162,15 @@ class Traffic:
         """Until `count` more requests have been answered."""
         target = self.sent + count
         await eventually(lambda: self.sent >= target, what=f"{count} more requests answered", timeout=DEADLINE_S)
+
+    async def settle(self) -> None:
+        """Until every worker has had an answer to a request it sent after now."""
+        then = list(self.answered)
+        await eventually(
+            lambda: all(now > before + 1 for now, before in zip(self.answered, then)),
+            what="every worker's request under way answered",
+            timeout=DEADLINE_S,
+        )
 
     async def stop(self) -> Counter[int]:
         self._stop.set()
@@ -305,6 +316,7 @@ async def test_an_instance_that_dies_without_notice_fails_a_bounded_number_of_re
             return not (await proxy.health())["instances"][b_url]["in_rotation"]
 
         await eventually(out_of_rotation, what="the proxy takes the dead PD out of rotation", **POLL)
+        await traffic.settle()  # the requests under way then may have chosen it before
         failed_by_then = traffic.sent - traffic.statuses[200]
         await traffic.more(100)
         assert traffic.sent - traffic.statuses[200] == failed_by_then, traffic.failures[-3:]
