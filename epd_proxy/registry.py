@@ -3,8 +3,9 @@
 Static flags, `POST /instances` and DNS names (discovery.py) fill the same registry, so everything
 downstream works the same whichever way an instance joined. Each member has one source, which alone
 may remove it: a listed URL stays, a registration leaves through `DELETE /instances` (or the shared
-roster), a DNS-found address when its name stops resolving to it. Health (health.py) and metrics hear about joins and departures as watchers; which
-members may take traffic right now is health's call, never the registry's.
+roster), a DNS-found address when its name stops resolving to it. Health (health.py) and metrics
+hear about joins and departures as watchers; which members may take traffic right now is health's
+call, never the registry's.
 """
 
 from __future__ import annotations

@@ -200,7 +200,10 @@ async def proxy_for(unbound):
     async def start(*flags: str, env: dict | None = None) -> Proxy:
         proxy = Proxy(client, unbound, *flags, env=env)
         started.append(proxy)
-        await eventually(lambda: _status_is(proxy, 200), what="the proxy answers /health with 200", **POLL)
+        # Start-up is not what is tested: on a loaded machine --workers 2 takes a while to spawn.
+        await eventually(
+            lambda: _status_is(proxy, 200), what="the proxy answers /health with 200", **{**POLL, "timeout": 60}
+        )
         return proxy
 
     yield start
@@ -401,3 +404,28 @@ async def test_dns_names_next_to_dynamic_registration(unbound, fleet, proxy_for)
     body = await proxy.health()
     assert body["dns"][f"dns+srv://{unbound.name('_http._tcp.enc')}"]["addresses"] == [e_url]
     assert body["instances"]["encode"]["live"] == [e_url]
+
+
+async def test_every_worker_resolves_the_names(unbound, fleet, proxy_for):
+    """--workers 2: each worker resolves on its own; whichever answers has the DNS members."""
+    _, e_url = await fleet.start("encode", "127.0.0.1")
+    _, pd_url = await fleet.start("pd", "127.0.0.1")
+    records = [f"_http._tcp.{name} SRV 0 0 {u.rsplit(':', 1)[1]} host" for name, u in (("enc", e_url), ("pd", pd_url))]
+    unbound.records = [*records, "host A 127.0.0.1"]
+    unbound.start()
+    proxy = await proxy_for(
+        "--workers",
+        "2",
+        "--encode-servers-urls",
+        f"dns+srv://{unbound.name('_http._tcp.enc')}",
+        "--decode-servers-urls",
+        f"dns+srv://{unbound.name('_http._tcp.pd')}",
+    )
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as fresh:
+        for n in range(20):  # each on a new connection, so both workers answer some
+            async with fresh.get(f"{proxy.url}/health") as resp:
+                assert resp.status == 200 and set((await resp.json())["instances"]) == {e_url, pd_url}
+            async with fresh.post(f"{proxy.url}/v1/chat/completions", json=chat(image(str(n)))) as resp:
+                assert resp.status == 200, await resp.text()
+        async with fresh.get(f"{proxy.url}/metrics") as resp:
+            assert f'epd_dns_up{{name="dns+srv://{unbound.name("_http._tcp.pd")}"}} 1.0' in await resp.text()
