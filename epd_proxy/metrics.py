@@ -22,6 +22,7 @@ from epd_proxy.recent import RecentRequests
 from epd_proxy.registry import Registry
 
 if TYPE_CHECKING:
+    from epd_proxy.discovery import Discovery
     from epd_proxy.roster import Roster
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -129,6 +130,31 @@ class _RosterCollector:
         yield from (up, since)
 
 
+class _DnsCollector:
+    """Each DNS name's last resolution (see discovery.py), read at scrape time: the answering
+    worker's, which resolves on its own like every other."""
+
+    def __init__(self, discovery: Discovery) -> None:
+        self._discovery = discovery
+
+    def collect(self):
+        up = GaugeMetricFamily(
+            "epd_dns_up",
+            "1 while the name's last resolution got an answer, 0 while the last good set is kept",
+            labels=["name"],
+        )
+        addresses = GaugeMetricFamily("epd_dns_addresses", "Addresses the name resolved to last", labels=["name"])
+        since = GaugeMetricFamily(
+            "epd_dns_seconds_since_success", "Seconds since the name last resolved", labels=["name"]
+        )
+        for name, ok, count, seconds in self._discovery.figures():
+            up.add_metric([name], 1 if ok else 0)
+            addresses.add_metric([name], count)
+            if seconds is not None:
+                since.add_metric([name], seconds)
+        yield from (up, addresses, since)
+
+
 class Metrics:
     def __init__(self, fleet: Registry, health: Health) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -162,6 +188,9 @@ class Metrics:
             registry=r,
         )
         health.on_ejection(lambda role, url, reason: self.ejections.labels(role, url, reason).inc())
+        self.dns_failures = Counter(
+            "epd_dns_resolution_failures", "DNS resolutions that got no answer, by name", ["name"], registry=r
+        )
         self.rejected = Counter("epd_admission_rejected", "Requests refused with 503 by --max-inflight", registry=r)
         self.backend_refused = Counter(
             "epd_backend_answers_refused",
@@ -217,6 +246,9 @@ class Metrics:
 
     def watch_roster(self, roster: Roster) -> None:
         self.read_at_scrape(_RosterCollector(roster))
+
+    def watch_dns(self, discovery: Discovery) -> None:
+        self.read_at_scrape(_DnsCollector(discovery))
 
     def read_at_scrape(self, collector) -> None:
         """A collector of figures that are the same whichever worker is asked (state every worker

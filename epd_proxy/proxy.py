@@ -14,6 +14,7 @@ from aiohttp import web
 from epd_proxy.auth import bearer
 from epd_proxy.backends import DECODE, ENCODE, PREFILL
 from epd_proxy.config import Config
+from epd_proxy.discovery import Discovery
 from epd_proxy.health import Health
 from epd_proxy.metrics import Metrics
 from epd_proxy.pipeline import Pipeline
@@ -84,6 +85,13 @@ class ProxyState:
         self.roster = open_roster(config.roster_url, config.evicted_ttl_s, self.fleet, self.health.in_rotation)
         if self.roster is not None:
             self.metrics.watch_roster(self.roster)
+        # Members found through DNS names, owned by their name in the registry (discovery.py).
+        self.discovery = Discovery.from_config(
+            config, self.fleet, on_failure=lambda name: self.metrics.dns_failures.labels(name).inc()
+        )
+        if self.discovery is not None:
+            self.metrics.watch_dns(self.discovery)
+            self.health.on_unreachable(self.discovery.unreachable)
         self.inflight = 0
         # How every request body is read; fixed for the server's life.
         self.parse_options = {
@@ -112,6 +120,8 @@ class ProxyState:
         self.pipeline = build_pipeline(config, self.fleet, self.health, self.upstream, self.policies, self.metrics)
         if self.roster is not None:
             await self.roster.start()
+        if self.discovery is not None:
+            await self.discovery.start()
         if self.metrics.multiprocess:
             self._background.append(asyncio.create_task(self._publish_fleet_forever()))
         if config.probe_interval_s > 0:
@@ -152,6 +162,8 @@ class ProxyState:
     async def close(self) -> None:
         if self.roster is not None:
             await self.roster.close()
+        if self.discovery is not None:
+            await self.discovery.close()
         for task in self._background:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)

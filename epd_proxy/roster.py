@@ -378,5 +378,5 @@ def open_roster(
         roster_url,
         ttl_s=ttl_s,
         on_change=registry.sync,
-        in_rotation=lambda: [inst.url for inst in registry.all() if in_rotation(inst)],
+        in_rotation=lambda: [inst.url for inst in registry.registered() if in_rotation(inst)],
     )

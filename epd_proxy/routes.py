@@ -247,6 +247,7 @@ async def health(request: web.Request) -> web.Response:
     configured stage has an instance in rotation, 503 naming the stage that has none. Dynamic
     mode: always 200 with the roster, since an empty fleet is a normal state there."""
     state = request.app[STATE]
+    config = state.config
     views = state.health.snapshot(state.fleet.all())
     instances = {view["url"]: {k: v for k, v in view.items() if k != "url"} for view in views}
     if state.config.dynamic_registration:
@@ -255,13 +256,21 @@ async def health(request: web.Request) -> web.Response:
         if state.roster is not None:
             # Reported, not fatal: routing goes on from the last roster read while the store is away.
             body["roster"] = state.roster.status()
+        if state.discovery is not None:
+            body["dns"] = state.discovery.status()  # also reported, not fatal
         return web.Response(body=orjson.dumps(body), content_type="application/json")
     body: dict[str, Any] = {"proxy": "healthy"}
     consumer_role = {ENCODE: (ENCODE,), PREFILL: (PREFILL,), DECODE: (DECODE, PREFILL_DECODE)}
     for stage, key in CLUSTER_KEYS.items():
         body[key] = stage_status([view["in_rotation"] for view in views if view["role"] in consumer_role[stage]])
     body["instances"] = instances
-    down = any(body[key] == "unhealthy" for key in CLUSTER_KEYS.values())
+    # Only a DNS name can leave a stage it names empty: that stage cannot serve either.
+    configured = {ENCODE: config.encode_urls, PREFILL: config.prefill_urls, DECODE: config.decode_urls}
+    down = any(
+        body[key] == "unhealthy" or (body[key] == "empty" and configured[stage]) for stage, key in CLUSTER_KEYS.items()
+    )
+    if state.discovery is not None:
+        body["dns"] = state.discovery.status()
     return web.Response(body=orjson.dumps(body), status=503 if down else 200, content_type="application/json")
 
 
@@ -352,7 +361,9 @@ async def register_instance(request: web.Request) -> web.Response:
         check_admin_key(state.config.admin_api_key, request.headers.get("X-API-Key"))
         payload = parse_json_body(await request.read())
         if state.roster is not None:
-            created = await state.roster.add(parse_registration(payload))
+            record = parse_registration(payload)
+            state.fleet.check_registrable(record.url, "registered")
+            created = await state.roster.add(record)
         else:
             created = state.fleet.register(payload)
     except ProxyError as exc:
@@ -365,7 +376,9 @@ async def unregister_instance(request: web.Request) -> web.Response:
     try:
         check_admin_key(state.config.admin_api_key, request.headers.get("X-API-Key"))
         if state.roster is not None:
-            removed = await state.roster.remove(normalize_url(request.query.get("url")))
+            url = normalize_url(request.query.get("url"))
+            state.fleet.check_registrable(url, "unregistered")
+            removed = await state.roster.remove(url)
         else:
             removed = state.fleet.unregister(request.query.get("url"))
     except ProxyError as exc:

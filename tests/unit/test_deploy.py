@@ -1,0 +1,102 @@
+"""deploy/'s Kubernetes manifests: rendered as `kubectl apply -k` renders them, validated against the
+Kubernetes OpenAPI schema (kubernetes-validate's bundled copy, offline), wired to each other
+(selectors, ports, volumes, the DNS names the proxy resolves), the proxy's flags accepted by
+`epd-proxy serve` (the engines' flags by vLLM's own parser: tests/e2e/test_deploy_engine_flags.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from urllib.parse import urlsplit
+
+import pytest
+
+from epd_proxy.cli import build_parser, config_from_args
+from epd_proxy.config import is_dns
+from tests.manifests import OVERLAYS, by_kind, proxy_container, render
+
+# The oldest Kubernetes release still commonly supported, and the newest the bundled schema knows.
+VERSIONS = ("1.30.0", "1.37.0")
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("version", VERSIONS)
+def test_every_object_is_valid_for_kubernetes(overlay, version):
+    import kubernetes_validate
+
+    docs = render(overlay)
+    assert {doc["kind"] for doc in docs} == {"Deployment", "Service", "PersistentVolumeClaim"}
+    for doc in docs:
+        kubernetes_validate.validate(doc, version, strict=True)  # unknown fields are errors too
+
+
+def test_the_pod_monitor_scrapes_the_proxy_pods():
+    # A Prometheus Operator resource: not in the Kubernetes schema, so checked against the proxy here.
+    (monitor,) = render("monitoring")
+    assert (monitor["apiVersion"], monitor["kind"]) == ("monitoring.coreos.com/v1", "PodMonitor")
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint == {"port": "http", "path": "/metrics", "interval": "15s", "honorLabels": True}
+    proxy = by_kind(render("e-pd"), "Deployment")["epd-proxy"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= proxy["spec"]["template"]["metadata"]["labels"].items()
+    assert endpoint["port"] in {port["name"] for port in proxy_container(render("e-pd"))["ports"]}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_objects_are_wired_to_each_other(overlay):
+    docs = render(overlay)
+    deployments, services = by_kind(docs, "Deployment"), by_kind(docs, "Service")
+    claims = by_kind(docs, "PersistentVolumeClaim")
+    for name, deployment in deployments.items():
+        pod = deployment["spec"]["template"]
+        assert deployment["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items(), name
+        volumes = {volume["name"]: volume for volume in pod["spec"].get("volumes", [])}
+        for container in pod["spec"]["containers"]:
+            ports = {port["name"] for port in container["ports"]}
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                if probe in container:
+                    assert container[probe]["httpGet"]["port"] in ports, (name, probe)
+            for mount in container.get("volumeMounts", []):
+                assert mount["name"] in volumes, (name, mount)
+        for volume in volumes.values():
+            if "persistentVolumeClaim" in volume:
+                assert volume["persistentVolumeClaim"]["claimName"] in claims
+        assert name in services, f"{name} has no Service"
+        service = services[name]
+        assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+        for port in service["spec"]["ports"]:
+            assert port["targetPort"] in ports
+        # The engines' Services are headless: one record per ready pod, which the proxy resolves.
+        assert (service["spec"].get("clusterIP") == "None") == (name != "epd-proxy"), name
+    assert all(claim["spec"]["accessModes"] == ["ReadWriteMany"] for claim in claims.values())
+
+
+def _serve_args(container: dict) -> list[str]:
+    assert container["command"] == ["epd-proxy", "serve"]
+    return [str(arg) for arg in container["args"]]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_proxy_flags_are_epd_proxy_serves(overlay):
+    docs = render(overlay)
+    args = _serve_args(proxy_container(docs))
+    helped = subprocess.run(
+        [sys.executable, "-m", "epd_proxy", "serve", "--help"], capture_output=True, text=True, timeout=60
+    ).stdout
+    for flag in (arg for arg in args if arg.startswith("--")):
+        assert f"{flag} " in helped or f"{flag}\n" in helped, f"{flag} is not in `epd-proxy serve --help`"
+    config = config_from_args(build_parser().parse_args(["serve", *args]), {})
+    assert config.workers > 1 and config.port == 8000
+    # Every DNS name the proxy resolves is a headless Service of this overlay, with that port.
+    services = by_kind(docs, "Service")
+    entries = [e for e in (*config.encode_urls, *config.prefill_urls, *config.decode_urls) if is_dns(e)]
+    assert len(entries) == len(config.encode_urls) + len(config.prefill_urls) + len(config.decode_urls)
+    for entry in entries:
+        parts = urlsplit(entry)
+        if parts.scheme == "dns":
+            service, port_of = services[parts.hostname], lambda port, want=parts.port: port["port"] == want
+        else:
+            label, _, name = parts.hostname.split(".", 2)  # _http._tcp.NAME
+            service, port_of = services[name], lambda port, want=label[1:]: port["name"] == want
+        assert service["spec"]["clusterIP"] == "None" and any(port_of(p) for p in service["spec"]["ports"]), entry
+    roles = {"encode": config.encode_urls, "prefill": config.prefill_urls}
+    assert bool(roles["prefill"]) == (overlay == "e-p-d")
