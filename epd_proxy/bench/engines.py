@@ -134,6 +134,25 @@ def scrape_all(engines: list[Engine]) -> dict[str, dict[str, float]]:
     return {e.name: e.scrape() for e in engines}
 
 
+def settled(engines: list[Engine], deadline_s: float = 15.0, every_s: float = 0.25) -> dict[str, dict[str, float]]:
+    """A scrape once the request counters have stopped moving: vLLM counts a finished request
+    after its answer has gone out, so a scrape right after the last answer can miss it."""
+    import time
+
+    def counts(scrape):
+        return {name: (m["requests"], m["mm_items"]) for name, m in scrape.items()}
+
+    end = time.monotonic() + deadline_s
+    last = scrape_all(engines)
+    while time.monotonic() < end:
+        time.sleep(every_s)
+        now = scrape_all(engines)
+        if counts(now) == counts(last):
+            return now
+        last = now
+    return last
+
+
 def summarise(engines: list[Engine], deltas: dict[str, dict[str, float]], requests: int) -> dict[str, float | None]:
     """Per-request figures of one block from the engines' counter deltas."""
     n = max(1, requests)

@@ -278,7 +278,7 @@ class RealBench:
         try:
             if warmup:
                 self.drive(url, warmup, ("concurrency", max(1, min(len(warmup), _closed(level)))))
-            before = engines.scrape_all(self.engines)
+            before = engines.settled(self.engines)
             proxy_before = procs.tree_cpu_split(proc.pid) if proc else (0.0, 0.0)
             harness_before = _own_cpu()
             cores_before = procs.core_busy()
@@ -288,7 +288,7 @@ class RealBench:
             harness = _own_cpu() - harness_before
             cores_after = procs.core_busy()
             proxy_after = procs.tree_cpu_split(proc.pid) if proc else (0.0, 0.0)
-            after = engines.scrape_all(self.engines)
+            after = engines.settled(self.engines)
         finally:
             if proc is not None:
                 _stop(proc)
@@ -320,6 +320,8 @@ class RealBench:
             # In cores' worth; only known when every engine runs here.
             "other_load_cores": max(0.0, busy - ours) / wall if local and wall else None,
             "engines": engines.summarise(arm_engines, {e.name: deltas[e.name] for e in arm_engines}, len(ok)),
+            # Each engine's own counter deltas, for checking the figures above.
+            "engine_deltas": {name: {k: v for k, v in d.items() if v} for name, d in deltas.items()},
         }
         block["proxy_cpu_ms_per_request"] /= max(1, len(ok))
         if self.canonical:
