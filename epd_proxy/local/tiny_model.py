@@ -197,25 +197,13 @@ def config_dict() -> dict:
         "eos_token_id": SPECIAL_IDS["<|im_end|>"],
         "text_config": {
             "model_type": "qwen2_vl_text",
-            "vocab_size": VOCAB_SIZE,
-            "hidden_size": 128,
-            "intermediate_size": 256,
-            "num_hidden_layers": 2,
-            # head size 32: the CPU attention backend rejects smaller heads
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 4096,
-            "max_window_layers": 2,
-            "rms_norm_eps": 1e-6,
-            "bos_token_id": SPECIAL_IDS["<|endoftext|>"],
-            "eos_token_id": SPECIAL_IDS["<|im_end|>"],
+            **_text_config(eos=SPECIAL_IDS["<|im_end|>"], bos=SPECIAL_IDS["<|endoftext|>"]),
             "rope_parameters": {
                 "rope_type": "default",
                 "rope_theta": 1000000.0,
                 # sums to head_dim / 2 = 16
                 "mrope_section": [4, 6, 6],
             },
-            "dtype": "bfloat16",
         },
         "vision_config": {
             "model_type": "qwen2_vl_vision",

@@ -98,12 +98,11 @@ def image_source(seeds: range) -> Callable[..., list[str]]:
     return fresh
 
 
-def chat_body(images: list[str], text: str = "Describe the picture.", **extra) -> dict:
-    content: list[dict] = [{"type": "text", "text": text}]
-    content += [{"type": "image_url", "image_url": {"url": u}} for u in images]
+def media_body(parts: list[dict], text: str = "Describe it.", model: str = MODEL, **extra) -> dict:
+    """One user turn: the text, then the media parts; greedy, seeded, lowercase letters only."""
     body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": content}],
+        "model": model,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": text}, *parts]}],
         "temperature": 0,
         "seed": 1234,
         "max_tokens": 16,
@@ -111,6 +110,10 @@ def chat_body(images: list[str], text: str = "Describe the picture.", **extra) -
     }
     body.update(extra)
     return body
+
+
+def chat_body(images: list[str], text: str = "Describe the picture.", **extra) -> dict:
+    return media_body([{"type": "image_url", "image_url": {"url": u}} for u in images], text, **extra)
 
 
 def post_json(url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict | str]:

@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from epd_proxy.local.media import video_data_url, wav_base64
 
-from .e2e_helpers import LOWERCASE_IDS
+from .e2e_helpers import media_body  # noqa: F401  (the media tests build bodies from here)
 
 AUDIO_MODEL = "tiny-alm"
 # 16 frames at 8 fps (2 s): vLLM's OpenCV loader samples 2 fps by default, so 4 frames, 32 tokens.
@@ -50,19 +50,6 @@ def input_audio_part(data: str) -> dict:
 
 def audio_url_part(data: str) -> dict:
     return {"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64," + data}}
-
-
-def media_body(parts: list[dict], text: str = "Describe it.", model: str = "tiny-vlm", **extra) -> dict:
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": [{"type": "text", "text": text}, *parts]}],
-        "temperature": 0,
-        "seed": 1234,
-        "max_tokens": 16,
-        "allowed_token_ids": LOWERCASE_IDS,
-    }
-    body.update(extra)
-    return body
 
 
 class MetadataStripper:
