@@ -72,7 +72,7 @@ def stack_config(kind: str) -> StackConfig:
         work_dir=WORK.with_name(WORK.name + suffix),
         base_port=base,
         port=base + servers,
-        health_timeout=float(os.environ.get("EPD_E2E_HEALTH_TIMEOUT", "240")),
+        health_timeout=float(os.environ.get("EPD_E2E_HEALTH_TIMEOUT", "600")),
         # PD's DEBUG log is the only place that says it loaded an embedding
         # from the store instead of running its own encoder.
         pd_debug_log=kind in (EPD, AUDIO),
