@@ -8,9 +8,9 @@ before under the same uuid costs about 0.4x a fresh one, but only on that encode
 
 - **Speed** is learnt per encoder from what this proxy sees: the time each sub-request held the
   encoder (from when it was sent, or from when the previous one finished if that was later, to
-  its answer) against its item count, as a fixed cost plus a cost per item (an exponentially
-  weighted least-squares fit). An encoder's backlog is then its outstanding sub-requests and
-  items (in flight and queued here) at those costs, in seconds.
+  its answer) against its item count, smoothed over the last few dozen answers, with a
+  sub-request's fixed cost at the measured third of an image. An encoder's backlog is then its
+  outstanding sub-requests and items (in flight and queued here) at that speed, in seconds.
 - **Placement by expected finish** (`ExpectedFinish.place`): item by item, the encoder where the
   request's encoding would finish first, a new sub-request paying the fixed cost. A slow or busy
   encoder gets less because its finish lies later.
@@ -22,9 +22,11 @@ before under the same uuid costs about 0.4x a fresh one, but only on that encode
   the costs are measured.
 - **Repeats where they are cached**: each content uuid remembers the encoder it went to last
   (also across the turns of a conversation, which re-send earlier images). An item goes back
-  there if that encoder is in rotation, its finish is not later than the best by more than what
-  the cache hit saves, and its expected finish stays within 1.25x the fleet's mean plus one
-  sub-request, so a hot image cannot pile onto one encoder.
+  there if that encoder is in rotation and either its finish is not later than the best by
+  more than what the cache hit saves (under load, for the requests behind it too), or, costing
+  no extra sub-request, its expected finish stays within 1.25x the fleet's mean plus one
+  sub-request: the bound of consistent hashing with bounded loads, so a hot image cannot pile
+  onto one encoder.
 - **Coalescing** (`take_batch`): with two of this proxy's sub-requests in flight an encoder is
   busy (one computing, one being prepared: vLLM's API server processes media while its engine
   runs the previous request); image groups of different requests that arrive meanwhile wait and
@@ -94,8 +96,6 @@ class Lane:
         "impatient",
         "_k",
         "_t",
-        "_kk",
-        "_kt",
     )
 
     def __init__(self, url: str) -> None:
@@ -118,7 +118,7 @@ class Lane:
         self.positions = True
         # Queued groups sent alone after waiting longer than the backlog explained.
         self.impatient = 0
-        self._k = self._t = self._kk = self._kt = 0.0
+        self._k = self._t = 0.0
 
     # -- outstanding work ------------------------------------------------------------------------
     def started(self, items: int) -> None:
@@ -177,7 +177,13 @@ class Lane:
     # -- speed -----------------------------------------------------------------------------------
     def observe(self, items: int, sent: float, done: float) -> None:
         """One answered sub-request: it held the encoder from when it was sent, or from when the
-        previous answer came if that was later (it queued behind it), until its own answer."""
+        previous answer came if that was later (it queued behind it), until its own answer.
+
+        The estimate is one speed per encoder, seconds per item-equivalent (an item, or the
+        fixed part of a sub-request at PRIOR_FIXED_RATIO of one): time held over items held,
+        each smoothed. Fitting the fixed and per-item parts apart from live samples was tried
+        and is unstable: a few milliseconds of jitter in when answers are read move the fit's
+        fixed part by tens of times, while the ratio of the sums stays put."""
         start = sent if sent > self.last_done else self.last_done
         if done > self.last_done:
             self.last_done = done
@@ -186,21 +192,10 @@ class Lane:
             return
         self.samples += 1
         weight = max(SMOOTHING, 1.0 / self.samples)
-        k = float(items)
-        self._k += weight * (k - self._k)
+        self._k += weight * (items + PRIOR_FIXED_RATIO - self._k)
         self._t += weight * (held - self._t)
-        self._kk += weight * (k * k - self._kk)
-        self._kt += weight * (k * held - self._kt)
-        per_item = self._t / (self._k + PRIOR_FIXED_RATIO)
-        spread = self._kk - self._k * self._k
-        if self.samples >= 8 and spread > 0.25:
-            fitted = (self._kt - self._k * self._t) / spread
-            per_item = min(max(fitted, 0.25 * per_item), 4.0 * per_item)
-            self.item_s = per_item
-            self.fixed_s = max(0.0, self._t - per_item * self._k)
-        else:
-            self.item_s = per_item
-            self.fixed_s = PRIOR_FIXED_RATIO * per_item
+        self.item_s = self._t / self._k
+        self.fixed_s = PRIOR_FIXED_RATIO * self.item_s
 
     def view(self) -> dict[str, Any]:
         return {
@@ -330,8 +325,10 @@ class ExpectedFinish:
                             load * fixed[h] if opens else 0.0
                         )
                         saving = REPEAT_SAVING * per_item[h] * (1.0 + min(load, REPEAT_SAVING_LOAD_CAP))
-                        bound = HOT_BOUND * sum(finish) / n + fixed[h] + per_item[h]
-                        if score - saving <= best_score and done <= bound:
+                        if score - saving <= best_score or (
+                            # Costing no more sub-requests than the best: bounded by load alone.
+                            (best_opens or not opens) and done <= HOT_BOUND * sum(finish) / n + fixed[h] + per_item[h]
+                        ):
                             best, best_finish, best_opens = h, done, opens
                     if h == best:
                         hits += 1
