@@ -229,6 +229,10 @@ class Faults:
     fail_status: int = 500
     fail_body: str = "injected failure"
     delay_s: float = 0.0
+    # An encoder answers `bad_media_status` to every sub-request holding a media URL that
+    # contains `bad_media`, as vLLM refuses an image it cannot decode: one client's bad image.
+    bad_media: str = ""
+    bad_media_status: int = 400
     generation_errors: int = 0
     cut_streams: int = 0
     stall_streams: int = 0
@@ -480,6 +484,9 @@ class FakeVLLM:
 
     # -- encoder ---------------------------------------------------------------------------------
     async def _encode(self, exchange: Exchange, body: dict[str, Any], tag: str) -> Answer:
+        bad = self.faults.bad_media
+        if bad and bad.encode() in exchange.body:
+            return _engine_error("Failed to load image: cannot identify image file", self.faults.bad_media_status)
         params: dict[str, Any] = {}
         push = body.get("ec_transfer_params") or {}
         push_items = push.get("ec_items") or [] if push.get("consumer_zmq") else None

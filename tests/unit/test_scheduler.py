@@ -216,7 +216,7 @@ def test_a_hot_image_cannot_overload_its_home():
     for lane in (policy.lanes.of(e) for e in encoders):
         serve(lane, [1] * 10, 0.004)
     homes = Counter()
-    for n in range(400):
+    for _ in range(400):
         (pick,), _ = policy.place(encoders, [Key("hot")], 0)
         policy.lanes.of(pick).started(1)  # nothing finishes: the backlog only grows
         homes[pick.url] += 1
