@@ -293,47 +293,57 @@ class ExpectedFinish:
         fixed, per_item = self.lanes.costs(lanes)
         finish = [fixed[e] * lanes[e].subs + per_item[e] * lanes[e].items for e in range(n)]
         load = sum(lane.subs for lane in lanes) / n if self.adaptive else 0.0
+        # An item that opens a sub-request pays the fixed cost in time, and the load-weighted
+        # fixed cost in what it does to everyone else.
+        opening = [fixed[e] + per_item[e] for e in range(n)]
+        penalty = [load * fixed[e] for e in range(n)]
         # Images in this request's open sub-request on each encoder (0: none open).
         open_items = [0] * n
-        request_finish = 0.0
         start = self._cursor
         self._cursor = (start + 1) % n
+        order = [(start + step) % n for step in range(n)]
         home = self._home if self.affinity else None
         index: dict[str, int] | None = None
         picks: list[Instance] = []
         hits = 0
+        request_finish = 0.0
         for item in items:
             image = item.is_image
             best, best_score, best_finish, best_opens = -1, math.inf, 0.0, True
-            for step in range(n):
-                e = (start + step) % n
-                opens = not image or open_items[e] == 0 or (cap > 0 and open_items[e] >= cap)
-                done = finish[e] + per_item[e] + (fixed[e] if opens else 0.0)
-                score = (done if done > request_finish else request_finish) + (load * fixed[e] if opens else 0.0)
-                if score < best_score:
-                    best, best_score, best_finish, best_opens = e, score, done, opens
+            for e in order:
+                k = open_items[e]
+                if image and k and (not cap or k < cap):
+                    done = finish[e] + per_item[e]
+                    score = done if done > request_finish else request_finish
+                    if score < best_score:
+                        best, best_score, best_finish, best_opens = e, score, done, False
+                else:
+                    done = finish[e] + opening[e]
+                    score = (done if done > request_finish else request_finish) + penalty[e]
+                    if score < best_score:
+                        best, best_score, best_finish, best_opens = e, score, done, True
             if home is not None:
-                url = home.get(item.uuid)
+                uuid = item.uuid
+                url = home.get(uuid)
                 if url is not None:
                     if index is None:
                         index = {encoder.url: e for e, encoder in enumerate(candidates)}
                     h = index.get(url)
                     if h is not None and h != best:
-                        opens = not image or open_items[h] == 0 or (cap > 0 and open_items[h] >= cap)
-                        done = finish[h] + per_item[h] + (fixed[h] if opens else 0.0)
-                        score = (done if done > request_finish else request_finish) + (
-                            load * fixed[h] if opens else 0.0
-                        )
+                        k = open_items[h]
+                        opens = not image or not k or (cap > 0 and k >= cap)
+                        done = finish[h] + (opening[h] if opens else per_item[h])
+                        score = (done if done > request_finish else request_finish) + (penalty[h] if opens else 0.0)
                         saving = REPEAT_SAVING * per_item[h] * (1.0 + min(load, REPEAT_SAVING_LOAD_CAP))
                         if score - saving <= best_score or (
                             # Costing no more sub-requests than the best: bounded by load alone.
-                            (best_opens or not opens) and done <= HOT_BOUND * sum(finish) / n + fixed[h] + per_item[h]
+                            (best_opens or not opens) and done <= HOT_BOUND * sum(finish) / n + opening[h]
                         ):
                             best, best_finish, best_opens = h, done, opens
                     if h == best:
                         hits += 1
-                    home.move_to_end(item.uuid)
-                home[item.uuid] = candidates[best].url
+                    home.move_to_end(uuid)
+                home[uuid] = candidates[best].url
                 if len(home) > AFFINITY_ENTRIES:
                     home.popitem(last=False)
             finish[best] = best_finish
