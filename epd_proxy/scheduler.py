@@ -300,7 +300,7 @@ class ExpectedFinish:
         # Images in this request's open sub-request on each encoder (0: none open).
         open_items = [0] * n
         start = self._cursor
-        self._cursor = (start + 1) % n
+        self._cursor = (start + len(items)) % n
         order = [(start + step) % n for step in range(n)]
         home = self._home if self.affinity else None
         index: dict[str, int] | None = None
