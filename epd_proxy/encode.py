@@ -239,7 +239,7 @@ class EncodeStep:
                 503, "the request has media but no encoder is live", stage="route", error_type="service_unavailable"
             )
         if self._place is not None:
-            assignment, hits = self._place(encoders, items, self.max_batch_size)
+            assignment, hits = self._place(encoders, items, self.max_batch_size, self.clock())
             if hits:
                 trace.affinity_hits += hits
                 self.metrics.affinity_hits.inc(hits)
@@ -349,8 +349,8 @@ class EncodeStep:
         self.metrics.encoder_subrequests.labels(encoder.url).inc()
         self.metrics.items_per_subrequest.observe(len(group_items))
         lane = self.lanes.of(encoder)
-        lane.started(len(group_items))
         sent = self.clock()
+        lane.started(len(group_items), sent)
         done = None
         try:
             reply = await self.observed(
@@ -399,7 +399,7 @@ class EncodeStep:
     def _drain(self, lane: Lane, encoder: Instance) -> None:
         """Send what waits in `lane` while the encoder has room, one sending task per slot."""
         while lane.waiting and lane.inflight < BUSY_INFLIGHT:
-            batch = self._batch(lane.next_batch(self.max_batch_size))
+            batch = self._batch(lane.next_batch(self.max_batch_size, self.clock()))
             task = asyncio.get_running_loop().create_task(self._send_queued(lane, encoder, batch))
             batch.task = task
             self._senders.add(task)
@@ -427,7 +427,7 @@ class EncodeStep:
                 await self._send_batch(lane, encoder, batch)
                 if not lane.waiting or lane.inflight >= BUSY_INFLIGHT:
                     return
-                batch = self._batch(lane.next_batch(self.max_batch_size))
+                batch = self._batch(lane.next_batch(self.max_batch_size, self.clock()))
                 batch.task = asyncio.current_task()
         finally:
             if lane.waiting:

@@ -91,6 +91,7 @@ class Lane:
         "item_s",
         "samples",
         "last_done",
+        "busy_since",
         "merge_limit",
         "positions",
         "impatient",
@@ -111,6 +112,8 @@ class Lane:
         self.item_s: float | None = None
         self.samples = 0
         self.last_done = 0.0
+        # Since when the encoder has worked on our oldest sub-request in flight (serially).
+        self.busy_since = 0.0
         # Items a coalesced sub-request may hold; halved when one is refused (too long a prompt
         # for the encoder, or a bad image: the split retry tells them apart only per request).
         self.merge_limit = COALESCE_TARGET_ITEMS
@@ -121,8 +124,10 @@ class Lane:
         self._k = self._t = 0.0
 
     # -- outstanding work ------------------------------------------------------------------------
-    def started(self, items: int) -> None:
+    def started(self, items: int, now: float = 0.0) -> None:
         """A sub-request of `items` is on its way (not from the queue)."""
+        if not self.inflight:
+            self.busy_since = now
         self.inflight += 1
         self.subs += 1
         self.items += items
@@ -150,8 +155,10 @@ class Lane:
         backlog = self.fixed_s * (self.subs + 1) + self.item_s * (self.items + items)
         return max(PATIENCE_FLOOR_S, 3.0 * backlog)
 
-    def next_batch(self, cap: int) -> list[Any]:
+    def next_batch(self, cap: int, now: float = 0.0) -> list[Any]:
         """The waiting groups the next sub-request carries, now counted in flight."""
+        if not self.inflight:
+            self.busy_since = now
         limit = (min(cap, self.merge_limit) if cap else self.merge_limit) if self.positions else 0
         batch = take_batch(self.waiting, limit)
         self.subs -= len(batch) - 1
@@ -173,6 +180,7 @@ class Lane:
         self.items -= items
         if done is not None:
             self.observe(items, sent, done)
+            self.busy_since = done
 
     # -- speed -----------------------------------------------------------------------------------
     def observe(self, items: int, sent: float, done: float) -> None:
@@ -284,14 +292,23 @@ class ExpectedFinish:
     def choose(self, candidates: Sequence[Instance], keys: Sequence[str]) -> list[Instance]:
         return self.place(candidates, [Key(key) for key in keys], 0)[0]
 
-    def place(self, candidates: Sequence[Instance], items: Sequence[Item], cap: int) -> tuple[list[Instance], int]:
-        """One encoder per item, and how many items went to the encoder that saw them last."""
+    def place(
+        self, candidates: Sequence[Instance], items: Sequence[Item], cap: int, now: float | None = None
+    ) -> tuple[list[Instance], int]:
+        """One encoder per item, and how many items went to the encoder that saw them last.
+        With `now`, what an encoder has worked off since our oldest sub-request there began
+        counts as done."""
         n = len(candidates)
         if n == 1:
             return [candidates[0]] * len(items), 0
         lanes = [self.lanes.of(encoder) for encoder in candidates]
         fixed, per_item = self.lanes.costs(lanes)
         finish = [fixed[e] * lanes[e].subs + per_item[e] * lanes[e].items for e in range(n)]
+        if now is not None:
+            for e in range(n):
+                lane = lanes[e]
+                if lane.inflight:
+                    finish[e] = max(0.0, finish[e] - (now - lane.busy_since))
         load = sum(lane.subs for lane in lanes) / n if self.adaptive else 0.0
         # An item that opens a sub-request pays the fixed cost in time, and the load-weighted
         # fixed cost in what it does to everyone else.
