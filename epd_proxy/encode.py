@@ -301,8 +301,9 @@ class EncodeStep:
                         raise exc from None
                     self._note_failover(trace, encoder, exc, len(group_items), fallback)
                     encoder = fallback
-                # Anything the encoder answered may be another request's fault: this group alone
-                # on the same encoder, without spending a failover on it.
+                # Anything the encoder answered may be another request's fault, and a group that
+                # waited too long is not at fault either: alone on the same encoder, without
+                # spending a failover on it.
                 else:
                     tried.pop()
             except ProxyError as exc:

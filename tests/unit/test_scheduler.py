@@ -388,3 +388,18 @@ def test_an_unwritable_body_is_not_shared():
     for _ in range(300):
         deep = {"x": deep}
     assert coalesce_key({**BASE, "mm_processor_kwargs": deep}, FORWARDED_FIELDS, None) is None
+
+
+def test_work_an_encoder_has_done_on_its_oldest_sub_request_counts_as_done():
+    encoders = fleet(2)
+    policy = ExpectedFinish(affinity=False)
+    a, b = (policy.lanes.of(e) for e in encoders)
+    for lane in (a, b):
+        serve(lane, [4] * 10, 0.010)
+    # The same queue on both, but a's oldest sub-request has been running for 40 ms.
+    a.started(4, now=10.0)
+    b.started(4, now=10.04)
+    (pick,), _ = policy.place(encoders, [Key("x")], 0, now=10.04)
+    assert pick is encoders[0]
+    # Without a clock both look alike, and the rotation decides.
+    assert {policy.place(encoders, [Key(f"y{i}")], 0)[0][0].url for i in range(2)} == {"http://e0", "http://e1"}
