@@ -144,8 +144,8 @@ async def test_workers_show_every_series_of_a_single_process():
                 async with client.post(f"{served.url}/v1/chat/completions", json=chat(image("a"))) as resp:
                     assert resp.status == 200
 
-            async def scraped() -> bool:
-                status, text = await scrape(served.url)
+            async def scraped(url: str = served.url, workers: str = workers) -> bool:
+                status, text = await scrape(url)
                 assert status == 200, text
                 seen[workers] = series(text)
                 # The worker that served publishes what only it knows (its encoder estimates)
