@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass
 
+import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -403,3 +404,34 @@ def test_work_an_encoder_has_done_on_its_oldest_sub_request_counts_as_done():
     assert pick is encoders[0]
     # Without a clock both look alike, and the rotation decides.
     assert {policy.place(encoders, [Key(f"y{i}")], 0)[0][0].url for i in range(2)} == {"http://e0", "http://e1"}
+
+
+VALUES = st.one_of(
+    st.none(),
+    st.integers(-2, 2),
+    st.sampled_from(["a", "b"]),
+    st.dictionaries(st.sampled_from(["x", "y"]), st.integers(0, 1), max_size=2),
+)
+BODIES = st.fixed_dictionaries(
+    {"model": st.sampled_from(["m", "n"]), "messages": st.just([])},
+    optional={
+        **{name: VALUES for name in FORWARDED_FIELDS},
+        "max_tokens": st.integers(1, 3),
+        "temperature": st.floats(0, 1),
+        "cache_salt": st.sampled_from(["s", "t"]),
+    },
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    one=BODIES, other=BODIES, zmq=st.lists(st.sampled_from([None, "tcp://c:0", "tcp://c:1"]), min_size=2, max_size=2)
+)
+def test_two_groups_share_exactly_when_their_encoder_bodies_match_but_for_the_media(one, other, zmq):
+    from epd_proxy.encode import encoder_body
+
+    def written(body, consumer):
+        return orjson.dumps(encoder_body(body, [], send_uuid=True, transfer_ids=(), consumer_zmq=consumer))
+
+    same_key = coalesce_key(one, FORWARDED_FIELDS, zmq[0]) == coalesce_key(other, FORWARDED_FIELDS, zmq[1])
+    assert same_key == (written(one, zmq[0]) == written(other, zmq[1]))
