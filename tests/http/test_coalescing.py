@@ -284,3 +284,21 @@ async def test_an_encoder_that_reports_no_positions_is_split_and_then_not_shared
         assert answer["choices"][0]["message"]["content"] == await direct_answer(stack, body)
     assert len(shared_subrequests(fake)) == 1
     assert lanes(stack).all()[0].positions is False
+
+
+async def test_without_rewrite_a_shared_answer_still_hands_each_request_its_own_handles(make_stack):
+    stack = await make_stack(encoders=1, rewrite=False)
+    fake = stack.encoders[0]
+    blockers = await busy_encoder(stack)
+    size = {"size": {"shortest_edge": 3136, "longest_edge": 1000000}}
+    bodies = [chat(image("R1"), mm_processor_kwargs=size), chat(image("R2"), image("R1"), mm_processor_kwargs=size)]
+    tasks = await queue_behind(stack, bodies)
+    results = await asyncio.gather(*tasks, *blockers)
+    assert all(status == 200 for status, _ in results), results
+    (shared,) = shared_subrequests(fake)
+    assert all("uuid" not in part for part in shared.body["messages"][0]["content"])
+    handles = [seen.body["ec_transfer_params"] for seen in stack.pd.requests[-2:]]
+    assert all(set(h) <= set(stack.store.entries) for h in handles)
+    # Each request gets the handles of its own images only: one, and two.
+    assert sorted(len(h) for h in handles) == [1, 2]
+    assert stack.pd.encoded_locally == 0 and stack.pd.loaded_from_cache >= 3
