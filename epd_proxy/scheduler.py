@@ -57,6 +57,9 @@ REPEAT_SAVING_LOAD_CAP = 3.0
 # An item follows its cached copy only while that encoder's finish is within this factor of the
 # fleet's mean (the bound of consistent hashing with bounded loads).
 HOT_BOUND = 1.25
+# Finishes within this share of one image's time of the earliest count as ties, broken by
+# rotation (two identical encoders' estimates differ by about that much).
+TIE_TOLERANCE = 0.25
 # Sub-requests of this proxy in flight at which an encoder counts as busy.
 BUSY_INFLIGHT = 2
 # Items a coalesced sub-request grows to at most (or the batch cap, if lower). Past about four
@@ -326,19 +329,24 @@ class ExpectedFinish:
         request_finish = 0.0
         for item in items:
             image = item.is_image
-            best, best_score, best_finish, best_opens = -1, math.inf, 0.0, True
+            scores = []
+            lowest, slack = math.inf, 0.0
             for e in order:
                 k = open_items[e]
                 if image and k and (not cap or k < cap):
                     done = finish[e] + per_item[e]
                     score = done if done > request_finish else request_finish
-                    if score < best_score:
-                        best, best_score, best_finish, best_opens = e, score, done, False
+                    scores.append((e, score, done, False))
                 else:
                     done = finish[e] + opening[e]
                     score = (done if done > request_finish else request_finish) + penalty[e]
-                    if score < best_score:
-                        best, best_score, best_finish, best_opens = e, score, done, True
+                    scores.append((e, score, done, True))
+                if score < lowest:
+                    lowest, slack = score, TIE_TOLERANCE * per_item[e]
+            # The first in the rotation among those as good as the best: estimates that close are
+            # within their own noise, and rotating keeps every encoder's estimate current.
+            good_enough = lowest + slack
+            best, best_score, best_finish, best_opens = next(c for c in scores if c[1] <= good_enough)
             if home is not None:
                 uuid = item.uuid
                 url = home.get(uuid)
