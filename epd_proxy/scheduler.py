@@ -251,14 +251,15 @@ class Lanes:
     def costs(self, lanes: Sequence[Lane]) -> tuple[list[float], list[float]]:
         """Seconds per sub-request and per item of each lane; one without answers yet is taken to
         be as fast as the mean of those with (or 1 unit per item when none has answered)."""
+        fixed = [lane.fixed_s for lane in lanes]
+        if None not in fixed:
+            return fixed, [lane.item_s for lane in lanes]
         known = [lane for lane in lanes if lane.item_s is not None]
         if known:
             item = sum(lane.item_s for lane in known) / len(known)
             fixed = sum(lane.fixed_s for lane in known) / len(known)
         else:
             item, fixed = 1.0, PRIOR_FIXED_RATIO
-        if len(known) == len(lanes):
-            return [lane.fixed_s for lane in lanes], [lane.item_s for lane in lanes]
         return (
             [fixed if lane.fixed_s is None else lane.fixed_s for lane in lanes],
             [item if lane.item_s is None else lane.item_s for lane in lanes],
@@ -289,7 +290,8 @@ class ExpectedFinish:
         self.lanes = lanes if lanes is not None else Lanes()
         self.affinity = affinity
         self.adaptive = adaptive
-        self._home: OrderedDict[str, str] = OrderedDict()
+        # Content uuid -> the encoder it was sent to last (an encoder that rejoins is a new one).
+        self._home: OrderedDict[str, Instance] = OrderedDict()
         self._cursor = 0
 
     def choose(self, candidates: Sequence[Instance], keys: Sequence[str]) -> list[Instance]:
@@ -306,71 +308,88 @@ class ExpectedFinish:
             return [candidates[0]] * len(items), 0
         lanes = [self.lanes.of(encoder) for encoder in candidates]
         fixed, per_item = self.lanes.costs(lanes)
-        finish = [fixed[e] * lanes[e].subs + per_item[e] * lanes[e].items for e in range(n)]
-        if now is not None:
-            for e in range(n):
-                lane = lanes[e]
-                if lane.inflight:
-                    finish[e] = max(0.0, finish[e] - (now - lane.busy_since))
-        load = sum(lane.subs for lane in lanes) / n if self.adaptive else 0.0
+        adaptive = self.adaptive
+        load = 0.0
+        finish = []
         # An item that opens a sub-request pays the fixed cost in time, and the load-weighted
         # fixed cost in what it does to everyone else.
-        opening = [fixed[e] + per_item[e] for e in range(n)]
-        penalty = [load * fixed[e] for e in range(n)]
+        opening = []
+        for e in range(n):
+            lane = lanes[e]
+            f = fixed[e]
+            backlog = f * lane.subs + per_item[e] * lane.items
+            if now is not None and lane.inflight:
+                backlog -= now - lane.busy_since
+                if backlog < 0.0:
+                    backlog = 0.0
+            finish.append(backlog)
+            opening.append(f + per_item[e])
+            load += lane.subs
+        load = load / n if adaptive else 0.0
+        penalty = [load * f for f in fixed]
         # Images in this request's open sub-request on each encoder (0: none open).
         open_items = [0] * n
         start = self._cursor
         self._cursor = (start + len(items)) % n
         order = [(start + step) % n for step in range(n)]
         home = self._home if self.affinity else None
-        index: dict[str, int] | None = None
+        position: dict[Instance, int] | None = None
         picks: list[Instance] = []
         hits = 0
         request_finish = 0.0
+        scores = [0.0] * n
         for item in items:
             image = item.is_image
-            scores = []
             lowest, slack = math.inf, 0.0
-            for e in order:
+            for step in range(n):
+                e = order[step]
                 k = open_items[e]
                 if image and k and (not cap or k < cap):
                     done = finish[e] + per_item[e]
                     score = done if done > request_finish else request_finish
-                    scores.append((e, score, done, False))
                 else:
                     done = finish[e] + opening[e]
                     score = (done if done > request_finish else request_finish) + penalty[e]
-                    scores.append((e, score, done, True))
+                scores[step] = score
                 if score < lowest:
                     lowest, slack = score, TIE_TOLERANCE * per_item[e]
             # The first in the rotation among those as good as the best: estimates that close are
             # within their own noise, and rotating keeps every encoder's estimate current.
             good_enough = lowest + slack
-            best, best_score, best_finish, best_opens = next(c for c in scores if c[1] <= good_enough)
+            step = 0
+            while scores[step] > good_enough:
+                step += 1
+            best, best_score = order[step], scores[step]
+            k = open_items[best]
+            best_opens = not image or not k or (cap > 0 and k >= cap)
+            best_finish = finish[best] + (opening[best] if best_opens else per_item[best])
             if home is not None:
                 uuid = item.uuid
-                url = home.get(uuid)
-                if url is not None:
-                    if index is None:
-                        index = {encoder.url: e for e, encoder in enumerate(candidates)}
-                    h = index.get(url)
-                    if h is not None and h != best:
-                        k = open_items[h]
-                        opens = not image or not k or (cap > 0 and k >= cap)
-                        done = finish[h] + (opening[h] if opens else per_item[h])
-                        score = (done if done > request_finish else request_finish) + (penalty[h] if opens else 0.0)
-                        saving = REPEAT_SAVING * per_item[h] * (1.0 + min(load, REPEAT_SAVING_LOAD_CAP))
-                        if score - saving <= best_score or (
-                            # Costing no more sub-requests than the best: bounded by load alone.
-                            (best_opens or not opens) and done <= HOT_BOUND * sum(finish) / n + opening[h]
-                        ):
-                            best, best_finish, best_opens = h, done, opens
-                    if h == best:
+                seen = home.get(uuid)
+                if seen is None:
+                    home[uuid] = candidates[best]
+                    if len(home) > AFFINITY_ENTRIES:
+                        home.popitem(last=False)
+                else:
+                    if seen is not candidates[best]:
+                        if position is None:
+                            position = {encoder: e for e, encoder in enumerate(candidates)}
+                        h = position.get(seen)
+                        if h is not None:
+                            k = open_items[h]
+                            opens = not image or not k or (cap > 0 and k >= cap)
+                            done = finish[h] + (opening[h] if opens else per_item[h])
+                            score = (done if done > request_finish else request_finish) + (penalty[h] if opens else 0.0)
+                            saving = REPEAT_SAVING * per_item[h] * (1.0 + min(load, REPEAT_SAVING_LOAD_CAP))
+                            if score - saving <= best_score or (
+                                # Costing no more sub-requests than the best: bounded by load alone.
+                                (best_opens or not opens) and done <= HOT_BOUND * sum(finish) / n + opening[h]
+                            ):
+                                best, best_finish, best_opens = h, done, opens
+                        home[uuid] = candidates[best]
+                    if home[uuid] is seen:
                         hits += 1
                     home.move_to_end(uuid)
-                home[uuid] = candidates[best].url
-                if len(home) > AFFINITY_ENTRIES:
-                    home.popitem(last=False)
             finish[best] = best_finish
             if image:
                 open_items[best] = 1 if best_opens else open_items[best] + 1
