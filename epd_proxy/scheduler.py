@@ -12,8 +12,10 @@ before under the same uuid costs about 0.4x a fresh one, but only on that encode
   sub-request's fixed cost at the measured third of an image. An encoder's backlog is then its
   outstanding sub-requests and items (in flight and queued here) at that speed, in seconds.
 - **Placement by expected finish** (`ExpectedFinish.place`): item by item, the encoder where the
-  request's encoding would finish first, a new sub-request paying the fixed cost. A slow or busy
-  encoder gets less because its finish lies later.
+  request's encoding would finish first, a new sub-request paying the fixed cost; what an
+  encoder has worked off since our oldest sub-request there began counts as done. A slow or busy
+  encoder gets less because its finish lies later. Finishes within a quarter of an image's time
+  of the earliest are ties, broken by a rotation like round robin's cursor.
 - **Load-adaptive fan-out**: opening one more sub-request for a request also costs everyone
   queued behind it that fixed cost, so each new sub-request is charged the fixed cost times the
   mean number of sub-requests outstanding per encoder. Idle encoders charge nothing and a
