@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 # The names a user may pick. Their implementations (extract.MEDIA_HASHES, routing.POLICIES) are
 # keyed by them; declared here so that the configuration depends on no component.
 MEDIA_HASH_NAMES = ("sha256", "blake3")
-ENCODE_POLICIES = ("round_robin", "least_loaded", "content_affinity", "random", "power_of_two")
+ENCODE_POLICIES = ("expected_finish", "round_robin", "least_loaded", "content_affinity", "random", "power_of_two")
 SERVING_POLICIES = ("least_loaded", "power_of_two", "round_robin", "random")
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
@@ -394,12 +394,34 @@ class Config:
         env="ENCODER_MAX_BATCH_SIZE",
     )
     encode_policy: str = option(
-        "round_robin",
+        "expected_finish",
         Choice(ENCODE_POLICIES),
-        "how items are spread over encoders: `round_robin` (the reference's per-item rotation), `least_loaded`, "
-        "`content_affinity` (consistent hashing of the content uuid with a 1.25x load bound, so a repeated image "
-        "lands where it is cached), `random`, `power_of_two`",
+        "how items are spread over encoders: `expected_finish` (each item where the request's encoding finishes "
+        "first, from each encoder's learnt speed and queue; spread while encoders are idle, gathered on fewer as "
+        "they queue up; a repeated image goes back where it is cached unless that encoder is overloaded; see "
+        "[Encoder scheduling](#encoder-scheduling)), `round_robin` (the reference's per-item rotation), "
+        "`least_loaded`, `content_affinity` (consistent hashing of the content uuid with a 1.25x load bound), "
+        "`random`, `power_of_two`",
         flag="--encode-policy",
+    )
+    encoder_affinity: bool = option(
+        True,
+        Switch(False),
+        "`expected_finish` without cache affinity: a repeated image is placed like a new one",
+        flag="--no-encoder-affinity",
+    )
+    adaptive_fan_out: bool = option(
+        True,
+        Switch(False),
+        "`expected_finish` without load-adaptive fan-out: a request's items spread over encoders however busy they are",
+        flag="--no-adaptive-fan-out",
+    )
+    coalesce: bool = option(
+        True,
+        Switch(False),
+        "send every image group as its own sub-request: no sharing of one encoder sub-request by requests queued "
+        "for the same busy encoder (see [Encoder scheduling](#encoder-scheduling))",
+        flag="--no-coalescing",
     )
     prefill_policy: str = option(
         "least_loaded",

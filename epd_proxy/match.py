@@ -110,3 +110,42 @@ def _keep_positions(items: Sequence[MediaItem], transfer_ids: Sequence[str], int
         return
     for item, transfer_id in zip(items, transfer_ids):
         into.items.setdefault(item.index, ItemMatch({}, None, transfer_id))
+
+
+def split_params(params: dict[str, Any] | None, sizes: Sequence[int], backend: str | None = None) -> list[dict | None]:
+    """A coalesced sub-request's `ec_transfer_params` cut into each group's share, as the encoder
+    would have answered each group alone: its entries, with `item_indices` counted from the
+    group's first item. Several requests' media in one answer can only be told apart by position,
+    so every entry needs valid `item_indices` and every item an entry; anything else is a 502
+    (the caller then sends each group on its own, where the single-group rules apply)."""
+    total = sum(sizes)
+    owner: list[int] = []
+    for group, size in enumerate(sizes):
+        owner.extend([group] * size)
+    starts = [0] * len(sizes)
+    for group in range(1, len(sizes)):
+        starts[group] = starts[group - 1] + sizes[group - 1]
+    entries = {key: value for key, value in (params or {}).items() if isinstance(value, dict)}
+    if not entries:
+        return [None] * len(sizes)
+    shares: list[dict[str, Any]] = [{} for _ in sizes]
+    covered = [False] * total
+    for key, entry in entries.items():
+        indices = entry.get("item_indices")
+        if not isinstance(indices, list) or not indices:
+            raise _bad(f"Encoder entry {key!r} of a coalesced sub-request has no item_indices", backend)
+        local: dict[int, list[int]] = {}
+        for index in indices:
+            if type(index) is not int or not 0 <= index < total:
+                raise _bad(f"Invalid encoder item index {index!r} for {key!r} (group of {total})", backend)
+            if covered[index]:
+                raise _bad(f"Duplicate encoder item index {index} in the answer (at {key!r})", backend)
+            covered[index] = True
+            group = owner[index]
+            local.setdefault(group, []).append(index - starts[group])
+        for group, positions in local.items():
+            shares[group][key] = {**entry, "item_indices": positions}
+    if not all(covered):
+        missing = covered.index(False)
+        raise _bad(f"Encoder metadata of a coalesced sub-request names no entry for item {missing}", backend)
+    return shares

@@ -20,6 +20,7 @@ from epd_proxy.backends import ENCODE, Instance
 from epd_proxy.health import EJECTION_REASONS, Health
 from epd_proxy.recent import RecentRequests
 from epd_proxy.registry import Registry
+from epd_proxy.scheduler import Lanes
 
 if TYPE_CHECKING:
     from epd_proxy.discovery import Discovery
@@ -35,6 +36,41 @@ FLEET_GAUGES = (
     ("epd_instance_consecutive_failures", "Consecutive failed health checks or transport errors", "livemax"),
     ("epd_instance_ejections", "Times passive outlier detection ejected the instance", "livesum"),
 )
+
+
+# Per-encoder gauges of the scheduler (scheduler.Lane), read at scrape time like the fleet's.
+SCHEDULER_GAUGES = (
+    (
+        "epd_encoder_estimated_seconds_per_item",
+        "The scheduler's estimate of an encoder's time per media item, learnt from its answers",
+        "livemax",
+    ),
+    (
+        "epd_encoder_estimated_seconds_per_subrequest",
+        "The scheduler's estimate of an encoder's fixed time per sub-request",
+        "livemax",
+    ),
+    ("epd_encoder_queued_items", "Media items waiting in the proxy to share an encoder sub-request", "livesum"),
+)
+
+
+def _lane_rows(lanes: Lanes):
+    """(encoder url, values in SCHEDULER_GAUGES order, None where not known yet)."""
+    for lane in lanes.all():
+        yield lane.url, (lane.item_s, lane.fixed_s, sum(work.size for work in lane.waiting))
+
+
+class _LaneCollector:
+    def __init__(self, lanes: Lanes) -> None:
+        self._lanes = lanes
+
+    def collect(self):
+        families = [GaugeMetricFamily(name, text, labels=["encoder"]) for name, text, _ in SCHEDULER_GAUGES]
+        for url, values in _lane_rows(self._lanes):
+            for family, value in zip(families, values):
+                if value is not None:
+                    family.add_metric([url], value)
+        yield from families
 
 
 def _fleet_rows(registry: Registry, health: Health):
@@ -174,6 +210,23 @@ class Metrics:
         self.items_per_subrequest = Histogram(
             "epd_encoder_items_per_subrequest", "Media items per encoder sub-request", buckets=ITEM_BUCKETS, registry=r
         )
+        self.coalesced = Counter(
+            "epd_encoder_coalesced_subrequests",
+            "Encoder sub-requests that carried items of more than one request, by encoder",
+            ["encoder"],
+            registry=r,
+        )
+        self.split_retries = Counter(
+            "epd_encoder_split_retries",
+            "Coalesced encoder sub-requests that failed and were sent again, each request's items on their own",
+            ["encoder"],
+            registry=r,
+        )
+        self.affinity_hits = Counter(
+            "epd_encoder_affinity_hits",
+            "Media items sent to the encoder that was last sent the same content (where it is cached)",
+            registry=r,
+        )
         self.retries = Counter(
             "epd_retries", "Whole-pipeline retries after a consumer HTTP 500, by stage", ["stage"], registry=r
         )
@@ -219,7 +272,9 @@ class Metrics:
             ]
         else:
             r.register(_FleetCollector(fleet, health))
-        self._per_instance = (self.encoder_subrequests, self.failovers)
+        self._per_instance = (self.encoder_subrequests, self.failovers, self.coalesced, self.split_retries)
+        self._lanes: Lanes | None = None
+        self._lane_gauges: list = []
         fleet.watch(self)
         # The status page's sliding window of recent requests.
         self.recent = RecentRequests()
@@ -244,6 +299,17 @@ class Metrics:
             except KeyError:
                 pass  # never labelled with it (prometheus_client before 0.20 raises for that)
 
+    def watch_lanes(self, lanes: Lanes) -> None:
+        """The scheduler's per-encoder estimates and queues (see scheduler.py)."""
+        self._lanes = lanes
+        if self.multiprocess:
+            self._lane_gauges = [
+                Gauge(name, text, ["encoder"], multiprocess_mode=mode, registry=None)
+                for name, text, mode in SCHEDULER_GAUGES
+            ]
+        else:
+            self.registry.register(_LaneCollector(lanes))
+
     def watch_roster(self, roster: Roster) -> None:
         self.read_at_scrape(_RosterCollector(roster))
 
@@ -263,6 +329,11 @@ class Metrics:
         for role, url, values in _fleet_rows(self._fleet, self._health):
             for gauge, value in zip(self._fleet_gauges, values):
                 gauge.labels(role, url).set(value)
+        if self._lanes is not None:
+            for url, values in _lane_rows(self._lanes):
+                for gauge, value in zip(self._lane_gauges, values):
+                    if value is not None:
+                        gauge.labels(url).set(value)
 
     def render(self) -> bytes:
         if not self.multiprocess:

@@ -25,6 +25,7 @@ from epd_proxy.prefill import run_prefill
 from epd_proxy.registry import Registry
 from epd_proxy.rewrite import rewrite_request
 from epd_proxy.routing import RoutingPolicy
+from epd_proxy.scheduler import Lanes
 from epd_proxy.splice import Spliced
 from epd_proxy.trace import Trace
 from epd_proxy.upstream import REFUSED_ANSWER, NoAnswer, Payload, Timeouts, Upstream
@@ -89,6 +90,8 @@ class Pipeline:
         rewrite: bool,
         encoder_max_batch_size: int,
         encoder_failovers: int,
+        lanes: Lanes | None = None,
+        coalesce: bool = True,
     ) -> None:
         self.fleet = fleet
         self.health = health
@@ -107,6 +110,8 @@ class Pipeline:
             max_batch_size=encoder_max_batch_size,
             send_uuid=rewrite,
             failovers=encoder_failovers,
+            lanes=lanes,
+            coalesce=coalesce,
         )
         self.prefill_timeouts = prefill_timeouts
         self.decode_timeouts = decode_timeouts

@@ -22,6 +22,7 @@ from epd_proxy.prober import Prober, check_pool
 from epd_proxy.registry import Registry
 from epd_proxy.roster import open_roster
 from epd_proxy.routing import RoutingPolicy, make_policy
+from epd_proxy.scheduler import ExpectedFinish, Lanes
 from epd_proxy.upstream import Timeouts, Upstream
 
 
@@ -32,6 +33,7 @@ def build_pipeline(
     upstream: Upstream,
     policies: dict[str, RoutingPolicy],
     metrics: Metrics,
+    lanes: Lanes | None = None,
 ) -> Pipeline:
     """The pipeline with the options it uses. Encode and prefill answer in one piece, so their
     limit covers the whole exchange; decode's covers the wait for its headers and for a free
@@ -56,7 +58,15 @@ def build_pipeline(
         rewrite=config.rewrite,
         encoder_max_batch_size=config.encoder_max_batch_size,
         encoder_failovers=config.encoder_failovers,
+        lanes=lanes,
+        coalesce=config.coalesce,
     )
+
+
+def encode_policy(config: Config, lanes: Lanes) -> RoutingPolicy:
+    if config.encode_policy == "expected_finish":
+        return ExpectedFinish(lanes, affinity=config.encoder_affinity, adaptive=config.adaptive_fan_out)
+    return make_policy(config.encode_policy)
 
 
 class ProxyState:
@@ -75,12 +85,16 @@ class ProxyState:
             panic_when_all_down=not config.dynamic_registration,
         )
         self.fleet.watch(self.health)
+        # What the encoder scheduler knows of each encoder: placement, sending and /status share it.
+        self.lanes = Lanes()
+        self.fleet.watch(self.lanes)
         self.policies = {
-            ENCODE: make_policy(config.encode_policy),
+            ENCODE: encode_policy(config, self.lanes),
             PREFILL: make_policy(config.prefill_policy),
             DECODE: make_policy(config.decode_policy),
         }
         self.metrics = Metrics(self.fleet, self.health)
+        self.metrics.watch_lanes(self.lanes)
         # Shared membership for replicas and workers; health stays per process.
         self.roster = open_roster(config.roster_url, config.evicted_ttl_s, self.fleet, self.health.in_rotation)
         if self.roster is not None:
@@ -117,7 +131,9 @@ class ProxyState:
             on_refused=lambda stage, reason: self.metrics.backend_refused.labels(stage, reason).inc(),
         )
         self.fleet.watch(self.upstream)
-        self.pipeline = build_pipeline(config, self.fleet, self.health, self.upstream, self.policies, self.metrics)
+        self.pipeline = build_pipeline(
+            config, self.fleet, self.health, self.upstream, self.policies, self.metrics, self.lanes
+        )
         if self.roster is not None:
             await self.roster.start()
         if self.discovery is not None:

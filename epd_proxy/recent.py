@@ -15,7 +15,21 @@ from typing import Any
 
 STAGES = ("encode", "prefill", "decode_ttfb", "total")
 # Tuple layout of one finished request (flat tuples of numbers are cheap to keep and to drop).
-_END, _STATUS, _TOTAL, _ENCODE, _PREFILL, _TTFB, _SUBREQUESTS, _ITEMS, _ATTEMPTS, _FAILOVERS = range(10)
+(
+    _END,
+    _STATUS,
+    _TOTAL,
+    _ENCODE,
+    _PREFILL,
+    _TTFB,
+    _SUBREQUESTS,
+    _ITEMS,
+    _ATTEMPTS,
+    _FAILOVERS,
+    _SHARE,
+    _COALESCED,
+    _HITS,
+) = range(13)
 _STAGE_FIELD = {"encode": _ENCODE, "prefill": _PREFILL, "decode_ttfb": _TTFB, "total": _TOTAL}
 
 
@@ -54,6 +68,9 @@ class RecentRequests:
                 trace.items,
                 trace.attempts,
                 trace.encoder_failovers,
+                trace.subrequest_share,
+                trace.coalesced,
+                trace.affinity_hits,
             )
         )
 
@@ -83,7 +100,9 @@ class RecentRequests:
                 "p99_ms": _ms(percentile(values, 0.99)),
             }
         with_media = [r for r in recent if r[_SUBREQUESTS]]
-        subrequests = sum(r[_SUBREQUESTS] for r in with_media)
+        # A sub-request shared by n requests counts 1/n for each: these are sub-requests sent.
+        subrequests = sum(r[_SHARE] for r in with_media)
+        taken_part = sum(r[_SUBREQUESTS] for r in with_media)
         # Every attempt re-encodes all of the request's items.
         images_sent = sum(r[_ITEMS] * max(1, r[_ATTEMPTS]) for r in with_media)
         return {
@@ -94,6 +113,9 @@ class RecentRequests:
             "latency": latency,
             "requests_with_media": len(with_media),
             "subrequests_per_request": round(subrequests / len(with_media), 2) if with_media else None,
+            # Of the sub-requests carrying a request's items, the share that carried others' too.
+            "coalesced_share": round(sum(r[_COALESCED] for r in with_media) / taken_part, 3) if taken_part else None,
+            "affinity_hits": sum(r[_HITS] for r in with_media),
             "images_per_subrequest": round(images_sent / subrequests, 2) if subrequests else None,
             "retries": sum(max(0, r[_ATTEMPTS] - 1) for r in recent),
             "failovers": sum(r[_FAILOVERS] for r in recent),

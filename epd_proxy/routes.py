@@ -199,6 +199,8 @@ def _finish(metrics: Metrics, trace: Trace, status: int | str, route: Any) -> No
         "status": status,
         "items": trace.items,
         "encoder_requests": trace.encoder_requests,
+        "coalesced": trace.coalesced,
+        "affinity_hits": trace.affinity_hits,
         "encoder_failovers": trace.encoder_failovers,
         "attempts": trace.attempts,
         "outcome": trace.outcome,

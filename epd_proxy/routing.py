@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from epd_proxy.backends import Instance
+from epd_proxy.scheduler import ExpectedFinish
 
 
 class RoutingPolicy(Protocol):
@@ -130,6 +131,7 @@ class ContentAffinity:
 
 
 POLICIES: dict[str, Callable[[], RoutingPolicy]] = {
+    "expected_finish": ExpectedFinish,
     "round_robin": RoundRobin,
     "random": RandomChoice,
     "least_loaded": LeastLoaded,

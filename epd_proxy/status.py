@@ -67,6 +67,19 @@ def roster(state: ProxyState) -> list[dict[str, Any]]:
     return rows
 
 
+def scheduler(state: ProxyState) -> dict[str, Any]:
+    """What the encoder scheduler does and knows: its options and each encoder's learnt speed,
+    sub-requests in flight and groups waiting to share one (scheduler.Lane)."""
+    config = state.config
+    return {
+        "policy": config.encode_policy,
+        "affinity": config.encoder_affinity and config.encode_policy == "expected_finish",
+        "adaptive_fan_out": config.adaptive_fan_out and config.encode_policy == "expected_finish",
+        "coalescing": config.coalesce and config.encoder_max_batch_size != 1,
+        "encoders": sorted((lane.view() for lane in state.lanes.all()), key=lambda view: view["url"]),
+    }
+
+
 def _samples(metric) -> list:
     return [sample for family in metric.collect() for sample in family.samples]
 
@@ -78,12 +91,19 @@ def _totals(metrics: Metrics) -> dict[str, Any]:
         s.labels["encoder"]: int(s.value) for s in _samples(metrics.encoder_subrequests) if s.name.endswith("_total")
     }
     items = {s.name: s.value for s in _samples(metrics.items_per_subrequest)}
+
+    def total(counter) -> int:
+        return int(sum(s.value for s in _samples(counter) if s.name.endswith("_total")))
+
     return {
         "requests": sum(requests.values()),
         "status": dict(sorted(requests.items())),
         "retries": int(sum(s.value for s in _samples(metrics.retries) if s.name.endswith("_total"))),
         "failovers": int(sum(s.value for s in _samples(metrics.failovers) if s.name.endswith("_total"))),
         "encoder_subrequests": subrequests,
+        "coalesced_subrequests": total(metrics.coalesced),
+        "split_retries": total(metrics.split_retries),
+        "affinity_hits": total(metrics.affinity_hits),
         "images_per_subrequest": (
             round(items["epd_encoder_items_per_subrequest_sum"] / items["epd_encoder_items_per_subrequest_count"], 2)
             if items.get("epd_encoder_items_per_subrequest_count")
@@ -109,6 +129,7 @@ def snapshot(state: ProxyState) -> dict[str, Any]:
             "ejection_time_s": config.ejection_time_s,
         },
         "roster": roster(state),
+        "scheduler": scheduler(state),
         "window": state.metrics.recent.summary(),
         "totals": _totals(state.metrics),
     }

@@ -11,7 +11,13 @@ class Trace:
     request_id: str
     items: int = 0
     attempts: int = 0
+    # Encoder sub-requests that carried this request's items (shared ones included), and the
+    # sum of this request's share of each (1 for its own, 1/n of one shared by n requests).
     encoder_requests: int = 0
+    subrequest_share: float = 0.0
+    # Sub-requests it shared with other requests, and items sent where they were cached.
+    coalesced: int = 0
+    affinity_hits: int = 0
     encoder_failovers: int = 0
     encode_s: float = 0.0
     prefill_s: float = 0.0

@@ -63,6 +63,11 @@ def summarise(arm, peak_rss: dict[str, float]) -> dict[str, Any]:
             "encoder_subrequests_per_round": subreq / len(blocks) if blocks else 0,
             "encoder_subrequests_per_request": subreq / measured if measured else 0,
             "images_per_subrequest": _sum(blocks, "encoder_images") / subreq if subreq else None,
+            "encoder_cache_hit_share": (
+                _sum(blocks, "encoder_cache_hits") / _sum(blocks, "encoder_cache_lookups")
+                if _sum(blocks, "encoder_cache_lookups")
+                else None
+            ),
             "pd_requests_per_round": _sum(blocks, "pd_requests") / len(blocks) if blocks else 0,
             "pd_raw_images": _sum(blocks, "pd_raw_images"),
             "pd_kb_per_request": _sum(blocks, "pd_bytes") / 1024 / measured if measured else 0,
@@ -166,6 +171,9 @@ def build(bench, arms: list, floor: dict[str, float], peak_rss: dict[str, float]
             "encoders": a.encoders,
             "encoder_ms": a.encoder_ms,
             "encoder_image_ms": a.encoder_image_ms,
+            "encoder_speeds": getattr(a, "encoder_speeds", None),
+            "encoder_repeat_factor": getattr(a, "encoder_repeat_factor", 1.0),
+            "encoder_cache_items": getattr(a, "encoder_cache_items", 0),
             "pd_ms": a.pd_ms,
             "clients": a.clients,
             "proxy_env": a.proxy_env,
@@ -231,7 +239,14 @@ def table(result: dict[str, Any]) -> str:
     lines = [
         f"EPD proxy benchmark ({result['preset']}): concurrency {s['concurrency']}, {s['rounds']} interleaved rounds "
         f"x {s['measured_per_round']} measured requests per arm, {s['encoders']} fake encoders "
-        f"({s['encoder_ms']:g} ms + {s['encoder_image_ms']:g} ms/image), PD {s['pd_ms']:g} ms; "
+        f"({s['encoder_ms']:g} ms + {s['encoder_image_ms']:g} ms/image"
+        + (f", speeds {s['encoder_speeds']}" if s.get("encoder_speeds") else "")
+        + (
+            f", repeats {s['encoder_repeat_factor']:g}x within the last {s['encoder_cache_items']} images"
+            if s.get("encoder_repeat_factor", 1.0) != 1.0
+            else ""
+        )
+        + f"), PD {s['pd_ms']:g} ms; "
         f"{result['workload']['mean_images_per_request']:.2f} images/request, "
         f"{result['workload']['mean_body_kb']:.0f} KB/body",
         "",
@@ -272,6 +287,7 @@ def table(result: dict[str, Any]) -> str:
             "enc sub-req/round",
             "sub-req/req",
             "images/sub-req",
+            "enc cache hits %",
             "proxy CPU ms/req",
             "of it kernel %",
             "req/s per proxy core (1000/CPU ms)",
@@ -290,6 +306,7 @@ def table(result: dict[str, Any]) -> str:
                 _f(a.get("encoder_subrequests_per_round"), "{:.0f}"),
                 _f(a.get("encoder_subrequests_per_request"), "{:.2f}"),
                 _f(a.get("images_per_subrequest"), "{:.2f}"),
+                _pct(a.get("encoder_cache_hit_share")),
                 _f(a.get("proxy_cpu_ms_per_request"), "{:.2f}"),
                 _pct(a.get("proxy_sys_share")),
                 _f(a.get("req_per_s_per_proxy_core"), "{:.0f}"),

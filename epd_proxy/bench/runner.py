@@ -86,6 +86,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--encoders", type=int, default=4, help="fake encoder servers")
     p.add_argument("--encoder-ms", type=float, default=2.0, help="fake encoder cost per sub-request")
     p.add_argument("--encoder-image-ms", type=float, default=1.5, help="fake encoder cost per image")
+    p.add_argument(
+        "--encoder-speeds",
+        default=None,
+        metavar="F,F,...",
+        help="cost multiplier of each costed fake encoder, one per --encoders (e.g. 1,1,1,3: the last three times "
+        "slower); default all 1",
+    )
+    p.add_argument(
+        "--encoder-repeat-factor",
+        type=float,
+        default=1.0,
+        help="cost of an image a fake encoder saw recently (among its last --encoder-cache-items), as a share of a "
+        "fresh one's; real vLLM: about 0.4",
+    )
+    p.add_argument(
+        "--encoder-cache-items",
+        type=int,
+        default=256,
+        help="images each fake encoder remembers for --encoder-repeat-factor (least recently used out)",
+    )
     p.add_argument("--pd-ms", type=float, default=5.0, help="fake PD answer time")
     p.add_argument(
         "--arms",
@@ -146,6 +166,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
+
+
+def encoder_speeds(args: argparse.Namespace) -> list[float]:
+    """--encoder-speeds as one cost multiplier per costed fake encoder."""
+    if args.encoder_speeds is None:
+        return [1.0] * args.encoders
+    try:
+        speeds = [float(x) for x in args.encoder_speeds.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--encoder-speeds takes numbers, got {args.encoder_speeds!r}") from None
+    if len(speeds) != args.encoders or any(x <= 0 for x in speeds):
+        raise SystemExit(f"--encoder-speeds needs {args.encoders} positive numbers (one per --encoders)")
+    return speeds
 
 
 def _cpus(spec: str) -> set[int]:
@@ -276,9 +309,15 @@ class Bench:
     def start_fakes(self) -> None:
         a = self.args
         servers = []
+        speeds = encoder_speeds(a)
         for cluster, enc_ms, img_ms, pd_ms in ((COST, a.encoder_ms, a.encoder_image_ms, a.pd_ms), (FREE, 0, 0, 0)):
             for i in range(a.encoders):
-                servers.append({"name": f"{cluster}-e{i}", "role": "encode", "request_ms": enc_ms, "image_ms": img_ms})
+                server = {"name": f"{cluster}-e{i}", "role": "encode", "request_ms": enc_ms, "image_ms": img_ms}
+                if cluster == COST:
+                    server["slowdown"] = speeds[i]
+                    server["repeat_factor"] = a.encoder_repeat_factor
+                    server["cache_items"] = a.encoder_cache_items
+                servers.append(server)
             servers.append({"name": f"{cluster}-pd", "role": "pd", "answer_ms": pd_ms})
         self.fakes = subprocess.Popen(
             [sys.executable, "-m", "epd_proxy.testing.fake_vllm", orjson.dumps({"servers": servers})],
@@ -496,6 +535,15 @@ class Bench:
             "wall_s": wall,
             "encoder_subrequests": sum(delta(e, "requests") for e in encoders),
             "encoder_images": sum(delta(e, "images") for e in encoders),
+            # Every phase's (the cache does not know them apart): hits over items encoded.
+            "encoder_cache_hits": sum(after_stats[e]["cache_hits"] - before_stats[e]["cache_hits"] for e in encoders),
+            "encoder_cache_lookups": sum(
+                after_stats[e]["cache_hits"]
+                + after_stats[e]["cache_misses"]
+                - before_stats[e]["cache_hits"]
+                - before_stats[e]["cache_misses"]
+                for e in encoders
+            ),
             "pd_requests": delta(pd, "requests"),
             "proxy_rss_samples_mb": rss_samples,
             "pd_embeds": delta(pd, "images"),

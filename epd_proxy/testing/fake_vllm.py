@@ -26,7 +26,7 @@ import json
 import os
 import signal
 import sys
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
@@ -239,6 +239,10 @@ class Faults:
     fail_status: int = 500
     fail_body: str = "injected failure"
     delay_s: float = 0.0
+    # An encoder answers `bad_media_status` to every sub-request holding a media URL that
+    # contains `bad_media`, as vLLM refuses an image it cannot decode: one client's bad image.
+    bad_media: str = ""
+    bad_media_status: int = 400
     generation_errors: int = 0
     cut_streams: int = 0
     stall_streams: int = 0
@@ -285,12 +289,44 @@ class Faults:
 @dataclass(frozen=True)
 class Costs:
     """The time a real server takes, for the benchmark. An encoder is one GPU: its sub-requests
-    run back to back, each costing `request_s` plus `image_s` per media item. A consumer answers
-    after `answer_s`; a stream sends its role event and first token at once and the rest then."""
+    run back to back, each costing `request_s` plus `image_s` per media item, times `slowdown`
+    (a fleet of mixed encoders: 3 is three times slower). An item whose engine identifier is
+    among the last `cache_items` this encoder saw costs `repeat_factor` of a fresh one (vLLM's
+    processor and encoder caches: about 0.4x, see the README's "Encoder scheduling"); another
+    encoder has not seen it and pays in full. A consumer answers after `answer_s`; a stream sends
+    its role event and first token at once and the rest then."""
 
     request_s: float = 0.0
     image_s: float = 0.0
     answer_s: float = 0.0
+    slowdown: float = 1.0
+    repeat_factor: float = 1.0
+    cache_items: int = 0
+
+
+class SeenCache:
+    """The identifiers an encoder saw last, least recently used first out."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._keys: OrderedDict[str, None] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def seen(self, key: str) -> bool:
+        """Whether `key` was among the last `capacity` seen; either way it is the latest now."""
+        if self.capacity <= 0:
+            self.misses += 1
+            return False
+        if key in self._keys:
+            self._keys.move_to_end(key)
+            self.hits += 1
+            return True
+        self._keys[key] = None
+        if len(self._keys) > self.capacity:
+            self._keys.popitem(last=False)
+        self.misses += 1
+        return False
 
 
 class Counts:
@@ -360,6 +396,7 @@ class FakeVLLM:
         # Bodies are written in pieces of this size (None: whole), `stream_pause_s` apart.
         self.piece_bytes = piece_bytes
         self.costs = costs
+        self.cache = SeenCache(costs.cache_items)
         # When the encoder's GPU is free again. An exact clock rather than lock + sleep, so timer
         # rounding (1 ms in the event loop) does not add up across queued sub-requests.
         self._free_at = 0.0
@@ -416,7 +453,8 @@ class FakeVLLM:
         return Answer(200 if self.healthy else 503)
 
     async def stats(self, exchange: Exchange) -> Answer:
-        return _json({"role": self.role, **self.counts.as_dict()})
+        cache = {"cache_hits": self.cache.hits, "cache_misses": self.cache.misses}
+        return _json({"role": self.role, **self.counts.as_dict(), **cache})
 
     async def models(self, exchange: Exchange) -> Answer:
         return Answer(200, json.dumps(MODELS).encode(), JSON_TEXT)
@@ -461,11 +499,15 @@ class FakeVLLM:
 
     # -- encoder ---------------------------------------------------------------------------------
     async def _encode(self, exchange: Exchange, body: dict[str, Any], tag: str) -> Answer:
+        bad = self.faults.bad_media
+        if bad and bad.encode() in exchange.body:
+            return _engine_error("Failed to load image: cannot identify image file", self.faults.bad_media_status)
         params: dict[str, Any] = {}
         push = body.get("ec_transfer_params") or {}
         push_items = push.get("ec_items") or [] if push.get("consumer_zmq") else None
         legacy_items = []
         position = 0
+        work = 0.0  # in fresh images
         for part in body["messages"][0]["content"]:
             kind = vllm_part_kind(part)
             if kind not in MEDIA_KEYS:
@@ -477,6 +519,7 @@ class FakeVLLM:
             key = identifier(part.get("uuid"), identity, factors)
             shape = placeholder_shape(modality, identity, factors)
             self.store.entries[key] = (identity, shape)
+            work += self.costs.repeat_factor if self.cache.seen(key) else 1.0
             if push_items is not None:
                 # A Mooncake producer takes each item's transfer id by position; without one it
                 # falls back to an id of its own that no consumer can name.
@@ -495,7 +538,7 @@ class FakeVLLM:
         if legacy_items:
             params["ec_items"] = legacy_items
         self.counts.images[tag] += position
-        cost = self.costs.request_s + self.costs.image_s * position
+        cost = (self.costs.request_s + self.costs.image_s * work) * self.costs.slowdown
         if cost > 0:
             now = asyncio.get_running_loop().time()
             self._free_at = max(now, self._free_at) + cost
@@ -815,7 +858,12 @@ async def serve(spec: dict[str, Any]) -> None:
     servers, ports = [], {}
     for entry in spec["servers"]:
         costs = Costs(
-            entry.get("request_ms", 0.0) / 1000, entry.get("image_ms", 0.0) / 1000, entry.get("answer_ms", 0.0) / 1000
+            entry.get("request_ms", 0.0) / 1000,
+            entry.get("image_ms", 0.0) / 1000,
+            entry.get("answer_ms", 0.0) / 1000,
+            slowdown=entry.get("slowdown", 1.0),
+            repeat_factor=entry.get("repeat_factor", 1.0),
+            cache_items=entry.get("cache_items", 0),
         )
         fake = FakeVLLM(
             entry["role"],
@@ -843,7 +891,8 @@ async def serve(spec: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m epd_proxy.testing.fake_vllm '{"servers": [{"name", "role", "request_ms",
-    "image_ms", "answer_ms", "port"}, ...]}'`: the benchmark's fakes, in a process of their own."""
+    "image_ms", "answer_ms", "slowdown", "repeat_factor", "cache_items", "port"}, ...]}'`: the
+    benchmark's fakes, in a process of their own (see `Costs`)."""
     argv = sys.argv[1:] if argv is None else argv
     spec = orjson.loads(argv[0])
     try:

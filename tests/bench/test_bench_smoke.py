@@ -1,7 +1,8 @@
 """The benchmark runs end to end with tiny counts, writes its results, and sees batching work.
 
 No timing assertions: CI machines are shared and noisy. Sub-request counts are exact, because the
-fakes count only requests whose id marks them as measured.
+fakes count only requests whose id marks them as measured (a sub-request shared by several
+requests counts for the first of them), but how many there are depends on the encoders' queues.
 """
 
 from __future__ import annotations
@@ -62,8 +63,10 @@ def test_quick_bench_writes_results_and_batching_sends_fewer_subrequests(tmp_pat
     # Through the proxy PD gets embeddings references only, never the raw images.
     assert batched["pd_raw_images"] == 0 and per_item["pd_raw_images"] == 0
     assert arms["direct"]["encoder_subrequests_per_round"] == 0
-    # The --proxy arm ran at the batched arm's load and batched like it (ENCODER_MAX_BATCH_SIZE=0).
-    assert arms["again"]["encoder_subrequests_per_round"] == batched["encoder_subrequests_per_round"]
+    # The --proxy arm ran at the batched arm's load and batched too (ENCODER_MAX_BATCH_SIZE=0); how
+    # many sub-requests each sends depends on the encoders' queues (load-adaptive fan-out).
+    assert arms["again"]["images_per_subrequest"] > 1.0
+    assert arms["again"]["encoder_subrequests_per_round"] < per_item["encoder_subrequests_per_round"]
     assert arms["again"]["proxy_cpu_ms_per_request"] > 0
     assert "| batched |" in (out / "table.md").read_text()
     assert "| batched |" in run.stdout
@@ -100,7 +103,8 @@ def test_quick_streaming_bench_relays_every_stream_and_samples_rss(tmp_path: Pat
         # Each streamed answer (chunked by the proxy) was read to its end and counted.
         assert arm["errors"] == 0 and arm["measured"] == 8 and arm["pd_requests_per_round"] == 8
         assert arm["proxy_rss_under_load_mb"] > 0
-    assert arms["again"]["encoder_subrequests_per_round"] == arms["batched"]["encoder_subrequests_per_round"]
+    for arm in arms.values():
+        assert arm["encoder_subrequests_per_round"] > 0 and arm["images_per_subrequest"] >= 1.0
 
 
 def test_two_arms_cannot_share_a_name(tmp_path: Path) -> None:

@@ -92,6 +92,9 @@ async def test_status_page_in_chromium(make_stack, tmp_path):
                 first = rows.nth(0).locator("td")
                 assert await first.nth(5).text_content() == "0"
                 assert (await first.nth(6).text_content()).endswith(" ago")
+                # The encoder scheduler's speed estimate, for encoders only.
+                assert float(await first.nth(7).text_content()) > 0
+                assert await rows.nth(7).locator("td").nth(7).text_content() == "–"
                 assert await page.locator("#latency tbody tr").count() == 4
                 assert (await page.text_content("#latency tr[data-stage='encode'] td:nth-child(2)")).endswith("ms")
                 assert await page.locator("#mix tbody tr[data-status='200']").count() == 1

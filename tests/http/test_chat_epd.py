@@ -44,8 +44,8 @@ async def test_single_image_is_encoded_once_and_referenced(make_stack):
     assert stack.pd.loaded_from_cache == 1 and stack.pd.encoded_locally == 0
 
 
-async def test_single_image_requests_rotate_over_encoders(make_stack):
-    stack = await make_stack(encoders=3)
+async def test_single_image_requests_rotate_over_encoders_under_round_robin(make_stack):
+    stack = await make_stack(encoders=3, encode_policy="round_robin")
     for _ in range(4):
         await answer_of(stack, chat(image("A")))
     assert [len(e.requests) for e in stack.encoders] == [2, 1, 1]

@@ -24,7 +24,9 @@ async def views(stack) -> dict:
 
 
 async def test_without_checks_an_ejected_encoder_gets_traffic_again_after_the_ejection_time(make_stack):
-    stack = await make_stack(encoders=2, probe_interval_s=0, fail_threshold=1, ejection_time_s=0.5)
+    stack = await make_stack(
+        encoders=2, probe_interval_s=0, fail_threshold=1, ejection_time_s=0.5, encode_policy="round_robin"
+    )
     e1 = stack.backend_urls["e"][1]
     stack.encoders[1].faults.fail_next(1, 0)
     for _ in range(2):  # round robin: one of the two lands on encoder 1, drops, fails over
@@ -96,7 +98,7 @@ async def test_an_encoder_whose_answers_break_a_limit_is_ejected_as_a_gateway_fa
 
 @pytest.mark.parametrize("status", [500, 400])
 async def test_a_single_500_or_any_number_of_400s_leaves_an_encoder_in_rotation(make_stack, status):
-    stack = await make_stack(encoders=2, probe_interval_s=0)
+    stack = await make_stack(encoders=2, probe_interval_s=0, encode_policy="round_robin")
     flaky, e1 = stack.encoders[1], stack.backend_urls["e"][1]
     flaky.faults.fail_next(1 if status == 500 else 10, status)
     answered = []

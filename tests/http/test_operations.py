@@ -95,7 +95,7 @@ async def in_rotation(stack, url, expected):
 
 
 async def test_probes_evict_a_failing_encoder_and_bring_it_back(make_stack):
-    stack = await make_stack(encoders=2, probe_interval_s=0.05, fail_threshold=2)
+    stack = await make_stack(encoders=2, probe_interval_s=0.05, fail_threshold=2, encode_policy="round_robin")
     e1 = stack.backend_urls["e"][1]
     stack.encoders[1].healthy = False
     await eventually(lambda: in_rotation(stack, e1, False), what="encoder 1 leaves the rotation")
@@ -115,7 +115,9 @@ async def test_probes_evict_a_failing_encoder_and_bring_it_back(make_stack):
 
 
 async def test_live_transport_failures_evict_and_relayed_errors_do_not(make_stack):
-    stack = await make_stack(encoders=2, probe_interval_s=0, fail_threshold=2, encoder_failovers=1)
+    stack = await make_stack(
+        encoders=2, probe_interval_s=0, fail_threshold=2, encoder_failovers=1, encode_policy="round_robin"
+    )
     stack.encoders[1].faults.fail_next(2, 0)
     for _ in range(4):
         async with await stack.chat(chat(image("A"))) as resp:

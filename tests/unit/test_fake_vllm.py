@@ -1,8 +1,15 @@
-"""The fakes derive identifiers the way vLLM's processor does (ProcessorInputs.get_mm_hashes)."""
+"""The fakes derive identifiers the way vLLM's processor does (ProcessorInputs.get_mm_hashes), and
+charge the benchmark's encoder costs: fixed plus per image, cached repeats, slower encoders."""
 
 from __future__ import annotations
 
-from epd_proxy.testing.fake_vllm import hash_factors, identifier
+import asyncio
+import dataclasses
+
+import orjson
+import pytest
+
+from epd_proxy.testing.fake_vllm import Costs, ECStore, FakeVLLM, hash_factors, identifier
 
 
 def test_media_io_kwargs_of_the_items_modality_derive_the_identifier():
@@ -31,3 +38,56 @@ def test_processor_kwargs_scoped_to_another_modality_leave_the_identifier_alone(
     assert hash_factors("image", {"mm_processor_kwargs": {"size": 1, "videos_kwargs": {}}}) == {
         "mm_processor_kwargs": {"size": 1}
     }
+
+
+class _Exchange:
+    """The little of a request the fake encoder reads."""
+
+    def __init__(self, body: dict) -> None:
+        self.method, self.path, self.headers = "POST", "/v1/chat/completions", {"x-request-id": "m-1"}
+        self.body = orjson.dumps(body)
+        self.gone = False
+
+
+async def _charged(fake: FakeVLLM, names: str) -> float:
+    """Seconds of encoder time one sub-request holding images `names` costs."""
+    content = [{"type": "image_url", "image_url": {"url": f"https://m/{n}.png"}, "uuid": n} for n in names]
+    loop = asyncio.get_running_loop()
+    before = max(loop.time(), fake._free_at)
+    answer = await fake.chat(_Exchange({"model": "m", "messages": [{"role": "user", "content": content}]}))
+    assert answer.status == 200
+    return fake._free_at - before
+
+
+COSTS = Costs(request_s=0.01, image_s=0.03, repeat_factor=0.4, cache_items=3)
+
+
+async def test_a_sub_request_costs_a_fixed_part_plus_each_image_and_repeats_less_where_seen():
+    fake = FakeVLLM("encode", ECStore(), costs=COSTS)
+    assert await _charged(fake, "AB") == pytest.approx(0.01 + 2 * 0.03, abs=2e-3)
+    assert await _charged(fake, "AB") == pytest.approx(0.01 + 2 * 0.4 * 0.03, abs=2e-3)
+    assert await _charged(fake, "CA") == pytest.approx(0.01 + 0.03 + 0.4 * 0.03, abs=2e-3)
+    # Only the last three images stay: D pushes B out (A and C were used after it).
+    assert await _charged(fake, "D") == pytest.approx(0.04, abs=2e-3)
+    assert await _charged(fake, "B") == pytest.approx(0.04, abs=2e-3)
+    assert (fake.cache.hits, fake.cache.misses) == (3, 5)
+    # Another encoder has seen none of them.
+    assert await _charged(FakeVLLM("encode", ECStore(), costs=COSTS), "A") == pytest.approx(0.04, abs=2e-3)
+
+
+async def test_a_slower_encoder_costs_its_factor_on_everything():
+    slow = FakeVLLM("encode", ECStore(), costs=dataclasses.replace(COSTS, slowdown=3.0))
+    assert await _charged(slow, "AB") == pytest.approx(3 * (0.01 + 2 * 0.03), abs=3e-3)
+    assert await _charged(slow, "A") == pytest.approx(3 * (0.01 + 0.4 * 0.03), abs=3e-3)
+
+
+def test_the_bench_passes_speeds_and_repeats_to_its_fakes():
+    from epd_proxy.bench.runner import encoder_speeds, parse_args
+
+    assert encoder_speeds(parse_args(["--encoder-speeds", "1,1,1,3"])) == [1.0, 1.0, 1.0, 3.0]
+    assert encoder_speeds(parse_args([])) == [1.0] * 4
+    for bad in ("1,2", "1,1,1,0", "1,a,1,1"):
+        with pytest.raises(SystemExit):
+            encoder_speeds(parse_args(["--encoder-speeds", bad]))
+    args = parse_args(["--encoder-repeat-factor", "0.4", "--encoder-cache-items", "64"])
+    assert (args.encoder_repeat_factor, args.encoder_cache_items) == (0.4, 64)

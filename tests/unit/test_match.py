@@ -3,10 +3,12 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from epd_proxy.errors import ProxyError
 from epd_proxy.extract import normalise_request
-from epd_proxy.match import Matches, match_group
+from epd_proxy.match import Matches, match_group, split_params
 from tests.media import chat, image, video
 
 
@@ -124,3 +126,50 @@ def test_unmatched_items_keep_their_transfer_ids_in_push_mode():
         ("hA", "t2"),
     ]
     assert matches.items[1].metadata == {}
+
+
+# -- a coalesced sub-request's answer, cut back into its requests' shares ------------------------
+
+
+def encoder_answer(names: list[str]) -> dict:
+    """What an encoder reports for media named `names` in this order (vLLM's
+    collect_ec_item_metadata: one entry per identifier, every occurrence's position)."""
+    params: dict = {}
+    for position, name in enumerate(names):
+        entry = params.setdefault(f"hash-{name}", {"metadata": meta(len(name), 2), "peer_port": 7})
+        entry.setdefault("item_indices", []).append(position)
+    return params
+
+
+@settings(max_examples=300, deadline=None)
+@given(groups=st.lists(st.lists(st.sampled_from("ABCDE"), min_size=1, max_size=4), min_size=1, max_size=5))
+def test_each_request_matches_a_shared_answer_as_if_it_had_been_sent_alone(groups):
+    combined = [name for group in groups for name in group]
+    shares = split_params(encoder_answer(combined), [len(group) for group in groups], "http://e")
+    for group, share in zip(groups, shares):
+        items = items_of(*(image(name) for name in group))
+        ids = [f"t{i}" for i in range(len(group))]
+        shared, alone = Matches(), Matches()
+        match_group(items, ids, share, shared)
+        match_group(items, ids, encoder_answer(group), alone)
+        assert shared.items == alone.items
+        assert shared.handles == alone.handles
+
+
+def test_a_shared_answer_without_positions_or_with_bad_ones_is_502():
+    good = encoder_answer(["A", "B", "A"])
+    for params in (
+        {"hash-A": {"metadata": {}}, "hash-B": {"metadata": {}}},
+        {**good, "hash-A": {**good["hash-A"], "item_indices": [0, 3]}},
+        {**good, "hash-A": {**good["hash-A"], "item_indices": [0, 1]}},
+        {**good, "hash-A": {**good["hash-A"], "item_indices": [0]}},
+        {**good, "hash-A": {**good["hash-A"], "item_indices": [True, 2]}},
+    ):
+        with pytest.raises(ProxyError) as err:
+            split_params(params, [2, 1], "http://e")
+        assert (err.value.status, err.value.stage) == (502, "match")
+
+
+def test_a_shared_answer_with_nothing_usable_leaves_every_request_raw():
+    assert split_params(None, [1, 2]) == [None, None]
+    assert split_params({"ec_items": [{"mm_hash": "x"}]}, [1, 1]) == [None, None]

@@ -17,6 +17,7 @@ class Clock:
 def trace(items=0, subrequests=0, attempts=1, failovers=0, encode=0.0, prefill=0.0, ttfb=0.0) -> Trace:
     t = Trace("r", started=0.0)
     t.items, t.encoder_requests, t.attempts, t.encoder_failovers = items, subrequests, attempts, failovers
+    t.subrequest_share = float(subrequests)
     t.encode_s, t.prefill_s, t.decode_ttfb_s = encode, prefill, ttfb
     return t
 
