@@ -67,6 +67,24 @@ def read_answer(events: list[bytes]) -> tuple[Answer | None, str | None]:
     return Answer("".join(text), finish, usage.get("prompt_tokens"), usage.get("completion_tokens")), None
 
 
+def carries_a_token(data: bytes) -> bool:
+    """Whether an SSE payload holds generated output: time to first token is when the first
+    such event arrives. vLLM's role-only opening chunk (`"content": ""`) does not count; a proxy
+    may hold it back until the first token to judge the stream's head, which costs the user
+    nothing, while counting it would credit a proxy for relaying it early."""
+    if data == b"[DONE]" or b'"delta"' not in data:
+        return False
+    try:
+        event = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return False
+    for choice in event.get("choices") or ():
+        delta = choice.get("delta") or {}
+        if any(value for key, value in delta.items() if key != "role"):
+            return True
+    return False
+
+
 async def _send(session: aiohttp.ClientSession, url: str, body: bytes, conversation: int, turn: int) -> Result:
     started = time.perf_counter()
     result = Result(conversation, turn, started, started, 0)
@@ -81,7 +99,7 @@ async def _send(session: aiohttp.ClientSession, url: str, body: bytes, conversat
                     if not line.startswith(b"data:"):
                         continue
                     data = line[5:].strip()
-                    if result.ttft is None and b'"content"' in data:
+                    if result.ttft is None and carries_a_token(data):
                         result.ttft = time.perf_counter() - started
                     events.append(data)
                 result.answer, result.error = read_answer(events)

@@ -117,6 +117,15 @@ def test_vllms_in_band_error_after_a_200_is_an_error_not_an_answer():
     assert answer is None and "engine died" in error
 
 
+def test_time_to_first_token_waits_for_generated_output_not_the_role_chunk():
+    role = b'{"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}'
+    assert not chat_load.carries_a_token(role)
+    assert chat_load.carries_a_token(b'{"choices":[{"index":0,"delta":{"content":"A"}}]}')
+    assert chat_load.carries_a_token(b'{"choices":[{"index":0,"delta":{"reasoning_content":"hm"}}]}')
+    assert not chat_load.carries_a_token(b'{"choices":[],"usage":{"prompt_tokens":3}}')
+    assert not chat_load.carries_a_token(b"[DONE]")
+
+
 def test_poisson_arrivals_are_seeded_and_have_the_asked_rate():
     a = chat_load.arrival_times(4000, rate=5.0, seed=7)
     assert a == chat_load.arrival_times(4000, rate=5.0, seed=7)
