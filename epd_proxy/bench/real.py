@@ -32,7 +32,7 @@ import orjson
 
 from epd_proxy.bench import chat_load, engines, procs, real_report
 from epd_proxy.bench.engines import BASELINE, DECODE, ENCODE, PD, PREFILL, Engine
-from epd_proxy.bench.runner import CHECKOUT, free_port, http_get, wait_ready
+from epd_proxy.bench.runner import CHECKOUT, command_words, free_port, http_get, wait_ready
 from epd_proxy.bench.workload import ChatMixSpec, get_chats
 
 SINGLE = "single-instance"
@@ -62,11 +62,7 @@ def parse_arm(spec: str) -> Arm:
     if not name or not sep or not words:
         raise SystemExit(f"--proxy needs NAME=[KEY=VALUE ...] COMMAND, got {spec!r}")
     ours = words[:2] == ["epd-proxy", "serve"]
-    if ours:
-        words = [sys.executable, "-m", "epd_proxy", *words[1:]]
-    elif words[0] in ("python", "python3"):
-        words[0] = sys.executable
-    return Arm(name, words, env, ours=ours)
+    return Arm(name, command_words(words), env, ours=ours)
 
 
 def parse_variant(spec: str) -> Arm:

@@ -196,6 +196,17 @@ def http_get(url: str, timeout: float = 5.0) -> bytes:
         return resp.read()
 
 
+def command_words(words: list[str]) -> list[str]:
+    """An arm's command as typed, run with this interpreter: `epd-proxy serve` is this checkout's
+    proxy, and a bare `python` is this environment's, which has the reference script's packages
+    (the one first on PATH may not)."""
+    if words[:2] == ["epd-proxy", "serve"]:
+        return [sys.executable, "-m", "epd_proxy", *words[1:]]
+    if words and words[0] in ("python", "python3"):
+        return [sys.executable, *words[1:]]
+    return words
+
+
 def wait_ready(url: str, proc: subprocess.Popen, deadline_s: float = 60.0) -> None:
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
@@ -420,6 +431,10 @@ class Bench:
                 raise SystemExit(f"--variant {spec!r}: can be like {', '.join(like)}, not {base!r}")
             cluster, batch = like[base]
             env = dict(pair.partition("=")[::2] for pair in pairs.split(",") if "=" in pair)
+            if env.get("PYTHONPATH"):
+                # Our proxies run from the results folder: a relative tree would silently miss
+                # and leave the variant running this checkout.
+                env["PYTHONPATH"] = os.pathsep.join(str(Path(p).resolve()) for p in env["PYTHONPATH"].split(os.pathsep))
             arms.append(Arm(name, "proxy", cluster, batch=batch, env=env, note=f"like {base}, env {pairs}"))
         for spec in self.args.proxy:
             name, _, command = spec.partition("=")
@@ -434,7 +449,7 @@ class Bench:
                     cluster,
                     batch=0,
                     env={"ENCODER_MAX_BATCH_SIZE": "0"},
-                    command=shlex.split(command),
+                    command=command_words(shlex.split(command)),
                     note=f"`{command}`" + (", fake costs 0" if cluster == FREE else ""),
                 )
             )

@@ -115,6 +115,25 @@ def test_two_arms_cannot_share_a_name(tmp_path: Path) -> None:
         Bench(args).build_arms()
 
 
+def test_a_proxy_arms_python_is_this_environment_and_a_variant_tree_is_absolute(tmp_path: Path) -> None:
+    """Proxies run from the results folder with this venv's packages: a bare `python` on PATH may
+    lack the reference's, and a relative PYTHONPATH would quietly run this checkout instead."""
+    from epd_proxy.bench.runner import Bench, parse_args
+
+    argv = [
+        "--quick",
+        "--out",
+        str(tmp_path),
+        "--proxy",
+        "ref=python ref.py --x",
+        "--variant",
+        "old@batched:PYTHONPATH=work/old",
+    ]
+    arms = {arm.name: arm for arm in Bench(parse_args(argv)).build_arms()}
+    assert arms["ref"].command == [sys.executable, "ref.py", "--x"]
+    assert arms["old"].env["PYTHONPATH"] == str(Path("work/old").resolve())
+
+
 @pytest.mark.parametrize("server", ["aiohttp", "bare"])
 def test_sink_servers_read_a_chat_request_and_answer(server: str) -> None:
     """The server-only arms (`python -m epd_proxy.bench.sink`) take the reference's command line."""
