@@ -161,6 +161,16 @@ def test_a_slow_encoder_gets_less_and_a_busy_one_gets_nothing_new():
     assert set(spread(policy.place(busy, [Key("x"), Key("y")], 0)[0])) == {"http://e1"}
 
 
+def loaded_without_affinity(encoders):
+    """A placement whose encoders have answered alike and each hold 30 sub-requests of 4 images."""
+    policy = ExpectedFinish(affinity=False)
+    for lane in (policy.lanes.of(e) for e in encoders):
+        serve(lane, [2] * 10, 0.004)
+        for _ in range(30):
+            lane.started(4)
+    return policy
+
+
 def test_audio_and_video_cost_a_sub_request_wherever_they_go():
     @dataclass
     class Item:
@@ -168,11 +178,7 @@ def test_audio_and_video_cost_a_sub_request_wherever_they_go():
         is_image: bool
 
     encoders = fleet(2)
-    policy = ExpectedFinish(affinity=False)
-    for lane in (policy.lanes.of(e) for e in encoders):
-        serve(lane, [2] * 10, 0.004)
-        for _ in range(30):
-            lane.started(4)
+    policy = loaded_without_affinity(encoders)
     # Under load the images gather; the video needs its own sub-request anyway, so it goes where
     # it finishes first: the other encoder.
     picks, _ = policy.place(encoders, [Item("a", True), Item("v", False), Item("b", True)], 0)
@@ -181,11 +187,7 @@ def test_audio_and_video_cost_a_sub_request_wherever_they_go():
 
 def test_under_load_the_cap_still_splits_a_gathered_request():
     encoders = fleet(2)
-    policy = ExpectedFinish(affinity=False)
-    for lane in (policy.lanes.of(e) for e in encoders):
-        serve(lane, [2] * 10, 0.004)
-        for _ in range(30):
-            lane.started(4)
+    policy = loaded_without_affinity(encoders)
     picks, _ = policy.place(encoders, [Key(f"u{i}") for i in range(4)], 2)
     # The third image would open a second sub-request either way: it goes where it finishes first.
     assert picks[0] is picks[1] and picks[2] is picks[3] and picks[2] is not picks[0]
