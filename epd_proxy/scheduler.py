@@ -74,6 +74,12 @@ PATIENCE_FLOOR_S = 0.02
 SMOOTHING = 0.03
 # Content uuids remembered with the encoder that saw them last (about 2 MB).
 AFFINITY_ENTRIES = 16384
+# An encoder idle and unheard from this long is taken at the fleet's mean speed again, and its
+# next answer starts a new estimate: otherwise one slow spell (vLLM's first requests, a pause, a
+# test's injected delay) would leave it idle for as long as the others keep up.
+STALE_S = 5.0
+# Encoders that left, remembered so a call still finishing there does not bring a lane back.
+DEPARTED_ENTRIES = 4096
 
 
 class Queued(Protocol):
@@ -197,6 +203,9 @@ class Lane:
         each smoothed. Fitting the fixed and per-item parts apart from live samples was tried
         and is unstable: a few milliseconds of jitter in when answers are read move the fit's
         fixed part by tens of times, while the ratio of the sums stays put."""
+        if self.samples and sent - self.last_done > STALE_S and self.inflight == 0:
+            self.samples = 0
+            self._k = self._t = 0.0
         start = sent if sent > self.last_done else self.last_done
         if done > self.last_done:
             self.last_done = done
@@ -209,6 +218,9 @@ class Lane:
         self._t += weight * (held - self._t)
         self.item_s = self._t / self._k
         self.fixed_s = PRIOR_FIXED_RATIO * self.item_s
+
+    def stale(self, now: float) -> bool:
+        return self.samples > 0 and self.inflight == 0 and now - self.last_done > STALE_S
 
     def view(self) -> dict[str, Any]:
         return {
@@ -230,11 +242,14 @@ class Lanes:
 
     def __init__(self) -> None:
         self._lanes: dict[Instance, Lane] = {}
+        self._departed: OrderedDict[Instance, None] = OrderedDict()
 
     def of(self, encoder: Instance) -> Lane:
         lane = self._lanes.get(encoder)
         if lane is None:
-            lane = self._lanes[encoder] = Lane(encoder.url)
+            lane = Lane(encoder.url)
+            if encoder not in self._departed:
+                self._lanes[encoder] = lane
         return lane
 
     def all(self) -> list[Lane]:
@@ -249,22 +264,28 @@ class Lanes:
 
     def left(self, inst: Instance) -> None:
         self._lanes.pop(inst, None)
+        self._departed[inst] = None
+        if len(self._departed) > DEPARTED_ENTRIES:
+            self._departed.popitem(last=False)
 
-    def costs(self, lanes: Sequence[Lane]) -> tuple[list[float], list[float]]:
-        """Seconds per sub-request and per item of each lane; one without answers yet is taken to
-        be as fast as the mean of those with (or 1 unit per item when none has answered)."""
+    def costs(self, lanes: Sequence[Lane], now: float | None = None) -> tuple[list[float], list[float]]:
+        """Seconds per sub-request and per item of each lane; one without answers yet, or stale
+        at `now`, is taken to be as fast as the mean of the others (or 1 unit per item when none
+        has answered)."""
         fixed = [lane.fixed_s for lane in lanes]
-        if None not in fixed:
+        stale = now is not None and any(lane.stale(now) for lane in lanes)
+        if None not in fixed and not stale:
             return fixed, [lane.item_s for lane in lanes]
-        known = [lane for lane in lanes if lane.item_s is not None]
+        fresh = [lane.item_s is not None and not (stale and lane.stale(now)) for lane in lanes]
+        known = [lane for lane, ok in zip(lanes, fresh) if ok]
         if known:
             item = sum(lane.item_s for lane in known) / len(known)
             fixed = sum(lane.fixed_s for lane in known) / len(known)
         else:
             item, fixed = 1.0, PRIOR_FIXED_RATIO
         return (
-            [fixed if lane.fixed_s is None else lane.fixed_s for lane in lanes],
-            [item if lane.item_s is None else lane.item_s for lane in lanes],
+            [lane.fixed_s if ok else fixed for lane, ok in zip(lanes, fresh)],
+            [lane.item_s if ok else item for lane, ok in zip(lanes, fresh)],
         )
 
 
@@ -309,7 +330,7 @@ class ExpectedFinish:
         if n == 1:
             return [candidates[0]] * len(items), 0
         lanes = [self.lanes.of(encoder) for encoder in candidates]
-        fixed, per_item = self.lanes.costs(lanes)
+        fixed, per_item = self.lanes.costs(lanes, now)
         adaptive = self.adaptive
         load = 0.0
         finish = []

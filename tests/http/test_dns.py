@@ -223,10 +223,14 @@ async def _gets_traffic(fake: FakeVLLM, traffic: Traffic, what: str) -> None:
 
 
 async def _leave_with_notice(proxy: Proxy, fleet: Fleet, address: str, unbound: UnboundServer, records: list[str]):
-    """Take `address` out of DNS while the proxy has calls under way on it (the fake is slowed so
-    there are some), wait for the proxy to drop it and for those calls to finish, then stop it,
-    as a preStop hook does on Kubernetes."""
-    fleet.servers[address][0].faults.delay_s = 0.3
+    """Take `address` out of DNS while the proxy has calls under way on it (the fakes of its role
+    are slowed so there are some: slowing it alone would have the encoder scheduler send it
+    nothing), wait for the proxy to drop it and for those calls to finish, then stop it, as a
+    preStop hook does on Kubernetes."""
+    role = fleet.servers[address][0].role
+    slowed = [fake for fake, _ in fleet.servers.values() if fake.role == role]
+    for fake in slowed:
+        fake.faults.delay_s = 0.3
 
     async def busy() -> bool:
         return (await proxy.health())["instances"][address]["inflight"] > 0
@@ -236,6 +240,8 @@ async def _leave_with_notice(proxy: Proxy, fleet: Fleet, address: str, unbound: 
     await eventually(lambda: proxy.has(without=(address,)), what=f"the proxy drops {address}", **POLL)
     await eventually(lambda: fleet.connections(address) == 0, what=f"the proxy's calls to {address} finish", **POLL)
     await fleet.stop(address)
+    for fake in slowed:
+        fake.faults.delay_s = 0.0
 
 
 async def test_instances_join_leave_and_move_while_traffic_flows(unbound, fleet, proxy_for):

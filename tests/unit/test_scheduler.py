@@ -16,6 +16,7 @@ from epd_proxy.encode import FORWARDED_FIELDS
 from epd_proxy.scheduler import (
     AFFINITY_ENTRIES,
     PRIOR_FIXED_RATIO,
+    STALE_S,
     ExpectedFinish,
     Key,
     Lane,
@@ -74,6 +75,37 @@ def test_a_failed_sub_request_teaches_nothing_but_is_counted_out():
     lane.started(3)
     lane.finished(3, 0.0, None)
     assert (lane.item_s, lane.samples, lane.inflight, lane.subs, lane.items) == (None, 0, 0, 0, 0)
+
+
+def test_an_encoder_slow_once_and_left_idle_gets_work_again_and_is_measured_afresh():
+    encoders = fleet(2)
+    policy = ExpectedFinish(affinity=False)
+    fast, slow = (policy.lanes.of(e) for e in encoders)
+    serve(fast, [1] * 20, 0.001)
+    serve(slow, [1] * 3, 0.300)  # a slow spell: a cold start, a pause
+    # Idle, one image at a time: while the slow spell is recent, it all goes to the fast one.
+    now = fast.last_done
+    assert {policy.place(encoders, [Key(f"a{i}")], 0, now)[0][0] for i in range(4)} == {encoders[0]}
+    # Unheard from for STALE_S, the slow one is taken at the others' speed and shares the work...
+    later = slow.last_done + STALE_S + 1.0
+    fast.last_done = later - 0.5
+    picks = {policy.place(encoders, [Key(f"b{i}")], 0, later)[0][0] for i in range(4)}
+    assert picks == set(encoders)
+    # ...and its next answer starts a new estimate instead of averaging with the old spell.
+    slow.started(1, later)
+    slow.finished(1, later, later + 0.001)
+    assert slow.samples == 1 and slow.item_s == pytest.approx(0.001 / (1 + PRIOR_FIXED_RATIO))
+
+
+def test_a_call_finishing_on_an_encoder_that_left_does_not_bring_its_lane_back():
+    lanes = Lanes()
+    gone, staying = fleet(2)
+    lane = lanes.of(gone)
+    lane.started(2)
+    lanes.left(gone)
+    lanes.of(gone).finished(2, 0.0, 0.1)
+    lanes.of(staying)
+    assert [kept.url for kept in lanes.all()] == [staying.url]
 
 
 def test_unknown_encoders_are_taken_as_fast_as_the_known_mean():
