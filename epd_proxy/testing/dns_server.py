@@ -4,21 +4,18 @@ loopback port, authoritative for one zone that the test rewrites while the proxy
 from __future__ import annotations
 
 import shutil
-import signal
 import socket
 import subprocess
-import time
 from collections.abc import Iterable
 from pathlib import Path
+
+from epd_proxy.testing.daemon import find_binary, kill_daemon, start_daemon
 
 ZONE = "epd.test."
 
 
 def unbound_binary() -> str:
-    path = shutil.which("unbound") or ("/usr/sbin/unbound" if Path("/usr/sbin/unbound").exists() else None)
-    if path is None:
-        raise RuntimeError("unbound is not installed: `make dns` installs it (Debian package, as root)")
-    return path
+    return find_binary("unbound", "dns", fallback="/usr/sbin/unbound")
 
 
 def _config(port: int, work_dir: Path) -> str:
@@ -84,18 +81,8 @@ class UnboundServer:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self._write_zone(self.records)
         (self.work_dir / "unbound.conf").write_text(_config(self.port, self.work_dir))
-        log = open(self.work_dir / "unbound.log", "ab")  # noqa: SIM115 - lives as long as the process
-        self.proc = subprocess.Popen(
-            [unbound_binary(), "-d", "-c", str(self.work_dir / "unbound.conf")], stdout=log, stderr=subprocess.STDOUT
-        )
-        log.close()
-        deadline = time.monotonic() + timeout_s
-        while not self.answers():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"unbound exited with {self.proc.returncode}; see {self.work_dir}/unbound.log")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"unbound did not answer within {timeout_s}s")
-            time.sleep(0.05)
+        cmd = [unbound_binary(), "-d", "-c", str(self.work_dir / "unbound.conf")]
+        self.proc = start_daemon(cmd, self.work_dir / "unbound.log", self.answers, timeout_s)
         return self
 
     def publish(self, records: Iterable[str]) -> None:
@@ -127,7 +114,5 @@ class UnboundServer:
 
     def kill(self) -> None:
         """Gone at once: queries time out, as with a DNS server that went away."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
+        kill_daemon(self.proc)
         self.proc = None

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import shutil
-import signal
 import socket
 import subprocess
-import time
 from pathlib import Path
+
+from epd_proxy.testing.daemon import find_binary, kill_daemon, start_daemon
 
 
 def redis_server_binary() -> str:
-    path = shutil.which("redis-server")
-    if path is None:
-        raise RuntimeError("redis-server is not installed: `make store` installs it (Debian package, as root)")
-    return path
+    return find_binary("redis-server", "store")
 
 
 class RedisServer:
@@ -31,18 +28,9 @@ class RedisServer:
 
     def start(self, timeout_s: float = 20.0) -> RedisServer:
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.work_dir / "redis.log", "ab")  # noqa: SIM115 - lives as long as the process
         cmd = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
         cmd += ["--appendonly", "no", "--dir", str(self.work_dir), "--protected-mode", "no"]
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-        deadline = time.monotonic() + timeout_s
-        while not self.ping():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}; see {self.work_dir}/redis.log")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server did not answer within {timeout_s}s")
-            time.sleep(0.05)
+        self.proc = start_daemon(cmd, self.work_dir / "redis.log", self.ping, timeout_s)
         return self
 
     def ping(self) -> bool:
@@ -55,9 +43,7 @@ class RedisServer:
 
     def kill(self) -> None:
         """Gone at once, as a crashed store: no shutdown handshake with clients."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
+        kill_daemon(self.proc)
         self.proc = None
 
     def command(self, *args: str) -> str:
