@@ -29,6 +29,29 @@ def serve_command(port: int, *flags: str) -> list[str]:
     return [sys.executable, "-m", "epd_proxy", "serve", "--host", "127.0.0.1", "--port", str(port), *flags]
 
 
+class ProxyProcess:
+    """`epd-proxy serve` on a free loopback port with `flags`, driven through `client`."""
+
+    def __init__(self, client: aiohttp.ClientSession, *flags: str, env: dict[str, str] | None = None) -> None:
+        self.client = client
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(serve_command(self.port, *flags), env={**os.environ, **(env or {})})
+
+    async def get(self, path: str) -> tuple[int, dict | str]:
+        async with self.client.get(self.url + path) as resp:
+            body = await resp.json() if resp.content_type == "application/json" else await resp.text()
+            return resp.status, body
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
 async def wait_healthy(
     proc: subprocess.Popen, url: str, deadline_s: float = 30.0, what: str = "the proxy process did not become healthy"
 ) -> None:

@@ -9,9 +9,7 @@ those fakes listen on distinct loopback addresses (127.0.0.2, 127.0.0.3, ... and
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
-import subprocess
 import time
 from collections import Counter
 from pathlib import Path
@@ -24,7 +22,7 @@ from epd_proxy.testing.dns_server import UnboundServer
 from epd_proxy.testing.fake_vllm import ECStore, FakeVLLM
 from tests.http.polling import eventually
 from tests.media import chat, image
-from tests.serve_process import free_port, serve_command
+from tests.serve_process import ProxyProcess, free_port
 
 DEADLINE_S = 20.0
 POLL = {"timeout": DEADLINE_S, "ignoring": (aiohttp.ClientError, TimeoutError)}
@@ -89,19 +87,11 @@ class Fleet:
             await self.stop(address)
 
 
-class Proxy:
+class Proxy(ProxyProcess):
     def __init__(self, client: aiohttp.ClientSession, dns: UnboundServer, *flags: str, env: dict | None = None) -> None:
-        self.client = client
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = serve_command(self.port, "--dns-server", dns.address, "--dns-refresh", str(REFRESH_S))
-        cmd += ["--probe-interval", "0.5", "--probe-timeout", "1", "--log-level", "WARNING", *flags]
-        self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})})
-
-    async def get(self, path: str) -> tuple[int, dict | str]:
-        async with self.client.get(self.url + path) as resp:
-            body = await resp.json() if resp.content_type == "application/json" else await resp.text()
-            return resp.status, body
+        common = ["--dns-server", dns.address, "--dns-refresh", str(REFRESH_S), "--probe-interval", "0.5"]
+        common += ["--probe-timeout", "1", "--log-level", "WARNING"]
+        super().__init__(client, *common, *flags, env=env)
 
     async def health(self) -> dict:
         assert self.proc.poll() is None, f"the proxy exited with {self.proc.returncode}"
@@ -113,14 +103,6 @@ class Proxy:
     async def has(self, *wanted: str, without: tuple[str, ...] = ()) -> bool:
         members = await self.members()
         return set(wanted) <= members and not set(without) & members
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
 
 
 class Traffic:

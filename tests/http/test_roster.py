@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import subprocess
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -24,7 +22,7 @@ from epd_proxy.testing.fake_vllm import ECStore, FakeVLLM
 from epd_proxy.testing.redis_server import RedisServer
 from tests.http.polling import eventually
 from tests.media import chat, image
-from tests.serve_process import free_port, serve_command
+from tests.serve_process import ProxyProcess, free_port
 
 KEY = "roster-test-key"
 DEADLINE_S = 20.0
@@ -32,15 +30,11 @@ DEADLINE_S = 20.0
 POLL = {"timeout": DEADLINE_S, "ignoring": (aiohttp.ClientError, TimeoutError)}
 
 
-class Proxy:
+class Proxy(ProxyProcess):
     def __init__(self, client: aiohttp.ClientSession, roster_url: str, *extra: str, workers: int = 1) -> None:
-        self.client = client
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = serve_command(self.port)
-        cmd += ["--dynamic-registration", "--roster", roster_url, "--workers", str(workers), "--log-level", "WARNING"]
-        cmd += ["--probe-interval", "0.2", "--probe-timeout", "1", *extra]
-        self.proc = subprocess.Popen(cmd, env={**os.environ, "ADMIN_API_KEY": KEY})
+        flags = ["--dynamic-registration", "--roster", roster_url, "--workers", str(workers), "--log-level", "WARNING"]
+        flags += ["--probe-interval", "0.2", "--probe-timeout", "1", *extra]
+        super().__init__(client, *flags, env={"ADMIN_API_KEY": KEY})
 
     async def ready(self) -> None:
         async def up() -> bool:
@@ -48,19 +42,6 @@ class Proxy:
             return (await self.get("/health"))[0] == 200
 
         await eventually(up, what=f"proxy on {self.port} answers /health", **POLL)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
-
-    async def get(self, path: str) -> tuple[int, dict | str]:
-        async with self.client.get(self.url + path) as resp:
-            body = await resp.json() if resp.content_type == "application/json" else await resp.text()
-            return resp.status, body
 
     async def register(self, role: str, url: str) -> tuple[int, dict]:
         body = {"role": role, "url": url}
