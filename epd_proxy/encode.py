@@ -59,6 +59,11 @@ class IdMint:
         return f"{request_id}:{first_index}:{self._rng.getrandbits(24):06x}"
 
 
+def encoder_parts(items: Sequence[MediaItem], send_uuid: bool) -> list[dict[str, Any]]:
+    """The group's media parts as the encoder gets them."""
+    return [{**item.part, "uuid": item.uuid} if send_uuid else item.part for item in items]
+
+
 def encoder_body(
     client_body: dict[str, Any],
     items: Sequence[MediaItem],
@@ -68,10 +73,9 @@ def encoder_body(
     consumer_zmq: str | None = None,
 ) -> dict[str, Any]:
     """One user message holding only the group's media, nothing the encoder would have to sample."""
-    content = [{**item.part, "uuid": item.uuid} if send_uuid else item.part for item in items]
     body: dict[str, Any] = {
         "model": client_body.get("model"),
-        "messages": [{"role": "user", "content": content}],
+        "messages": [{"role": "user", "content": encoder_parts(items, send_uuid)}],
         "stream": False,
     }
     for name in FORWARDED_FIELDS:
@@ -556,8 +560,7 @@ def coalesced_payload(works: Sequence[Work], transfer_ids: Sequence[str], send_u
     del shared["messages"]
     pieces: list = [b'{"messages":[{"role":"user","content":[']
     for n, work in enumerate(works):
-        parts = [{**item.part, "uuid": item.uuid} if send_uuid else item.part for item in work.items]
-        written = work.dumps(parts)
+        written = work.dumps(encoder_parts(work.items, send_uuid))
         if not isinstance(written, list):
             written = [written]
         first, last = bytes(written[0]), bytes(written[-1])
