@@ -22,6 +22,7 @@ from epd_proxy import __version__
 from epd_proxy.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE
 from epd_proxy.health import DOWN, EJECTED, HALF_OPEN, HEALTHY
 from epd_proxy.proxy import ProxyState
+from epd_proxy.scheduler import ExpectedFinish
 
 if TYPE_CHECKING:
     from epd_proxy.metrics import Metrics
@@ -70,12 +71,13 @@ def roster(state: ProxyState) -> list[dict[str, Any]]:
 def scheduler(state: ProxyState) -> dict[str, Any]:
     """What the encoder scheduler does and knows: its options and each encoder's learnt speed,
     sub-requests in flight and groups waiting to share one (scheduler.Lane)."""
-    config = state.config
+    policy = state.policies[ENCODE]
+    placing = isinstance(policy, ExpectedFinish)
     return {
-        "policy": config.encode_policy,
-        "affinity": config.encoder_affinity and config.encode_policy == "expected_finish",
-        "adaptive_fan_out": config.adaptive_fan_out and config.encode_policy == "expected_finish",
-        "coalescing": config.coalesce and config.encoder_max_batch_size != 1,
+        "policy": state.config.encode_policy,
+        "affinity": placing and policy.affinity,
+        "adaptive_fan_out": placing and policy.adaptive,
+        "coalescing": state.pipeline.encode.coalesce,
         "encoders": sorted((lane.view() for lane in state.lanes.all()), key=lambda view: view["url"]),
     }
 
@@ -98,8 +100,8 @@ def _totals(metrics: Metrics) -> dict[str, Any]:
     return {
         "requests": sum(requests.values()),
         "status": dict(sorted(requests.items())),
-        "retries": int(sum(s.value for s in _samples(metrics.retries) if s.name.endswith("_total"))),
-        "failovers": int(sum(s.value for s in _samples(metrics.failovers) if s.name.endswith("_total"))),
+        "retries": total(metrics.retries),
+        "failovers": total(metrics.failovers),
         "encoder_subrequests": subrequests,
         "coalesced_subrequests": total(metrics.coalesced),
         "split_retries": total(metrics.split_retries),

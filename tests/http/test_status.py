@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import re
 
+import pytest
+
 from tests.http.polling import eventually
 from tests.media import chat, image
 
@@ -156,3 +158,19 @@ async def test_a_stream_aborted_after_its_200_is_not_a_success(make_stack):
     snap = await status_json(stack)
     assert snap["window"]["status"] == {"aborted": 1}
     assert snap["totals"]["status"] == {"aborted": 1}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ({}, (True, True, True)),
+        ({"encoder_affinity": False, "coalesce": False}, (False, True, False)),
+        ({"adaptive_fan_out": False, "encoder_max_batch_size": 1}, (True, False, False)),
+        ({"encode_policy": "round_robin"}, (False, False, True)),
+    ],
+)
+async def test_the_scheduler_section_says_which_parts_are_on(make_stack, overrides, expected):
+    stack = await make_stack(encoders=2, **overrides)
+    scheduler = (await status_json(stack))["scheduler"]
+    assert (scheduler["affinity"], scheduler["adaptive_fan_out"], scheduler["coalescing"]) == expected
+    assert scheduler["policy"] == overrides.get("encode_policy", "expected_finish")
