@@ -57,7 +57,7 @@ SCHEDULER_GAUGES = (
 def _lane_rows(lanes: Lanes):
     """(encoder url, values in SCHEDULER_GAUGES order, None where not known yet)."""
     for lane in lanes.all():
-        yield lane.url, (lane.item_s, lane.fixed_s, sum(work.size for work in lane.waiting))
+        yield lane.url, (lane.item_s, lane.fixed_s, lane.queued_items)
 
 
 class _LaneCollector:

@@ -219,6 +219,10 @@ class Lane:
         self.item_s = self._t / self._k
         self.fixed_s = PRIOR_FIXED_RATIO * self.item_s
 
+    @property
+    def queued_items(self) -> int:
+        return sum(work.size for work in self.waiting)
+
     def stale(self, now: float) -> bool:
         return self.samples > 0 and self.inflight == 0 and now - self.last_done > STALE_S
 
@@ -230,7 +234,7 @@ class Lane:
             "samples": self.samples,
             "inflight": self.inflight,
             "queued": len(self.waiting),
-            "queued_items": sum(w.size for w in self.waiting),
+            "queued_items": self.queued_items,
             "merge_limit": self.merge_limit,
             "coalescing": self.positions,
             "impatient": self.impatient,
