@@ -540,6 +540,10 @@ class Bench:
         def delta(name: str, key: str, tag: str = "m") -> int:
             return after_stats[name][key].get(tag, 0) - before_stats[name][key].get(tag, 0)
 
+        def moved(name: str, key: str) -> int:
+            """A counter the fake keeps for every phase at once."""
+            return after_stats[name][key] - before_stats[name][key]
+
         block = {
             "round": round_no,
             "measured": len(measured),
@@ -551,14 +555,8 @@ class Bench:
             "encoder_subrequests": sum(delta(e, "requests") for e in encoders),
             "encoder_images": sum(delta(e, "images") for e in encoders),
             # Every phase's (the cache does not know them apart): hits over items encoded.
-            "encoder_cache_hits": sum(after_stats[e]["cache_hits"] - before_stats[e]["cache_hits"] for e in encoders),
-            "encoder_cache_lookups": sum(
-                after_stats[e]["cache_hits"]
-                + after_stats[e]["cache_misses"]
-                - before_stats[e]["cache_hits"]
-                - before_stats[e]["cache_misses"]
-                for e in encoders
-            ),
+            "encoder_cache_hits": sum(moved(e, "cache_hits") for e in encoders),
+            "encoder_cache_lookups": sum(moved(e, "cache_hits") + moved(e, "cache_misses") for e in encoders),
             "pd_requests": delta(pd, "requests"),
             "proxy_rss_samples_mb": rss_samples,
             "pd_embeds": delta(pd, "images"),
