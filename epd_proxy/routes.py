@@ -252,7 +252,7 @@ async def health(request: web.Request) -> web.Response:
     config = state.config
     views = state.health.snapshot(state.fleet.all())
     instances = {view["url"]: {k: v for k, v in view.items() if k != "url"} for view in views}
-    if state.config.dynamic_registration:
+    if config.dynamic_registration:
         roster = state.fleet.snapshot(state.health.in_rotation)
         body = {"proxy": "healthy", "instances": roster, "health": instances}
         if state.roster is not None:

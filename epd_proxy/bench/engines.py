@@ -9,6 +9,7 @@ multimodal processor looked up (`vllm:mm_cache_queries`, one per item whether or
 from __future__ import annotations
 
 import os
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -137,7 +138,6 @@ def scrape_all(engines: list[Engine]) -> dict[str, dict[str, float]]:
 def settled(engines: list[Engine], deadline_s: float = 15.0, every_s: float = 0.25) -> dict[str, dict[str, float]]:
     """A scrape once the request counters have stopped moving: vLLM counts a finished request
     after its answer has gone out, so a scrape right after the last answer can miss it."""
-    import time
 
     def counts(scrape):
         return {name: (m["requests"], m["mm_items"]) for name, m in scrape.items()}
