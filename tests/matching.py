@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from epd_proxy.extract import MediaItem
-from epd_proxy.match import Matches, match_group
+from epd_proxy.journey.extract import MediaItem
+from epd_proxy.journey.match import Matches, match_group
 
 
 def every_item_matched(items: Sequence[MediaItem], metadata: dict[str, Any]) -> Matches:

@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
-from epd_proxy.testing.fake_vllm import ECStore, FakeVLLM
+from epd_proxy.tools.testing.fake_vllm import ECStore, FakeVLLM
 from tests.http.polling import eventually
 
 

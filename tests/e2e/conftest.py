@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from epd_proxy.local.stack import LocalStack, StackConfig
-from epd_proxy.local.supervisor import find_free_port_block, http_ok
+from epd_proxy.tools.local.stack import LocalStack, StackConfig
+from epd_proxy.tools.local.supervisor import find_free_port_block, http_ok
 
 from .e2e_helpers import AUDIO, EPD, PREFILL, comparable
 

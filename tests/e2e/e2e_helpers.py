@@ -16,7 +16,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from epd_proxy.local.supervisor import http_ok
+from epd_proxy.tools.local.supervisor import http_ok
 from tests.http.polling import eventually_sync
 from tests.serve_process import free_port, serve_command
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from epd_proxy.local.stack import LocalStack
+from epd_proxy.tools.local.stack import LocalStack
 
 from .e2e_helpers import (
     LOWERCASE_IDS,
@@ -283,7 +283,7 @@ def test_zz_control_corrupted_kv_changes_the_answer(prefill_stack):
     """Decode really answers from the KV prefill saved: zero it between prefill and decode and the
     answer changes. Its own system prompt keeps even the first block apart from every other test's
     (decode writes what it loads into its prefix cache)."""
-    from epd_proxy.prefill import prefill_request
+    from epd_proxy.journey.prefill import prefill_request
 
     st = prefill_stack
     body = chat_body([], text="Tell me about a quiet lighthouse.")

@@ -11,8 +11,8 @@ import urllib.request
 
 import pytest
 
-from epd_proxy.local.supervisor import find_free_port_block, http_ok
-from epd_proxy.testing.redis_server import RedisServer
+from epd_proxy.tools.local.supervisor import find_free_port_block, http_ok
+from epd_proxy.tools.testing.redis_server import RedisServer
 from tests.http.polling import eventually_sync
 from tests.serve_process import serve_command
 

@@ -14,11 +14,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from epd_proxy.encode import encoder_body
 from epd_proxy.errors import BadRequest
-from epd_proxy.extract import REFERENCE_KINDS, TEXT_TYPES, normalise_request
-from epd_proxy.match import Matches
-from epd_proxy.rewrite import rewrite_request
+from epd_proxy.journey.encode import encoder_body
+from epd_proxy.journey.extract import REFERENCE_KINDS, TEXT_TYPES, normalise_request
+from epd_proxy.journey.match import Matches
+from epd_proxy.journey.rewrite import rewrite_request
 from tests.matching import every_item_matched
 
 pytestmark = pytest.mark.e2e

@@ -1,4 +1,4 @@
-"""The proxy app behind epd_proxy.server's production server class, as `epd-proxy serve` runs it,
+"""The proxy app behind epd_proxy.http.server's production server class, as `epd-proxy serve` runs it,
 over fake E and PD: the `serve_proxy` fixture (see conftest.py)."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
-from epd_proxy import server
-from epd_proxy.app import STATE, create_app
 from epd_proxy.config import Config
-from epd_proxy.testing.fake_vllm import ECStore, FakeVLLM
+from epd_proxy.http import server
+from epd_proxy.http.app import STATE, create_app
+from epd_proxy.tools.testing.fake_vllm import ECStore, FakeVLLM
 
 
 @dataclass
@@ -50,7 +50,7 @@ class Served:
 
 @pytest.fixture
 async def serve_proxy():
-    """The proxy app behind epd_proxy.server (as `epd-proxy serve` runs it) over fake E and PD."""
+    """The proxy app behind epd_proxy.http.server (as `epd-proxy serve` runs it) over fake E and PD."""
     cleanups: list[Callable[[], Awaitable[None]]] = []
 
     async def build(**overrides) -> Served:

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from epd_proxy.backends import Instance
-from epd_proxy.upstream import NoAnswer, Timeouts, Upstream
+from epd_proxy.calls.upstream import NoAnswer, Timeouts, Upstream
+from epd_proxy.fleet.backends import Instance
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"

@@ -11,7 +11,7 @@ import blake3
 import orjson
 import pytest
 
-import epd_proxy.routes as routes_module
+import epd_proxy.http.routes as routes_module
 from tests.media import audio, chat, image
 
 SIZE = {"size": {"shortest_edge": 3136, "longest_edge": 1000000}}

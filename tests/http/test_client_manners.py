@@ -12,9 +12,9 @@ import openai
 import pytest
 from multidict import CIMultiDict
 
-from epd_proxy import server
-from epd_proxy.app import STATE
 from epd_proxy.config import Config
+from epd_proxy.http import server
+from epd_proxy.http.app import STATE
 from tests.media import chat, image
 from tests.serve_process import serve_process
 

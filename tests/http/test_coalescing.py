@@ -15,7 +15,7 @@ import aiohttp
 import orjson
 import pytest
 
-from epd_proxy.app import STATE
+from epd_proxy.http.app import STATE
 from tests.http.polling import eventually
 from tests.media import chat, image
 

@@ -18,8 +18,8 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
-from epd_proxy.testing.dns_server import UnboundServer
-from epd_proxy.testing.fake_vllm import ECStore, FakeVLLM
+from epd_proxy.tools.testing.dns_server import UnboundServer
+from epd_proxy.tools.testing.fake_vllm import ECStore, FakeVLLM
 from tests.http.polling import eventually
 from tests.media import chat, image
 from tests.serve_process import ProxyProcess, free_port

@@ -12,9 +12,9 @@ from aiohttp.test_utils import TestServer
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from epd_proxy.app import create_app
 from epd_proxy.config import Config
-from epd_proxy.testing.fake_vllm import ECStore, FakeVLLM
+from epd_proxy.http.app import create_app
+from epd_proxy.tools.testing.fake_vllm import ECStore, FakeVLLM
 from tests.media import chat, image
 
 

@@ -9,9 +9,9 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
-from epd_proxy.app import create_app
 from epd_proxy.config import Config
-from epd_proxy.testing.fake_vllm import ECStore, FakeVLLM
+from epd_proxy.http.app import create_app
+from epd_proxy.tools.testing.fake_vllm import ECStore, FakeVLLM
 from tests.http.polling import eventually, get_json
 from tests.media import chat, image
 

@@ -15,8 +15,7 @@ import threading
 
 import pytest
 
-from epd_proxy.backends import Instance
-from epd_proxy.upstream import (
+from epd_proxy.calls.upstream import (
     BROKEN,
     HEADERS_TIMEOUT,
     REFUSED_ANSWER,
@@ -25,6 +24,7 @@ from epd_proxy.upstream import (
     Timeouts,
     Upstream,
 )
+from epd_proxy.fleet.backends import Instance
 from tests.http.polling import eventually
 from tests.http.raw_backends import answer, call, echo_tags, failure_of, keep_answering, read_request, tag_of
 

@@ -10,9 +10,9 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
-from epd_proxy.app import create_app
 from epd_proxy.config import Config
-from epd_proxy.testing.fake_vllm import ECStore, FakeVLLM
+from epd_proxy.http.app import create_app
+from epd_proxy.tools.testing.fake_vllm import ECStore, FakeVLLM
 from tests.http.polling import eventually, get_json
 from tests.media import chat, image
 
@@ -178,7 +178,7 @@ async def test_client_disconnect_cancels_backend_calls(make_stack):
     await eventually(lambda: sum(e.cancelled for e in stack.encoders) == 2, what="both sub-requests cancelled")
     assert [e.cancelled for e in stack.encoders] == [1, 1]
     assert stack.pd.requests == []
-    assert all(e.inflight == 0 for e in stack.servers[-1].app[__import__("epd_proxy.app").app.STATE].fleet.all())
+    assert all(e.inflight == 0 for e in stack.servers[-1].app[__import__("epd_proxy.http.app").app.STATE].fleet.all())
 
 
 async def test_client_disconnect_mid_stream_cancels_decode(make_stack):
@@ -196,7 +196,7 @@ async def test_client_disconnect_mid_stream_cancels_decode(make_stack):
 
 
 async def test_request_log_line_in_json(make_stack, caplog):
-    from epd_proxy.logs import JsonFormatter
+    from epd_proxy.ops.logs import JsonFormatter
 
     stack = await make_stack(encoders=2)
     with caplog.at_level(logging.INFO, logger="epd_proxy.request"):

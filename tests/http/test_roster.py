@@ -16,10 +16,10 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
-from epd_proxy.registry import Record, Registry, RegistryError
-from epd_proxy.roster import RedisRoster
-from epd_proxy.testing.fake_vllm import ECStore, FakeVLLM
-from epd_proxy.testing.redis_server import RedisServer
+from epd_proxy.fleet.registry import Record, Registry, RegistryError
+from epd_proxy.fleet.roster import RedisRoster
+from epd_proxy.tools.testing.fake_vllm import ECStore, FakeVLLM
+from epd_proxy.tools.testing.redis_server import RedisServer
 from tests.http.polling import eventually
 from tests.media import chat, image
 from tests.serve_process import ProxyProcess, free_port

@@ -1,4 +1,4 @@
-"""Slow and greedy clients against the proxy's own server (epd_proxy.server), driven with raw sockets."""
+"""Slow and greedy clients against the proxy's own server (epd_proxy.http.server), driven with raw sockets."""
 
 from __future__ import annotations
 

@@ -7,8 +7,8 @@ import hashlib
 
 import orjson
 
-from epd_proxy import routes
-from epd_proxy.extract import parse_request
+from epd_proxy.http import routes
+from epd_proxy.journey.extract import parse_request
 from tests.media import chat
 
 

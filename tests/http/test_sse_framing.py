@@ -11,10 +11,10 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from epd_proxy.app import STATE, create_app
+from epd_proxy.calls.sse import MAX_EVENT_BYTES
 from epd_proxy.config import Config
-from epd_proxy.sse import MAX_EVENT_BYTES
-from epd_proxy.testing.fake_vllm import ECStore, FakeVLLM
+from epd_proxy.http.app import STATE, create_app
+from epd_proxy.tools.testing.fake_vllm import ECStore, FakeVLLM
 from tests.http.polling import eventually
 from tests.media import chat
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-import epd_proxy.routes
-from epd_proxy.app import STATE
+import epd_proxy.http.routes
+from epd_proxy.http.app import STATE
 from tests.http.polling import eventually
 from tests.media import chat, image
 
@@ -176,7 +176,7 @@ async def test_client_leaving_mid_stream_is_a_client_disconnect(make_stack, capl
 
 
 def _held_by_app(snapshot: tracemalloc.Snapshot) -> int:
-    app_file = str(Path(epd_proxy.routes.__file__))
+    app_file = str(Path(epd_proxy.http.routes.__file__))
     return sum(
         stat.size for stat in snapshot.filter_traces([tracemalloc.Filter(True, app_file)]).statistics("filename")
     )

@@ -7,7 +7,7 @@ import hashlib
 import openai
 import pytest
 
-from epd_proxy.testing.fake_vllm import vllm_part_kind
+from epd_proxy.tools.testing.fake_vllm import vllm_part_kind
 from tests.media import chat, image
 
 EMBEDS = {"image_grid_thw": [1, 4, 4]}
@@ -157,8 +157,8 @@ async def test_a_key_that_is_not_utf8_is_a_401_not_a_crash(make_stack):
 async def test_an_authenticated_proxy_shows_its_roster_to_admins_only(make_stack):
     from aiohttp.test_utils import TestServer
 
-    from epd_proxy.app import create_app
     from epd_proxy.config import Config
+    from epd_proxy.http.app import create_app
 
     config = Config(dynamic_registration=True, admin_api_key="adm", api_key="client", probe_interval_s=0)
     server = TestServer(create_app(config))

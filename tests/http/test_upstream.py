@@ -8,8 +8,7 @@ import socket
 
 import pytest
 
-from epd_proxy.backends import Instance
-from epd_proxy.upstream import (
+from epd_proxy.calls.upstream import (
     BROKEN,
     CONNECT_TIMEOUT,
     HEADERS_TIMEOUT,
@@ -20,6 +19,7 @@ from epd_proxy.upstream import (
     NoAnswer,
     Timeouts,
 )
+from epd_proxy.fleet.backends import Instance
 from tests.http.polling import eventually
 from tests.http.raw_backends import OK, call, failure_of, keep_answering, read_request
 

@@ -12,8 +12,8 @@ import random
 import h11
 import pytest
 
-from epd_proxy.backends import Instance
-from epd_proxy.upstream import Timeouts, Upstream
+from epd_proxy.calls.upstream import Timeouts, Upstream
+from epd_proxy.fleet.backends import Instance
 from tests.http.raw_backends import read_request
 
 BIG = bytes(random.Random(7).randrange(256) for _ in range(200_000))

@@ -1,4 +1,4 @@
-"""A stand-in for the backend-call layer (epd_proxy.upstream.Upstream) for unit tests: each backend
+"""A stand-in for the backend-call layer (epd_proxy.calls.upstream.Upstream) for unit tests: each backend
 answers from a script, every call is recorded, and no socket is opened."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Any
 
 import orjson
 
+from epd_proxy.calls.upstream import Limits, NoAnswer, Payload, Timeouts
 from epd_proxy.errors import ErrorAnswer
-from epd_proxy.upstream import Limits, NoAnswer, Payload, Timeouts
 
 SSE = "text/event-stream"
 

@@ -3,7 +3,7 @@ records what the connection and its answer report."""
 
 from __future__ import annotations
 
-from epd_proxy.connection import Connection, Limits
+from epd_proxy.calls.connection import Connection, Limits
 
 
 class Transport:

@@ -13,7 +13,7 @@ from aiohttp import web
 from aiohttp.web_server import Server
 from packaging.requirements import Requirement
 
-from epd_proxy import server
+from epd_proxy.http import server
 
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 

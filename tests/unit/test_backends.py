@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from epd_proxy.backends import Instance
-from epd_proxy.upstream import CONNECT_TIMEOUT, NoAnswer
+from epd_proxy.calls.upstream import CONNECT_TIMEOUT, NoAnswer
+from epd_proxy.fleet.backends import Instance
 
 
 def test_a_timeout_without_a_limit_is_still_described():

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import orjson
 import pytest
 
-from epd_proxy.bench import chat_load, engines, real, real_report
-from epd_proxy.bench.engines import ENCODE, PD, Engine
-from epd_proxy.bench.workload import EARLIER_REPLY, ChatMixSpec, generate_chats
+from epd_proxy.tools.bench import chat_load, engines, real, real_report
+from epd_proxy.tools.bench.engines import ENCODE, PD, Engine
+from epd_proxy.tools.bench.workload import EARLIER_REPLY, ChatMixSpec, generate_chats
 
 # The exposition format vLLM 0.32 serves (names from vllm/v1/metrics/loggers.py), two engines'
 # worth of label sets, as a Prometheus client writes them.

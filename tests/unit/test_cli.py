@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from epd_proxy import __version__
-from epd_proxy.bench.runner import build_parser as bench_parser
 from epd_proxy.cli import add_serve_arguments, main
 from epd_proxy.config import options
-from epd_proxy.local.up import build_parser as up_parser
+from epd_proxy.tools.bench.runner import build_parser as bench_parser
+from epd_proxy.tools.local.up import build_parser as up_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 VALID = ["serve", "--encode-servers-urls", "http://127.0.0.1:1", "--decode-servers-urls", "http://127.0.0.1:2"]

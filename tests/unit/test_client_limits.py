@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from epd_proxy.config import Config, ConfigError
-from epd_proxy.server import ClientLimits, ConnectionGate, GateCounters, HeapTrimmer, PortConnections
+from epd_proxy.http.server import ClientLimits, ConnectionGate, GateCounters, HeapTrimmer, PortConnections
 from tests.unit.test_config import parse
 
 

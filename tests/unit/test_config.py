@@ -229,8 +229,8 @@ def test_a_stage_limit_of_zero_is_none():
 
 
 def test_every_choice_has_an_implementation():
-    from epd_proxy.extract import MEDIA_HASHES
-    from epd_proxy.routing import POLICIES
+    from epd_proxy.fleet.routing import POLICIES
+    from epd_proxy.journey.extract import MEDIA_HASHES
 
     assert set(MEDIA_HASH_NAMES) == set(MEDIA_HASHES)
     assert set(ENCODE_POLICIES) | set(SERVING_POLICIES) <= set(POLICIES)

@@ -10,7 +10,7 @@ import socket
 
 import pytest
 
-from epd_proxy.connection import (
+from epd_proxy.calls.connection import (
     BODY_TOO_LARGE,
     FIELD_TOO_LARGE,
     HEAD_TOO_LARGE,

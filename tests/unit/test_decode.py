@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from epd_proxy.backends import CHAT_PATH, PREFILL_DECODE, Instance
-from epd_proxy.decode import MAX_JSON_ANSWER_BYTES, hold_head, open_decode
+from epd_proxy.calls.upstream import BROKEN, IDLE_TIMEOUT, Limits, NoAnswer, Timeouts
 from epd_proxy.errors import ErrorAnswer
-from epd_proxy.upstream import BROKEN, IDLE_TIMEOUT, Limits, NoAnswer, Timeouts
+from epd_proxy.fleet.backends import CHAT_PATH, PREFILL_DECODE, Instance
+from epd_proxy.journey.decode import MAX_JSON_ANSWER_BYTES, hold_head, open_decode
 from tests.unit.scripted_upstream import Reply, ScriptedUpstream, json_reply, stream_reply
 
 PD = "http://pd"

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from epd_proxy.backends import Instance
 from epd_proxy.config import Config, ConfigError
-from epd_proxy.discovery import Discovery, DnsClient, ResolutionFailed, backend_url, dns_names, resolve
-from epd_proxy.health import Health
-from epd_proxy.registry import REGISTERED, Registry, RegistryError
+from epd_proxy.fleet.backends import Instance
+from epd_proxy.fleet.discovery import Discovery, DnsClient, ResolutionFailed, backend_url, dns_names, resolve
+from epd_proxy.fleet.health import Health
+from epd_proxy.fleet.registry import REGISTERED, Registry, RegistryError
 from tests.http.polling import eventually
 
 

@@ -8,7 +8,7 @@ import blake3
 import pytest
 
 from epd_proxy.errors import BadRequest
-from epd_proxy.extract import canonical_media_url, normalise_request
+from epd_proxy.journey.extract import canonical_media_url, normalise_request
 from tests.media import audio, chat, image, video
 
 EMBEDS = {"image_grid_thw": [1, 4, 4]}

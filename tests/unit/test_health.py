@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from epd_proxy import upstream
-from epd_proxy.backends import Instance
-from epd_proxy.health import DOWN, EJECTED, HALF_OPEN, HEALTHY, Health, counts_against_instance
+from epd_proxy.calls import upstream
+from epd_proxy.fleet.backends import Instance
+from epd_proxy.fleet.health import DOWN, EJECTED, HALF_OPEN, HEALTHY, Health, counts_against_instance
 
 
 class Clock:

@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from epd_proxy.errors import ProxyError
-from epd_proxy.extract import normalise_request
-from epd_proxy.match import Matches, match_group, split_params
+from epd_proxy.journey.extract import normalise_request
+from epd_proxy.journey.match import Matches, match_group, split_params
 from tests.media import chat, image, video
 
 

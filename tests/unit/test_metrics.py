@@ -7,9 +7,9 @@ import warnings
 import pytest
 from prometheus_client import values
 
-from epd_proxy.health import Health
-from epd_proxy.metrics import Metrics
-from epd_proxy.registry import Registry
+from epd_proxy.fleet.health import Health
+from epd_proxy.fleet.registry import Registry
+from epd_proxy.ops.metrics import Metrics
 
 X, Y = "http://x:1", "http://y:1"
 

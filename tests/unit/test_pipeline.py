@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from epd_proxy.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE
+from epd_proxy.calls.upstream import CONNECT_TIMEOUT, HEADERS_TIMEOUT, REFUSED, REFUSED_ANSWER, NoAnswer
 from epd_proxy.config import Config
 from epd_proxy.errors import BadRequest, ErrorAnswer, ProxyError
-from epd_proxy.extract import normalise_request
-from epd_proxy.health import Health
-from epd_proxy.metrics import Metrics
-from epd_proxy.pipeline import DP_RANK_HEADER, ClientBody, Trace
+from epd_proxy.fleet.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE
+from epd_proxy.fleet.health import Health
+from epd_proxy.fleet.registry import Registry
+from epd_proxy.fleet.routing import LeastLoaded, RoundRobin
+from epd_proxy.journey.extract import normalise_request
+from epd_proxy.journey.pipeline import DP_RANK_HEADER, ClientBody, Trace
+from epd_proxy.ops.metrics import Metrics
 from epd_proxy.proxy import build_pipeline
-from epd_proxy.registry import Registry
-from epd_proxy.routing import LeastLoaded, RoundRobin
-from epd_proxy.upstream import CONNECT_TIMEOUT, HEADERS_TIMEOUT, REFUSED, REFUSED_ANSWER, NoAnswer
 from tests.media import chat, image
 from tests.unit.scripted_upstream import Reply, ScriptedUpstream, json_reply, stream_reply
 

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from epd_proxy.extract import normalise_request
-from epd_proxy.plan import plan_groups
+from epd_proxy.journey.extract import normalise_request
+from epd_proxy.journey.plan import plan_groups
 from tests.media import audio, chat, image, video
 
 

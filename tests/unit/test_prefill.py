@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from epd_proxy.backends import CHAT_PATH, PREFILL, Instance
+from epd_proxy.calls.upstream import RESET, NoAnswer, Timeouts
 from epd_proxy.errors import ErrorAnswer, ProxyError
-from epd_proxy.prefill import run_prefill
-from epd_proxy.upstream import RESET, NoAnswer, Timeouts
+from epd_proxy.fleet.backends import CHAT_PATH, PREFILL, Instance
+from epd_proxy.journey.prefill import run_prefill
 from tests.unit.scripted_upstream import Reply, ScriptedUpstream, json_reply
 
 P = "http://prefill"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from epd_proxy.recent import RecentRequests, percentile
-from epd_proxy.trace import Trace
+from epd_proxy.journey.trace import Trace
+from epd_proxy.ops.recent import RecentRequests, percentile
 
 
 class Clock:

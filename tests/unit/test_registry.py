@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from epd_proxy.config import Config, ConfigError
-from epd_proxy.registry import Registry, RegistryError
+from epd_proxy.fleet.registry import Registry, RegistryError
 
 
 def dynamic(**kwargs):

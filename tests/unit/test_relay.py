@@ -6,10 +6,10 @@ import orjson
 import pytest
 from aiohttp.test_utils import make_mocked_request
 
-from epd_proxy.decode import DecodeAnswer
-from epd_proxy.relay import ABORTED, CLIENT_GONE, COMPLETE, relay
-from epd_proxy.sse import MAX_EVENT_BYTES
-from epd_proxy.upstream import BROKEN, IDLE_TIMEOUT, NoAnswer
+from epd_proxy.calls.sse import MAX_EVENT_BYTES
+from epd_proxy.calls.upstream import BROKEN, IDLE_TIMEOUT, NoAnswer
+from epd_proxy.journey.decode import DecodeAnswer
+from epd_proxy.journey.relay import ABORTED, CLIENT_GONE, COMPLETE, relay
 from tests.unit.scripted_upstream import Reply, ScriptedAnswer, json_reply, stream_reply
 
 PD = "http://pd"

@@ -2,10 +2,10 @@ from __future__ import annotations
 
 import copy
 
-from epd_proxy.extract import normalise_request
-from epd_proxy.match import ItemMatch, Matches
-from epd_proxy.prefill import prefill_request
-from epd_proxy.rewrite import flatten_metadata, rewrite_request
+from epd_proxy.journey.extract import normalise_request
+from epd_proxy.journey.match import ItemMatch, Matches
+from epd_proxy.journey.prefill import prefill_request
+from epd_proxy.journey.rewrite import flatten_metadata, rewrite_request
 from tests.media import audio, chat, image, video
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from epd_proxy.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE
 from epd_proxy.config import Config, ConfigError
-from epd_proxy.health import DOWN, HEALTHY, Health
-from epd_proxy.registry import Record, Registry, RegistryError, check_fits
-from epd_proxy.roster import decode_record, encode_record, redacted, split_roster_url
+from epd_proxy.fleet.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE
+from epd_proxy.fleet.health import DOWN, HEALTHY, Health
+from epd_proxy.fleet.registry import Record, Registry, RegistryError, check_fits
+from epd_proxy.fleet.roster import decode_record, encode_record, redacted, split_roster_url
 
 
 def test_prefix_is_ours_and_the_rest_of_the_url_goes_to_the_client():
@@ -136,7 +136,7 @@ async def test_closing_never_hangs_on_a_swallowed_cancellation():
     follower must still stop when the roster is closed."""
     import asyncio
 
-    from epd_proxy.roster import RedisRoster
+    from epd_proxy.fleet.roster import RedisRoster
 
     roster = RedisRoster("redis://127.0.0.1:1/0", ttl_s=60, on_change=lambda records: None, in_rotation=list)
     swallowed = 0

@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from epd_proxy.backends import Instance
-from epd_proxy.routing import ContentAffinity, LeastLoaded, PowerOfTwo, RandomChoice, RoundRobin, make_policy
+from epd_proxy.fleet.backends import Instance
+from epd_proxy.fleet.routing import ContentAffinity, LeastLoaded, PowerOfTwo, RandomChoice, RoundRobin, make_policy
 
 
 def fleet(n):

@@ -7,7 +7,7 @@ import json
 import orjson
 import pytest
 
-from epd_proxy.sse import MAX_HELD_BYTES, Head, Verdict, error_event
+from epd_proxy.calls.sse import MAX_HELD_BYTES, Head, Verdict, error_event
 
 # vLLM's first event (role only) and its GenerationError event, as serving.py writes them.
 ROLE = b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'

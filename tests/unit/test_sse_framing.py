@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from epd_proxy.sse import EventTooLarge, Framer, Head, Verdict, events
+from epd_proxy.calls.sse import EventTooLarge, Framer, Head, Verdict, events
 
 LINE_ENDS = (b"\n", b"\r\n", b"\r")
 line_texts = st.text(alphabet='data: {}"éx,\\', min_size=1, max_size=12).map(str.encode)

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from epd_proxy import upstream
-from epd_proxy.upstream import (
+from epd_proxy.calls import upstream
+from epd_proxy.calls.upstream import (
     BODY_TOO_LARGE,
     HEADERS_TIMEOUT,
     IDLE_TIMEOUT,

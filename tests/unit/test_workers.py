@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from epd_proxy import workers
+from epd_proxy.http import workers
 
 
 def test_a_worker_that_keeps_dying_young_waits_longer_each_time():

@@ -1,0 +1,175 @@
+"""The operator's view: GET /status (one self-contained HTML page) and GET /status.json (its data).
+
+The page has no external resources at all (many clusters are offline) and fills itself from
+/status.json every few seconds. The JSON combines the live roster, a sliding window of recent
+requests (see recent.py) and lifetime totals read from the same Prometheus collectors /metrics
+serves, so the two never disagree.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import re
+from importlib import resources
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from aiohttp import web
+
+from epd_proxy import __version__
+from epd_proxy.fleet.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE
+from epd_proxy.fleet.health import DOWN, EJECTED, HALF_OPEN, HEALTHY
+from epd_proxy.fleet.scheduler import ExpectedFinish
+from epd_proxy.proxy import ProxyState
+
+if TYPE_CHECKING:
+    from epd_proxy.ops.metrics import Metrics
+
+ROLE_ORDER = {ENCODE: 0, PREFILL: 1, DECODE: 2, PREFILL_DECODE: 3}
+
+
+# Health's states in the page's words; a healthy instance with failures piling up is "failing".
+STATE_WORDS = {HEALTHY: "in rotation", HALF_OPEN: "half-open", EJECTED: "ejected", DOWN: "down"}
+
+
+def roster(state: ProxyState) -> list[dict[str, Any]]:
+    """Every member with its health, in the page's vocabulary: the health component's snapshot,
+    read in this one place."""
+    rows = []
+    for view in state.health.snapshot(state.fleet.all()):
+        words = STATE_WORDS.get(view["state"], view["state"])
+        if view["state"] == HEALTHY and (
+            view["consecutive_failures"] or view["consecutive_5xx"] or view["consecutive_gateway_failures"]
+        ):
+            words = "failing"
+        rows.append(
+            {
+                "role": view["role"],
+                "url": view["url"],
+                "state": words,
+                "inflight": view["inflight"],
+                "consecutive_failures": view["consecutive_failures"],
+                "ejections": view["ejections"],
+                "consecutive_5xx": view["consecutive_5xx"],
+                "consecutive_gateway_failures": view["consecutive_gateway_failures"],
+                # Which signal ejected it (transport, 5xx, gateway), while ejected or half-open.
+                "ejection_reason": view["ejection_reason"],
+                # How long it has been out of rotation, and how long until an ejection ends.
+                "out_for_s": view["out_for_s"],
+                "back_in_s": view["ejected_for_s"],
+                "last_probe_age_s": view["last_check_age_s"],
+                "last_probe": view["last_check"],
+                "last_problem": view["last_problem"],
+            }
+        )
+    rows.sort(key=lambda row: (ROLE_ORDER.get(row["role"], 9), row["url"]))
+    return rows
+
+
+def scheduler(state: ProxyState) -> dict[str, Any]:
+    """What the encoder scheduler does and knows: its options and each encoder's learnt speed,
+    sub-requests in flight and groups waiting to share one (scheduler.Lane)."""
+    policy = state.policies[ENCODE]
+    placing = isinstance(policy, ExpectedFinish)
+    return {
+        "policy": state.config.encode_policy,
+        "affinity": placing and policy.affinity,
+        "adaptive_fan_out": placing and policy.adaptive,
+        "coalescing": state.pipeline.encode.coalesce,
+        "encoders": sorted((lane.view() for lane in state.lanes.all()), key=lambda view: view["url"]),
+    }
+
+
+def _samples(metric) -> list:
+    return [sample for family in metric.collect() for sample in family.samples]
+
+
+def _totals(metrics: Metrics) -> dict[str, Any]:
+    """Lifetime counts from the Prometheus collectors themselves."""
+    requests = {s.labels["status"]: int(s.value) for s in _samples(metrics.requests) if s.name.endswith("_total")}
+    subrequests = {
+        s.labels["encoder"]: int(s.value) for s in _samples(metrics.encoder_subrequests) if s.name.endswith("_total")
+    }
+    items = {s.name: s.value for s in _samples(metrics.items_per_subrequest)}
+
+    def total(counter) -> int:
+        return int(sum(s.value for s in _samples(counter) if s.name.endswith("_total")))
+
+    return {
+        "requests": sum(requests.values()),
+        "status": dict(sorted(requests.items())),
+        "retries": total(metrics.retries),
+        "failovers": total(metrics.failovers),
+        "encoder_subrequests": subrequests,
+        "coalesced_subrequests": total(metrics.coalesced),
+        "split_retries": total(metrics.split_retries),
+        "affinity_hits": total(metrics.affinity_hits),
+        "images_per_subrequest": (
+            round(items["epd_encoder_items_per_subrequest_sum"] / items["epd_encoder_items_per_subrequest_count"], 2)
+            if items.get("epd_encoder_items_per_subrequest_count")
+            else None
+        ),
+    }
+
+
+def snapshot(state: ProxyState) -> dict[str, Any]:
+    config = state.config
+    return {
+        "proxy": {
+            "version": __version__,
+            "pid": os.getpid(),
+            "uptime_s": round(state.metrics.recent.uptime_s(), 1),
+            "mode": "dynamic" if config.dynamic_registration else "static",
+            "inflight": state.inflight,
+            "max_inflight": config.max_inflight,
+            "probe_interval_s": config.probe_interval_s,
+            "fail_threshold": config.fail_threshold,
+            "consecutive_5xx": config.consecutive_5xx,
+            "consecutive_gateway_failure": config.consecutive_gateway_failure,
+            "ejection_time_s": config.ejection_time_s,
+        },
+        "roster": roster(state),
+        "scheduler": scheduler(state),
+        "window": state.metrics.recent.summary(),
+        "totals": _totals(state.metrics),
+    }
+
+
+def _load_page() -> tuple[bytes, str]:
+    """The page and a Content-Security-Policy that allows exactly its own inline script and style."""
+    html = resources.files("epd_proxy.http").joinpath("static/status.html").read_text(encoding="utf-8")
+
+    def hashes(tag: str) -> str:
+        blocks = re.findall(rf"<{tag}>(.*?)</{tag}>", html, flags=re.S)
+        return " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(b.encode()).digest()).decode()}'" for b in blocks)
+
+    csp = (
+        f"default-src 'none'; script-src {hashes('script')}; style-src {hashes('style')}; "
+        "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+    )
+    return html.encode(), csp
+
+
+def add_status_routes(app: web.Application, state: ProxyState) -> None:
+    """Open like /metrics: the page shows the fleet's URLs and counts, never request content."""
+    page, csp = _load_page()
+    page_headers = {
+        "Content-Type": "text/html; charset=utf-8",
+        "Content-Security-Policy": csp,
+        "Cache-Control": "no-store",
+        "X-Content-Type-Options": "nosniff",
+    }
+
+    async def status_page(request: web.Request) -> web.Response:
+        return web.Response(body=page, headers=page_headers)
+
+    async def status_json(request: web.Request) -> web.Response:
+        return web.Response(
+            body=orjson.dumps(snapshot(state)),
+            headers={"Content-Type": "application/json", "Cache-Control": "no-store"},
+        )
+
+    app.router.add_get("/status", status_page)
+    app.router.add_get("/status.json", status_json)

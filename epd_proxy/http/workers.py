@@ -1,0 +1,194 @@
+"""`serve`: the proxy's processes. One serves in this process; `--workers N` runs N of them on
+the same port under a supervisor that replaces those that die."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import os
+import signal
+import sys
+import time
+
+from epd_proxy.config import Config
+
+log = logging.getLogger("epd_proxy.workers")
+
+
+def _run_worker(config: Config, log_level: str, reuse_port: bool, connections=None) -> None:
+    # Here, not at the top: cli.py imports this module, and `--help`, `up` and `bench` need none of it.
+    from epd_proxy.http import server
+    from epd_proxy.http.app import create_app
+    from epd_proxy.ops.logs import configure_logging
+
+    configure_logging(log_level, config.log_format, config.log_requests)
+    try:
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    except ImportError:
+        pass
+    app = create_app(config)
+    # Request bodies are trees of dicts freed by reference counting; the cyclic collector only
+    # burns CPU walking them (about a tenth of the proxy's time under load). Freeze what startup
+    # allocated and collect the young generation far less often.
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
+    limits = server.ClientLimits.from_config(config)
+    server.run(app, limits, host=config.host, port=config.port, reuse_port=reuse_port, shared=connections)
+
+
+# The exit status of a worker that could not open the port: another would fail the same way.
+CANNOT_SERVE = 3
+RESTART_DELAY_S = 0.5
+RESTART_DELAY_MAX_S = 30.0
+# A worker that dies after running this long is replaced at once.
+STABLE_RUN_S = 60.0
+
+
+def restart_delay(previous_s: float, ran_s: float) -> float:
+    """Seconds before replacing a worker that died after running `ran_s`, when its predecessor in
+    the same place waited `previous_s` (0 for the first): doubling while each dies young, so a
+    worker that crashes on every start costs a start every 30 s, not a spinning core."""
+    if ran_s >= STABLE_RUN_S:
+        return 0.0
+    return min(max(2 * previous_s, RESTART_DELAY_S), RESTART_DELAY_MAX_S)
+
+
+def _worker(config: Config, log_level: str, connections) -> None:
+    """The body of one `serve --workers` process."""
+    try:
+        _run_worker(config, log_level, True, connections)
+    except OSError as exc:
+        logging.getLogger("epd_proxy").error("cannot serve on %s:%d: %s", config.host, config.port, exc)
+        sys.exit(CANNOT_SERVE)
+
+
+def _how_it_ended(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            return f"was killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"was killed by signal {-exitcode}"
+    return f"exited with status {exitcode}"
+
+
+class _Supervisor:
+    """`serve --workers N`: keeps N workers running until SIGTERM or SIGINT. A worker that dies is
+    replaced (after `restart_delay`), and what it held is given back: its client connections in
+    the port's count, its live gauges in the multiprocess files."""
+
+    def __init__(self, ctx, config: Config, log_level: str, workers: int, connections) -> None:
+        self._ctx, self._config, self._log_level = ctx, config, log_level
+        self._connections = connections
+        self._procs: list = [None] * workers
+        self._started = [0.0] * workers
+        self._delays = [0.0] * workers
+        self._due: dict[int, float] = {}
+        self._stopping = self._failed = False
+        self._wake_r, self._wake_w = os.pipe()
+
+    def stop(self, signum=None, frame=None) -> None:
+        if not self._stopping:
+            self._stopping = True
+            os.write(self._wake_w, b"\0")  # wakes run() whatever it waits for (once: run closes the pipe)
+
+    def run(self) -> None:
+        """Returns once every worker has exited; raises OSError if one could not open the port."""
+        from multiprocessing.connection import wait
+
+        try:
+            for slot in range(len(self._procs)):
+                self._start(slot)
+            while not self._stopping:
+                timeout = max(0.0, min(self._due.values()) - time.monotonic()) if self._due else None
+                wait([p.sentinel for p in self._procs if p is not None] + [self._wake_r], timeout)
+                for slot, proc in enumerate(self._procs):
+                    if proc is not None and proc.exitcode is not None:
+                        self._died(slot, proc)
+                now = time.monotonic()
+                for slot, when in list(self._due.items()):
+                    if when <= now and not self._stopping:
+                        del self._due[slot]
+                        self._start(slot)
+                        log.info("worker %d restarted (pid %d)", slot, self._procs[slot].pid)
+            for proc in self._procs:
+                if proc is not None and proc.is_alive():
+                    proc.terminate()
+            for slot, proc in enumerate(self._procs):
+                if proc is not None:
+                    proc.join()
+                    self._reap(slot, proc)
+        finally:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+        if self._failed:
+            raise OSError("a worker could not open the port (its error is logged above)")
+
+    def _start(self, slot: int) -> None:
+        worker = self._connections.worker(slot)
+        proc = self._ctx.Process(target=_worker, args=(self._config, self._log_level, worker), daemon=False)
+        proc.start()
+        self._procs[slot], self._started[slot] = proc, time.monotonic()
+
+    def _reap(self, slot: int, proc) -> None:
+        from prometheus_client import multiprocess
+
+        self._procs[slot] = None
+        self._connections.release(slot)
+        multiprocess.mark_process_dead(proc.pid)
+
+    def _died(self, slot: int, proc) -> None:
+        self._reap(slot, proc)
+        if self._stopping:
+            return
+        if proc.exitcode == CANNOT_SERVE:
+            self._failed = True
+            self.stop()
+            return
+        ran = time.monotonic() - self._started[slot]
+        delay = self._delays[slot] = restart_delay(self._delays[slot], ran)
+        log.warning(
+            "worker %d (pid %d) %s after %.1f s; starting another in %.1f s",
+            slot,
+            proc.pid,
+            _how_it_ended(proc.exitcode),
+            ran,
+            delay,
+        )
+        self._due[slot] = time.monotonic() + delay
+
+
+def serve(config: Config, log_level: str, workers: int = 1) -> None:
+    if workers <= 1:
+        _run_worker(config, log_level, reuse_port=False)
+        return
+    import multiprocessing
+    import shutil
+    import tempfile
+
+    from epd_proxy.http.server import PortConnections
+    from epd_proxy.ops.logs import configure_logging
+
+    configure_logging(log_level, config.log_format, config.log_requests)
+    # Each worker owns its own state (cursor, pools); the kernel spreads connections. Metrics are
+    # shared through files (prometheus-client's multiprocess mode), so /metrics is one view.
+    metrics_dir = None
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        metrics_dir = tempfile.mkdtemp(prefix="epd-proxy-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    ctx = multiprocessing.get_context("spawn")
+    # --max-client-connections counts the port's connections, whichever worker the kernel picked.
+    lock_fd, lock_path = tempfile.mkstemp(prefix="epd-proxy-connections-")
+    os.close(lock_fd)
+    supervisor = _Supervisor(ctx, config, log_level, workers, PortConnections.create(ctx, workers, lock_path))
+    signal.signal(signal.SIGTERM, supervisor.stop)
+    signal.signal(signal.SIGINT, supervisor.stop)
+    try:
+        supervisor.run()
+    finally:
+        os.unlink(lock_path)
+        if metrics_dir is not None:
+            shutil.rmtree(metrics_dir, ignore_errors=True)

@@ -1,0 +1,311 @@
+"""Step 1: the client's request read once: `parse_request` is the entry, lifting large media out
+of the body first where it can (splice.py), then one normalising pass over what is left.
+
+Every content part gets exactly one kind, decided as the pinned vLLM's chat parser decides it
+(`vllm/renderers/chat_utils.py`, `_parse_chat_message_content_mm_part` in vLLM 0.32): by `type`
+when it names a known part type and the part has no `uuid`, otherwise by the first media key
+present. The proxy adds its own `uuid` to the media it forwards, which switches vLLM to the
+key-based reading, so a part that the two readings would classify differently is refused rather
+than guessed. Later steps (plan, encoder bodies, rewrite) see only what this pass returns: the
+cleaned body and its media items. An item's global index (message order, then content order) is
+the key every later step uses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import blake3
+import orjson
+
+from epd_proxy.errors import BadRequest
+from epd_proxy.journey.dataurl import canonical_media_url
+from epd_proxy.journey.splice import LIFT_MIN_BYTES, Spliced, lift
+
+# Media the proxy disaggregates, by the kind vLLM assigns; `input_image` (Responses-style) is read
+# by vLLM as an image URL and is normalised to an `image_url` part.
+EMBEDS_TYPE = {
+    "image_url": "image_embeds",
+    "audio_url": "audio_embeds",
+    "input_audio": "audio_embeds",
+    "video_url": "video_embeds",
+}
+AUDIO_TYPES = ("audio_url", "input_audio")
+# vLLM's key-based reading tries these keys in this order (a part with no `type`, or with a uuid).
+KEY_ORDER = (
+    "image_url",
+    "image_pil",
+    "image_embeds",
+    "audio_embeds",
+    "video_embeds",
+    "prompt_embeds",
+    "audio_url",
+    "input_audio",
+    "video_url",
+    "tool_reference",
+)
+TEXT_TYPES = frozenset({"text", "input_text", "output_text", "refusal", "thinking"})
+# Parts that make the engine use data the proxy did not see: embeddings (a reference whose hash is
+# not in the encoder cache kills a vLLM consumer engine) and in-process PIL images, which over
+# HTTP can only be empty cache references.
+REFERENCE_KINDS = frozenset({"image_embeds", "audio_embeds", "video_embeds", "prompt_embeds", "image_pil"})
+KNOWN_TYPES = TEXT_TYPES | frozenset(KEY_ORDER) | {"input_image"}
+# Which kind a `type` stands for when deciding whether a part names more than one kind.
+_SAME_KIND = {"input_image": "image_url", **{t: "text" for t in TEXT_TYPES}}
+# Fields only an encoder or a trusted router may set: forged transfer params steer KV/EC pulls.
+ENGINE_ONLY_FIELDS = ("ec_transfer_params", "kv_transfer_params")
+# vLLM copies `vllm_xargs` into the sampling params' extra_args and the engine reads these names
+# from there (vllm/v1/request.py), so they are engine-only inside it too; a string or list there
+# crashes the EC connector's scheduler hooks.
+ENGINE_ONLY_XARGS = (*ENGINE_ONLY_FIELDS, "kv_cache_report_mode")
+
+
+@dataclass(frozen=True, slots=True)
+class MediaItem:
+    index: int
+    kind: str
+    # The part as forwarded: the client's part without its uuid (and `input_image` as `image_url`).
+    part: dict[str, Any]
+    uuid: str
+    message_index: int
+    part_index: int
+
+    @property
+    def is_image(self) -> bool:
+        return self.kind == "image_url"
+
+
+@dataclass(frozen=True, slots=True)
+class NormalisedRequest:
+    # The client's body with client uuids removed; untouched messages are the client's own objects.
+    body: dict[str, Any]
+    items: list[MediaItem]
+
+
+Digest = Callable[[bytes | memoryview], str]
+
+
+def _sha256_hex(data: bytes | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _blake3_hex(data: bytes | memoryview) -> str:
+    return blake3.blake3(data).hexdigest()
+
+
+# `--media-hash`: how the proxy names media for the encoder cache. sha256 is the reference proxy's
+# formula, so both proxies give the same image the same cache key; blake3 is as collision-resistant
+# and about three times cheaper here (the benchmark's floor line), for fleets that no reference proxy shares.
+MEDIA_HASHES: dict[str, Digest] = {"sha256": _sha256_hex, "blake3": _blake3_hex}
+
+
+def media_url(part: dict[str, Any], kind: str) -> str | None:
+    value = part.get(kind)
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        url = value.get("url")
+        if isinstance(url, str):
+            return url
+    return None
+
+
+def content_uuid(
+    part: dict[str, Any],
+    kind: str,
+    lifted: Callable[[str], memoryview | None] | None = None,
+    digest: Digest = _sha256_hex,
+) -> str:
+    """The reference proxy's identity: the hash of the URL, else of the item's sorted JSON.
+
+    Keeping the reference's formula (with sha256, the default) means encoder caches keep their
+    keys in fleets that mix both proxies. It must be content-derived, not request-derived, for
+    cross-request cache reuse. `part` is as forwarded, so its URL is already canonical
+    (`_forwarded_media_part`); `lifted` gives the bytes of URLs still held in the client's buffer
+    (see `splice`), which are hashed in place.
+    """
+    url = media_url(part, kind)
+    if url is None:
+        try:
+            text = json.dumps(part, sort_keys=True)
+        except RecursionError:
+            raise BadRequest(f"a {kind} part nests too deeply to be named") from None
+        return digest(text.encode("utf-8"))
+    data = lifted(url) if lifted is not None else None
+    return digest(data if data is not None else url.encode("utf-8"))
+
+
+def part_kind(part: dict[str, Any], where: str) -> str:
+    """The one kind vLLM gives this part, or a 400 when readings could differ or none applies."""
+    part_type = part.get("type")
+    if part_type is not None and not isinstance(part_type, str):
+        raise BadRequest(f"{where}.type must be a string")
+    keys = [key for key in KEY_ORDER if key in part]
+    named = {_SAME_KIND.get(key, key) for key in keys}
+    if part_type is not None:
+        if part_type not in KNOWN_TYPES:
+            raise BadRequest(
+                f"{where} has the unsupported type {part_type!r}; supported: {', '.join(sorted(KNOWN_TYPES))}"
+            )
+        named.add(_SAME_KIND.get(part_type, part_type))
+    if len(named) > 1:
+        raise BadRequest(
+            f"{where} names more than one kind ({', '.join(sorted(named))}); "
+            "send one kind per part, as vLLM may read it as any of them"
+        )
+    if part_type is not None:
+        return part_type
+    if not keys:
+        raise BadRequest(f"{where} has no 'type' and no media field")
+    return keys[0]
+
+
+def _forwarded_media_part(part: dict[str, Any], kind: str, where: str) -> tuple[str, dict[str, Any]]:
+    """(item kind, the part as the proxy forwards it); a media part without its data is a 400,
+    since vLLM would read it as a data-less cache reference."""
+    if kind == "input_audio":
+        audio = part.get("input_audio")
+        if not isinstance(audio, dict) or not isinstance(audio.get("data"), str) or not audio["data"]:
+            raise BadRequest(f"{where} is 'input_audio' without 'input_audio.data'")
+        return kind, part
+    if kind == "input_image":
+        url = media_url(part, "image_url")
+        if not url:
+            raise BadRequest(f"{where} is 'input_image' without an 'image_url'")
+        return "image_url", {"type": "image_url", "image_url": {"url": canonical_media_url(url)}}
+    url = media_url(part, kind)
+    if not url:
+        raise BadRequest(f"{where} is '{kind}' without a '{kind}.url'")
+    canonical = canonical_media_url(url)
+    if canonical is not url:
+        # Forward the bytes the identity names, so E and PD decode exactly what was hashed.
+        value = part[kind]
+        part = {**part, kind: {**value, "url": canonical} if isinstance(value, dict) else canonical}
+    return kind, part
+
+
+def _check_top_level(body: Any, trust_client_fields: bool) -> list[Any]:
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list")
+    if "stream" in body and not isinstance(body["stream"], bool) and body["stream"] is not None:
+        raise BadRequest("'stream' must be a boolean")
+    if not trust_client_fields:
+        xargs = body.get("vllm_xargs")
+        forged = [name for name in ENGINE_ONLY_FIELDS if body.get(name) is not None]
+        if isinstance(xargs, dict):
+            forged += [f"vllm_xargs.{name}" for name in ENGINE_ONLY_XARGS if name in xargs]
+        if forged:
+            raise BadRequest(
+                f"'{forged[0]}' is set by the proxy, not by clients "
+                "(start the proxy with --trust-client-fields if a trusted router sits in front)"
+            )
+    return messages
+
+
+def normalise_request(
+    body: Any,
+    *,
+    trust_client_fields: bool = False,
+    max_media_items: int = 0,
+    media_hash: str = "sha256",
+    lifted: Callable[[str], memoryview | None] | None = None,
+) -> NormalisedRequest:
+    """Validate, classify every part, strip client uuids (unless trusted) and collect the media.
+
+    Untrusted (the default): embeddings and PIL parts are a 400 whatever their `type`, and no
+    client `uuid` survives, so everything the proxy forwards names only media it hashed itself.
+    Trusted (`--trust-client-fields`, behind a router that sets them): such parts pass through
+    untouched and a client uuid becomes the item's identity, as in the reference proxy.
+    """
+    messages = _check_top_level(body, trust_client_fields)
+    digest = MEDIA_HASHES[media_hash]
+    items: list[MediaItem] = []
+    cleaned_messages: list[Any] | None = None
+    for m, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise BadRequest(f"messages[{m}] must be an object")
+        content = message.get("content")
+        if not isinstance(content, list):
+            continue
+        cleaned_content: list[Any] | None = None
+        for p, part in enumerate(content):
+            if isinstance(part, str):  # vLLM reads a bare string as a text part
+                continue
+            where = f"messages[{m}].content[{p}]"
+            if not isinstance(part, dict):
+                raise BadRequest(f"{where} must be an object or a string")
+            kind = part_kind(part, where)
+            client_uuid = part.get("uuid")
+            if kind in REFERENCE_KINDS:
+                if not trust_client_fields:
+                    raise BadRequest(
+                        f"{where} is read by vLLM as '{kind}': embeddings and cache references are made by "
+                        "the proxy, not sent by clients"
+                    )
+                continue
+            forwarded = part
+            if "uuid" in part and not trust_client_fields:
+                forwarded = {key: value for key, value in part.items() if key != "uuid"}
+            if kind in TEXT_TYPES or kind == "tool_reference":
+                pass
+            else:
+                item_kind, forwarded = _forwarded_media_part(forwarded, kind, where)
+                if max_media_items and len(items) >= max_media_items:
+                    raise BadRequest(f"the request has more than {max_media_items} media items")
+                if trust_client_fields and isinstance(client_uuid, str) and client_uuid:
+                    uuid = client_uuid
+                else:
+                    uuid = content_uuid(forwarded, item_kind, lifted, digest)
+                    if "uuid" in forwarded:  # trusted but unusable: the proxy's identity replaces it
+                        forwarded = {key: value for key, value in forwarded.items() if key != "uuid"}
+                items.append(MediaItem(len(items), item_kind, forwarded, uuid, m, p))
+            if forwarded is not part:
+                if cleaned_content is None:
+                    cleaned_content = list(content)
+                cleaned_content[p] = forwarded
+        if cleaned_content is not None:
+            if cleaned_messages is None:
+                cleaned_messages = list(messages)
+            cleaned_messages[m] = {**message, "content": cleaned_content}
+    cleaned = body if cleaned_messages is None else {**body, "messages": cleaned_messages}
+    return NormalisedRequest(cleaned, items)
+
+
+def parse_json_body(raw: bytes | bytearray) -> Any:
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+
+
+def parse_request(
+    raw: bytes | bytearray,
+    *,
+    trust_client_fields: bool = False,
+    max_media_items: int = 0,
+    media_hash: str = "sha256",
+    lift_min_bytes: int = LIFT_MIN_BYTES,
+) -> tuple[NormalisedRequest, Spliced | None]:
+    """The normalised request and, when the fast path held, the buffer its tokens point into."""
+    options = {
+        "trust_client_fields": trust_client_fields,
+        "max_media_items": max_media_items,
+        "media_hash": media_hash,
+    }
+    lifted = lift(raw, lift_min_bytes)
+    if lifted is not None:
+        skeleton, spliced = lifted
+        try:
+            normalised = normalise_request(orjson.loads(skeleton), **options, lifted=spliced.bytes_of)
+        except (orjson.JSONDecodeError, BadRequest):
+            normalised = None  # the full parse gives the exact error
+        if normalised is not None and spliced.accounts_for(media_url(i.part, i.kind) for i in normalised.items):
+            return normalised, spliced
+    return normalise_request(parse_json_body(raw), **options), None

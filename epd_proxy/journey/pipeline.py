@@ -1,0 +1,250 @@
+"""One request's journey: route → encode (encode.py) → rewrite → prefill → decode, with retries.
+
+Every attempt starts again from the client's untouched body, so a retry never inherits the
+previous attempt's transfer ids, EC handles or KV block ids.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from epd_proxy.calls.upstream import REFUSED_ANSWER, NoAnswer, Payload, Timeouts, Upstream
+from epd_proxy.errors import BadRequest, ErrorAnswer, ProxyError
+from epd_proxy.fleet.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE, Instance
+from epd_proxy.fleet.health import Health, counts_against_instance
+from epd_proxy.fleet.registry import Registry
+from epd_proxy.fleet.routing import RoutingPolicy
+from epd_proxy.fleet.scheduler import Lanes
+from epd_proxy.journey.decode import DecodeAnswer, hold_head, open_decode
+from epd_proxy.journey.encode import EncodeStep
+from epd_proxy.journey.extract import MediaItem
+from epd_proxy.journey.prefill import run_prefill
+from epd_proxy.journey.rewrite import rewrite_request
+from epd_proxy.journey.splice import Spliced
+from epd_proxy.journey.trace import Trace
+from epd_proxy.ops.metrics import Metrics
+
+log = logging.getLogger("epd_proxy.pipeline")
+DP_RANK_HEADER = "X-data-parallel-rank"
+
+
+@dataclass(slots=True)
+class Route:
+    decoder: Instance
+    prefill: Instance | None
+    # The instance whose data-parallel replica is pinned; it alone gets X-data-parallel-rank.
+    pinned: Instance
+    dp_rank: int | None
+    # Where the encoders push (Mooncake): an address of the EC consumer's pinned replica.
+    consumer_zmq: str | None
+
+
+@dataclass(slots=True)
+class ClientBody:
+    """The client's parsed body and its media items, held only while a retry may still need them:
+    a multi-image body is megabytes of base64 that a long stream must not keep alive."""
+
+    body: dict[str, Any] | None
+    items: Sequence[MediaItem] = ()
+    # With splice, the client's buffer the body's media tokens point into (see splice.py).
+    spliced: Spliced | None = None
+
+    def release(self) -> None:
+        self.body = None
+        self.items = ()
+        self.spliced = None
+
+    def dumps(self, obj: Any) -> Payload:
+        """A body for a backend: media go out as the client's own bytes where they were spliced."""
+        try:
+            return self.spliced.dumps(obj) if self.spliced is not None else orjson.dumps(obj)
+        except orjson.JSONEncodeError as exc:
+            # Only the client's own values can be unwritable: JSON nested deeper than orjson
+            # writes (254 levels), which orjson reads (1024) and vLLM might too.
+            raise BadRequest(f"the request cannot be forwarded: it nests too deeply ({exc})") from None
+
+
+def _unavailable(message: str) -> ProxyError:
+    return ProxyError(503, message, stage="route", error_type="service_unavailable")
+
+
+class Pipeline:
+    def __init__(
+        self,
+        fleet: Registry,
+        health: Health,
+        upstream: Upstream,
+        policies: dict[str, RoutingPolicy],
+        metrics: Metrics,
+        *,
+        encode_timeouts: Timeouts,
+        prefill_timeouts: Timeouts,
+        decode_timeouts: Timeouts,
+        decode_retries: int,
+        rewrite: bool,
+        encoder_max_batch_size: int,
+        encoder_failovers: int,
+        lanes: Lanes | None = None,
+        coalesce: bool = True,
+    ) -> None:
+        self.fleet = fleet
+        self.health = health
+        self.upstream = upstream
+        self.policies = policies
+        self.metrics = metrics
+        self.decode_retries = decode_retries
+        self.rewrite = rewrite
+        self.encode = EncodeStep(
+            upstream,
+            metrics,
+            policies[ENCODE],
+            lambda: self.candidates(ENCODE),
+            self._call,
+            timeouts=encode_timeouts,
+            max_batch_size=encoder_max_batch_size,
+            send_uuid=rewrite,
+            failovers=encoder_failovers,
+            lanes=lanes,
+            coalesce=coalesce,
+        )
+        self.prefill_timeouts = prefill_timeouts
+        self.decode_timeouts = decode_timeouts
+
+    def candidates(self, role: str) -> Sequence[Instance]:
+        """The registry's members of a role that health lets take traffic now."""
+        return self.health.available(self.fleet.members(role))
+
+    def decoders(self) -> Sequence[Instance]:
+        """Where a request's answer comes from: combined PD instances first, else split decoders."""
+        return self.candidates(PREFILL_DECODE) or self.candidates(DECODE)
+
+    def choose_route(self, request_id: str) -> Route:
+        keys = (request_id,)
+        candidates = self.decoders()
+        if not candidates:
+            raise _unavailable("no live decode instance")
+        decoder = self.policies[DECODE].choose(candidates, keys)[0]
+        prefill = None
+        if decoder.role == DECODE:
+            prefills = self.candidates(PREFILL)
+            if not prefills:
+                raise _unavailable("no live prefill instance for the standalone decode instance")
+            prefill = self.policies[PREFILL].choose(prefills, keys)[0]
+        # Dynamic mode pins the EC consumer (prefill in E+P+D, else the decoder) as registered;
+        # static mode's replica flags describe the decode servers, as in the reference.
+        pinned = (prefill or decoder) if self.fleet.dynamic else decoder
+        dp_rank = pinned.next_dp_rank() if pinned.dp_size > 1 else None
+        consumer_zmq = pinned.zmq_addrs[dp_rank or 0] if pinned.zmq_addrs else None
+        return Route(decoder, prefill, pinned, dp_rank, consumer_zmq)
+
+    async def _call(self, instance: Instance, call, trace: Trace):
+        """Await a backend call, feeding its outcome to passive outlier detection: a transport
+        failure, or the status the instance answered. Errors the proxy found on its own (an
+        unwritable body, a timeout after connecting) say nothing about the instance."""
+        try:
+            result = await call
+        except NoAnswer as exc:
+            if counts_against_instance(exc.kind):
+                self.health.failed(instance, exc.reason)
+            elif exc.kind == REFUSED_ANSWER:
+                # What it sent is refused as a 502 would be: a gateway failure of that instance.
+                self._answered(instance, 502, exc.reason, trace)
+            raise
+        except ProxyError as exc:
+            if exc.answered is not None:
+                self._answered(instance, exc.answered, exc.message, trace)
+            raise
+        self.health.succeeded(instance)
+        return result
+
+    def _answered(self, instance: Instance, status: int, message: str, trace: Trace) -> None:
+        if status >= 500:
+            if instance.url in trace.charged_5xx:
+                return
+            trace.charged_5xx.add(instance.url)
+        self.health.answered(instance, status, message)
+
+    async def open(self, job: ClientBody, route: Route, trace: Trace) -> DecodeAnswer:
+        """Run attempts until decode commits, then let go of the client's body.
+
+        Committed means a 2xx that is not a stream, or a stream whose first generated event (or
+        its end) has arrived. Another attempt (fresh encode, fresh transfer ids) follows a
+        consumer's 500, or a stream that reports an error in-band before generating anything,
+        which is how vLLM reports the same failure once it has answered 200.
+        """
+        headers = {"x-request-id": trace.request_id, "Content-Type": "application/json"}
+        prefill_headers = decode_headers = headers
+        if route.dp_rank is not None:
+            pinned_headers = {**headers, DP_RANK_HEADER: str(route.dp_rank)}
+            if route.pinned is route.prefill:
+                prefill_headers = pinned_headers
+            else:
+                decode_headers = pinned_headers
+        push_mode = route.consumer_zmq is not None
+        attempts = self.decode_retries + 1
+        attempt = 0
+        while True:
+            attempt += 1
+            trace.attempts = attempt
+            matches = await self.encode.run(job.body, job.items, route.consumer_zmq, trace, job.dumps)
+            prepared = rewrite_request(job.body, job.items, matches, rewrite=self.rewrite, push_mode=push_mode)
+            try:
+                decode_body = prepared
+                if route.prefill is not None:
+                    started = time.perf_counter()
+                    kv = await self._call(
+                        route.prefill,
+                        run_prefill(
+                            self.upstream, route.prefill, prepared, prefill_headers, self.prefill_timeouts, job.dumps
+                        ),
+                        trace,
+                    )
+                    trace.prefill_s += time.perf_counter() - started
+                    if kv:
+                        decode_body = {**prepared, "kv_transfer_params": kv}
+                started = time.perf_counter()
+                answer = await self._call(
+                    route.decoder,
+                    open_decode(
+                        self.upstream, route.decoder, decode_body, decode_headers, self.decode_timeouts, job.dumps
+                    ),
+                    trace,
+                )
+                in_band = None
+                if answer.streaming:
+                    try:
+                        in_band = await self._call(route.decoder, hold_head(answer), trace)
+                    except BaseException:
+                        answer.release()
+                        raise
+                trace.decode_ttfb_s += time.perf_counter() - started
+                if in_band is not None and attempt < attempts:
+                    answer.release()
+                    self._note_retry(trace, "decode", "reported an error in its stream", in_band.get("message"))
+                    continue
+                job.release()
+                return answer
+            except ErrorAnswer as exc:
+                # A consumer answers 500 when an embedding it was promised never arrived:
+                # re-encoding republishes it, so 500 (and only 500) is worth another attempt.
+                if exc.status != 500 or attempt == attempts:
+                    raise
+                self._note_retry(trace, exc.stage, "answered 500", exc.message)
+
+    def _note_retry(self, trace: Trace, stage: str, what: str, message: Any) -> None:
+        self.metrics.retries.labels(stage).inc()
+        log.warning(
+            "request %s: %s %s (%s); re-encoding, attempt %d of %d",
+            trace.request_id,
+            stage,
+            what,
+            str(message)[:200],
+            trace.attempts + 1,
+            self.decode_retries + 1,
+        )

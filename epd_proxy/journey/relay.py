@@ -1,0 +1,92 @@
+"""Step 8: pass decode's answer to the client byte for byte (JSON or SSE), and say how it ended."""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+
+from epd_proxy.calls.sse import EventTooLarge, Framer, error_event
+from epd_proxy.errors import BackendUnreachable, ProxyError
+from epd_proxy.journey.decode import DecodeAnswer
+
+log = logging.getLogger("epd_proxy.relay")
+
+# How a relayed answer ended, for the request log and epd_requests_total.
+COMPLETE, ABORTED, CLIENT_GONE = "complete", "aborted", "client_disconnect"
+# An event vLLM sends when generation failed after its 200. Inside generated text a quote is
+# escaped, so this can only match the start of an error event.
+VLLM_ERROR_EVENT = b'data: {"error"'
+
+
+async def relay(
+    request: web.Request, answer: DecodeAnswer, extra_headers: dict[str, str]
+) -> tuple[web.StreamResponse, str]:
+    """Chunks are forwarded as they arrive, never decoded, so multibyte characters and SSE framing
+    reach the client exactly as vLLM wrote them. A JSON answer is read whole first, so one that
+    breaks off is still a real HTTP error (BackendUnreachable, raised to the caller)."""
+    headers = {"Content-Type": answer.content_type, **extra_headers}
+    if not answer.streaming:
+        body = answer.held + b"".join([chunk async for chunk in answer.chunks])
+        return web.Response(status=answer.status, body=body, headers=headers), COMPLETE
+    response = web.StreamResponse(status=answer.status, headers={**headers, "Cache-Control": "no-cache"})
+    # Only whole events go out, whatever the line ends: if decode breaks off, the error event must
+    # not be glued to half an event the client could not parse.
+    framer = Framer()
+    errored = False
+    try:
+        await response.prepare(request)
+        try:
+            ready = framer.feed(answer.held)
+            if ready:
+                errored = VLLM_ERROR_EVENT in ready
+                await response.write(ready)
+            async for chunk in answer.chunks:
+                ready = framer.feed(chunk)
+                if ready:
+                    errored = errored or VLLM_ERROR_EVENT in ready
+                    await response.write(ready)
+        except BackendUnreachable as exc:
+            return await _end_in_band(response, exc, extra_headers), ABORTED
+        except EventTooLarge as exc:
+            if exc.ready:
+                await response.write(exc.ready)
+            return await _end_in_band(response, _too_large(exc, answer.backend), extra_headers), ABORTED
+        pending = framer.pending
+        if pending:
+            errored = errored or VLLM_ERROR_EVENT in pending
+            await response.write(pending)
+        await response.write_eof()
+    except ConnectionResetError:
+        # aiohttp's ClientConnectionResetError: the client went away while we wrote to it.
+        return response, CLIENT_GONE
+    # vLLM's own error event ends a stream that failed: relayed as sent, counted as aborted.
+    return response, ABORTED if errored else COMPLETE
+
+
+async def _end_in_band(
+    response: web.StreamResponse, failure: ProxyError, extra_headers: dict[str, str]
+) -> web.StreamResponse:
+    """Status 200 is on the wire: the error can only travel in-band, as vLLM sends its own."""
+    log.warning("request %s: %s", extra_headers.get("x-request-id"), failure.message)
+    await response.write(
+        error_event(
+            failure.message,
+            error_type=failure.error_type,
+            code=failure.status,
+            stage=failure.stage,
+            backend=failure.backend,
+        )
+    )
+    await response.write_eof()
+    return response
+
+
+def _too_large(exc: EventTooLarge, backend: str) -> ProxyError:
+    """The event is dropped unread, so memory stays bounded; the decode connection is closed."""
+    return ProxyError(
+        502,
+        f"Decode request failed: an event of its stream is larger than {exc.limit} bytes",
+        stage="decode",
+        backend=backend,
+    )

@@ -1,0 +1,1 @@
+"""Operations: metrics, log formatting, the recent-requests window."""

@@ -1,0 +1,346 @@
+"""Prometheus metrics, owned by the app (one registry per app, so tests never share counters).
+
+With `serve --workers N` every worker writes its counters and histograms to files in a shared
+folder (prometheus-client's multiprocess mode, switched on by `PROMETHEUS_MULTIPROC_DIR`, which
+`cli.serve` sets before the workers start), and `/metrics` adds them all up, so it shows the same
+figures whichever worker answers; series of instances no longer in the fleet are left out.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from epd_proxy.fleet.backends import ENCODE, Instance
+from epd_proxy.fleet.health import EJECTION_REASONS, Health
+from epd_proxy.fleet.registry import Registry
+from epd_proxy.fleet.scheduler import Lanes
+from epd_proxy.ops.recent import RecentRequests
+
+if TYPE_CHECKING:
+    from epd_proxy.fleet.discovery import Discovery
+    from epd_proxy.fleet.roster import Roster
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+ITEM_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
+# Per-instance gauges: name, help, how workers' values combine in multiprocess mode (in-flight
+# counts add up, an instance is up only while every worker routes to it, failures show the worst).
+FLEET_GAUGES = (
+    ("epd_instance_inflight", "Requests in flight per backend instance", "livesum"),
+    ("epd_instance_up", "1 while the instance is in rotation, 0 while ejected or down", "livemin"),
+    ("epd_instance_consecutive_failures", "Consecutive failed health checks or transport errors", "livemax"),
+    ("epd_instance_ejections", "Times passive outlier detection ejected the instance", "livesum"),
+)
+
+
+# Per-encoder gauges of the scheduler (scheduler.Lane), read at scrape time like the fleet's.
+SCHEDULER_GAUGES = (
+    (
+        "epd_encoder_estimated_seconds_per_item",
+        "The scheduler's estimate of an encoder's time per media item, learnt from its answers",
+        "livemax",
+    ),
+    (
+        "epd_encoder_estimated_seconds_per_subrequest",
+        "The scheduler's estimate of an encoder's fixed time per sub-request",
+        "livemax",
+    ),
+    ("epd_encoder_queued_items", "Media items waiting in the proxy to share an encoder sub-request", "livesum"),
+)
+
+
+def _lane_rows(lanes: Lanes):
+    """(encoder url, values in SCHEDULER_GAUGES order, None where not known yet)."""
+    for lane in lanes.all():
+        yield lane.url, (lane.item_s, lane.fixed_s, lane.queued_items)
+
+
+class _LaneCollector:
+    def __init__(self, lanes: Lanes) -> None:
+        self._lanes = lanes
+
+    def collect(self):
+        families = [GaugeMetricFamily(name, text, labels=["encoder"]) for name, text, _ in SCHEDULER_GAUGES]
+        for url, values in _lane_rows(self._lanes):
+            for family, value in zip(families, values):
+                if value is not None:
+                    family.add_metric([url], value)
+        yield from families
+
+
+def _fleet_rows(registry: Registry, health: Health):
+    """(role, url, values in FLEET_GAUGES order) for every current member."""
+    for view in health.snapshot(registry.all()):
+        values = (view["inflight"], 1 if view["in_rotation"] else 0, view["consecutive_failures"], view["ejections"])
+        yield view["role"], view["url"], values
+
+
+class _FleetCollector:
+    """Per-instance gauges read at scrape time, so the hot path never updates them; only current
+    members are reported, so an instance's series vanish when it leaves."""
+
+    def __init__(self, registry: Registry, health: Health) -> None:
+        self._registry = registry
+        self._health = health
+
+    def collect(self):
+        families = [GaugeMetricFamily(name, text, labels=["role", "instance"]) for name, text, _ in FLEET_GAUGES]
+        for role, url, values in _fleet_rows(self._registry, self._health):
+            for family, value in zip(families, values):
+                family.add_metric([role, url], value)
+        yield from families
+
+
+# Labels that name a backend instance, and the role a series with only that label implies.
+_INSTANCE_LABELS = {"instance": None, "encoder": ENCODE, "from_encoder": ENCODE}
+
+
+class _WrittenFiles:
+    """prometheus-client's MultiProcessCollector over the files that hold something. A worker
+    creates its file empty and sizes it a moment later; read in that moment, the empty file fails
+    the whole scrape (prometheus/client_python#1199), and for good if the worker was killed then."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+
+    def collect(self):
+        files = []
+        for name in glob.glob(os.path.join(self._path, "*.db")):
+            try:
+                if os.path.getsize(name):
+                    files.append(name)
+            except OSError:
+                pass  # a dead worker's live gauges, removed meanwhile (mark_process_dead)
+        return MultiProcessCollector.merge(files, accumulate=True)
+
+
+class _CurrentMembersOnly:
+    """Every worker's figures (multiprocess files) without the series of instances that left.
+
+    The files outlive the instances they name and prometheus-client cannot delete a series from
+    them, so this drops them at scrape time instead, as `Metrics.left` does in one process: a
+    series stays only if its instance is a member now, in the role the series names."""
+
+    def __init__(self, every_worker: _WrittenFiles, fleet: Registry) -> None:
+        self._every_worker = every_worker
+        self._fleet = fleet
+
+    def collect(self):
+        roles = {inst.url: inst.role for inst in self._fleet.all()}
+
+        def current(labels: dict[str, str]) -> bool:
+            for name, implied_role in _INSTANCE_LABELS.items():
+                url = labels.get(name)
+                if url is None:
+                    continue
+                role = implied_role or labels.get("role")
+                if url not in roles or (role is not None and roles[url] != role):
+                    return False
+            return True
+
+        for family in self._every_worker.collect():
+            family.samples = [sample for sample in family.samples if current(sample.labels)]
+            yield family
+
+
+class _RosterCollector:
+    """The shared roster store's state (see roster.py), read at scrape time."""
+
+    def __init__(self, roster: Roster) -> None:
+        self._roster = roster
+
+    def collect(self):
+        up = GaugeMetricFamily(
+            "epd_roster_up", "1 while the shared roster store answers; 0 while routing on the last roster read"
+        )
+        up.add_metric([], 1 if self._roster.up else 0)
+        since = GaugeMetricFamily("epd_roster_seconds_since_sync", "Seconds since the roster was last read")
+        seconds = self._roster.seconds_since_sync()
+        if seconds is not None:
+            since.add_metric([], seconds)
+        yield from (up, since)
+
+
+class _DnsCollector:
+    """Each DNS name's last resolution (see discovery.py), read at scrape time: the answering
+    worker's, which resolves on its own like every other."""
+
+    def __init__(self, discovery: Discovery) -> None:
+        self._discovery = discovery
+
+    def collect(self):
+        up = GaugeMetricFamily(
+            "epd_dns_up",
+            "1 while the name's last resolution got an answer, 0 while the last good set is kept",
+            labels=["name"],
+        )
+        addresses = GaugeMetricFamily("epd_dns_addresses", "Addresses the name resolved to last", labels=["name"])
+        since = GaugeMetricFamily(
+            "epd_dns_seconds_since_success", "Seconds since the name last resolved", labels=["name"]
+        )
+        for name, ok, count, seconds in self._discovery.figures():
+            up.add_metric([name], 1 if ok else 0)
+            addresses.add_metric([name], count)
+            if seconds is not None:
+                since.add_metric([name], seconds)
+        yield from (up, addresses, since)
+
+
+class Metrics:
+    def __init__(self, fleet: Registry, health: Health) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("epd_requests", "Chat completion requests by final HTTP status", ["status"], registry=r)
+        self.stage_seconds = Histogram(
+            "epd_stage_seconds",
+            "Time per stage: encode (fan-out to all encoders), prefill, decode_ttfb (until decode's "
+            "response headers), total (until the last byte was relayed)",
+            ["stage"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.encoder_subrequests = Counter(
+            "epd_encoder_subrequests", "Encoder sub-requests sent, by encoder", ["encoder"], registry=r
+        )
+        self.items_per_subrequest = Histogram(
+            "epd_encoder_items_per_subrequest", "Media items per encoder sub-request", buckets=ITEM_BUCKETS, registry=r
+        )
+        self.coalesced = Counter(
+            "epd_encoder_coalesced_subrequests",
+            "Encoder sub-requests that carried items of more than one request, by encoder",
+            ["encoder"],
+            registry=r,
+        )
+        self.split_retries = Counter(
+            "epd_encoder_split_retries",
+            "Coalesced encoder sub-requests that failed and were sent again, each request's items on their own",
+            ["encoder"],
+            registry=r,
+        )
+        self.affinity_hits = Counter(
+            "epd_encoder_affinity_hits",
+            "Media items sent to the encoder that was last sent the same content (where it is cached)",
+            registry=r,
+        )
+        self.retries = Counter(
+            "epd_retries", "Whole-pipeline retries after a consumer HTTP 500, by stage", ["stage"], registry=r
+        )
+        self.failovers = Counter(
+            "epd_encoder_failovers", "Encoder sub-requests retried on another encoder", ["from_encoder"], registry=r
+        )
+        self.ejections = Counter(
+            "epd_ejections",
+            "Ejections by passive outlier detection, by the signal that ejected the instance: transport, "
+            "5xx (5xx answers in a row) or gateway (502/503/504 answers and transport failures in a row)",
+            ["role", "instance", "reason"],
+            registry=r,
+        )
+        health.on_ejection(lambda role, url, reason: self.ejections.labels(role, url, reason).inc())
+        self.dns_failures = Counter(
+            "epd_dns_resolution_failures", "DNS resolutions that got no answer, by name", ["name"], registry=r
+        )
+        self.rejected = Counter("epd_admission_rejected", "Requests refused with 503 by --max-inflight", registry=r)
+        self.backend_refused = Counter(
+            "epd_backend_answers_refused",
+            "Backend answers refused and their connection closed: over a limit (head, header count or "
+            "size, body), a second answer after a complete one, bytes on an idle connection, not HTTP",
+            ["stage", "reason"],
+            registry=r,
+        )
+        parsed = Counter(
+            "epd_request_parse",
+            "Chat requests by how their body was read: splice (media kept as slices of the client's bytes) "
+            "or full (the whole body parsed)",
+            ["path"],
+            registry=r,
+        )
+        self.parsed_spliced, self.parsed_full = parsed.labels("splice"), parsed.labels("full")
+        self._fleet, self._health = fleet, health
+        # Read at scrape time and the same in every worker (read_at_scrape).
+        self._shared_collectors: list = []
+        self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+        if self.multiprocess:
+            # The hot path never touches these: a timer and each scrape publish this worker's view.
+            self._fleet_gauges = [
+                Gauge(name, text, ["role", "instance"], multiprocess_mode=mode, registry=None)
+                for name, text, mode in FLEET_GAUGES
+            ]
+        else:
+            r.register(_FleetCollector(fleet, health))
+        self._per_instance = (self.encoder_subrequests, self.failovers, self.coalesced, self.split_retries)
+        self._lanes: Lanes | None = None
+        self._lane_gauges: list = []
+        fleet.watch(self)
+        # The status page's sliding window of recent requests.
+        self.recent = RecentRequests()
+        # Bound once: a label lookup takes a lock and a dict probe on every request otherwise.
+        self.stage = {name: self.stage_seconds.labels(name) for name in ("encode", "prefill", "decode_ttfb", "total")}
+
+    # -- membership events: label series of an instance that left are dropped, so they stay bounded
+    def joined(self, inst: Instance) -> None:
+        pass
+
+    def rejoined(self, inst: Instance) -> None:
+        pass
+
+    def left(self, inst: Instance) -> None:
+        if self.multiprocess:
+            return  # the files cannot forget a series; the scrape leaves it out (_CurrentMembersOnly)
+        labels = [(family, (inst.url,)) for family in self._per_instance]
+        labels += [(self.ejections, (inst.role, inst.url, reason)) for reason in EJECTION_REASONS]
+        for family, values in labels:
+            try:
+                family.remove(*values)
+            except KeyError:
+                pass  # never labelled with it (prometheus_client before 0.20 raises for that)
+
+    def watch_lanes(self, lanes: Lanes) -> None:
+        """The scheduler's per-encoder estimates and queues (see scheduler.py)."""
+        self._lanes = lanes
+        if self.multiprocess:
+            self._lane_gauges = [
+                Gauge(name, text, ["encoder"], multiprocess_mode=mode, registry=None)
+                for name, text, mode in SCHEDULER_GAUGES
+            ]
+        else:
+            self.registry.register(_LaneCollector(lanes))
+
+    def watch_roster(self, roster: Roster) -> None:
+        self.read_at_scrape(_RosterCollector(roster))
+
+    def watch_dns(self, discovery: Discovery) -> None:
+        self.read_at_scrape(_DnsCollector(discovery))
+
+    def read_at_scrape(self, collector) -> None:
+        """A collector of figures that are the same whichever worker is asked (state every worker
+        reads, such as the shared roster or the port's connection count), so they never go
+        through the multiprocess files."""
+        self.registry.register(collector)
+        self._shared_collectors.append(collector)
+
+    def publish_fleet(self) -> None:
+        """Multiprocess mode: write this worker's view of the fleet where every worker's scrape
+        reads it."""
+        for role, url, values in _fleet_rows(self._fleet, self._health):
+            for gauge, value in zip(self._fleet_gauges, values):
+                gauge.labels(role, url).set(value)
+        if self._lanes is not None:
+            for url, values in _lane_rows(self._lanes):
+                for gauge, value in zip(self._lane_gauges, values):
+                    if value is not None:
+                        gauge.labels(url).set(value)
+
+    def render(self) -> bytes:
+        if not self.multiprocess:
+            return generate_latest(self.registry)
+        self.publish_fleet()
+        every_worker = CollectorRegistry()
+        every_worker.register(_CurrentMembersOnly(_WrittenFiles(os.environ["PROMETHEUS_MULTIPROC_DIR"]), self._fleet))
+        for collector in self._shared_collectors:
+            every_worker.register(collector)
+        return generate_latest(every_worker)

