@@ -11,7 +11,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from epd_proxy.config import Config
-from epd_proxy.http.app import create_app
+from epd_proxy.http.app import STATE, create_app
 from epd_proxy.tools.testing.fake_vllm import ECStore, FakeVLLM
 from tests.http.polling import eventually, get_json
 from tests.media import chat, image
@@ -178,7 +178,7 @@ async def test_client_disconnect_cancels_backend_calls(make_stack):
     await eventually(lambda: sum(e.cancelled for e in stack.encoders) == 2, what="both sub-requests cancelled")
     assert [e.cancelled for e in stack.encoders] == [1, 1]
     assert stack.pd.requests == []
-    assert all(e.inflight == 0 for e in stack.servers[-1].app[__import__("epd_proxy.http.app").app.STATE].fleet.all())
+    assert all(e.inflight == 0 for e in stack.servers[-1].app[STATE].fleet.all())
 
 
 async def test_client_disconnect_mid_stream_cancels_decode(make_stack):
