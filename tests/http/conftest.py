@@ -10,8 +10,8 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
-from epd_proxy.http import server as server_module
 from epd_proxy.config import Config
+from epd_proxy.http import server as server_module
 from epd_proxy.http.app import create_app
 from epd_proxy.tools.testing.fake_vllm import ECStore, FakeVLLM
 from tests.http.production_server import serve_proxy  # noqa: F401 (fixture)
