@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands.add_parser(
         "bench",
-        help="benchmark the proxy on a multi-image load against fakes (needs the 'bench' extra)",
+        help="benchmark the proxy on a multi-image load against fakes, or real vLLM engines with --stack "
+        "(needs the 'bench' extra)",
         add_help=False,
     )
     return parser

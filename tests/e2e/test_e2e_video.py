@@ -137,7 +137,7 @@ def test_video_options_reach_the_encoders(stack, fidelity):
 
 def test_up_video_example_request_is_answered(stack):
     """The request `epd-proxy up --model-kind video` writes works against the real stack."""
-    got = chat_ok(stack.proxy_url, example_body("video", stack.model_name, tiny=True))
+    got = chat_ok(stack.proxy_url, example_body("video", stack.model_name))
     assert text_of(got) and set(text_of(got)) <= set("abcdefghijklmnopqrstuvwxyz")
 
 
