@@ -204,7 +204,7 @@ class Option:
     # The `--help` section; None: the parser's own options.
     group: str | None = None
     metavar: str | None = None
-    # How the default reads, when not as the value itself.
+    # How the default reads, when not as the value itself: a value, or a sentence with spaces.
     shown: str | None = None
 
     @property
@@ -259,7 +259,8 @@ def from_sources(declared: type, given: Mapping[str, Any], env: Mapping[str, str
 def shown_default(default: Any, declared: Option) -> tuple[str, bool]:
     """How an option's default reads, and whether that is a literal value (set in code in a table)."""
     if declared.shown is not None:
-        return declared.shown, True
+        # A value (`none`, a path) is code; a sentence is not.
+        return declared.shown, " " not in declared.shown
     if isinstance(declared.kind, Switch):
         return "off", False
     if declared.kind.repeatable and default == ():
