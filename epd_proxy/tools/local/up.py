@@ -88,8 +88,9 @@ def example_part(kind: str) -> dict:
 
 
 def example_body(kind: str, model: str) -> dict:
-    # The tiny models' seeded random weights answer in nonsense letters; greedy sampling makes that
-    # answer the same on every run, so a changed answer means a changed path, not chance.
+    # The tiny models' seeded random weights answer in byte noise, whatever is asked; greedy
+    # sampling at least makes it the same noise on every run, so a changed answer means a changed
+    # path, not chance.
     content = [{"type": "text", "text": EXAMPLE_QUESTION[kind]}, example_part(kind)]
     return {"model": model, "max_tokens": 16, "temperature": 0, "messages": [{"role": "user", "content": content}]}
 
