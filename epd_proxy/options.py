@@ -250,9 +250,10 @@ def from_sources(declared: type, given: Mapping[str, Any], env: Mapping[str, str
             if not text:
                 continue
         try:
-            values[name] = option_.kind.parse(text)
+            parsed = option_.kind.parse(text)
         except ValueError as exc:
             raise ConfigError(f"{option_.env}: {exc}") from None
+        values[name] = (parsed,) if option_.kind.repeatable else parsed
     return declared(**values)
 
 

@@ -41,7 +41,7 @@ class Made:
     wait_s: float | None = option(None, Seconds(), "seconds", flag="--wait", shown="forever")
     loud: bool = option(False, Switch(), "say more", flag="--loud")
     quiet: bool = option(True, Switch(False), "say less", flag="--no-quiet")
-    tags: tuple[str, ...] = option((), Texts(), "a tag (repeatable)", flag="--tag")
+    tags: tuple[str, ...] = option((), Texts(), "a tag (repeatable)", flag="--tag", env="MADE_TAG")
     words: tuple[str, ...] = option((), Words(), "extra words", flag="--words")
     home: Path = option(Path("work/made"), Folder(), "a folder", flag="--home")
     secret: str = option("", Text(), "read only from the environment", env="MADE_SECRET")
@@ -76,6 +76,8 @@ def test_flag_wins_over_env_which_wins_over_default():
     assert parse("--size", "6", env={"MADE_SIZE": "5"}).size == 6
     assert parse(env={"MADE_SIZE": "  "}).size == 3, "an empty variable is unset"
     assert parse(env={"MADE_SECRET": " k "}).secret == " k ", "text is taken as written"
+    assert parse(env={"MADE_TAG": "a"}).tags == ("a",), "a repeatable flag's variable is one value"
+    assert parse("--tag", "b", env={"MADE_TAG": "a"}).tags == ["b"]
 
 
 def test_every_kind_parses_its_text():
@@ -130,6 +132,7 @@ def test_help_shows_each_default_once_in_its_section():
 def test_shown_defaults():
     declared = {name: (default, option_) for name, default, option_ in options(Made)}
     assert shown_default(*declared["tags"]) == ("none", False)
+    assert shown_default(*declared["wait_s"]) == ("forever", True), "a one-word default reads as a value"
     assert shown_default(*declared["words"]) == ("empty", False)
     assert shown_default(*declared["home"]) == ("work/made", True)
     assert shown_default(*declared["loud"]) == ("off", False)
