@@ -283,7 +283,7 @@ def plain(markdown: str) -> str:
 def flag_help(default: Any, declared: Option) -> str:
     text = plain(declared.help)
     if not isinstance(declared.kind, Switch):
-        shown, _ = shown_default(default, declared)
+        shown = plain(shown_default(default, declared)[0])
         text += f" (default: ${declared.env} or {shown})" if declared.env else f" (default: {shown})"
     return text.replace("%", "%%")
 
