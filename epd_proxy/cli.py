@@ -6,23 +6,11 @@ import argparse
 import importlib.util
 import os
 import sys
-import textwrap
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from epd_proxy import __version__
-from epd_proxy.config import (
-    GROUPS,
-    Config,
-    ConfigError,
-    Kind,
-    Option,
-    Switch,
-    from_sources,
-    options,
-    plain,
-    shown_default,
-)
+from epd_proxy import options as options_module
+from epd_proxy.config import GROUPS, Config, ConfigError, options
 from epd_proxy.http.workers import serve
 
 DESCRIPTION = """\
@@ -43,64 +31,15 @@ EXTRAS = {
 }
 
 
-def _flag_help(default: Any, declared: Option) -> str:
-    text = plain(declared.help)
-    if not isinstance(declared.kind, Switch):
-        shown, _ = shown_default(default, declared)
-        text += f" (default: ${declared.env} or {shown})" if declared.env else f" (default: {shown})"
-    return text.replace("%", "%%")
-
-
-def _environment() -> str:
-    """The variables `serve` reads, for the end of its --help."""
-    lines = ["environment:"]
-    for _, default, declared in options():
-        if declared.env is None:
-            continue
-        if declared.flag:
-            text = f"{declared.flag} when the flag is not given"
-        else:
-            text = f"{plain(declared.help)} (default: {shown_default(default, declared)[0]})"
-        first, *rest = textwrap.wrap(text, 64)
-        lines.append(f"  {declared.env:<30}{first}")
-        lines.extend(" " * 32 + line for line in rest)
-    return "\n".join(lines)
-
-
-def _argument_type(kind: Kind):
-    """The option's own parse, its complaint shown as argparse shows a bad value."""
-
-    def parse(text: str) -> Any:
-        try:
-            return kind.parse(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    return parse
-
-
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per declared option. A flag not given stays out of the namespace, so that its
-    environment variable, then its default, apply (config.from_sources)."""
-    groups = {title: parser.add_argument_group(title) for title in GROUPS}
-    for name, default, declared in options():
-        if declared.flag is None:
-            continue
-        common = {"dest": name, "default": argparse.SUPPRESS, "help": _flag_help(default, declared)}
-        if isinstance(declared.kind, Switch):
-            groups[declared.group].add_argument(
-                declared.flag, action="store_const", const=declared.kind.value, **common
-            )
-        else:
-            metavar = declared.metavar or declared.kind.metavar
-            groups[declared.group].add_argument(
-                declared.flag, type=_argument_type(declared.kind), metavar=metavar, **common
-            )
+    options_module.add_arguments(parser, [Config], GROUPS)
 
 
 def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> Config:
     flags = {name for name, _, declared in options() if declared.flag}
-    return from_sources({name: value for name, value in vars(args).items() if name in flags}, env)
+    return options_module.from_sources(
+        Config, {name: value for name, value in vars(args).items() if name in flags}, env
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help=serve_help,
         description=f"{serve_help}.",
-        epilog=f"{_environment()}\n\n{ENDPOINTS}",
+        epilog=f"{options_module.environment_help(Config)}\n\n{ENDPOINTS}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_serve_arguments(serve_parser)
@@ -126,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands.add_parser(
         "bench",
-        help="benchmark the proxy on a multi-image load against fakes (needs the 'bench' extra)",
+        help="benchmark the proxy on a multi-image load against fakes, or real vLLM engines with --stack "
+        "(needs the 'bench' extra)",
         add_help=False,
     )
     return parser

@@ -1,255 +1,30 @@
-"""The one configuration object. Each field declares its option once (flag, environment variable,
-kind, help); the command line (cli.py), the README's option table and every check come from that.
-
-A value is checked once, here, whichever way it arrived: the command line only turns text into
-values, so a flag out of its limits and a field set out of its limits in code fail with the same
-message. `python -m epd_proxy.config` prints the README's table.
-"""
+"""`serve`'s options, each declared once on a field of `Config` (options.py says how), and the rules
+that involve several of them. `python -m epd_proxy.config` prints the README's table."""
 
 from __future__ import annotations
 
-import ipaddress
-import math
-import re
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar
-from urllib.parse import urlsplit
+from dataclasses import dataclass
+from typing import Any
 
-# The names a user may pick. Their implementations (extract.MEDIA_HASHES, routing.POLICIES) are
-# keyed by them; declared here so that the configuration depends on no component.
+from epd_proxy import options as options_module
+from epd_proxy.addresses import CommaList, Server, is_dns
+from epd_proxy.options import Choice, ConfigError, Count, Kind, Number, Option, Seconds, Switch, Text
+
+# Names a user may pick, here so that the configuration needs no component (which keys them by these).
 MEDIA_HASH_NAMES = ("sha256", "blake3")
 ENCODE_POLICIES = ("expected_finish", "round_robin", "least_loaded", "content_affinity", "random", "power_of_two")
 SERVING_POLICIES = ("least_loaded", "power_of_two", "round_robin", "random")
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 ROSTER_SCHEMES = ("redis", "rediss", "unix")
-# A role's instances found through DNS (discovery.py): `dns://host:port` (A and AAAA records, one
-# port for all) or `dns+srv://name` (SRV records, which carry the ports).
-DNS_SCHEMES = ("dns", "dns+srv")
-
-# The groups of `epd-proxy serve --help`, in this order.
 REFERENCE = "reference proxy flags (same meaning as vLLM's disagg_epd_proxy.py)"
 OURS = "epd-proxy flags"
 CLIENTS = "client side (slow and greedy clients)"
-GROUPS = (REFERENCE, OURS, CLIENTS)
-
-_DISABLED_PREFILL = {"", "none", "disable", "disabled"}
+GROUPS = (REFERENCE, OURS, CLIENTS)  # the sections of `epd-proxy serve --help`, in this order
 
 
-class ConfigError(ValueError):
-    """A configuration that cannot serve traffic; raised at startup, never per request."""
-
-
-def is_dns(entry: str) -> bool:
-    return entry.split("://", 1)[0] in DNS_SCHEMES
-
-
-def dns_problem(entry: str) -> str | None:
-    parts = urlsplit(entry)
-    try:
-        port = parts.port
-    except ValueError:
-        return f"{entry!r} has an invalid port"
-    if not parts.hostname or parts.path or parts.query or parts.fragment or parts.username:
-        return f"{entry!r} is not a DNS name: dns://host:port or dns+srv://name"
-    if parts.scheme == "dns" and port is None:
-        return f"{entry!r} needs a port (dns://host:port), or SRV records that carry one (dns+srv://name)"
-    if parts.scheme == "dns+srv" and port is not None:
-        return f"{entry!r}: SRV records carry the ports; drop :{port}"
-    return None
-
-
-def split_server(text: str) -> tuple[str, int]:
-    """`--dns-server`: an IP address with an optional port (53), IPv6 in brackets."""
-    parts = urlsplit(f"//{text}")
-    host, port = parts.hostname, parts.port or 53  # ValueError on a bad port
-    try:
-        ipaddress.ip_address(host or "")
-    except ValueError:
-        raise ValueError(f"must be an IP address with an optional :port, got {text!r}") from None
-    return host, port
-
-
-def split_urls(value: str | None) -> tuple[str, ...]:
-    if value is None or value.strip().lower() in _DISABLED_PREFILL:
-        return ()
-    return tuple(url.strip().rstrip("/") for url in value.split(",") if url.strip())
-
-
-class Kind:
-    """What an option's text means (`parse`, which raises ValueError on text that is not of the
-    kind) and which values it takes (`problem`, None when the value is fine)."""
-
-    metavar: ClassVar[str] = "TEXT"
-    # Text is taken as written (a key may hold spaces); other kinds strip it, and an empty
-    # environment variable counts as unset.
-    verbatim: ClassVar[bool] = False
-
-    def parse(self, text: str) -> Any:
-        return text
-
-    def problem(self, value: Any) -> str | None:
-        return None
-
-
-@dataclass(frozen=True)
-class Text(Kind):
-    # When set, a non-empty value must be a URL with one of these schemes.
-    schemes: tuple[str, ...] = ()
-    verbatim: ClassVar[bool] = True
-
-    def problem(self, value: str) -> str | None:
-        if value and self.schemes and value.split("://", 1)[0] not in self.schemes:
-            names = [f"{scheme}://" for scheme in self.schemes]
-            return f"must be a {', '.join(names[:-1])} or {names[-1]} URL, got {value!r}"
-        return None
-
-
-@dataclass(frozen=True)
-class Server(Kind):
-    metavar: ClassVar[str] = "IP[:PORT]"
-
-    def problem(self, value: str) -> str | None:
-        try:
-            _ = value and split_server(value)
-        except ValueError as exc:
-            return str(exc)
-        return None
-
-
-@dataclass(frozen=True)
-class Switch(Kind):
-    """A flag without a value: giving it sets the field to `value`."""
-
-    value: bool = True
-
-
-@dataclass(frozen=True)
-class Count(Kind):
-    minimum: int = 0
-    maximum: int | None = None
-    metavar: ClassVar[str] = "N"
-
-    def parse(self, text: str) -> int:
-        try:
-            return int(text)
-        except ValueError:
-            raise ValueError(f"expected an integer, got {text!r}") from None
-
-    def problem(self, value: int) -> str | None:
-        if self.maximum is not None and not self.minimum <= value <= self.maximum:
-            return f"must be within {self.minimum}..{self.maximum}, got {value}"
-        if value < self.minimum:
-            return f"must be >= {self.minimum}, got {value}"
-        return None
-
-
-@dataclass(frozen=True)
-class Number(Kind):
-    """Seconds, any value: what a negative one means is the option's to say."""
-
-    metavar: ClassVar[str] = "SECONDS"
-
-    def parse(self, text: str) -> float:
-        try:
-            number = float(text)
-        except ValueError:
-            number = math.nan
-        if math.isnan(number):
-            raise ValueError(f"expected a number of seconds, got {text!r}")
-        return number
-
-
-@dataclass(frozen=True)
-class Seconds(Number):
-    # 0 refused; with `zero_is_none`, a 0 on the command line means no limit (None).
-    positive: bool = False
-    zero_is_none: bool = False
-
-    def parse(self, text: str) -> float | None:
-        number = super().parse(text)
-        return None if self.zero_is_none and number == 0 else number
-
-    def problem(self, value: float | None) -> str | None:
-        if self.zero_is_none:
-            if value is None or value > 0:
-                return None
-            if value == 0:
-                return "must be > 0 seconds, or None for no limit, got 0"
-            return f"must be >= 0 seconds (0 = none), got {value:g}"
-        if value < 0 or (value == 0 and self.positive):
-            return f"must be {'> 0' if self.positive else '>= 0'} seconds, got {value:g}"
-        return None
-
-
-@dataclass(frozen=True)
-class Choice(Kind):
-    choices: tuple[str, ...]
-    upper: bool = False  # any case on the command line
-
-    @property
-    def metavar(self) -> str:
-        return "{" + ",".join(self.choices) + "}"
-
-    def parse(self, text: str) -> str:
-        return text.upper() if self.upper else text
-
-    def problem(self, value: str) -> str | None:
-        if value not in self.choices:
-            return f"invalid choice: {value!r} (choose from {', '.join(self.choices)})"
-        return None
-
-
-@dataclass(frozen=True)
-class CommaList(Kind):
-    """A comma list; `none`, `disable` or empty is the empty list."""
-
-    http_urls: bool = True
-    metavar: ClassVar[str] = "URLS"
-
-    def parse(self, text: str) -> tuple[str, ...]:
-        return split_urls(text)
-
-    def problem(self, value: tuple[str, ...]) -> str | None:
-        # Here so that a typo is a usage error at startup, not a failure on the first request.
-        for url in value if self.http_urls else ():
-            if is_dns(url):
-                if problem := dns_problem(url):
-                    return problem
-                continue
-            parts = urlsplit(url)
-            if parts.scheme not in ("http", "https") or not parts.hostname:
-                return f"{url!r} is not an http:// or https:// URL with a host"
-            try:
-                _ = parts.port
-            except ValueError:
-                return f"{url!r} has an invalid port"
-        return None
-
-
-@dataclass(frozen=True, slots=True)
-class Option:
-    kind: Kind
-    # Markdown, for the README; `--help` shows it without the markup.
-    help: str
-    flag: str | None = None
-    env: str | None = None
-    group: str = OURS
-    metavar: str | None = None
-    # How the default reads, when not as the value itself.
-    shown: str | None = None
-
-    @property
-    def label(self) -> str:
-        """How an error names the option."""
-        if self.flag and self.env:
-            return f"argument {self.flag} (or {self.env})"
-        return f"argument {self.flag}" if self.flag else self.env or ""
-
-
-def option(default: Any, kind: Kind, help: str, **declaration: Any) -> Any:
-    return field(default=default, metadata={"option": Option(kind, help, **declaration)})
+def option(default: Any, kind: Kind, help: str, **declaration: Any) -> Any:  # in `OURS` unless told
+    return options_module.option(default, kind, help, **{"group": OURS, **declaration})
 
 
 @dataclass(frozen=True, slots=True)
@@ -605,9 +380,7 @@ class Config:
     )
 
     def __post_init__(self) -> None:
-        for name, _, declared in options():
-            if problem := declared.kind.problem(getattr(self, name)):
-                raise ConfigError(f"{declared.label}: {problem}")
+        options_module.check(self)
         self._check_topology()
 
     def _check_topology(self) -> None:
@@ -663,57 +436,13 @@ class Config:
 
 
 def options() -> list[tuple[str, Any, Option]]:
-    """Every option as (field name, default, declaration), in the order of the fields."""
-    return [(item.name, item.default, item.metadata["option"]) for item in fields(Config)]
-
-
-def from_sources(given: Mapping[str, Any], env: Mapping[str, str]) -> Config:
-    """The Config of a command line: `given` (field name to value) wins over an option's
-    environment variable, which wins over its default."""
-    values = dict(given)
-    for name, _, declared in options():
-        if name in values or declared.env is None or (text := env.get(declared.env)) is None:
-            continue
-        if not declared.kind.verbatim:
-            text = text.strip()
-            if not text:
-                continue
-        try:
-            values[name] = declared.kind.parse(text)
-        except ValueError as exc:
-            raise ConfigError(f"{declared.env}: {exc}") from None
-    return Config(**values)
-
-
-def shown_default(default: Any, declared: Option) -> tuple[str, bool]:
-    """How an option's default reads, and whether that is a literal value (set in code in the README)."""
-    if declared.shown is not None:
-        return declared.shown, True
-    if isinstance(declared.kind, Switch):
-        return "off", False
-    if default in ("", ()):
-        return "empty", False
-    if isinstance(default, float) and default.is_integer():
-        return str(int(default)), True
-    return str(default), True
-
-
-def plain(markdown: str) -> str:
-    """An option's help without its Markdown: links keep their text, code loses its backticks."""
-    return re.sub(r"\[([^]]+)\]\([^)]*\)", r"\1", markdown).replace("`", "")
+    """Every option of `serve` as (field name, default, declaration), in the order of the fields."""
+    return options_module.options(Config)
 
 
 def markdown_table() -> str:
     """The README's table of `epd-proxy serve` options."""
-    rows = ["| Flag / env | Default | Meaning |", "|---|---|---|"]
-    for _, default, declared in options():
-        names = [f"`{declared.flag}`"] if declared.flag else []
-        if declared.env:
-            names.append(f"env `{declared.env}`")
-        text, literal = shown_default(default, declared)
-        meaning = declared.help + ("; the flag wins over the env" if declared.flag and declared.env else "")
-        rows.append(f"| {', '.join(names)} | {f'`{text}`' if literal else text} | {meaning} |")
-    return "\n".join(rows) + "\n"
+    return options_module.markdown_table(Config)
 
 
 if __name__ == "__main__":

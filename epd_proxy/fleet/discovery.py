@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-from epd_proxy.config import Config, ConfigError, is_dns, split_server
+from epd_proxy.addresses import is_dns, split_server
+from epd_proxy.config import Config, ConfigError
 from epd_proxy.fleet.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE, Instance
 from epd_proxy.fleet.registry import Registry
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-from epd_proxy.config import Config, ConfigError, is_dns
+from epd_proxy.addresses import is_dns
+from epd_proxy.config import Config, ConfigError
 from epd_proxy.errors import ProxyError
 from epd_proxy.fleet.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE, ROLES, Instance
 

@@ -142,5 +142,7 @@ def test_audio_all_or_nothing_when_one_item_has_no_metadata(audio_stack, fidelit
 
 def test_up_audio_example_request_is_answered(audio_stack):
     """The request `epd-proxy up --model-kind audio` prints works against the real stack."""
-    got = chat_ok(audio_stack.proxy_url, example_body("audio", audio_stack.model_name, tiny=True))
-    assert set(text(got)) <= set("abcdefghijklmnopqrstuvwxyz") and text(got)
+    body = example_body("audio", audio_stack.model_name)
+    got = text(chat_ok(audio_stack.proxy_url, body))
+    # Noise from random weights, but at temperature 0 the same noise every time.
+    assert got and text(chat_ok(audio_stack.proxy_url, body)) == got

@@ -137,8 +137,10 @@ def test_video_options_reach_the_encoders(stack, fidelity):
 
 def test_up_video_example_request_is_answered(stack):
     """The request `epd-proxy up --model-kind video` writes works against the real stack."""
-    got = chat_ok(stack.proxy_url, example_body("video", stack.model_name, tiny=True))
-    assert text_of(got) and set(text_of(got)) <= set("abcdefghijklmnopqrstuvwxyz")
+    body = example_body("video", stack.model_name)
+    got = text_of(chat_ok(stack.proxy_url, body))
+    # Noise from random weights, but at temperature 0 the same noise every time.
+    assert got and text_of(chat_ok(stack.proxy_url, body)) == got
 
 
 def test_zz_video_negative_control_options_not_forwarded(stack):

@@ -155,7 +155,8 @@ def test_ready_banner_examples_are_runnable():
     body = json.loads(shlex.split(curl.strip())[1])
     assert body["model"] == "tiny-vlm"
     assert body["messages"][0]["content"][1]["image_url"]["url"] == tiny_png_data_url()
-    assert body["allowed_token_ids"] == list(range(97, 123))
+    assert body["temperature"] == 0 and "allowed_token_ids" not in body
+    assert 'model="tiny-vlm", max_tokens=16, temperature=0,' in text
     assert 'base_url="http://127.0.0.1:8123/v1"' in text
     assert "E+PD stack ready" in text and "pd:" in text and "KV store" not in text
 
@@ -256,4 +257,5 @@ def test_ready_banner_for_video_and_audio_points_at_a_written_request(tmp_path):
         body = json.loads(path.read_text())
         assert body["model"] == ("tiny-alm" if kind == "audio" else "tiny-vlm")
         assert body["messages"][0]["content"][1]["type"] == part_type
-        assert body["allowed_token_ids"] == list(range(97, 123))
+        assert body["temperature"] == 0 and "allowed_token_ids" not in body
+        assert "temperature=0" in text

@@ -11,8 +11,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from epd_proxy.addresses import is_dns
 from epd_proxy.cli import build_parser, config_from_args
-from epd_proxy.config import is_dns
 from tests.manifests import OVERLAYS, by_kind, proxy_container, render
 
 # The oldest Kubernetes release still commonly supported, and the newest the bundled schema knows.

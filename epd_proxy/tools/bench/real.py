@@ -24,19 +24,20 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import orjson
 
+from epd_proxy.options import add_arguments, parse_into
 from epd_proxy.tools.bench import chat_load, engines, procs, real_report
 from epd_proxy.tools.bench.engines import BASELINE, DECODE, ENCODE, PD, PREFILL, Engine
+from epd_proxy.tools.bench.flags import OUR_COMMAND, REAL_GROUPS, REAL_QUICK, RealBenchOptions
 from epd_proxy.tools.bench.runner import CHECKOUT, command_words, free_port, http_get, wait_ready
 from epd_proxy.tools.bench.workload import ChatMixSpec, get_chats
 
 SINGLE = "single-instance"
-OUR_COMMAND = "epd-proxy serve"
 
 
 @dataclass
@@ -76,55 +77,17 @@ def _floats(spec: str) -> list[float]:
     return [float(x) for x in spec.split(",") if x.strip()]
 
 
+MODES = "--stack starts a local real stack; --encode-urls URLS --decode-urls URLS use a running deployment"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(
         prog="epd-proxy bench --stack | --encode-urls URLS --decode-urls URLS",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    where = p.add_argument_group("engines (one of)")
-    where.add_argument("--stack", action="store_true", help="start the local real stack (2 encoders, PD, baseline)")
-    where.add_argument("--encode-urls", default="", help="comma-separated encoder URLs of a running deployment")
-    where.add_argument("--decode-urls", default="", help="PD (E+PD) or decode (E+P+D) URLs")
-    where.add_argument("--prefill-urls", default="", help="prefill URLs: E+P+D")
-    where.add_argument("--baseline-url", default="", help="a plain vLLM instance of the same model, for answers")
-    where.add_argument("--ec-store", type=Path, default=None, help="EC store folder to empty between blocks")
-    where.add_argument("--model", default=None, help="model name to send (default: the decode's /v1/models)")
-    stack = p.add_argument_group("local stack (--stack)")
-    stack.add_argument("--encoders", type=int, default=2, help="encoder instances")
-    stack.add_argument("--prefill", action="store_true", help="E+P+D: a prefill and a decode instead of PD")
-    stack.add_argument("--stack-dir", type=Path, default=Path("work/bench-stack"), help="the stack's work folder")
-    stack.add_argument("--base-port", type=int, default=18600, help="first vLLM port")
-    arms = p.add_argument_group("arms")
-    arms.add_argument(
-        "--proxy",
-        action="append",
-        default=[],
-        metavar="NAME=[KEY=VALUE ...] COMMAND",
-        help=f"a proxy arm (repeatable); default one arm `epd-proxy={OUR_COMMAND}`",
-    )
-    arms.add_argument(
-        "--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,...]", help="epd-proxy with env"
-    )
-    arms.add_argument("--no-single-instance", action="store_true", help="leave out the single-instance arm")
-    load = p.add_argument_group("load")
-    load.add_argument("--concurrency", default="8", help="closed-loop levels, comma-separated ('' for none)")
-    load.add_argument("--rate", default="", help="open-loop levels in requests/s (Poisson), comma-separated")
-    load.add_argument("--conversations", type=int, default=24, help="measured conversations per block")
-    load.add_argument("--warmup", type=int, default=4, help="warm-up conversations per block (other images)")
-    load.add_argument("--rounds", type=int, default=3, help="interleaved rounds per level")
-    load.add_argument("--seed", type=int, default=1234, help="workload and arrival seed")
-    load.add_argument("--multi-turn-share", type=float, default=0.3, help="share of multi-turn conversations")
-    load.add_argument("--popular-share", type=float, default=0.25, help="share of image slots from popular images")
-    load.add_argument("--max-images", type=int, default=12, help="most images in one request")
-    load.add_argument("--quick", action="store_true", help="a smoke: 1 round, 3 conversations, 1 warm-up")
-    p.add_argument("--proxy-cpus", default=None, help="cores for proxies and this harness (default: the encoders')")
-    p.add_argument("--no-pin", action="store_true", help="do not pin proxies and the harness")
-    p.add_argument("--no-reset", action="store_true", help="keep engine caches between blocks")
-    p.add_argument("--out", type=Path, default=None, help="results folder (default ./results/real-<timestamp>)")
-    p.add_argument("--cache-dir", type=Path, default=Path("work/bench-cache"), help="workload cache")
-    p.add_argument("--no-chart", action="store_true", help="skip the chart")
-    return p
+    add_arguments(parser, [RealBenchOptions], REAL_GROUPS)
+    return parser
 
 
 def wants_real_mode(argv: list[str]) -> bool:
@@ -132,10 +95,8 @@ def wants_real_mode(argv: list[str]) -> bool:
 
 
 class RealBench:
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        if args.quick:
-            args.rounds, args.conversations, args.warmup = 1, 3, 1
+    def __init__(self, args: RealBenchOptions) -> None:
+        self.args = replace(args, **REAL_QUICK) if args.quick else args
         self.out: Path = args.out or Path("results") / time.strftime("real-%Y%m%d-%H%M%S")
         self.out.mkdir(parents=True, exist_ok=True)
         self.stack = None
@@ -414,7 +375,8 @@ def _progress(arm: Arm, block: dict[str, Any]) -> None:
 
 
 def main(argv: list[str]) -> int:
-    bench = RealBench(build_parser().parse_args(argv))
+    (options,) = parse_into(build_parser(), argv, [RealBenchOptions], {})
+    bench = RealBench(options)
     result = bench.run()
     print(result["table_md"])
     print(f"results: {bench.out}")

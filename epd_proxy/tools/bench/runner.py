@@ -23,29 +23,15 @@ from typing import Any
 
 import orjson
 
+from epd_proxy.options import add_arguments, parse_into
 from epd_proxy.tools.bench import procs, report
+from epd_proxy.tools.bench.flags import PRESETS, FakeBenchOptions
 from epd_proxy.tools.bench.loadgen import Block, ClientPool
 from epd_proxy.tools.bench.workload import WorkloadSpec, get_pool
 
 COST, FREE = "cost", "free"
 # The tree this benchmark (and so, by default, every proxy it starts) runs from.
 CHECKOUT = str(Path(__file__).resolve().parents[3])
-
-
-@dataclass(frozen=True)
-class Preset:
-    pool_size: int
-    concurrency: int
-    requests: int  # measured requests per block (one "round" of an arm)
-    rounds: int
-    warmup: int
-    unloaded_requests: int  # per arm per round, one at a time
-
-
-PRESETS = {
-    "quick": Preset(pool_size=24, concurrency=16, requests=48, rounds=2, warmup=16, unloaded_requests=8),
-    "full": Preset(pool_size=128, concurrency=96, requests=768, rounds=4, warmup=96, unloaded_requests=64),
-}
 
 
 @dataclass
@@ -71,104 +57,26 @@ class Arm:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="epd-proxy bench", description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    """Against fakes; the real-engine mode's options (real.py) follow in the epilog, as
+    `bench --help` is where a reader looks for them."""
+    from epd_proxy.tools.bench import real
+
+    parser = argparse.ArgumentParser(
+        prog="epd-proxy bench",
+        description=__doc__,
+        epilog=f"real-engine mode ({real.MODES}):\n\n{real.build_parser().format_help()}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--quick", action="store_true", help="small counts, < 60 s, for CI smoke tests")
-    p.add_argument("--out", type=Path, default=None, help="results folder (default ./results/bench-<timestamp>)")
-    p.add_argument("--cache-dir", type=Path, default=Path("work/bench-cache"), help="request-pool cache")
-    p.add_argument("--seed", type=int, default=1234, help="seed for the request pool and arm order")
-    p.add_argument("--pool-size", type=int, default=None, help="distinct request bodies")
-    p.add_argument("--concurrency", type=int, default=None, help="closed-loop connections")
-    p.add_argument("--requests", type=int, default=None, help="measured requests per arm per round")
-    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (A B C, C B A, ...)")
-    p.add_argument("--warmup", type=int, default=None, help="unmeasured requests before each block")
-    p.add_argument("--encoders", type=int, default=4, help="fake encoder servers")
-    p.add_argument("--encoder-ms", type=float, default=2.0, help="fake encoder cost per sub-request")
-    p.add_argument("--encoder-image-ms", type=float, default=1.5, help="fake encoder cost per image")
-    p.add_argument(
-        "--encoder-speeds",
-        default=None,
-        metavar="F,F,...",
-        help="cost multiplier of each costed fake encoder, one per --encoders (e.g. 1,1,1,3: the last three times "
-        "slower); default all 1",
-    )
-    p.add_argument(
-        "--encoder-repeat-factor",
-        type=float,
-        default=1.0,
-        help="cost of an image a fake encoder saw recently (among its last --encoder-cache-items), as a share of a "
-        "fresh one's; real vLLM: about 0.4",
-    )
-    p.add_argument(
-        "--encoder-cache-items",
-        type=int,
-        default=256,
-        help="images each fake encoder remembers for --encoder-repeat-factor (least recently used out)",
-    )
-    p.add_argument("--pd-ms", type=float, default=5.0, help="fake PD answer time")
-    p.add_argument(
-        "--arms",
-        default="batched,per-item,direct,saturation,workers",
-        help="comma-separated subset of batched, per-item, direct, saturation, workers",
-    )
-    p.add_argument("--workers", type=int, default=2, help="proxy processes in the workers arm")
-    p.add_argument("--clients", type=int, default=1, help="load generator processes")
-    p.add_argument("--proxy-cpus", default="0", help="cores the proxies are pinned to")
-    p.add_argument("--harness-cpus", default="1", help="cores for fakes and load generators")
-    p.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
-    p.add_argument(
-        "--unloaded-requests",
-        type=int,
-        default=None,
-        help="requests per arm per round sent one at a time for unloaded latency (0 = skip)",
-    )
-    p.add_argument(
-        "--profile-arm",
-        default=None,
-        help="record this arm's proxy with py-spy (needs py-spy); writes a flame graph and top frames",
-    )
-    p.add_argument("--profile-native", action="store_true", help="py-spy --native: include C frames")
-    p.add_argument(
-        "--proxy-env",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="extra environment for the proxies (repeatable), e.g. to try interpreter settings",
-    )
-    p.add_argument(
-        "--variant",
-        action="append",
-        default=[],
-        metavar="NAME[@ARM]:KEY=VALUE[,KEY=VALUE]",
-        help="one more arm like ARM (saturation, batched or per-item; default saturation) whose proxy "
-        "gets this environment, interleaved with the others: A/B a change against ARM in one run, "
-        "e.g. another checkout's code with PYTHONPATH (repeatable)",
-    )
-    p.add_argument(
-        "--stream",
-        action="store_true",
-        help='send "stream": true; the PD fakes then answer a first token at once and the rest after --pd-ms',
-    )
-    p.add_argument(
-        "--proxy",
-        action="append",
-        default=[],
-        metavar="NAME=COMMAND",
-        help="one more arm at the batched arm's (equal, encoder-bound) load for any proxy with the reference's "
-        "command line, e.g. NAME='python disagg_epd_proxy.py': the bench appends --host, --port, "
-        "--encode-servers-urls and --decode-servers-urls and sets ENCODER_MAX_BATCH_SIZE=0 (repeatable); "
-        "NAME@saturation=... runs it against the zero-cost fakes instead",
-    )
-    p.add_argument("--no-chart", action="store_true", help="skip the matplotlib chart")
-    return p
+    add_arguments(parser, [FakeBenchOptions])
+    return parser
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    return build_parser().parse_args(argv)
+def parse_args(argv: list[str] | None) -> FakeBenchOptions:
+    (parsed,) = parse_into(build_parser(), argv, [FakeBenchOptions], {})
+    return parsed
 
 
-def encoder_speeds(args: argparse.Namespace) -> list[float]:
+def encoder_speeds(args: FakeBenchOptions) -> list[float]:
     """--encoder-speeds as one cost multiplier per costed fake encoder."""
     if args.encoder_speeds is None:
         return [1.0] * args.encoders
@@ -295,7 +203,7 @@ def _msgspec_raw_decoder():
 
 
 class Bench:
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: FakeBenchOptions) -> None:
         self.args = args
         preset = PRESETS["quick" if args.quick else "full"]
         self.pool_size = args.pool_size or preset.pool_size

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from epd_proxy.options import Choice, Count, Folder, Seconds, Switch, Text, Words, check, option
 from epd_proxy.tools.local.supervisor import (
     Managed,
     Progress,
@@ -49,38 +50,100 @@ STATE_FILE = "stack.json"
 
 @dataclass
 class StackConfig:
-    encoders: int = 1
-    port: int = 8000
-    model: Path | None = None  # None: build the tiny model under work_dir
-    served_model_name: str | None = None
-    work_dir: Path = field(default_factory=lambda: Path.cwd() / "work" / "local-stack")
-    baseline: bool = False
-    base_port: int = 8200
-    host: str = "127.0.0.1"
-    health_timeout: float = 240.0
-    max_model_len: int = 2048
-    # None: DEFAULT_LIMITS of the model kind
-    limit_mm_per_prompt: str | None = None
-    model_kind: str = "image"
-    # --enforce-eager skips ~30 s of torch.compile; a small KV cache on PD
-    # saves ~1 GiB.  Turn off for real hardware.
-    lean: bool = True
+    """What `epd-proxy up` starts; each option is declared once here (options.py), in the order of
+    `up --help`. The fields without a flag are for code (the tests, `bench --stack`)."""
+
+    encoders: int = option(1, Count(1), "number of encoder instances", flag="--encoders")
+    # E+P+D: a prefill instance (EC consumer, KV producer) and a decode instance (KV consumer)
+    # instead of PD, handing KV over through a folder with vLLM's disk-based ExampleConnector.
+    prefill: bool = option(
+        False,
+        Switch(),
+        "E+P+D: separate prefill and decode instances handing KV over through a folder, instead of PD",
+        flag="--prefill",
+    )
+    # That connector moves whole blocks only and the CPU default (128) moves nothing for short
+    # prompts. Prefill, decode and the baseline all use it: the same block size on both sides keeps
+    # the comparison exact.
+    kv_block_size: int = option(
+        32,
+        Count(1),
+        "`--block-size` of prefill, decode and the baseline with `--prefill`; the KV connector moves whole blocks only",
+        flag="--kv-block-size",
+    )
+    model_kind: str = option(
+        "image",
+        Choice(MODEL_KINDS),
+        "what the tiny model takes and the ready banner's example sends: image or video (the tiny Qwen2-VL model) "
+        "or audio (a tiny Qwen2-Audio model); with `--model`, only the example",
+        flag="--model-kind",
+    )
+    port: int = option(8000, Count(0, 65535), "proxy port", flag="--port", metavar="PORT")
+    model: Path | None = option(
+        None,
+        Folder(),
+        "model folder",
+        flag="--model",
+        shown="build the tiny random Qwen2-VL model in the work dir",
+    )
+    served_model_name: str | None = option(
+        None,
+        Text(),
+        "the `model` clients send",
+        flag="--served-model-name",
+        metavar="NAME",
+        shown=f"{TINY_SERVED_NAME} for the tiny model ({TINY_AUDIO_SERVED_NAME} for audio), else the model folder",
+    )
+    work_dir: Path = option(
+        Path("work/local-stack"), Folder(), "logs, EC store, caches", flag="--work-dir", shown="./work/local-stack"
+    )
+    base_port: int = option(
+        8200,
+        Count(0, 65535),
+        "PD (or decode) port; encoders use the next ports, then prefill, then the baseline",
+        flag="--base-port",
+        metavar="PORT",
+    )
+    host: str = option("127.0.0.1", Text(), "address every server listens on", flag="--host", metavar="HOST")
+    baseline: bool = option(
+        False, Switch(), "also start a plain vLLM instance (no EC role) for comparisons", flag="--baseline"
+    )
+    health_timeout: float = option(
+        240.0, Seconds(positive=True), "seconds to wait for every server to be healthy", flag="--health-timeout"
+    )
+    max_model_len: int = option(2048, Count(1), "vLLM `--max-model-len`", flag="--max-model-len")
+    limit_mm_per_prompt: str | None = option(
+        None,
+        Text(),
+        "vLLM `--limit-mm-per-prompt`",
+        flag="--limit-mm-per-prompt",
+        metavar="JSON",
+        shown="by --model-kind: " + ", ".join(f"{kind} {limits}" for kind, limits in DEFAULT_LIMITS.items()),
+    )
+    # --enforce-eager skips ~30 s of torch.compile; a small KV cache on PD saves ~1 GiB.
+    lean: bool = option(
+        True, Switch(False), "drop `--enforce-eager` and the small PD KV cache (real hardware)", flag="--no-lean"
+    )
+    pd_debug_log: bool = option(
+        False,
+        Switch(),
+        "run PD (or prefill and decode) with `VLLM_LOGGING_LEVEL=DEBUG` (shows EC cache loads)",
+        flag="--pd-debug-log",
+    )
+    extra_vllm_args: tuple[str, ...] = option(
+        (), Words(), "extra arguments for every vLLM server, one shell-quoted string", flag="--vllm-args"
+    )
+    proxy_args: tuple[str, ...] = option(
+        (), Words(), "extra arguments for `epd-proxy serve`, one shell-quoted string", flag="--proxy-args"
+    )
+    keep_ec_store: bool = option(False, Switch(), "do not clear the EC store folder at start", flag="--keep-ec-store")
     num_gpu_blocks_pd: int = 128
-    pd_debug_log: bool = False  # PD logs "Success load encoder cache ..."
     with_proxy: bool = True
-    proxy_args: list[str] = field(default_factory=list)
-    extra_vllm_args: list[str] = field(default_factory=list)
     python: str = field(default_factory=lambda: sys.executable)
-    keep_ec_store: bool = False
     stop_grace: float = 15.0
-    # E+P+D: a prefill instance (EC consumer, KV producer) and a decode instance
-    # (KV consumer) instead of PD, handing KV over through a folder with vLLM's
-    # disk-based ExampleConnector.
-    prefill: bool = False
-    # That connector moves whole blocks only and the CPU default (128) moves
-    # nothing for short prompts.  Prefill, decode and the baseline all use it:
-    # the same block size on both sides keeps the comparison exact.
-    kv_block_size: int = 32
+
+    def __post_init__(self) -> None:
+        check(self)
 
 
 def _cpu_list() -> list[int]:
@@ -152,10 +215,6 @@ class LocalStack:
     def __init__(self, config: StackConfig | None = None, progress_stream=None):
         self.config = config or StackConfig()
         c = self.config
-        if c.encoders < 1:
-            raise ValueError("need at least one encoder")
-        if c.model_kind not in MODEL_KINDS:
-            raise ValueError(f"unknown model kind {c.model_kind!r}; one of {', '.join(MODEL_KINDS)}")
         self.work_dir = Path(c.work_dir).resolve()
         self.ec_store = self.work_dir / "ec_store"
         self.kv_store = self.work_dir / "kv_store"
@@ -438,10 +497,13 @@ class LocalStack:
         stream.flush()
 
     def prepare(self) -> None:
-        """Create folders and the model (if needed); no servers yet."""
+        """Create folders and the model (if needed); no servers yet. A taken port fails here,
+        before the model build, which takes a while."""
         c = self.config
         self.work_dir.mkdir(parents=True, exist_ok=True)
+        # First: a killed earlier run's servers hold the ports the check below looks at.
         self._reap_stale()
+        self._check_ports()
         if self.ec_store.exists() and not c.keep_ec_store:
             shutil.rmtree(self.ec_store)
         # Saved KV is keyed by prompt tokens only: an earlier run's entries
@@ -453,33 +515,42 @@ class LocalStack:
         shutil.rmtree(self.work_dir / "tmp", ignore_errors=True)
         (self.work_dir / "tmp").mkdir()
         if c.model is None:
-            from epd_proxy.tools.local.tiny_model import MARKER
-
-            t0 = time.monotonic()
-            if not (self.model_dir / MARKER).exists():
-                self._say(f"building tiny model in {self.model_dir}")
-            # A child process: torch stays out of this (long-lived) process
-            # and its cache folders follow the stack's environment.
-            env = dict(os.environ)
-            env.update(self.common_env())
-            proc = subprocess.run(
-                [c.python, "-m", "epd_proxy.tools.local.tiny_model", str(self.model_dir), "--kind", self.tiny_kind],
-                env=env,
-                cwd=str(_repo_root()),
-                capture_output=True,
-                text=True,
-            )
-            if proc.returncode != 0:
-                raise StackError(f"building the tiny model failed:\n{proc.stderr[-3000:]}")
-            self.timings["model_build_s"] = time.monotonic() - t0
+            self._build_tiny_model()
         elif not self.model_dir.exists():
             raise StackError(f"model folder {self.model_dir} does not exist")
+
+    def _build_tiny_model(self) -> None:
+        from epd_proxy.tools.local.tiny_model import MARKER
+
+        t0 = time.monotonic()
+        if not (self.model_dir / MARKER).exists():
+            self._say(f"building tiny model in {self.model_dir}")
+        # A child process: torch stays out of this (long-lived) process
+        # and its cache folders follow the stack's environment.
+        env = dict(os.environ)
+        env.update(self.common_env())
+        proc = subprocess.run(
+            [
+                self.config.python,
+                "-m",
+                "epd_proxy.tools.local.tiny_model",
+                str(self.model_dir),
+                "--kind",
+                self.tiny_kind,
+            ],
+            env=env,
+            cwd=str(_repo_root()),
+            capture_output=True,
+            text=True,
+        )
+        if proc.returncode != 0:
+            raise StackError(f"building the tiny model failed:\n{proc.stderr[-3000:]}")
+        self.timings["model_build_s"] = time.monotonic() - t0
 
     def start(self, tty: bool | None = None) -> LocalStack:
         c = self.config
         t0 = time.monotonic()
         self.prepare()
-        self._check_ports()
         base_env = dict(os.environ)
         base_env.update(self.common_env())
         try:

@@ -1,0 +1,126 @@
+"""`epd-proxy up`'s declarations and the checks it makes before it builds anything (no vLLM)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+
+from epd_proxy.options import options, parse_into
+from epd_proxy.tools.local.stack import DEFAULT_LIMITS, LocalStack, StackConfig
+from epd_proxy.tools.local.supervisor import StackError
+from epd_proxy.tools.local.up import COMMAND, UpRun, build_parser
+from epd_proxy.tools.local.up import main as up_main
+
+
+def parse(*argv: str, env: dict[str, str] | None = None) -> tuple[StackConfig, UpRun]:
+    config, run = parse_into(build_parser(), list(argv), COMMAND, env or {})
+    return config, run
+
+
+def test_no_flags_is_the_declared_defaults():
+    config, run = parse()
+    assert config == StackConfig() and run == UpRun()
+    assert (config.encoders, config.port, config.base_port, config.health_timeout) == (1, 8000, 8200, 240.0)
+    assert LocalStack(config).work_dir == Path.cwd() / "work" / "local-stack"
+
+
+def test_every_flag_is_a_declaration_and_none_is_read_from_the_environment():
+    declared = [(name, option_) for cls in COMMAND for name, _, option_ in options(cls)]
+    flags = {action.dest for action in build_parser()._actions if not isinstance(action, argparse._HelpAction)}
+    assert flags == {name for name, _ in declared}
+    assert [name for name, option_ in declared if option_.env] == []
+    # So a variable named like a field changes nothing.
+    assert parse(env={"PORT": "1", "ENCODERS": "3", "WORK_DIR": "/x"}) == parse()
+
+
+def test_flags_reach_the_stack():
+    config, run = parse(
+        "--encoders", "3", "--prefill", "--no-lean", "--vllm-args", "--seed 'a b'", "--proxy-args", "--log-level DEBUG",
+        "--work-dir", "/tmp/w", "--health-timeout", "30", "--model-kind", "audio", "--dry-run",
+    )  # fmt: skip
+    assert (config.encoders, config.prefill, config.lean, config.health_timeout) == (3, True, False, 30.0)
+    assert config.extra_vllm_args == ("--seed", "a b") and config.proxy_args == ("--log-level", "DEBUG")
+    assert config.work_dir == Path("/tmp/w") and config.model_kind == "audio" and run.dry_run
+
+
+def test_help_says_each_default_from_its_declaration():
+    text = build_parser().format_help()
+    assert "(default: 240)" in text and "(default: 8200)" in text
+    for limits in DEFAULT_LIMITS.values():
+        assert limits.replace(" ", "") in text.replace(" ", "").replace("\n", "")
+
+
+@pytest.mark.parametrize(
+    "argv, complaint",
+    [
+        (["--encoders", "0"], "argument --encoders: must be >= 1, got 0"),
+        (["--kv-block-size", "0"], "argument --kv-block-size: must be >= 1, got 0"),
+        (["--port", "70000"], "argument --port: must be within 0..65535, got 70000"),
+        (["--health-timeout", "0"], "argument --health-timeout: must be > 0 seconds, got 0"),
+        (["--model-kind", "text"], "argument --model-kind: invalid choice: 'text'"),
+    ],
+)
+def test_bad_values_are_usage_errors(argv, complaint, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        up_main([*argv, "--dry-run"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: epd-proxy up") and complaint in err
+
+
+def _free_ports(count: int) -> list[int]:
+    """`count` consecutive free loopback ports: up's instances sit next to each other."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        start = probe.getsockname()[1]
+    for base in range(start, start + 2000):
+        with ExitStack() as held:
+            try:
+                for port in range(base, base + count):
+                    sock = held.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return list(range(base, base + count))
+    raise RuntimeError("no free consecutive ports")
+
+
+@pytest.fixture
+def builds(monkeypatch) -> list[Path]:
+    """Every tiny-model build `up` starts; the build itself stops the run, as no vLLM is here."""
+    built: list[Path] = []
+
+    def build(stack: LocalStack) -> None:
+        built.append(stack.model_dir)
+        raise StackError("stopped at the model build")
+
+    monkeypatch.setattr(LocalStack, "_build_tiny_model", build)
+    return built
+
+
+def test_a_taken_port_fails_before_the_model_is_built(builds, tmp_path, capsys):
+    proxy_port, base_port, _ = _free_ports(3)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", proxy_port))
+        taken.listen()
+        argv = ["--port", str(proxy_port), "--base-port", str(base_port), "--work-dir", str(tmp_path)]
+        assert up_main(argv) == 1
+    assert builds == []
+    err = capsys.readouterr().err
+    assert f"ports already in use: proxy:{proxy_port}" in err and "--base-port/--port" in err
+    assert not (tmp_path / "logs").exists(), "nothing was set up for the stack"
+
+
+def test_with_the_ports_free_the_model_build_comes_next(builds, tmp_path, capsys):
+    """The control of the test above: the same run, no port taken, reaches the build."""
+    proxy_port, base_port, _ = _free_ports(3)
+    argv = ["--port", str(proxy_port), "--base-port", str(base_port), "--work-dir", str(tmp_path)]
+    assert up_main(argv) == 1
+    assert builds == [tmp_path.resolve() / "tiny-vlm"]
+    assert "stopped at the model build" in capsys.readouterr().err
+    assert os.path.isdir(tmp_path / "logs")
