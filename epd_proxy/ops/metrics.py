@@ -18,8 +18,8 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from epd_proxy.fleet.backends import ENCODE, Instance
 from epd_proxy.fleet.health import EJECTION_REASONS, Health
+from epd_proxy.fleet.lanes import Lanes
 from epd_proxy.fleet.registry import Registry
-from epd_proxy.fleet.scheduler import Lanes
 from epd_proxy.ops.recent import RecentRequests
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ FLEET_GAUGES = (
 )
 
 
-# Per-encoder gauges of the scheduler (scheduler.Lane), read at scrape time like the fleet's.
+# Per-encoder gauges of the scheduler (lanes.Lane), read at scrape time like the fleet's.
 SCHEDULER_GAUGES = (
     (
         "epd_encoder_estimated_seconds_per_item",

@@ -5,9 +5,10 @@ import base64
 import orjson
 import pytest
 
-from epd_proxy.fleet.scheduler import coalesce_key
-from epd_proxy.journey.encode import FORWARDED_FIELDS, IdMint, Work, coalesced_payload, encoder_body
+from epd_proxy.fleet.lanes import coalesce_key
+from epd_proxy.journey.coalesce import Work, coalesced_payload
 from epd_proxy.journey.extract import normalise_request, parse_request
+from epd_proxy.journey.subrequest import FORWARDED_FIELDS, IdMint, encoder_body
 from epd_proxy.journey.trace import Trace
 from tests.media import chat, image
 

@@ -12,18 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from epd_proxy.fleet.backends import Instance
-from epd_proxy.fleet.scheduler import (
-    AFFINITY_ENTRIES,
-    PRIOR_FIXED_RATIO,
-    STALE_S,
-    ExpectedFinish,
-    Key,
-    Lane,
-    Lanes,
-    coalesce_key,
-    take_batch,
-)
-from epd_proxy.journey.encode import FORWARDED_FIELDS
+from epd_proxy.fleet.lanes import PRIOR_FIXED_RATIO, STALE_S, Lane, Lanes, coalesce_key, take_batch
+from epd_proxy.fleet.scheduler import AFFINITY_ENTRIES, ExpectedFinish, Key
+from epd_proxy.journey.subrequest import FORWARDED_FIELDS
 
 
 def fleet(n: int) -> list[Instance]:
@@ -462,7 +453,7 @@ BODIES = st.fixed_dictionaries(
     one=BODIES, other=BODIES, zmq=st.lists(st.sampled_from([None, "tcp://c:0", "tcp://c:1"]), min_size=2, max_size=2)
 )
 def test_two_groups_share_exactly_when_their_encoder_bodies_match_but_for_the_media(one, other, zmq):
-    from epd_proxy.journey.encode import encoder_body
+    from epd_proxy.journey.subrequest import encoder_body
 
     def written(body, consumer):
         return orjson.dumps(encoder_body(body, [], send_uuid=True, transfer_ids=(), consumer_zmq=consumer))
