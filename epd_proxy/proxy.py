@@ -88,6 +88,8 @@ class ProxyState:
         # What the encoder scheduler knows of each encoder: placement, sending and /status share it.
         self.lanes = Lanes()
         self.fleet.watch(self.lanes)
+        # Groups waiting for an encoder health ejects move to another at once.
+        self.health.on_ejection(lambda role, url, reason: self.lanes.ejected(url) if role == ENCODE else None)
         self.policies = {
             ENCODE: encode_policy(config, self.lanes),
             PREFILL: make_policy(config.prefill_policy),

@@ -34,6 +34,26 @@ BUSY_INFLIGHT = 2
 # images a sub-request's fixed cost is a few percent of it; larger ones only make the first
 # request in them wait for the last and risk the encoder's --max-model-len.
 COALESCE_TARGET_ITEMS = 8
+# The smallest share a back-off falls to: sharing two groups is the probe that tells whether the
+# encoder takes shared sub-requests again (as TCP's slow start probes with a small window).
+PROBE_ITEMS = 2
+# How long sharing pauses after even a probe failed without any member being at fault, doubling
+# on each failure in a row up to the maximum; the next probe follows the pause.
+PAUSE_FLOOR_S = 1.0
+PAUSE_MAX_S = 30.0
+# A shared sub-request holds at most what the encoder does in this share of the encode timeout,
+# so that behind the one ahead of it in flight it still ends well within each member's own budget.
+SHARE_OF_TIMEOUT = 1 / 3
+# A sub-request still unanswered this many times past what its encoder should take for all it
+# has in flight, and at least OVERDUE_FLOOR_S (so vLLM's slow first requests are not punished),
+# marks the encoder suspect; never later than this share of the encode timeout, so the work
+# moves while its requests' budgets still allow.
+OVERDUE_FACTOR = 3.0
+OVERDUE_FLOOR_S = 1.0
+OVERDUE_SHARE_OF_TIMEOUT = 0.75
+# A suspect encoder gets no placements for this long, then some again: how it comes back when
+# nothing of ours is left there to answer.
+SUSPECT_HOLD_S = 5.0
 # Shortest wait to share a sub-request before a group goes alone (timer granularity).
 PATIENCE_FLOOR_S = 0.02
 # Weight of the newest sample in the speed fit: about the last 30 sub-requests count.
@@ -51,6 +71,11 @@ class Queued(Protocol):
 
     key: bytes | None
     size: int
+    # vLLM's `priority`: lower values first, then arrival order.
+    priority: int
+
+    def move(self) -> None:
+        """Its encoder went: it must go elsewhere at once."""
 
 
 class Lane:
@@ -59,6 +84,9 @@ class Lane:
     __slots__ = (
         "url",
         "inflight",
+        "inflight_items",
+        "suspect",
+        "suspect_until",
         "waiting",
         "subs",
         "items",
@@ -68,16 +96,26 @@ class Lane:
         "last_done",
         "busy_since",
         "merge_limit",
-        "positions",
+        "paused_until",
+        "pause_s",
+        "backoffs",
+        "charged_requests",
         "impatient",
+        "gone",
+        "shared",
         "_k",
         "_t",
     )
 
     def __init__(self, url: str) -> None:
         self.url = url
-        # Sub-requests of this proxy in flight to it.
+        # Sub-requests of this proxy in flight to it, and their items.
         self.inflight = 0
+        self.inflight_items = 0
+        # A sub-request of ours was far overdue there, and nothing has answered since; it gets
+        # no placements until `suspect_until` (on the caller's clock).
+        self.suspect = False
+        self.suspect_until = 0.0
         self.waiting: deque[Any] = deque()
         # Outstanding work (in flight and queued): sub-requests and items.
         self.subs = 0
@@ -89,13 +127,22 @@ class Lane:
         self.last_done = 0.0
         # Since when the encoder has worked on our oldest sub-request in flight (serially).
         self.busy_since = 0.0
-        # Items a coalesced sub-request may hold; halved when one is refused (too long a prompt
-        # for the encoder, or a bad image: the split retry tells them apart only per request).
+        # Items a coalesced sub-request may hold. A refused or unsplittable shared answer that
+        # the split retry pins on no member (each went through alone) is the share's fault: the
+        # limit halves down to a probe of PROBE_ITEMS, then sharing pauses; each shared answer
+        # that splits doubles it back. One a member caused is charged to that request only.
         self.merge_limit = COALESCE_TARGET_ITEMS
-        # Whether its answers place entries by item_indices, which a shared answer needs.
-        self.positions = True
+        # Until when (on the caller's clock) nothing shares; 0.0: sharing.
+        self.paused_until = 0.0
+        self.pause_s = PAUSE_FLOOR_S
+        self.backoffs = 0
+        self.charged_requests = 0
         # Queued groups sent alone after waiting longer than the backlog explained.
         self.impatient = 0
+        # It left the fleet: nothing new starts on it.
+        self.gone = False
+        # Shared sub-requests in flight: their own request id -> the request ids they carry.
+        self.shared: dict[str, list[str]] = {}
         self._k = self._t = 0.0
 
     # -- outstanding work ------------------------------------------------------------------------
@@ -104,13 +151,29 @@ class Lane:
         if not self.inflight:
             self.busy_since = now
         self.inflight += 1
+        self.inflight_items += items
         self.subs += 1
         self.items += items
 
     def queued(self, work: Queued) -> None:
-        self.waiting.append(work)
+        """In vLLM's order (`Request.__lt__`): by priority, then arrival; equal priorities, the
+        usual case, append."""
+        waiting = self.waiting
+        if not waiting or waiting[-1].priority <= work.priority:
+            waiting.append(work)
+        else:
+            at = next(n for n, other in enumerate(waiting) if other.priority > work.priority)
+            waiting.insert(at, work)
         self.subs += 1
         self.items += work.size
+
+    def evict(self) -> None:
+        """Its encoder left, was ejected or stalls: every waiting group moves elsewhere now."""
+        while self.waiting:
+            work = self.waiting.popleft()
+            self.subs -= 1
+            self.items -= work.size
+            work.move()
 
     def unqueued(self, work: Queued) -> bool:
         """A waiting group whose request went away; False if it was no longer waiting."""
@@ -130,30 +193,75 @@ class Lane:
         backlog = self.fixed_s * (self.subs + 1) + self.item_s * (self.items + items)
         return max(PATIENCE_FLOOR_S, 3.0 * backlog)
 
-    def next_batch(self, cap: int, now: float = 0.0) -> list[Any]:
+    def next_batch(self, cap: int, now: float = 0.0, timeout_s: float | None = None) -> list[Any]:
         """The waiting groups the next sub-request carries, now counted in flight."""
         if not self.inflight:
             self.busy_since = now
-        limit = (min(cap, self.merge_limit) if cap else self.merge_limit) if self.positions else 0
-        batch = take_batch(self.waiting, limit)
+        batch = take_batch(self.waiting, self.share_limit(cap, now, timeout_s))
         self.subs -= len(batch) - 1
         self.inflight += 1
+        self.inflight_items += sum(work.size for work in batch)
         return batch
 
-    def refused_shared(self) -> None:
-        """A coalesced sub-request was refused (4xx): share less until shared ones succeed."""
-        self.merge_limit = max(1, self.merge_limit // 2)
+    def stalled(self, now: float) -> bool:
+        """A sub-request is far overdue: suspect (True if it was not already)."""
+        first = not self.suspect
+        self.suspect = True
+        self.suspect_until = now + SUSPECT_HOLD_S
+        return first
+
+    def avoid(self, now: float) -> bool:
+        return self.suspect and now < self.suspect_until
+
+    def overdue_after(self, items: int, timeout_s: float | None) -> float | None:
+        """Seconds after which a sub-request of `items` just sent is far overdue; None while
+        nothing is known of the encoder's speed."""
+        if self.item_s is None:
+            return None
+        expected = self.fixed_s * self.inflight + self.item_s * max(self.inflight_items, items)
+        after = max(OVERDUE_FLOOR_S, OVERDUE_FACTOR * expected)
+        if timeout_s is not None:
+            after = min(after, OVERDUE_SHARE_OF_TIMEOUT * timeout_s)
+        return after
+
+    def share_limit(self, cap: int, now: float, timeout_s: float | None) -> int:
+        """Items the next shared sub-request may hold (0: it carries one group only)."""
+        if now < self.paused_until:
+            return 0
+        limit = min(cap, self.merge_limit) if cap else self.merge_limit
+        if timeout_s is not None and self.item_s is not None:
+            fits = int((SHARE_OF_TIMEOUT * timeout_s - self.fixed_s) / self.item_s)
+            limit = min(limit, fits)
+        return limit
+
+    def sharing(self, now: float) -> bool:
+        return now >= self.paused_until
+
+    def share_failed(self, items: int, now: float) -> None:
+        """A shared sub-request of `items` failed although each member went through alone."""
+        self.backoffs += 1
+        if items > PROBE_ITEMS:
+            self.merge_limit = max(PROBE_ITEMS, items // 2)
+            return
+        self.merge_limit = PROBE_ITEMS
+        self.paused_until = now + self.pause_s
+        self.pause_s = min(PAUSE_MAX_S, self.pause_s * 2)
 
     def shared_ok(self, items: int) -> None:
-        if items >= self.merge_limit and self.merge_limit < COALESCE_TARGET_ITEMS:
-            self.merge_limit += 1
+        self.paused_until = 0.0
+        self.pause_s = PAUSE_FLOOR_S
+        if items * 2 > self.merge_limit:
+            self.merge_limit = min(COALESCE_TARGET_ITEMS, self.merge_limit * 2)
 
     def finished(self, items: int, sent: float, done: float | None) -> None:
         """A sub-request of `items` sent at `sent` ended: answered at `done`, or failed (None)."""
         self.inflight -= 1
+        self.inflight_items -= items
         self.subs -= 1
         self.items -= items
         if done is not None:
+            self.suspect = False  # it answers again
+            self.suspect_until = 0.0
             self.observe(items, sent, done)
             self.busy_since = done
 
@@ -197,11 +305,15 @@ class Lane:
             "ms_per_subrequest": None if self.fixed_s is None else round(self.fixed_s * 1000, 3),
             "samples": self.samples,
             "inflight": self.inflight,
+            "suspect": self.suspect,
             "queued": len(self.waiting),
             "queued_items": self.queued_items,
             "merge_limit": self.merge_limit,
-            "coalescing": self.positions,
+            "coalescing": self.paused_until == 0.0,
+            "backoffs": self.backoffs,
+            "refusals_charged_to_requests": self.charged_requests,
             "impatient": self.impatient,
+            "shared_inflight": dict(self.shared),
         }
 
 
@@ -220,6 +332,10 @@ class Lanes:
                 self._lanes[encoder] = lane
         return lane
 
+    def avoided(self, now: float) -> bool:
+        """Whether any encoder is suspect and in its hold (`Lane.avoid`)."""
+        return any(lane.suspect_until > now for lane in self._lanes.values())
+
     def all(self) -> list[Lane]:
         return list(self._lanes.values())
 
@@ -231,10 +347,19 @@ class Lanes:
         pass
 
     def left(self, inst: Instance) -> None:
-        self._lanes.pop(inst, None)
+        lane = self._lanes.pop(inst, None)
+        if lane is not None:
+            lane.gone = True
+            lane.evict()
         self._departed[inst] = None
         if len(self._departed) > DEPARTED_ENTRIES:
             self._departed.popitem(last=False)
+
+    def ejected(self, url: str) -> None:
+        """Health took it out of rotation (health.Health.on_ejection)."""
+        for encoder, lane in self._lanes.items():
+            if encoder.url == url:
+                lane.evict()
 
     def costs(self, lanes: Sequence[Lane], now: float | None = None) -> tuple[list[float], list[float]]:
         """Seconds per sub-request and per item of each lane; one without answers yet, or stale

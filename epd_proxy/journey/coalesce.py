@@ -32,11 +32,45 @@ log = logging.getLogger("epd_proxy.encode")
 class SendAlone(Exception):
     """A group that waited to share a sub-request goes out on its own instead: it waited longer
     than its encoder's backlog explains (`cause` None), or the shared sub-request it was in failed
-    (`cause`), so that one request's bad image never fails another's."""
+    (`cause`), so that one request's bad image never fails another's. `moved`: its encoder left,
+    was ejected or stalls, so it goes to another. `verdict` hears how it fared alone."""
 
-    def __init__(self, cause: ProxyError | None = None) -> None:
-        super().__init__(cause.message if cause is not None else "waited too long to share")
+    def __init__(self, cause: ProxyError | None = None, verdict: Verdict | None = None, moved: bool = False) -> None:
+        super().__init__(cause.message if cause is not None else "sent on its own")
         self.cause = cause
+        self.verdict = verdict
+        self.moved = moved
+
+
+class Verdict:
+    """Whose fault a refused (4xx) or unsplittable shared sub-request was, found by the split
+    retry: each member, sent alone, reports how it fared. One refused alone is the culprit and
+    its request is charged; if every member went through, the share itself was at fault (too
+    long a prompt, an encoder that reports no positions) and the lane backs off. A member that
+    went away says nothing, and without a full hearing nothing is charged."""
+
+    __slots__ = ("lane", "items", "pending", "guilty", "unheard", "charge")
+
+    def __init__(self, lane: Lane, items: int, members: int, charge: Callable[[Lane, int, str], None]) -> None:
+        self.lane = lane
+        self.items = items
+        self.pending = members
+        self.guilty = self.unheard = 0
+        self.charge = charge
+
+    def heard(self, failure: BaseException | None) -> None:
+        if failure is None:
+            pass
+        elif isinstance(failure, ProxyError) and failure.answered is not None and 400 <= failure.answered < 500:
+            self.guilty += 1
+        else:
+            self.unheard += 1
+        self.pending -= 1
+        if self.pending == 0:
+            if self.guilty:
+                self.charge(self.lane, self.items, "request")
+            elif not self.unheard:
+                self.charge(self.lane, self.items, "encoder")
 
 
 @dataclass(eq=False, slots=True)
@@ -50,12 +84,18 @@ class Work:
     trace: Trace
     dumps: Dumps
     future: asyncio.Future
+    priority: int = 0
     batch: Batch | None = None
     timer: asyncio.TimerHandle | None = None
 
     @property
     def size(self) -> int:
         return len(self.items)
+
+    def move(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        _settle(self, SendAlone(moved=True))
 
 
 @dataclass(eq=False, slots=True)
@@ -67,6 +107,8 @@ class Batch:
     live: int
     sending: bool = False
     done: bool = False
+    # Its members were moved off a stalled encoder: the call goes on for no one.
+    abandoned: bool = False
 
 
 class Coalescer:
@@ -83,6 +125,7 @@ class Coalescer:
         send_uuid: bool,
         ids: IdMint,
         clock: Callable[[], float],
+        stalled: Callable[[Lane, Instance, int], bool],
     ) -> None:
         self.upstream = upstream
         self.metrics = metrics
@@ -92,6 +135,7 @@ class Coalescer:
         self.send_uuid = send_uuid
         self.ids = ids
         self.clock = clock
+        self.stalled = stalled
         # Tasks sending queued sub-requests; held so they are not collected mid-flight.
         self._senders: set[asyncio.Task] = set()
 
@@ -120,8 +164,8 @@ class Coalescer:
 
     def drain(self, lane: Lane, encoder: Instance) -> None:
         """Send what waits in `lane` while the encoder has room, one sending task per slot."""
-        while lane.waiting and lane.inflight < BUSY_INFLIGHT:
-            batch = self._batch(lane.next_batch(self.max_batch_size, self.clock()))
+        while lane.waiting and lane.inflight < BUSY_INFLIGHT and not lane.gone:
+            batch = self._batch(lane.next_batch(self.max_batch_size, self.clock(), self.timeouts.total))
             task = asyncio.get_running_loop().create_task(self._send_queued(lane, encoder, batch))
             batch.task = task
             self._senders.add(task)
@@ -147,9 +191,9 @@ class Coalescer:
         try:
             while True:
                 await self._send_batch(lane, encoder, batch)
-                if not lane.waiting or lane.inflight >= BUSY_INFLIGHT:
+                if not lane.waiting or lane.inflight >= BUSY_INFLIGHT or lane.gone:
                     return
-                batch = self._batch(lane.next_batch(self.max_batch_size, self.clock()))
+                batch = self._batch(lane.next_batch(self.max_batch_size, self.clock(), self.timeouts.total))
                 batch.task = asyncio.current_task()
         finally:
             if lane.waiting:
@@ -169,17 +213,31 @@ class Coalescer:
         shared = len(works) > 1
         transfer_ids = [self.ids.transfer_id() for _ in items]
         head = works[0]
-        request_id = self.ids.child_request_id(head.trace.request_id, head.items[0].index)
         sent = self.clock()
         done = None
+        watch = self._watch(lane, encoder, batch, len(items), head.consumer_zmq is None)
         try:
             try:
                 if shared:
-                    request_id += f"+{len(works) - 1}"
+                    # Its own id: no client's id labels the others' media, in the encoder's logs too.
+                    request_id = self.ids.shared_request_id()
+                    members = [work.trace.request_id for work in works]
+                    lane.shared[request_id] = members
+                    for work in works:
+                        work.trace.shared.append(request_id)
+                    log.info(
+                        "shared encoder sub-request %s to %s: %d items of %d members %s",
+                        request_id,
+                        encoder.url,
+                        len(items),
+                        len(works),
+                        " ".join(members),
+                    )
                     payload = coalesced_payload(works, transfer_ids, self.send_uuid)
                     # Health dedups a 5xx per request; this sub-request is its own.
                     trace = Trace(request_id)
                 else:
+                    request_id = self.ids.child_request_id(head.trace.request_id, head.items[0].index)
                     payload = head.dumps(
                         encoder_body(
                             head.body,
@@ -211,6 +269,10 @@ class Coalescer:
                 # Cancelled (every request in it went away, or the proxy stops) or a fault here:
                 # no request may wait for an answer that will never come.
                 cancelled = isinstance(exc, asyncio.CancelledError)
+                if cancelled and batch.abandoned:
+                    # Its members went elsewhere; the encoder learns it from the closed call.
+                    asyncio.current_task().uncancel()
+                    return
                 for work in works:
                     if not work.future.done():
                         if cancelled:
@@ -221,6 +283,10 @@ class Coalescer:
                     raise
                 return
         finally:
+            if watch is not None:
+                watch.cancel()
+            if shared:
+                lane.shared.pop(request_id, None)
             lane.finished(len(items), sent, done)
             batch.done = True
         if shared:
@@ -236,6 +302,27 @@ class Coalescer:
                 work.trace.coalesced += 1
             work.future.set_result(Encoded(encoder, params, ids))
 
+    def _watch(self, lane: Lane, encoder: Instance, batch: Batch, items: int, movable: bool):
+        """A timer for a sub-request far past its expected time (lanes.Lane.overdue_after)."""
+        after = lane.overdue_after(items, self.timeouts.total)
+        if after is None:
+            return None
+        return asyncio.get_running_loop().call_later(after, self._overdue, lane, encoder, batch, items, movable)
+
+    def _overdue(self, lane: Lane, encoder: Instance, batch: Batch, items: int, movable: bool) -> None:
+        if batch.done:
+            return
+        elsewhere = self.stalled(lane, encoder, items)
+        if not (elsewhere and movable):
+            return  # a Mooncake push may still arrive under these transfer ids: never sent twice
+        # Its members go elsewhere (the same uuids give the same embeddings), before their
+        # own budgets run out; the stuck call ends for no one.
+        batch.abandoned = True
+        for work in batch.works:
+            _settle(work, SendAlone(moved=True))
+        if batch.task is not None:
+            batch.task.cancel()
+
     def _shared_failed(self, lane: Lane, encoder: Instance, works: list[Work], exc: ProxyError) -> None:
         log.info(
             "coalesced encoder sub-request of %d requests to %s failed (%s); resending each request's items alone",
@@ -244,15 +331,22 @@ class Coalescer:
             exc.message[:200],
         )
         self.metrics.split_retries.labels(encoder.url).inc()
-        if exc.stage == "match":
-            lane.positions = False  # it does not say which entry is whose: share no more
-        elif exc.answered is not None and 400 <= exc.answered < 500:
-            lane.refused_shared()
-        for work in works:
+        waiting = [work for work in works if not work.future.done()]
+        verdict = None
+        if waiting and (exc.stage == "match" or (exc.answered is not None and 400 <= exc.answered < 500)):
+            verdict = Verdict(lane, sum(work.size for work in works), len(waiting), self._charge)
+        for work in waiting:
             if exc.answered is not None and exc.answered >= 500:
                 # Health counted this 5xx once already; the lone resend must not count it again.
                 work.trace.charged_5xx.add(encoder.url)
-            _settle(work, SendAlone(exc))
+            _settle(work, SendAlone(exc, verdict))
+
+    def _charge(self, lane: Lane, items: int, charged: str) -> None:
+        self.metrics.shared_refusals.labels(lane.url, charged).inc()
+        if charged == "request":
+            lane.charged_requests += 1
+        else:
+            lane.share_failed(items, self.clock())
 
 
 def _settle(work: Work, exc: BaseException) -> None:

@@ -19,7 +19,7 @@ import orjson
 from epd_proxy.calls.upstream import Timeouts, Upstream
 from epd_proxy.errors import BackendUnreachable, ProxyError
 from epd_proxy.fleet.backends import Instance
-from epd_proxy.fleet.lanes import BUSY_INFLIGHT, Lanes, coalesce_key
+from epd_proxy.fleet.lanes import BUSY_INFLIGHT, Lane, Lanes, coalesce_key
 from epd_proxy.fleet.routing import RoutingPolicy
 from epd_proxy.journey.coalesce import Coalescer, SendAlone, Work
 from epd_proxy.journey.extract import MediaItem
@@ -64,6 +64,7 @@ class EncodeStep:
         lanes: Lanes | None = None,
         coalesce: bool = True,
         clock: Callable[[], float] = time.perf_counter,
+        stalled: Callable[[Instance], None] = lambda encoder: None,
     ) -> None:
         self.upstream = upstream
         self.metrics = metrics
@@ -79,6 +80,8 @@ class EncodeStep:
         # A cap of one image per sub-request leaves nothing to share.
         self.coalesce = coalesce and max_batch_size != 1
         self.clock = clock
+        # Tells health an encoder let a sub-request run far past its expected time.
+        self.health_stalled = stalled
         self.ids = IdMint()
         self.coalescer = Coalescer(
             upstream,
@@ -89,6 +92,7 @@ class EncodeStep:
             send_uuid=send_uuid,
             ids=self.ids,
             clock=clock,
+            stalled=self._stalled,
         )
 
     def place(self, items: Sequence[MediaItem], trace: Trace) -> list[Instance]:
@@ -98,9 +102,12 @@ class EncodeStep:
             raise ProxyError(
                 503, "the request has media but no encoder is live", stage="route", error_type="service_unavailable"
             )
+        now = self.clock()
+        if self.lanes.avoided(now):
+            encoders = [e for e in encoders if not self.lanes.of(e).avoid(now)] or encoders
         if self._place is None:
             return self.policy.choose(encoders, [item.uuid for item in items])
-        assignment, hits = self._place(encoders, items, self.max_batch_size, self.clock())
+        assignment, hits = self._place(encoders, items, self.max_batch_size, now)
         if hits:
             trace.affinity_hits += hits
             self.metrics.affinity_hits.inc(hits)
@@ -137,8 +144,10 @@ class EncodeStep:
         group_items = [items[i] for i in group.indices]
         encoder = group.encoder
         tried: list[Instance] = []
-        # Only the first send may wait to share; a resend goes out at once, on its own.
-        share = key is not None and all(item.is_image for item in group_items)
+        # Only the first send to an encoder may wait to share; a resend goes out at once, alone.
+        shareable = key is not None and all(item.is_image for item in group_items)
+        share = shareable
+        verdict = None
         while True:
             tried.append(encoder)
             try:
@@ -147,29 +156,83 @@ class EncodeStep:
                     lane = self.lanes.of(encoder)
                     if lane.inflight >= BUSY_INFLIGHT:
                         future = asyncio.get_running_loop().create_future()
-                        work = Work(key, group_items, body, consumer_zmq, trace, dumps, future)
+                        work = Work(key, group_items, body, consumer_zmq, trace, dumps, future, _priority(body))
                         return await self.coalescer.wait_to_share(lane, work)
-                return await self._send_alone(encoder, group_items, group.indices[0], body, consumer_zmq, trace, dumps)
+                encoded = await self._send_alone(
+                    encoder, group_items, group.indices[0], body, consumer_zmq, trace, dumps
+                )
             except SendAlone as alone:
+                if verdict is not None:
+                    verdict.heard(alone)
+                verdict = alone.verdict
                 exc = alone.cause
-                if isinstance(exc, BackendUnreachable):
+                tried.pop()
+                if alone.moved or encoder not in self.live():
+                    # Its encoder left, was ejected or stalls: elsewhere, sharing there if busy.
+                    encoder = self._elsewhere(encoder)
+                    share = shareable
+                elif isinstance(exc, BackendUnreachable):
+                    # Timed out or unreachable with others' items in it: another encoder if there
+                    # is one, else alone on the same one (its own items may well fit).
+                    tried.append(encoder)
                     fallback = self._failover_target(tried)
-                    if fallback is None:
-                        raise exc from None
-                    self._note_failover(trace, encoder, exc, len(group_items), fallback)
-                    encoder = fallback
+                    if fallback is not None:
+                        self._note_failover(trace, encoder, exc, len(group_items), fallback)
+                        encoder = fallback
+                    else:
+                        tried.pop()
                 # Anything the encoder answered may be another request's fault, and a group that
                 # waited too long is not at fault either: alone on the same encoder, without
                 # spending a failover on it.
-                else:
-                    tried.pop()
             except ProxyError as exc:
+                if verdict is not None:
+                    verdict.heard(exc)
+                    verdict = None
                 worth_retrying = isinstance(exc, BackendUnreachable) or exc.status >= 500
                 fallback = self._failover_target(tried) if worth_retrying else None
                 if fallback is None:
                     raise
                 self._note_failover(trace, encoder, exc, len(group_items), fallback)
                 encoder = fallback
+            except BaseException as exc:
+                if verdict is not None:
+                    verdict.heard(exc)
+                raise
+            else:
+                if verdict is not None:
+                    verdict.heard(None)
+                return encoded
+
+    def _elsewhere(self, encoder: Instance) -> Instance:
+        """Where a group goes whose encoder left, was ejected or stalls: the least busy other
+        encoder in rotation that is not suspect; failing that, any other, or itself if still live."""
+        live = self.live()
+        others = [e for e in live if e is not encoder]
+        if not others:
+            if encoder in live:
+                return encoder
+            raise ProxyError(
+                503, "the request's encoder left and no other is live", stage="route", error_type="service_unavailable"
+            )
+        now = self.clock()
+        trusted = [e for e in others if not self.lanes.of(e).avoid(now)] or others
+        return min(trusted, key=lambda e: self.lanes.of(e).subs)
+
+    def _stalled(self, lane: Lane, encoder: Instance, items: int) -> bool:
+        """A sub-request there is far overdue: the encoder is suspect until it answers again, its
+        queued groups move, and health counts it as a gateway failure. Whether another encoder
+        is live to move the stuck work to."""
+        if lane.stalled(self.clock()):
+            log.warning(
+                "encoder %s: a sub-request of %d item(s) is far past its expected time; no new placements "
+                "there until it answers",
+                encoder.url,
+                items,
+            )
+        self.metrics.stalls.labels(encoder.url).inc()
+        self.health_stalled(encoder)
+        lane.evict()
+        return any(e is not encoder for e in self.live())
 
     def _note_failover(self, trace: Trace, encoder: Instance, exc: ProxyError, count: int, fallback: Instance) -> None:
         log.warning(
@@ -210,6 +273,19 @@ class EncodeStep:
         sent = self.clock()
         lane.started(len(group_items), sent)
         done = None
+        after = lane.overdue_after(len(group_items), self.timeouts.total)
+        task = asyncio.current_task()
+        moving: list[bool] = []
+
+        def overdue() -> None:
+            elsewhere = self._stalled(lane, encoder, len(group_items))
+            # Sent again elsewhere only where that is safe: the same uuid gives the same
+            # embedding, but a Mooncake push may still arrive under these transfer ids.
+            if elsewhere and consumer_zmq is None:
+                moving.append(True)
+                task.cancel()
+
+        watch = asyncio.get_running_loop().call_later(after, overdue) if after is not None else None
         try:
             reply = await self.observed(
                 encoder,
@@ -223,7 +299,13 @@ class EncodeStep:
                 trace,
             )
             done = self.clock()
+        except asyncio.CancelledError:
+            if moving and task.uncancel() == 0:
+                raise SendAlone(moved=True) from None
+            raise
         finally:
+            if watch is not None:
+                watch.cancel()
             lane.finished(len(group_items), sent, done)
             if lane.waiting:
                 self.coalescer.drain(lane, encoder)
@@ -250,3 +332,9 @@ async def _all_or_first_failure(coros: list) -> list:
     except BaseExceptionGroup as failures:
         raise failures.exceptions[0] from None
     return [task.result() for task in tasks]
+
+
+def _priority(body: dict[str, Any]) -> int:
+    """vLLM's `priority` (an int, 0 by default); anything else vLLM refuses, and it waits as 0."""
+    value = body.get("priority", 0)
+    return value if type(value) is int else 0

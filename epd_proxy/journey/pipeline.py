@@ -114,6 +114,7 @@ class Pipeline:
             failovers=encoder_failovers,
             lanes=lanes,
             coalesce=coalesce,
+            stalled=lambda encoder: health.answered(encoder, 504, "a sub-request far past its expected time"),
         )
         self.prefill_timeouts = prefill_timeouts
         self.decode_timeouts = decode_timeouts

@@ -47,6 +47,10 @@ class IdMint:
     def transfer_id(self) -> str:
         return f"{self._rng.getrandbits(128):032x}"
 
+    def shared_request_id(self) -> str:
+        """A sub-request carrying several requests' groups is its own: no member's id names it."""
+        return f"shared-{self._rng.getrandbits(64):016x}"
+
     def child_request_id(self, request_id: str, first_index: int) -> str:
         return f"{request_id}:{first_index}:{self._rng.getrandbits(24):06x}"
 
