@@ -29,6 +29,36 @@ from epd_proxy.ops.metrics import Metrics
 log = logging.getLogger("epd_proxy.encode")
 
 
+# A watchdog that fires this late says the proxy's own event loop was held up (a CPU-starved
+# host), not the encoder: it waits once more instead.
+LOOP_LAG_S = 0.1
+
+
+class Overdue:
+    """Calls `fire` once a sub-request is `after` seconds old (lanes.Lane.overdue_after)."""
+
+    __slots__ = ("_loop", "_after", "_fire", "_due", "_handle")
+
+    def __init__(self, after: float, fire: Callable[[], None]) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._after = after
+        self._fire = fire
+        self._arm()
+
+    def _arm(self) -> None:
+        self._due = self._loop.time() + self._after
+        self._handle = self._loop.call_at(self._due, self._check)
+
+    def _check(self) -> None:
+        if self._loop.time() - self._due > LOOP_LAG_S:
+            self._arm()
+        else:
+            self._fire()
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+
+
 class SendAlone(Exception):
     """A group that waited to share a sub-request goes out on its own instead: it waited longer
     than its encoder's backlog explains (`cause` None), or the shared sub-request it was in failed
@@ -307,7 +337,7 @@ class Coalescer:
         after = lane.overdue_after(items, self.timeouts.total)
         if after is None:
             return None
-        return asyncio.get_running_loop().call_later(after, self._overdue, lane, encoder, batch, items, movable)
+        return Overdue(after, lambda: self._overdue(lane, encoder, batch, items, movable))
 
     def _overdue(self, lane: Lane, encoder: Instance, batch: Batch, items: int, movable: bool) -> None:
         if batch.done:

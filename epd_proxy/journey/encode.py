@@ -21,7 +21,7 @@ from epd_proxy.errors import BackendUnreachable, ProxyError
 from epd_proxy.fleet.backends import Instance
 from epd_proxy.fleet.lanes import BUSY_INFLIGHT, Lane, Lanes, coalesce_key
 from epd_proxy.fleet.routing import RoutingPolicy
-from epd_proxy.journey.coalesce import Coalescer, SendAlone, Work
+from epd_proxy.journey.coalesce import Coalescer, Overdue, SendAlone, Work
 from epd_proxy.journey.extract import MediaItem
 from epd_proxy.journey.plan import EncoderGroup
 from epd_proxy.journey.subrequest import (
@@ -285,7 +285,7 @@ class EncodeStep:
                 moving.append(True)
                 task.cancel()
 
-        watch = asyncio.get_running_loop().call_later(after, overdue) if after is not None else None
+        watch = Overdue(after, overdue) if after is not None else None
         try:
             reply = await self.observed(
                 encoder,
