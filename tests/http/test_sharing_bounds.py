@@ -156,20 +156,24 @@ async def test_a_shared_sub_request_has_its_own_id_and_its_log_line_names_the_me
         assert f"shared={shared_id}" in access
 
 
+async def first_encoder_warmed(stack, proxy, *, delay_s, rounds):
+    """The first encoder and its lane, once every encoder's speed is known (requests two at a
+    time: placement spreads them), so queued groups wait for seconds, not a cold start's floor."""
+    encoder = next(e for e in proxy.fleet.members("encode") if e.url == stack.backend_urls["e"][0])
+    for fake in stack.encoders:
+        fake.faults.delay_s = delay_s
+    for i in range(rounds):
+        answers = await asyncio.gather(*(answer_of(stack, chat(image(f"w{i}{j}"))) for j in "ab"))
+        assert [status for status, _ in answers] == [200, 200]
+    return encoder, proxy.lanes.of(encoder)
+
+
 @pytest.mark.parametrize("how", ["left", "ejected"])
 async def test_groups_queued_for_an_encoder_that_goes_move_at_once(make_stack, how):
     stack = await make_stack(encoders=2, max_ejection_percent=50)
     gone, other = stack.encoders
     proxy = stack.servers[-1].app[STATE]
-    encoder = next(e for e in proxy.fleet.members("encode") if e.url == stack.backend_urls["e"][0])
-    lane = proxy.lanes.of(encoder)
-    for fake in stack.encoders:
-        fake.faults.delay_s = 0.3
-    for i in range(3):  # speeds known: queued groups wait for seconds, not for a cold start's floor
-        assert [s for s, _ in await asyncio.gather(*(answer_of(stack, chat(image(f"w{i}{j}"))) for j in "ab"))] == [
-            200,
-            200,
-        ]
+    encoder, lane = await first_encoder_warmed(stack, proxy, delay_s=0.3, rounds=3)
     # Its two slots held, and groups waiting behind them (the other encoder is busy too).
     gone.faults.delay_s = other.faults.delay_s = 3.0
     sent_there = len(gone.requests) + 2
@@ -195,16 +199,7 @@ async def test_a_stalled_encoder_turns_suspect_its_work_moves_and_it_comes_back(
     stack = await make_stack(encoders=2, encode_timeout_s=30.0)
     stuck, healthy = stack.encoders
     proxy = stack.servers[-1].app[STATE]
-    encoder = next(e for e in proxy.fleet.members("encode") if e.url == stack.backend_urls["e"][0])
-    lane = proxy.lanes.of(encoder)
-    for fake in stack.encoders:
-        fake.faults.delay_s = 0.05
-    # Both learn their speed (two at a time: placement spreads them).
-    for i in range(4):
-        assert [s for s, _ in await asyncio.gather(*(answer_of(stack, chat(image(f"w{i}{j}"))) for j in "ab"))] == [
-            200,
-            200,
-        ]
+    encoder, lane = await first_encoder_warmed(stack, proxy, delay_s=0.05, rounds=4)
     assert len(stuck.requests) >= 2
     stuck.faults.delay_s = 60.0  # accepts, never answers within the test; /health stays 200
     healthy.faults.delay_s = 0.0
