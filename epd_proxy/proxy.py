@@ -16,11 +16,12 @@ from epd_proxy.config import Config
 from epd_proxy.fleet.backends import DECODE, ENCODE, PREFILL
 from epd_proxy.fleet.discovery import Discovery
 from epd_proxy.fleet.health import Health
+from epd_proxy.fleet.lanes import Lanes
 from epd_proxy.fleet.prober import Prober, check_pool
 from epd_proxy.fleet.registry import Registry
 from epd_proxy.fleet.roster import open_roster
 from epd_proxy.fleet.routing import RoutingPolicy, make_policy
-from epd_proxy.fleet.scheduler import ExpectedFinish, Lanes
+from epd_proxy.fleet.scheduler import ExpectedFinish
 from epd_proxy.journey.pipeline import Pipeline
 from epd_proxy.ops.metrics import Metrics
 
@@ -87,6 +88,8 @@ class ProxyState:
         # What the encoder scheduler knows of each encoder: placement, sending and /status share it.
         self.lanes = Lanes()
         self.fleet.watch(self.lanes)
+        # Groups waiting for an encoder health ejects move to another at once.
+        self.health.on_ejection(lambda role, url, reason: self.lanes.ejected(url) if role == ENCODE else None)
         self.policies = {
             ENCODE: encode_policy(config, self.lanes),
             PREFILL: make_policy(config.prefill_policy),

@@ -200,6 +200,7 @@ def _finish(metrics: Metrics, trace: Trace, status: int | str, route: Any) -> No
         "items": trace.items,
         "encoder_requests": trace.encoder_requests,
         "coalesced": trace.coalesced,
+        "shared": ",".join(trace.shared) or None,
         "affinity_hits": trace.affinity_hits,
         "encoder_failovers": trace.encoder_failovers,
         "attempts": trace.attempts,

@@ -70,7 +70,7 @@ def roster(state: ProxyState) -> list[dict[str, Any]]:
 
 def scheduler(state: ProxyState) -> dict[str, Any]:
     """What the encoder scheduler does and knows: its options and each encoder's learnt speed,
-    sub-requests in flight and groups waiting to share one (scheduler.Lane)."""
+    sub-requests in flight and groups waiting to share one (lanes.Lane)."""
     policy = state.policies[ENCODE]
     placing = isinstance(policy, ExpectedFinish)
     return {

@@ -1,4 +1,4 @@
-"""One request's journey: route → encode (encode.py) → rewrite → prefill → decode, with retries.
+"""One request's journey: route → plan → encode → match → rewrite → prefill → decode, with retries.
 
 Every attempt starts again from the client's untouched body, so a retry never inherits the
 previous attempt's transfer ids, EC handles or KV block ids.
@@ -18,12 +18,14 @@ from epd_proxy.calls.upstream import REFUSED_ANSWER, NoAnswer, Payload, Timeouts
 from epd_proxy.errors import BadRequest, ErrorAnswer, ProxyError
 from epd_proxy.fleet.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE, Instance
 from epd_proxy.fleet.health import Health, counts_against_instance
+from epd_proxy.fleet.lanes import Lanes
 from epd_proxy.fleet.registry import Registry
 from epd_proxy.fleet.routing import RoutingPolicy
-from epd_proxy.fleet.scheduler import Lanes
 from epd_proxy.journey.decode import DecodeAnswer, hold_head, open_decode
 from epd_proxy.journey.encode import EncodeStep
 from epd_proxy.journey.extract import MediaItem
+from epd_proxy.journey.match import Matches, match_groups
+from epd_proxy.journey.plan import plan_groups
 from epd_proxy.journey.prefill import run_prefill
 from epd_proxy.journey.rewrite import rewrite_request
 from epd_proxy.journey.splice import Spliced
@@ -112,6 +114,7 @@ class Pipeline:
             failovers=encoder_failovers,
             lanes=lanes,
             coalesce=coalesce,
+            stalled=lambda encoder: health.answered(encoder, 504, "a sub-request far past its expected time"),
         )
         self.prefill_timeouts = prefill_timeouts
         self.decode_timeouts = decode_timeouts
@@ -192,7 +195,7 @@ class Pipeline:
         while True:
             attempt += 1
             trace.attempts = attempt
-            matches = await self.encode.run(job.body, job.items, route.consumer_zmq, trace, job.dumps)
+            matches = await self._encode(job, route.consumer_zmq, trace)
             prepared = rewrite_request(job.body, job.items, matches, rewrite=self.rewrite, push_mode=push_mode)
             try:
                 decode_body = prepared
@@ -236,6 +239,20 @@ class Pipeline:
                 if exc.status != 500 or attempt == attempts:
                     raise
                 self._note_retry(trace, exc.stage, "answered 500", exc.message)
+
+    async def _encode(self, job: ClientBody, consumer_zmq: str | None, trace: Trace) -> Matches:
+        """Plan (placement, then groups), encode, match: one attempt's embeddings."""
+        if not job.items:
+            return Matches()
+        started = time.perf_counter()
+        assignment = self.encode.place(job.items, trace)
+        groups = plan_groups(job.items, assignment, self.encode.max_batch_size)
+        answers = await self.encode.run(job.body, job.items, groups, consumer_zmq, trace, job.dumps)
+        matches = match_groups(
+            job.body, job.items, [group.indices for group in groups], answers, push_mode=consumer_zmq is not None
+        )
+        trace.encode_s += time.perf_counter() - started
+        return matches
 
     def _note_retry(self, trace: Trace, stage: str, what: str, message: Any) -> None:
         self.metrics.retries.labels(stage).inc()

@@ -17,6 +17,8 @@ class Trace:
     subrequest_share: float = 0.0
     # Sub-requests it shared with other requests, and items sent where they were cached.
     coalesced: int = 0
+    # The request ids of the shared sub-requests that carried its items.
+    shared: list[str] = field(default_factory=list)
     affinity_hits: int = 0
     encoder_failovers: int = 0
     encode_s: float = 0.0

@@ -1,14 +1,18 @@
 from __future__ import annotations
 
+import asyncio
 import base64
+import time
 
 import orjson
 import pytest
 
-from epd_proxy.fleet.scheduler import coalesce_key
-from epd_proxy.journey.encode import FORWARDED_FIELDS, IdMint, Work, coalesced_payload, encoder_body
+from epd_proxy.fleet.lanes import coalesce_key
+from epd_proxy.journey.coalesce import LOOP_LAG_S, Overdue, Work, coalesced_payload
 from epd_proxy.journey.extract import normalise_request, parse_request
+from epd_proxy.journey.subrequest import FORWARDED_FIELDS, IdMint, encoder_body
 from epd_proxy.journey.trace import Trace
+from tests.http.polling import eventually
 from tests.media import chat, image
 
 
@@ -107,3 +111,15 @@ def test_a_shared_body_without_uuids_forwards_the_parts_as_they_are():
     sent = orjson.loads(b"".join(bytes(p) for p in coalesced_payload(works, ["a", "b"], send_uuid=False)))
     assert sent["messages"][0]["content"] == [works[0].items[0].part, works[1].items[0].part]
     assert "ec_transfer_params" not in sent and sent["stream"] is False
+
+
+async def test_the_overdue_watchdog_fires_on_time_but_not_for_its_own_event_loops_stall():
+    fired = []
+    Overdue(0.05, lambda: fired.append("on time"))
+    await eventually(lambda: fired, what="the watchdog fired")
+    late = Overdue(0.05, lambda: fired.append("late"))
+    time.sleep(0.05 + LOOP_LAG_S * 2)  # the loop itself held up past the deadline
+    await asyncio.sleep(0.01)
+    assert fired == ["on time"], "a late wake-up says nothing about the encoder"
+    await eventually(lambda: fired == ["on time", "late"], what="it fired once the loop was on time")
+    late.cancel()

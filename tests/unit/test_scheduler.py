@@ -12,18 +12,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from epd_proxy.fleet.backends import Instance
-from epd_proxy.fleet.scheduler import (
-    AFFINITY_ENTRIES,
+from epd_proxy.fleet.lanes import (
+    COALESCE_TARGET_ITEMS,
+    OVERDUE_FACTOR,
+    OVERDUE_FLOOR_S,
+    PAUSE_FLOOR_S,
+    PAUSE_MAX_S,
     PRIOR_FIXED_RATIO,
+    PROBE_ITEMS,
     STALE_S,
-    ExpectedFinish,
-    Key,
+    SUSPECT_HOLD_S,
     Lane,
     Lanes,
     coalesce_key,
     take_batch,
 )
-from epd_proxy.journey.encode import FORWARDED_FIELDS
+from epd_proxy.fleet.scheduler import AFFINITY_ENTRIES, ExpectedFinish, Key
+from epd_proxy.journey.subrequest import FORWARDED_FIELDS
 
 
 def fleet(n: int) -> list[Instance]:
@@ -321,6 +326,11 @@ class W:
     key: bytes | None
     size: int
     name: str = ""
+    priority: int = 0
+    moved: bool = False
+
+    def move(self) -> None:
+        self.moved = True
 
 
 @settings(max_examples=300, deadline=None)
@@ -350,24 +360,88 @@ def test_a_group_never_shares_past_the_limit_and_an_unshareable_one_goes_alone()
     assert len(take_batch(queue, 8)) == 1
 
 
-def test_lane_batches_count_one_sub_request_and_halve_after_a_refusal():
+def test_lane_batches_count_one_sub_request_and_the_cap_wins():
     lane = Lane("e")
     for size in (2, 2, 2, 2, 2):
         lane.queued(W(b"k", size))
     assert (lane.subs, lane.items) == (5, 10)
     batch = lane.next_batch(0)
-    assert len(batch) == 4 and (lane.subs, lane.items, lane.inflight) == (2, 10, 1)
+    assert len(batch) == 4 and (lane.subs, lane.items, lane.inflight, lane.inflight_items) == (2, 10, 1, 8)
     lane.finished(8, 0.0, 1.0)
-    assert (lane.subs, lane.items, lane.inflight) == (1, 2, 0)
-    lane.refused_shared()
-    assert lane.merge_limit == 4
-    lane.shared_ok(4)
-    assert lane.merge_limit == 5
+    assert (lane.subs, lane.items, lane.inflight, lane.inflight_items) == (1, 2, 0, 0)
     assert len(lane.next_batch(1)) == 1, "the batch cap wins"
-    lane.positions = False
+
+
+def test_a_share_at_fault_halves_to_a_probe_then_pauses_and_recovers_by_itself():
+    lane = Lane("e")
+    lane.share_failed(8, now=10.0)
+    assert (lane.merge_limit, lane.share_limit(0, 10.0, None)) == (4, 4)
+    lane.share_failed(4, now=10.0)
+    lane.share_failed(2, now=10.0)
+    # At the probe size, sharing pauses for PAUSE_FLOOR_S, then probes with two again.
+    assert lane.share_limit(0, 10.0 + PAUSE_FLOOR_S / 2, None) == 0
+    assert lane.share_limit(0, 10.0 + PAUSE_FLOOR_S, None) == PROBE_ITEMS
+    lane.share_failed(2, now=11.0)
+    assert lane.paused_until == 11.0 + 2 * PAUSE_FLOOR_S, "pauses double while probes fail"
+    for _ in range(20):
+        lane.share_failed(2, now=11.0)
+    assert lane.paused_until == 11.0 + PAUSE_MAX_S
+    # A probe that splits ends the pause; the share doubles back as TCP's slow start does.
+    lane.shared_ok(2)
+    assert (lane.paused_until, lane.merge_limit) == (0.0, 4)
+    lane.shared_ok(4)
+    assert lane.merge_limit == COALESCE_TARGET_ITEMS
+    assert lane.backoffs == 24
+
+
+def test_a_shared_sub_request_holds_only_what_fits_a_third_of_the_encode_timeout():
+    lane = Lane("e")
+    serve(lane, [1] * 40, per_item_s=0.1)
+    fixed, per_item = lane.fixed_s, lane.item_s
+    assert lane.share_limit(0, 0.0, None) == COALESCE_TARGET_ITEMS
+    assert lane.share_limit(0, 0.0, 2.4) == int((2.4 / 3 - fixed) / per_item) == 7
+    assert lane.share_limit(0, 0.0, 0.45) == 1
+    assert lane.share_limit(0, 0.0, 0.1) <= 0, "not even two: the oldest group goes alone"
+
+
+def test_queued_groups_leave_by_priority_then_arrival_as_in_vllm():
+    lane = Lane("e")
+    for name, priority in (("a", 10), ("b", 10), ("c", 0), ("d", 10), ("e", -5), ("f", 0)):
+        lane.queued(W(name.encode(), 1, name, priority))
+    order = []
+    while lane.waiting:
+        (work,) = lane.next_batch(0)
+        order.append(work.name)
+    assert order == ["e", "c", "f", "a", "b", "d"]
+
+
+def test_an_encoder_that_goes_hands_every_waiting_group_on():
+    lanes, (encoder,) = Lanes(), fleet(1)
+    lane = lanes.of(encoder)
+    works = [W(b"k", 2) for _ in range(3)]
+    for work in works:
+        lane.queued(work)
+    lanes.ejected(encoder.url)
+    assert all(work.moved for work in works) and not lane.waiting and (lane.subs, lane.items) == (0, 0)
     lane.queued(W(b"k", 1))
-    lane.queued(W(b"k", 1))
-    assert len(lane.next_batch(0)) == 1, "no sharing with an encoder that reports no positions"
+    lanes.left(encoder)
+    assert lane.gone and not lane.waiting
+
+
+def test_a_sub_request_far_past_its_expected_time_is_overdue_but_never_during_a_cold_start():
+    lane = Lane("e")
+    lane.started(1, 0.0)
+    assert lane.overdue_after(1, 300.0) is None, "nothing known of its speed yet"
+    lane.finished(1, 0.0, 0.010)
+    lane.started(4, 1.0)
+    lane.started(4, 1.0)
+    expected = lane.fixed_s * 2 + lane.item_s * 8
+    assert lane.overdue_after(4, 300.0) == max(OVERDUE_FLOOR_S, OVERDUE_FACTOR * expected) == OVERDUE_FLOOR_S
+    assert lane.overdue_after(4, 1.0) == 0.75, "always before the encode timeout"
+    assert lane.stalled(2.0) and not lane.stalled(2.5), "suspect once"
+    assert lane.avoid(2.5 + SUSPECT_HOLD_S - 0.01) and not lane.avoid(2.5 + SUSPECT_HOLD_S)
+    lane.finished(4, 1.0, 3.0)
+    assert not lane.suspect, "it answered"
 
 
 def test_patience_grows_with_the_backlog_ahead():
@@ -462,7 +536,7 @@ BODIES = st.fixed_dictionaries(
     one=BODIES, other=BODIES, zmq=st.lists(st.sampled_from([None, "tcp://c:0", "tcp://c:1"]), min_size=2, max_size=2)
 )
 def test_two_groups_share_exactly_when_their_encoder_bodies_match_but_for_the_media(one, other, zmq):
-    from epd_proxy.journey.encode import encoder_body
+    from epd_proxy.journey.subrequest import encoder_body
 
     def written(body, consumer):
         return orjson.dumps(encoder_body(body, [], send_uuid=True, transfer_ids=(), consumer_zmq=consumer))

@@ -14,13 +14,13 @@ from hypothesis import strategies as st
 from epd_proxy.errors import BadRequest
 from epd_proxy.fleet.backends import Instance
 from epd_proxy.fleet.routing import RoundRobin
-from epd_proxy.journey.encode import encoder_body
 from epd_proxy.journey.extract import MEDIA_HASHES, normalise_request, parse_request
 from epd_proxy.journey.match import Matches, match_group
 from epd_proxy.journey.plan import plan_groups
 from epd_proxy.journey.prefill import prefill_request
 from epd_proxy.journey.rewrite import rewrite_request
 from epd_proxy.journey.splice import lift
+from epd_proxy.journey.subrequest import encoder_body
 
 
 def data_url(payload: bytes, header: str = "data:image/png;base64,") -> str:

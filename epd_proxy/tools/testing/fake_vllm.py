@@ -302,6 +302,9 @@ class Costs:
     slowdown: float = 1.0
     repeat_factor: float = 1.0
     cache_items: int = 0
+    # Sub-requests batched together as vLLM's engine steps do, each taking its own cost from when
+    # it arrives, instead of back to back.
+    parallel: bool = False
 
 
 class SeenCache:
@@ -539,7 +542,9 @@ class FakeVLLM:
             params["ec_items"] = legacy_items
         self.counts.images[tag] += position
         cost = (self.costs.request_s + self.costs.image_s * work) * self.costs.slowdown
-        if cost > 0:
+        if cost > 0 and self.costs.parallel:
+            await asyncio.sleep(cost)
+        elif cost > 0:
             now = asyncio.get_running_loop().time()
             self._free_at = max(now, self._free_at) + cost
             await asyncio.sleep(self._free_at - now)
