@@ -51,7 +51,7 @@ test: $(STAMP) store dns lint docs browser
 	mkdir -p work
 	$(BIN)/python -m pytest --basetemp=work/pytest $(PYTEST_ARGS)
 
-# Unit and fake-backend HTTP tests only: about 6 minutes on 2 shared cores, no vLLM.
+# Unit and fake-backend HTTP tests only: about 7 minutes on 2 shared cores, no vLLM.
 test-fast: $(STAMP) store dns
 	mkdir -p work
 	$(BIN)/python -m pytest --basetemp=work/pytest tests/unit tests/http $(PYTEST_ARGS)
