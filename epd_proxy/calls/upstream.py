@@ -12,9 +12,9 @@ A second pool (health probes on their own small connector, never limited by
 
 Underneath is a lean HTTP/1.1 client (connection.py: an asyncio.Protocol per connection feeding
 httptools' parser, the C parser uvicorn uses), chosen by measurement over aiohttp's client, which
-cost the proxy about as much CPU per request as everything else it does (see the README's
-benchmark). Answers are handed on as the chunks the socket gave, and nothing is decompressed, so
-relayed bytes are exactly what the backend wrote.
+cost the proxy about as much CPU per request as everything else it does (see docs/benchmark.md).
+Answers are handed on as the chunks the socket gave, and nothing is decompressed, so relayed bytes
+are exactly what the backend wrote.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Where an attempt's items go: placement by expected finish (pure, like lanes.py).
 
-What an encoder costs (measured on real vLLM, see the README's "Encoder scheduling"): every
+What an encoder costs (measured on real vLLM, see docs/scheduling.md): every
 sub-request has a fixed cost of about a third of one image's, and an image the encoder saw
 before under the same uuid costs about 0.4x a fresh one, but only on that encoder. So:
 

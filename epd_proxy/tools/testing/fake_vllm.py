@@ -292,7 +292,7 @@ class Costs:
     run back to back, each costing `request_s` plus `image_s` per media item, times `slowdown`
     (a fleet of mixed encoders: 3 is three times slower). An item whose engine identifier is
     among the last `cache_items` this encoder saw costs `repeat_factor` of a fresh one (vLLM's
-    processor and encoder caches: about 0.4x, see the README's "Encoder scheduling"); another
+    processor and encoder caches: about 0.4x, see docs/scheduling.md); another
     encoder has not seen it and pays in full. A consumer answers after `answer_s`; a stream sends
     its role event and first token at once and the rest then."""
 
