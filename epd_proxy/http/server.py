@@ -353,23 +353,16 @@ async def start(
     return runner, site
 
 
-def run(
-    app: web.Application,
-    limits: ClientLimits,
-    *,
-    host: str,
-    port: int,
-    reuse_port: bool = False,
-    shared: PortConnections | None = None,
-) -> None:
-    """`web.run_app` with the client limits; returns on SIGTERM or SIGINT after a graceful shutdown."""
+def run(app: web.Application, limits: ClientLimits, **where: Any) -> None:
+    """`web.run_app` with the client limits, listening where `start`'s keywords say (host, port,
+    reuse_port, shared); returns on SIGTERM or SIGINT after a graceful shutdown."""
 
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        runner, site = await start(app, limits, host=host, port=port, reuse_port=reuse_port, shared=shared)
+        runner, site = await start(app, limits, **where)
         logging.getLogger("epd_proxy").info("serving on %s", site.name)
         try:
             await stop.wait()
