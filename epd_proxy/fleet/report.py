@@ -8,6 +8,7 @@ there (as in the reference).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from epd_proxy.config import Config
@@ -30,28 +31,26 @@ def stage_status(in_rotation: list[bool]) -> str:
     return "degraded" if any(in_rotation) else "unhealthy"
 
 
+@dataclass(frozen=True, slots=True)
 class HealthReport:
-    def __init__(
-        self, config: Config, fleet: Registry, health: Health, roster: Roster | None, discovery: Discovery | None
-    ) -> None:
-        self._config = config
-        self._fleet = fleet
-        self._health = health
-        self._roster = roster
-        self._discovery = discovery
+    config: Config
+    fleet: Registry
+    health: Health
+    roster: Roster | None
+    discovery: Discovery | None
 
     def answer(self) -> tuple[int, dict[str, Any]]:
         """The status and the body of /health."""
-        views = self._health.snapshot(self._fleet.all())
+        views = self.health.snapshot(self.fleet.all())
         instances = {view["url"]: {k: v for k, v in view.items() if k != "url"} for view in views}
         body: dict[str, Any] = {"proxy": "healthy"}
         status = 200
-        if self._config.dynamic_registration:
-            body["instances"] = self._fleet.snapshot(self._health.in_rotation)
+        if self.config.dynamic_registration:
+            body["instances"] = self.fleet.snapshot(self.health.in_rotation)
             body["health"] = instances
-            if self._roster is not None:
+            if self.roster is not None:
                 # Reported, not fatal: routing goes on from the last roster read while the store is away.
-                body["roster"] = self._roster.status()
+                body["roster"] = self.roster.status()
         else:
             for stage, key in CLUSTER_KEYS.items():
                 body[key] = stage_status(
@@ -60,12 +59,12 @@ class HealthReport:
             body["instances"] = instances
             if self._down(body):
                 status = 503
-        if self._discovery is not None:
-            body["dns"] = self._discovery.status()  # reported, not fatal
+        if self.discovery is not None:
+            body["dns"] = self.discovery.status()  # reported, not fatal
         return status, body
 
     def _down(self, body: dict[str, Any]) -> bool:
-        config = self._config
+        config = self.config
         # Only a DNS name can leave a stage it names empty: that stage cannot serve either.
         configured = {ENCODE: config.encode_urls, PREFILL: config.prefill_urls, DECODE: config.decode_urls}
         return any(
