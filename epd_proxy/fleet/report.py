@@ -31,7 +31,7 @@ def stage_status(in_rotation: list[bool]) -> str:
     return "degraded" if any(in_rotation) else "unhealthy"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class HealthReport:
     config: Config
     fleet: Registry
