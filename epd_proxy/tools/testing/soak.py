@@ -199,7 +199,7 @@ async def run(duration_s: float, concurrency: int, seed: int) -> dict[str, Any]:
     remaining_tasks = sorted(repr(t.get_coro())[:100] for t in asyncio.all_tasks() if t is not asyncio.current_task())
     leaked_sockets = _socket_count() - baseline_sockets
     acquired = state.upstream.connections_in_use()
-    leaked_inflight = sum(inst.inflight for inst in state.fleet.all()) + state.inflight
+    leaked_inflight = sum(inst.inflight for inst in state.fleet.all()) + state.admission.inflight
     quarter = max(1, len(rss_samples) // 4)
     rss_growth = (
         (max(rss_samples[-quarter:]) - max(rss_samples[quarter : 2 * quarter] or rss_samples)) if rss_samples else 0.0
