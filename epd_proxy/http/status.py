@@ -122,7 +122,7 @@ def snapshot(state: ProxyState) -> dict[str, Any]:
             "pid": os.getpid(),
             "uptime_s": round(state.metrics.recent.uptime_s(), 1),
             "mode": "dynamic" if config.dynamic_registration else "static",
-            "inflight": state.inflight,
+            "inflight": state.admission.inflight,
             "max_inflight": config.max_inflight,
             "probe_interval_s": config.probe_interval_s,
             "fail_threshold": config.fail_threshold,

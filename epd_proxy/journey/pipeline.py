@@ -146,6 +146,10 @@ class Pipeline:
         consumer_zmq = pinned.zmq_addrs[dp_rank or 0] if pinned.zmq_addrs else None
         return Route(decoder, prefill, pinned, dp_rank, consumer_zmq)
 
+    async def _stage(self, step, instance: Instance, body: dict[str, Any], headers, timeouts, job: ClientBody, trace):
+        """Prefill or decode (`step`) on `instance`, its outcome fed to outlier detection."""
+        return await self._call(instance, step(self.upstream, instance, body, headers, timeouts, job.dumps), trace)
+
     async def _call(self, instance: Instance, call, trace: Trace):
         """Await a backend call, feeding its outcome to passive outlier detection: a transport
         failure, or the status the instance answered. Errors the proxy found on its own (an
@@ -201,23 +205,15 @@ class Pipeline:
                 decode_body = prepared
                 if route.prefill is not None:
                     started = time.perf_counter()
-                    kv = await self._call(
-                        route.prefill,
-                        run_prefill(
-                            self.upstream, route.prefill, prepared, prefill_headers, self.prefill_timeouts, job.dumps
-                        ),
-                        trace,
+                    kv = await self._stage(
+                        run_prefill, route.prefill, prepared, prefill_headers, self.prefill_timeouts, job, trace
                     )
                     trace.prefill_s += time.perf_counter() - started
                     if kv:
                         decode_body = {**prepared, "kv_transfer_params": kv}
                 started = time.perf_counter()
-                answer = await self._call(
-                    route.decoder,
-                    open_decode(
-                        self.upstream, route.decoder, decode_body, decode_headers, self.decode_timeouts, job.dumps
-                    ),
-                    trace,
+                answer = await self._stage(
+                    open_decode, route.decoder, decode_body, decode_headers, self.decode_timeouts, job, trace
                 )
                 in_band = None
                 if answer.streaming:

@@ -114,4 +114,4 @@ async def test_an_event_over_the_cap_ends_the_stream_with_an_in_band_error(proxy
     async with client.get("/metrics") as resp:
         assert 'epd_requests_total{status="aborted"} 1.0' in await resp.text()
     # The decode connection is let go, not left reading the rest of the event.
-    await eventually(lambda: state.inflight == 0 and all(i.inflight == 0 for i in state.fleet.all()))
+    await eventually(lambda: state.admission.inflight == 0 and all(i.inflight == 0 for i in state.fleet.all()))

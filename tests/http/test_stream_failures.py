@@ -110,7 +110,7 @@ async def test_stream_silent_after_content_gets_an_error_event_and_frees_everyth
     assert "timed out" in error["message"]
     state = state_of(stack)
     await eventually(lambda: stack.pd.cancelled == 1)
-    await eventually(lambda: state.inflight == 0 and all(i.inflight == 0 for i in state.fleet.all()))
+    await eventually(lambda: state.admission.inflight == 0 and all(i.inflight == 0 for i in state.fleet.all()))
 
 
 async def test_non_streaming_answer_silent_after_headers_is_504(make_stack):
@@ -122,7 +122,7 @@ async def test_non_streaming_answer_silent_after_headers_is_504(make_stack):
             error = (await resp.json())["error"]
     assert error["stage"] == "decode" and error["backend"] == stack.pd_url
     await eventually(lambda: stack.pd.cancelled == 1)
-    assert state_of(stack).inflight == 0
+    assert state_of(stack).admission.inflight == 0
 
 
 # -- 3. aborted streams, clients that leave -------------------------------------------------------
@@ -217,4 +217,4 @@ async def test_waiting_for_a_decode_connection_is_bounded_by_the_decode_timeout(
     finally:
         first.close()
     state = state_of(stack)
-    await eventually(lambda: state.inflight == 0 and all(i.inflight == 0 for i in state.fleet.all()))
+    await eventually(lambda: state.admission.inflight == 0 and all(i.inflight == 0 for i in state.fleet.all()))

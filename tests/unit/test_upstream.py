@@ -9,7 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from epd_proxy.calls import answer as answer_module
 from epd_proxy.calls import upstream
+from epd_proxy.calls.answer import Call
 from epd_proxy.calls.upstream import (
     BODY_TOO_LARGE,
     HEADERS_TIMEOUT,
@@ -19,7 +21,6 @@ from epd_proxy.calls.upstream import (
     Answer,
     NoAnswer,
     Timeouts,
-    _Call,
 )
 from tests.unit.stub_connection import Pool, connection
 
@@ -40,13 +41,14 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch) -> Clock:
     clock = Clock()
-    monkeypatch.setattr(upstream, "time", SimpleNamespace(monotonic=clock.monotonic))
+    for module in (upstream, answer_module):
+        monkeypatch.setattr(module, "time", SimpleNamespace(monotonic=clock.monotonic))
     return clock
 
 
-def call_of(timeouts: Timeouts, target=None, count: bool = True) -> _Call:
+def call_of(timeouts: Timeouts, target=None, count: bool = True) -> Call:
     target = target or SimpleNamespace(url="http://b", inflight=0)
-    return _Call(target, "encode", "Encoder request", timeouts, count)
+    return Call(target, "encode", "Encoder request", timeouts, count)
 
 
 def test_without_a_total_each_phase_has_its_own_limit(clock):

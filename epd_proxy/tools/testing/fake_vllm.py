@@ -252,17 +252,18 @@ class Faults:
         if body is not None:
             self.fail_body = body
 
+    def _spend(self, budget: str) -> bool:
+        """Whether one more of the faults counted down in attribute `budget` is due, spending it."""
+        left = getattr(self, budget)
+        if left > 0:
+            setattr(self, budget, left - 1)
+        return left > 0
+
     def generation_error(self) -> bool:
-        if self.generation_errors > 0:
-            self.generation_errors -= 1
-            return True
-        return False
+        return self._spend("generation_errors")
 
     def stall_stream(self) -> bool:
-        if self.stall_streams > 0:
-            self.stall_streams -= 1
-            return True
-        return False
+        return self._spend("stall_streams")
 
     async def apply(self, exchange: Exchange) -> Answer | None:
         if self.delay_s:
@@ -280,10 +281,7 @@ class Faults:
 
     def break_stream(self) -> bool:
         """Whether the next stream should be cut halfway (connection reset after status 200)."""
-        if self.cut_streams > 0:
-            self.cut_streams -= 1
-            return True
-        return False
+        return self._spend("cut_streams")
 
 
 @dataclass(frozen=True)

@@ -200,7 +200,7 @@ async def run(duration_s: float, concurrency: int, seed: int, coalesce: bool = T
     remaining_tasks = sorted(repr(t.get_coro())[:100] for t in asyncio.all_tasks() if t is not asyncio.current_task())
     leaked_sockets = _socket_count() - baseline_sockets
     acquired = state.upstream.connections_in_use()
-    leaked_inflight = sum(inst.inflight for inst in state.fleet.all()) + state.inflight
+    leaked_inflight = sum(inst.inflight for inst in state.fleet.all()) + state.admission.inflight
     # The scheduler's books: nothing still waiting to share, in flight or counted outstanding.
     leaked_lane_work = sum(lane.inflight + lane.subs + lane.items + len(lane.waiting) for lane in state.lanes.all())
     leaked_lane_work += sum(len(lane.shared) for lane in state.lanes.all())
