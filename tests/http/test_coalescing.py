@@ -16,7 +16,7 @@ import orjson
 import pytest
 
 from epd_proxy.http.app import STATE
-from tests.http.polling import eventually
+from epd_proxy.tools.testing.polling import eventually
 from tests.media import chat, image
 
 SLOW_S = 0.6

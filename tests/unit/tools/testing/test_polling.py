@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.http.polling import eventually, eventually_sync
+from epd_proxy.tools.testing.polling import eventually, eventually_sync
 
 
 async def test_a_sync_or_async_check_is_polled_until_truthy_and_its_value_returned():
