@@ -15,7 +15,6 @@ import aiohttp
 import orjson
 import pytest
 
-from epd_proxy.http.app import STATE
 from epd_proxy.tools.testing.polling import eventually
 from tests.media import chat, image
 
@@ -36,7 +35,7 @@ async def direct_answer(stack, body):
 
 
 def lanes(stack):
-    return stack.servers[-1].app[STATE].lanes
+    return stack.state.lanes
 
 
 async def busy_encoder(stack, encoder=0):

@@ -158,7 +158,7 @@ async def test_client_disconnect_cancels_backend_calls(make_stack):
     await eventually(lambda: sum(e.cancelled for e in stack.encoders) == 2, what="both sub-requests cancelled")
     assert [e.cancelled for e in stack.encoders] == [1, 1]
     assert stack.pd.requests == []
-    assert all(e.inflight == 0 for e in stack.servers[-1].app[STATE].fleet.all())
+    assert all(e.inflight == 0 for e in stack.state.fleet.all())
 
 
 async def test_client_disconnect_mid_stream_cancels_decode(make_stack):

@@ -125,9 +125,9 @@ class Stack(Proxy):
         return self.fakes.store
 
     @property
-    def servers(self) -> list[Any]:
-        """The fakes' servers (encoders, prefills, consumers in order), then the proxy's runner."""
-        return [*self.fakes.servers, self]
+    def servers(self) -> list[TestServer]:
+        """The fakes' servers: encoders, prefills, then consumers."""
+        return self.fakes.servers
 
     @property
     def app(self) -> web.Application:
