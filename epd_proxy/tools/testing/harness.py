@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import os
 import socket
 import subprocess
@@ -201,13 +200,18 @@ async def start_stack(
                 fake, url = await fakes.start(role, **(options or {}))
                 stack_fakes[key].append(fake)
                 urls[key].append(url)
-        config = Config(encode_urls=tuple(urls["e"]), prefill_urls=tuple(urls["p"]), decode_urls=tuple(urls["d"]))
+        listed = {"encode_urls": tuple(urls["e"]), "prefill_urls": tuple(urls["p"]), "decode_urls": tuple(urls["d"])}
     else:
-        config = Config(dynamic_registration=True, admin_api_key=ADMIN_KEY, probe_interval_s=0)
-    config = dataclasses.replace(config, **config_overrides)
-    runner, site = await server_module.start(
-        app or create_app(config), server_module.ClientLimits.from_config(config), host="127.0.0.1", port=0
-    )
+        listed = {"dynamic_registration": True, "admin_api_key": ADMIN_KEY, "probe_interval_s": 0}
+    try:
+        # One construction: a Config checks its topology as it is made, overrides included.
+        config = Config(**{**listed, **config_overrides})
+        runner, site = await server_module.start(
+            app or create_app(config), server_module.ClientLimits.from_config(config), host="127.0.0.1", port=0
+        )
+    except BaseException:
+        await fakes.close()  # a stack that never started must not leave its fakes listening
+        raise
     # Paths alone reach the proxy; full URLs reach anything else.
     client = aiohttp.ClientSession(base_url=f"http://127.0.0.1:{site.port}")
     return Stack(fakes, runner, site.port, client, stack_fakes["e"], stack_fakes["p"], stack_fakes["d"], urls)

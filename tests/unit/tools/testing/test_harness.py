@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import socket
 
-from epd_proxy.tools.testing.harness import ADMIN_KEY, free_port, start_stack
+import pytest
+
+from epd_proxy.config import ConfigError
+from epd_proxy.tools.testing.harness import ADMIN_KEY, Fakes, free_port, start_stack
 from tests.media import chat, image
 
 
@@ -44,5 +47,23 @@ async def test_a_dynamic_stack_starts_empty_and_fakes_join_it():
             assert resp.status == 200
         (url,) = (await stack.get("/instances"))[1]["encode"]["live"]
         assert await stack.unregister(url) == (200, {"removed": True})
+    finally:
+        await stack.close()
+
+
+async def test_a_stack_whose_config_is_refused_leaves_no_fake_listening():
+    fakes = Fakes()
+    with pytest.raises(ConfigError):
+        await start_stack(encoders=1, decoders=0, fakes=fakes)
+    assert fakes.servers == []
+
+
+async def test_overrides_may_replace_the_listed_backends():
+    fakes = Fakes()
+    _, pd_url = await fakes.start("pd")
+    stack = await start_stack(encoders=1, decoders=0, fakes=fakes, decode_urls=(pd_url,), probe_interval_s=0)
+    try:
+        async with await stack.chat(chat(image("A"))) as resp:
+            assert resp.status == 200
     finally:
         await stack.close()
