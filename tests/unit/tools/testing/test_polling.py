@@ -1,4 +1,4 @@
-"""The one polling helper the tests synchronise with (tests/http/polling.py)."""
+"""The one polling helper the tests synchronise with (epd_proxy/tools/testing/polling.py)."""
 
 from __future__ import annotations
 
