@@ -24,7 +24,8 @@ from aiohttp.test_utils import TestServer
 
 from epd_proxy.config import Config
 from epd_proxy.http import server as server_module
-from epd_proxy.http.app import STATE, create_app
+from epd_proxy.http.app import create_app
+from epd_proxy.proxy import STATE, ProxyState
 from epd_proxy.tools.testing.fake_vllm import ECStore, FakeVLLM
 from epd_proxy.tools.testing.polling import eventually
 
@@ -129,11 +130,7 @@ class Stack(Proxy):
         return self.fakes.servers
 
     @property
-    def app(self) -> web.Application:
-        return self.runner.app
-
-    @property
-    def state(self):
+    def state(self) -> ProxyState:
         return self.runner.app[STATE]
 
     @property
