@@ -15,8 +15,7 @@ import aiohttp
 import orjson
 import pytest
 
-from epd_proxy.http.app import STATE
-from tests.http.polling import eventually
+from epd_proxy.tools.testing.polling import eventually
 from tests.media import chat, image
 
 SLOW_S = 0.6
@@ -36,7 +35,7 @@ async def direct_answer(stack, body):
 
 
 def lanes(stack):
-    return stack.servers[-1].app[STATE].lanes
+    return stack.state.lanes
 
 
 async def busy_encoder(stack, encoder=0):

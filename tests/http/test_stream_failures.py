@@ -12,8 +12,7 @@ import aiohttp
 import orjson
 
 import epd_proxy.http.routes
-from epd_proxy.http.app import STATE
-from tests.http.polling import eventually
+from epd_proxy.tools.testing.polling import eventually
 from tests.media import chat, image
 
 VLLM_ERROR = {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}
@@ -37,7 +36,7 @@ def text_of(evs: list) -> str:
 
 
 def state_of(stack):
-    return stack.servers[-1].app[STATE]
+    return stack.state
 
 
 async def metric_lines(stack) -> str:

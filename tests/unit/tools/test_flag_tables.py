@@ -9,7 +9,7 @@ from pathlib import Path
 from epd_proxy.config import markdown_table
 from epd_proxy.tools.flag_tables import COMMANDS, commands_page, table
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_docs_commands_page_is_the_declarations():

@@ -15,7 +15,7 @@ from packaging.requirements import Requirement
 
 from epd_proxy.http import server
 
-PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
+PYPROJECT = Path(__file__).resolve().parents[3] / "pyproject.toml"
 
 
 def aiohttp_requirement() -> Requirement:
