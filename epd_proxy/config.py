@@ -218,14 +218,15 @@ class Config:
         Switch(False),
         "encode a conversation's earlier images again on every turn, as references, instead of sending them raw "
         "under their uuids to the consumer, which holds them in its prefix cache or finds them in the EC store "
-        "(see docs/prefix-routing.md)",
+        "(see [Conversations](prefix-routing.md))",
         flag="--no-reuse",
     )
     consumer_encode: bool = option(
         True,
         Switch(False),
-        "answer 503 when no encoder is in rotation (or all are queued past `--consumer-encode-after`) instead of "
-        "sending the media raw for the consumer to encode itself",
+        "fail a request with media when no encoder can take it (503 with none in rotation or all queued past "
+        "`--consumer-encode-after`, 502/504 when none answers) instead of sending the media raw for the consumer to "
+        "encode itself (see [Conversations](prefix-routing.md))",
         flag="--no-consumer-encode",
     )
     consumer_encode_after_s: float = option(
