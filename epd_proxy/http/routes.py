@@ -134,7 +134,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             # From here on only the pipeline holds the body, and it lets go once decode commits.
             job = ClientBody(body, items, spliced)
             del normalised, body, items, spliced
-            route = state.pipeline.choose_route(request_id)
+            route = state.pipeline.choose_route(request_id, job)
             with route.decoder.busy():
                 answer = await state.pipeline.open(job, route, trace)
                 try:
