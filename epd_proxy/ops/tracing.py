@@ -16,6 +16,7 @@ member's wait span.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import time
 from collections.abc import Iterable, Mapping
@@ -23,6 +24,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from epd_proxy.calls.upstream import CONTEXT_HEADERS
+from epd_proxy.config import ConfigError
 
 PROTOCOL_VARIABLE = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
 SERVICE_NAME = "epd-proxy"
@@ -42,6 +44,21 @@ class _Api:
 
 class TracingUnavailable(RuntimeError):
     """--otlp-traces-endpoint without the OpenTelemetry SDK installed."""
+
+
+def require_sdk() -> None:
+    """At startup, not at the first request: the SDK, the chosen exporter and a known protocol."""
+    protocol = os.environ.get(PROTOCOL_VARIABLE, "grpc")
+    module = {"grpc": "grpc", "http/protobuf": "http"}.get(protocol)
+    if module is None:
+        raise ConfigError(f"{PROTOCOL_VARIABLE}={protocol!r}: only grpc and http/protobuf are supported")
+    for name in ("opentelemetry.sdk", f"opentelemetry.exporter.otlp.proto.{module}"):
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            raise ConfigError(f"--otlp-traces-endpoint needs {name}: pip install 'epd-proxy[otel]'")
 
 
 def setup(endpoint: str, sample_ratio: float | None = None, *, exporter: Any = None) -> None:
