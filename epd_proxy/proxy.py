@@ -27,6 +27,7 @@ from epd_proxy.fleet.scheduler import ExpectedFinish
 from epd_proxy.journey.admission import Admission
 from epd_proxy.journey.pipeline import Pipeline
 from epd_proxy.ops import tracing
+from epd_proxy.ops.autoscale import Autoscale
 from epd_proxy.ops.metrics import Metrics
 
 
@@ -105,6 +106,14 @@ class ProxyState:
         }
         self.metrics = Metrics(self.fleet, self.health)
         self.metrics.watch_lanes(self.lanes)
+        self.metrics.watch_autoscale(
+            Autoscale(
+                self.lanes,
+                window_s=config.autoscale_window_s,
+                utilisation=config.autoscale_utilisation,
+                concurrency=config.autoscale_concurrency,
+            )
+        )
         # Shared membership for replicas and workers; health stays per process.
         self.roster = open_roster(config.roster_url, config.evicted_ttl_s, self.fleet, self.health.in_rotation)
         if self.roster is not None:
