@@ -83,7 +83,8 @@ class Autoscale:
         lanes = self.lanes.all()
         if not lanes:
             return {}
-        fixed, per_item = self.lanes.costs(lanes, time.perf_counter())
+        # At the learnt speeds, stale or not: an encoder is stale only while it has nothing outstanding.
+        fixed, per_item = self.lanes.costs(lanes)
         return {lane.url: f * lane.subs + i * lane.items for lane, f, i in zip(lanes, fixed, per_item)}
 
     def sample(self) -> None:
