@@ -59,28 +59,32 @@ async def test_recommended_encoders_follow_a_load_stepping_up_and_down(make_stac
         coalesce=False,
     )
     names = (f"img{i}" for i in itertools.count())
-    seen = []
+    seen: list[tuple[int, float, float]] = []
     for per_second in (4, 24, 4):
-        needed = per_second * IMAGE_S  # encoders' worth of work arriving
-        want = max(1, math.ceil(needed / UTILISATION))
         load = asyncio.create_task(offer(stack, per_second, names))
         try:
-            streak = 0
-
-            async def follows():
-                nonlocal streak
-                async with stack.client.get(stack.url + "/metrics") as resp:
-                    text = await resp.text()
-                got = figure(text, "epd_role_recommended_replicas")
-                offered = figure(text, "epd_role_offered_load")
-                seen.append((per_second, got, round(offered, 3)))
-                close = abs(got - want) <= TOLERANCE_REPLICAS and abs(offered - needed) <= TOLERANCE_LOAD * needed + 0.1
-                streak = streak + 1 if close and figure(text, "epd_role_arrival_rate") > 0 else 0
-                # Held over a second of polls, so it is not a passing sample.
-                return streak >= 5
-
-            await eventually(follows, timeout=8 * WINDOW_S, interval=0.25, what=lambda: f"{want} encoders: {seen[-6:]}")
+            await follows_within_tolerance(stack, per_second, seen)
         finally:
             load.cancel()
             await asyncio.gather(load, return_exceptions=True)
     assert [s for s in seen if s[0] == 24][-1][1] >= 2, "the step up asked for more encoders"
+
+
+async def follows_within_tolerance(stack, per_second: int, seen: list) -> None:
+    needed = per_second * IMAGE_S  # encoders' worth of work arriving
+    want = max(1, math.ceil(needed / UTILISATION))
+    streak = 0
+
+    async def follows():
+        nonlocal streak
+        async with stack.client.get(stack.url + "/metrics") as resp:
+            text = await resp.text()
+        got = figure(text, "epd_role_recommended_replicas")
+        offered = figure(text, "epd_role_offered_load")
+        seen.append((per_second, got, round(offered, 3)))
+        close = abs(got - want) <= TOLERANCE_REPLICAS and abs(offered - needed) <= TOLERANCE_LOAD * needed + 0.1
+        streak = streak + 1 if close and figure(text, "epd_role_arrival_rate") > 0 else 0
+        # Held over a second of polls, so it is not a passing sample.
+        return streak >= 5
+
+    await eventually(follows, timeout=8 * WINDOW_S, interval=0.25, what=lambda: f"{want} encoders: {seen[-6:]}")
