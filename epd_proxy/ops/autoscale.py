@@ -63,6 +63,8 @@ class Autoscale:
         self.arrived = dict.fromkeys(ROLES, 0)
         # (time, busy seconds per role, arrivals per role, encoder backlog seconds), oldest first.
         self._samples: deque[tuple[float, dict[str, float], dict[str, int], float]] = deque()
+        # (time, encoder backlog seconds) of every sample in the last minutes, for the status page.
+        self._backlog_history: deque[tuple[float, float]] = deque(maxlen=600)
 
     def finished(self, trace) -> None:
         """A request's part in each role it reached (routes.py, once per request)."""
@@ -89,9 +91,19 @@ class Autoscale:
 
     def sample(self) -> None:
         now = self.clock()
-        self._samples.append((now, self.busy_totals(), dict(self.arrived), sum(self.backlog().values())))
+        backlog = sum(self.backlog().values())
+        self._samples.append((now, self.busy_totals(), dict(self.arrived), backlog))
+        self._backlog_history.append((now, backlog))
         while len(self._samples) > 2 and now - self._samples[1][0] >= self.window_s:
             self._samples.popleft()
+
+    def backlog_timeline(self, span_s: float = 300.0) -> list[dict[str, float]]:
+        """The encoders' summed backlog as sampled over the last `span_s`, oldest first."""
+        self.sample()
+        now = self.clock()
+        return [
+            {"ago_s": round(now - t, 1), "seconds": round(b, 4)} for t, b in self._backlog_history if now - t <= span_s
+        ]
 
     def figures(self) -> dict[str, RoleFigures]:
         """Per role over the window (sampled now): nothing is known before two samples."""
