@@ -61,8 +61,8 @@ def require_sdk() -> None:
             raise ConfigError(f"--otlp-traces-endpoint needs {name}: pip install 'epd-proxy[otel]'")
 
 
-def setup(endpoint: str, sample_ratio: float | None = None, *, exporter: Any = None) -> None:
-    """Start exporting this process's spans to `endpoint` (or to `exporter`, for tests).
+def setup(endpoint: str, sample_ratio: float | None = None) -> None:
+    """Start exporting this process's spans to `endpoint`.
 
     `sample_ratio` None leaves sampling to the SDK's OTEL_TRACES_SAMPLER (parent-based, always on
     by default); a ratio samples new traces by trace id and follows the client's decision."""
@@ -84,7 +84,7 @@ def setup(endpoint: str, sample_ratio: float | None = None, *, exporter: Any = N
     if sample_ratio is not None:
         options["sampler"] = ParentBased(TraceIdRatioBased(sample_ratio))
     provider = TracerProvider(**options)
-    provider.add_span_processor(BatchSpanProcessor(exporter if exporter is not None else span_exporter(endpoint)))
+    provider.add_span_processor(BatchSpanProcessor(span_exporter(endpoint)))
     _api = _Api(trace, propagate, Link, SpanKind, lambda message: Status(StatusCode.ERROR, message))
     _provider = provider
     _tracer = provider.get_tracer("epd_proxy")
@@ -111,10 +111,6 @@ def shutdown() -> None:
     if _provider is not None:
         _provider.shutdown()
     _tracer = _provider = None
-
-
-def enabled() -> bool:
-    return _tracer is not None
 
 
 class RequestSpans:
