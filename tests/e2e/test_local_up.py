@@ -174,6 +174,17 @@ def test_stack_urls_prefill():
     assert [m.name for m in st.instances] == ["encoder-0", "encoder-1", "prefill", "decode", "baseline"]
 
 
+def test_up_traces_the_whole_stack():
+    from epd_proxy.tools.local.up import build_parser, config_from_args
+
+    args = build_parser().parse_args(["--prefill", "--otlp-traces-endpoint", "http://127.0.0.1:4317"])
+    st = LocalStack(config_from_args(args))
+    for managed in [*st.instances, st.proxy]:
+        cmd = managed.cmd
+        assert cmd[cmd.index("--otlp-traces-endpoint") + 1] == "http://127.0.0.1:4317", managed.name
+    assert "--otlp-traces-endpoint" not in LocalStack(StackConfig(work_dir=Path("/nonexistent/w"))).proxy.cmd
+
+
 def test_ready_banner_examples_are_runnable():
     from epd_proxy.tools.local.up import ready_banner, tiny_png_data_url
 
