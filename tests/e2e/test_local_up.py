@@ -175,10 +175,12 @@ def test_stack_urls_prefill():
 
 
 def test_up_traces_the_whole_stack():
-    from epd_proxy.tools.local.up import build_parser, config_from_args
+    from epd_proxy.options import parse_into
+    from epd_proxy.tools.local.up import COMMAND, build_parser
 
-    args = build_parser().parse_args(["--prefill", "--otlp-traces-endpoint", "http://127.0.0.1:4317"])
-    st = LocalStack(config_from_args(args))
+    argv = ["--prefill", "--otlp-traces-endpoint", "http://127.0.0.1:4317"]
+    config, _ = parse_into(build_parser(), argv, COMMAND, {})
+    st = LocalStack(config)
     for managed in [*st.instances, st.proxy]:
         cmd = managed.cmd
         assert cmd[cmd.index("--otlp-traces-endpoint") + 1] == "http://127.0.0.1:4317", managed.name
