@@ -140,6 +140,7 @@ def snapshot(state: ProxyState) -> dict[str, Any]:
         "totals": _totals(state.metrics),
         "timeline": {
             "bucket_s": TIMELINE_BUCKET_S,
+            "span_s": TIMELINE_BUCKET_S * TIMELINE_BUCKETS,
             "requests": state.metrics.recent.timeline(TIMELINE_BUCKET_S, TIMELINE_BUCKETS),
             "encoder_backlog": state.metrics.autoscale.backlog_timeline(TIMELINE_BUCKET_S * TIMELINE_BUCKETS),
         },
