@@ -55,7 +55,7 @@ def require_sdk() -> None:
     for name in ("opentelemetry.sdk", f"opentelemetry.exporter.otlp.proto.{module}"):
         try:
             found = importlib.util.find_spec(name) is not None
-        except ModuleNotFoundError:
+        except ImportError:  # its parent package is missing
             found = False
         if not found:
             raise ConfigError(f"--otlp-traces-endpoint needs {name}: pip install 'epd-proxy[otel]'")
