@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from epd_proxy.fleet.backends import DECODE, ENCODE, PREFILL
-from epd_proxy.fleet.scheduler import Lanes
+from epd_proxy.fleet.lanes import Lanes
 
 ROLES = (ENCODE, PREFILL, DECODE)
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from epd_proxy.fleet.backends import Instance
-from epd_proxy.fleet.scheduler import Lanes
+from epd_proxy.fleet.lanes import Lanes
 from epd_proxy.ops.autoscale import Autoscale, recommended
 
 

@@ -11,8 +11,8 @@ import pytest
 
 from epd_proxy.config import Config
 from epd_proxy.fleet.health import Health
+from epd_proxy.fleet.lanes import Lanes
 from epd_proxy.fleet.registry import Registry
-from epd_proxy.fleet.scheduler import Lanes
 from epd_proxy.ops.autoscale import Autoscale
 from epd_proxy.ops.metrics import Metrics
 from tests.manifests import by_kind, render
