@@ -70,7 +70,7 @@ def test_encoder_busy_time_and_backlog_growth_come_from_the_lanes():
         lane.finished(4, n, n + 0.4)
     # And 30 items queued, not yet worked off: at 0.1 s an item, 3 s more that arrived.
     for _ in range(30):
-        lane.queued(SimpleNamespace(key=None, size=1))
+        lane.queued(SimpleNamespace(key=None, size=1, priority=0))
     clock.now += 10
     figures = autoscale.figures()["encode"]
     backlog = figures.backlog_s
