@@ -17,7 +17,7 @@ import urllib.request
 import pytest
 
 from epd_proxy.ops.tracing import ROOT_SPAN
-from tests.http.polling import eventually_sync
+from epd_proxy.tools.testing.polling import eventually_sync
 
 from .conftest import TRACES
 from .e2e_helpers import chat_body, image_source

@@ -11,7 +11,7 @@ import pytest
 
 from epd_proxy.ops import tracing
 from epd_proxy.tools.testing.otlp_receiver import Receiver
-from tests.http.polling import eventually
+from epd_proxy.tools.testing.polling import eventually
 from tests.http.test_coalescing import busy_encoder, queue_behind, shared_subrequests
 from tests.media import chat, image
 
