@@ -106,6 +106,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from epd_proxy.fleet.roster import require_client
 
             require_client()
+        if config.otlp_traces_endpoint:
+            from epd_proxy.ops.tracing import require_sdk
+
+            require_sdk()
     except ConfigError as exc:
         args.usage_error(str(exc))
     try:

@@ -4,7 +4,7 @@ that involve several of them. `python -m epd_proxy.config` prints their table in
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from epd_proxy import options as options_module
 from epd_proxy.addresses import CommaList, Server, is_dns
@@ -21,6 +21,27 @@ REFERENCE = "reference proxy flags (same meaning as vLLM's disagg_epd_proxy.py)"
 OURS = "epd-proxy flags"
 CLIENTS = "client side (slow and greedy clients)"
 GROUPS = (REFERENCE, OURS, CLIENTS)  # the sections of `epd-proxy serve --help`, in this order
+
+
+@dataclass(frozen=True)
+class Ratio(Kind):
+    """A share from 0 to 1 (0 refused with `positive`)."""
+
+    positive: bool = False
+    metavar: ClassVar[str] = "RATIO"
+
+    def parse(self, text: str) -> float:
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"expected a number between 0 and 1, got {text!r}") from None
+
+    def problem(self, value: float | None) -> str | None:
+        if value is not None and not 0.0 <= value <= 1.0:
+            return f"must be within 0..1, got {value:g}"
+        if value == 0 and self.positive:
+            return "must be > 0"
+        return None
 
 
 def option(default: Any, kind: Kind, help: str, **declaration: Any) -> Any:  # in `OURS` unless told
@@ -398,6 +419,42 @@ class Config:
         "the DNS server to ask (Consul's agent: `127.0.0.1:8600`); empty = the system's (`/etc/resolv.conf`, search "
         "domains included)",
         flag="--dns-server",
+    )
+    otlp_traces_endpoint: str = option(
+        "",
+        Text(),
+        "export OpenTelemetry traces of every chat request there (vLLM's flag: gRPC, or HTTP/protobuf with "
+        "`OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf`; the SDK's `OTEL_*` variables apply); empty = off; needs "
+        "the `otel` extra; see `docs/observability.md`",
+        flag="--otlp-traces-endpoint",
+        metavar="URL",
+    )
+    otlp_traces_sample_ratio: float | None = option(
+        None,
+        Ratio(),
+        "share of new traces sampled, by trace id; a client's `traceparent` decides for its own (parent-based); "
+        "unset = the SDK's `OTEL_TRACES_SAMPLER` (default: every trace)",
+        flag="--otlp-traces-sample-ratio",
+        shown="unset",
+    )
+    autoscale_utilisation: float = option(
+        0.7,
+        Ratio(positive=True),
+        "target utilisation of a replica for `epd_role_recommended_replicas`; see `docs/observability.md`",
+        flag="--autoscale-utilisation",
+    )
+    autoscale_concurrency: int = option(
+        16,
+        Count(1),
+        "requests one prefill or decode replica serves at once at full load (vLLM batches them; an encoder serves one "
+        "sub-request at a time), for `epd_role_recommended_replicas`",
+        flag="--autoscale-concurrency",
+    )
+    autoscale_window_s: float = option(
+        60.0,
+        Seconds(positive=True),
+        "seconds of arrivals and busy time the autoscaling figures average over",
+        flag="--autoscale-window",
     )
     log_format: str = option(
         "text",

@@ -26,6 +26,8 @@ from epd_proxy.fleet.routing import RoutingPolicy, make_policy
 from epd_proxy.fleet.scheduler import ExpectedFinish
 from epd_proxy.journey.admission import Admission
 from epd_proxy.journey.pipeline import Pipeline
+from epd_proxy.ops import tracing
+from epd_proxy.ops.autoscale import Autoscale
 from epd_proxy.ops.metrics import Metrics
 
 
@@ -104,6 +106,14 @@ class ProxyState:
         }
         self.metrics = Metrics(self.fleet, self.health)
         self.metrics.watch_lanes(self.lanes)
+        self.metrics.watch_autoscale(
+            Autoscale(
+                self.lanes,
+                window_s=config.autoscale_window_s,
+                utilisation=config.autoscale_utilisation,
+                concurrency=config.autoscale_concurrency,
+            )
+        )
         # Shared membership for replicas and workers; health stays per process.
         self.roster = open_roster(config.roster_url, config.evicted_ttl_s, self.fleet, self.health.in_rotation)
         if self.roster is not None:
@@ -134,6 +144,8 @@ class ProxyState:
 
     async def start(self) -> None:
         config = self.config
+        if config.otlp_traces_endpoint:
+            tracing.setup(config.otlp_traces_endpoint, config.otlp_traces_sample_ratio)
         headers = bearer(config.backend_api_key)
         self.upstream = Upstream(
             keep_alive_s=config.pool_keep_alive_s,
@@ -205,6 +217,9 @@ class ProxyState:
         for pool in (self.upstream, self.probes):
             if pool is not None:
                 await pool.close()
+        if self.config.otlp_traces_endpoint:
+            # The last requests' spans are exported before the process goes.
+            await asyncio.to_thread(tracing.shutdown)
 
 
 STATE = web.AppKey("state", ProxyState)

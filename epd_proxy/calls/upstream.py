@@ -23,6 +23,7 @@ import asyncio
 import ssl
 import time
 from collections.abc import Callable, Mapping
+from contextvars import ContextVar
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -45,6 +46,10 @@ from epd_proxy.calls.answer import (
     kind_of,
 )
 from epd_proxy.calls.connection import BODY_TOO_LARGE, Closed, Connection, Limits
+
+# Headers every call made in this context carries on top of its own: the open tracing span's
+# `traceparent` (ops/tracing.py), so the engines' spans join the request's trace.
+CONTEXT_HEADERS: ContextVar[Mapping[str, str] | None] = ContextVar("context_headers", default=None)
 
 # The layer's whole vocabulary, so a caller imports the backend calls from one place.
 __all__ = [
@@ -187,6 +192,8 @@ class Upstream:
         """
         if method == "HEAD":
             raise ValueError("HEAD is not supported: its answer has no body whatever its framing says")
+        if (extra := CONTEXT_HEADERS.get()) is not None:
+            headers = {**headers, **extra} if headers else extra
         call = Call(target, stage, what, timeouts, self.count_inflight if count_inflight is None else count_inflight)
         call.begin()
         if idempotent is None:

@@ -101,6 +101,7 @@ class Lane:
         "backoffs",
         "charged_requests",
         "impatient",
+        "worked_s",
         "gone",
         "shared",
         "_k",
@@ -139,6 +140,8 @@ class Lane:
         self.charged_requests = 0
         # Queued groups sent alone after waiting longer than the backlog explained.
         self.impatient = 0
+        # Seconds the encoder spent on this proxy's answered sub-requests (the autoscaler's busy time).
+        self.worked_s = 0.0
         # It left the fleet: nothing new starts on it.
         self.gone = False
         # Shared sub-requests in flight: their own request id -> the request ids they carry.
@@ -284,6 +287,7 @@ class Lane:
         held = done - start
         if held <= 0:
             return
+        self.worked_s += held
         self.samples += 1
         weight = max(SMOOTHING, 1.0 / self.samples)
         self._k += weight * (items + PRIOR_FIXED_RATIO - self._k)
@@ -323,6 +327,7 @@ class Lanes:
     def __init__(self) -> None:
         self._lanes: dict[Instance, Lane] = {}
         self._departed: OrderedDict[Instance, None] = OrderedDict()
+        self._departed_worked_s = 0.0
 
     def of(self, encoder: Instance) -> Lane:
         lane = self._lanes.get(encoder)
@@ -351,6 +356,7 @@ class Lanes:
         if lane is not None:
             lane.gone = True
             lane.evict()
+            self._departed_worked_s += lane.worked_s
         self._departed[inst] = None
         if len(self._departed) > DEPARTED_ENTRIES:
             self._departed.popitem(last=False)
@@ -360,6 +366,10 @@ class Lanes:
         for encoder, lane in self._lanes.items():
             if encoder.url == url:
                 lane.evict()
+
+    def worked_s(self) -> float:
+        """Seconds every encoder spent on this proxy's sub-requests, those that left included."""
+        return self._departed_worked_s + sum(lane.worked_s for lane in self._lanes.values())
 
     def costs(self, lanes: Sequence[Lane], now: float | None = None) -> tuple[list[float], list[float]]:
         """Seconds per sub-request and per item of each lane; one without answers yet, or stale

@@ -24,6 +24,7 @@ from epd_proxy.journey.extract import parse_json_body, parse_request
 from epd_proxy.journey.pipeline import ClientBody
 from epd_proxy.journey.relay import ABORTED, CLIENT_GONE, relay
 from epd_proxy.journey.trace import Trace, account
+from epd_proxy.ops import tracing
 from epd_proxy.proxy import STATE
 
 # The name operators' log filters know; logs.py turns it up for --log-requests.
@@ -116,10 +117,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     config = state.config
     request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
     trace = Trace(request_id)
+    trace.spans = tracing.begin(request.headers, request_id, trace.started)
     status = 500
-    route = None
     try:
         raw = await read_body(request, config.max_body_bytes)
+        if trace.spans is not None:
+            read = time.perf_counter()
+            tracing.lap(trace.spans, "read_body", trace.started, **{"http.request.body.size": len(raw)})
         # With splice, `raw` lives on in `spliced` (the media are slices of it) and the parsed
         # body holds only the skeleton; otherwise the parsed body holds the media and raw goes.
         if len(raw) > OFFLOAD_READ_BYTES:
@@ -129,6 +133,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         del raw
         body, items = normalised.body, normalised.items
         trace.items = len(items)
+        if trace.spans is not None:
+            model = str(body.get("model"))
+            tracing.lap(trace.spans, "extract", read, **{"epd.items": len(items), "gen_ai.request.model": model})
         (state.metrics.parsed_spliced if spliced is not None else state.metrics.parsed_full).inc()
         with state.admission.admit():
             # From here on only the pipeline holds the body, and it lets go once decode commits.
@@ -138,7 +145,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             with route.decoder.busy():
                 answer = await state.pipeline.open(job, route, trace)
                 try:
-                    response, trace.outcome = await relay(request, answer, {"x-request-id": request_id})
+                    with trace.stage("relay"):
+                        response, trace.outcome = await relay(request, answer, {"x-request-id": request_id})
                     status = {ABORTED: "aborted", CLIENT_GONE: 499}.get(trace.outcome, answer.status)
                     if trace.outcome == CLIENT_GONE:
                         log.info("request %s: the client disconnected during the answer", request_id)
@@ -147,6 +155,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                     answer.release()
     except ProxyError as exc:
         status = exc.status
+        trace.error = exc
         return error_response(exc, request_id)
     except asyncio.CancelledError:
         status = 499
@@ -157,7 +166,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         status = 500
         return error_response(InternalError(request_id), request_id)
     finally:
-        account(state.metrics, trace, status, route)
+        account(state.metrics, trace, status)
 
 
 async def list_models(request: web.Request) -> web.Response:

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from epd_proxy.ops.metrics import Metrics
 
 ROLE_ORDER = {ENCODE: 0, PREFILL: 1, DECODE: 2, PREFILL_DECODE: 3}
+# The live chart: the last five minutes in ten-second steps.
+TIMELINE_BUCKET_S, TIMELINE_BUCKETS = 10.0, 30
 
 
 # Health's states in the page's words; a healthy instance with failures piling up is "failing".
@@ -136,6 +138,12 @@ def snapshot(state: ProxyState) -> dict[str, Any]:
         "scheduler": scheduler(state),
         "window": state.metrics.recent.summary(),
         "totals": _totals(state.metrics),
+        "timeline": {
+            "bucket_s": TIMELINE_BUCKET_S,
+            "span_s": TIMELINE_BUCKET_S * TIMELINE_BUCKETS,
+            "requests": state.metrics.recent.timeline(TIMELINE_BUCKET_S, TIMELINE_BUCKETS),
+            "encoder_backlog": state.metrics.autoscale.backlog_timeline(TIMELINE_BUCKET_S * TIMELINE_BUCKETS),
+        },
     }
 
 

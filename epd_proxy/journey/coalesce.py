@@ -24,6 +24,7 @@ from epd_proxy.journey.extract import MediaItem
 from epd_proxy.journey.match import split_params
 from epd_proxy.journey.subrequest import Dumps, Encoded, IdMint, Observed, encoder_body, encoder_parts, post_encoder
 from epd_proxy.journey.trace import Trace
+from epd_proxy.ops import tracing
 from epd_proxy.ops.metrics import Metrics
 
 log = logging.getLogger("epd_proxy.encode")
@@ -117,6 +118,9 @@ class Work:
     priority: int = 0
     batch: Batch | None = None
     timer: asyncio.TimerHandle | None = None
+    # Its request's span of the wait (tracing on), which the sub-request that carries it links to.
+    waiting: Any = None
+    queued_at: float = 0.0
 
     @property
     def size(self) -> int:
@@ -176,9 +180,12 @@ class Coalescer:
         if self.timeouts.total is not None:
             patience = min(patience, self.timeouts.total / 4)
         lane.queued(work)
+        work.queued_at = self.clock()
         work.timer = asyncio.get_running_loop().call_later(patience, self._impatient, lane, work)
         try:
-            return await work.future
+            with work.trace.stage("encode.wait_to_share", **{"epd.items": work.size}) as waiting:
+                work.waiting = waiting.span
+                return await work.future
         except asyncio.CancelledError:
             # The request went away (its client, or another of its groups failed). Waiting, it
             # simply leaves; in flight, the sub-request goes on for the others in it, unless
@@ -244,6 +251,8 @@ class Coalescer:
         transfer_ids = [self.ids.transfer_id() for _ in items]
         head = works[0]
         sent = self.clock()
+        for work in works:
+            self.metrics.share_wait.observe(sent - work.queued_at)
         done = None
         watch = self._watch(lane, encoder, batch, len(items), head.consumer_zmq is None)
         try:
@@ -280,9 +289,10 @@ class Coalescer:
                     trace = head.trace
                 self.metrics.encoder_subrequests.labels(encoder.url).inc()
                 self.metrics.items_per_subrequest.observe(len(items))
-                reply = await self.observed(
-                    encoder, post_encoder(self.upstream, encoder, payload, request_id, self.timeouts), trace
-                )
+                with tracing.queued_subrequest([work.waiting for work in works], encoder.url, len(items)):
+                    reply = await self.observed(
+                        encoder, post_encoder(self.upstream, encoder, payload, request_id, self.timeouts), trace
+                    )
                 if shared:
                     self.metrics.coalesced.labels(encoder.url).inc()
                     shares = split_params(reply.ec_transfer_params, [work.size for work in works], encoder.url)

@@ -287,17 +287,18 @@ class EncodeStep:
 
         watch = Overdue(after, overdue) if after is not None else None
         try:
-            reply = await self.observed(
-                encoder,
-                post_encoder(
-                    self.upstream,
+            with trace.stage("encode.subrequest", encoder, **{"epd.items": len(group_items)}):
+                reply = await self.observed(
                     encoder,
-                    payload,
-                    self.ids.child_request_id(trace.request_id, first_index),
-                    self.timeouts,
-                ),
-                trace,
-            )
+                    post_encoder(
+                        self.upstream,
+                        encoder,
+                        payload,
+                        self.ids.child_request_id(trace.request_id, first_index),
+                        self.timeouts,
+                    ),
+                    trace,
+                )
             done = self.clock()
         except asyncio.CancelledError:
             if moving and task.uncancel() == 0:

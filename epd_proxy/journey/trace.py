@@ -1,5 +1,6 @@
-"""What one request did: filled in by the pipeline's steps, and once it is over, the access log line
-and the stage histograms made of it (`account`); /status reads it too."""
+"""What one request did: filled in by the pipeline's steps, and once it is over, the access log line,
+the stage histograms and the root span made of it (`account`); /status reads it too. With
+--otlp-traces-endpoint each stage is a span (ops/tracing.py)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,15 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from epd_proxy.ops import tracing
+
 if TYPE_CHECKING:
     from epd_proxy.ops.metrics import Metrics
 
 # The name operators' log filters know for the one line per request.
 access_log = logging.getLogger("epd_proxy.request")
+# The stages whose time the log reports, and the field each adds to, whether it succeeded or not.
+TIMED = {"encode": "encode_s", "prefill": "prefill_s", "decode": "decode_ttfb_s", "relay": "relay_s"}
 
 
 @dataclass(slots=True)
@@ -37,6 +42,11 @@ class Trace:
     encode_s: float = 0.0
     prefill_s: float = 0.0
     decode_ttfb_s: float = 0.0
+    # From decode's first token (or whole answer) to the last byte relayed to the client.
+    relay_s: float = 0.0
+    # The prefill and decode instances the request reached (a stage never begun names none).
+    prefill_url: str | None = None
+    decode_url: str | None = None
     # How the answer ended once decode committed: complete, aborted (an error event after 200),
     # client_disconnect.
     outcome: str = "-"
@@ -44,13 +54,70 @@ class Trace:
     # Instances already charged a 5xx answer for this request: its retries and failovers resend the
     # same input, and an input that makes vLLM answer 500 must count once, not once per attempt.
     charged_5xx: set[str] = field(default_factory=set)
+    # The request's spans while tracing is on (None otherwise), and the error it was answered.
+    spans: tracing.RequestSpans | None = None
+    error: BaseException | None = None
+
+    def stage(self, name: str, instance: Any = None, parent: Any = None, **attributes: Any) -> Stage:
+        """A step of the request: timed into its field (TIMED) however it ends, its instance
+        named once begun, and a span while tracing is on."""
+        url = instance.url if instance is not None else None
+        if name == "prefill":
+            self.prefill_url = url
+        elif name == "decode":
+            self.decode_url = url
+        return Stage(self, name, url, attributes, parent)
+
+    def span_attributes(self) -> dict[str, Any]:
+        """What an operator filters a request's root span by."""
+        return {
+            "epd.items": self.items,
+            "epd.attempts": self.attempts,
+            "epd.retries": max(0, self.attempts - 1),
+            "epd.encoder_requests": self.encoder_requests,
+            "epd.coalesced": self.coalesced,
+            "epd.affinity_hits": self.affinity_hits,
+            "epd.encoder_failovers": self.encoder_failovers,
+            "epd.outcome": self.outcome,
+        }
 
 
-def account(metrics: Metrics, trace: Trace, status: int | str, route: Any) -> None:
-    """One log line and the stage histograms per request."""
+class Stage:
+    __slots__ = ("trace", "name", "url", "attributes", "parent", "started", "span", "_token")
+
+    def __init__(self, trace: Trace, name: str, url: str | None, attributes: dict, parent: Any) -> None:
+        self.trace = trace
+        self.name = name
+        self.url = url
+        self.attributes = attributes
+        self.parent = parent
+        self.span: Any = None
+
+    def __enter__(self) -> Stage:
+        self.started = time.perf_counter()
+        spans = self.trace.spans
+        if spans is not None:
+            self.span, self._token = tracing.open_span(spans, self.name, self.url, self.attributes, self.parent)
+        return self
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+        attribute = TIMED.get(self.name)
+        if attribute is not None:
+            trace = self.trace
+            setattr(trace, attribute, getattr(trace, attribute) + time.perf_counter() - self.started)
+        if self.span is not None:
+            tracing.close_span(self.trace.spans, self.span, self._token, exc)
+
+
+def account(metrics: Metrics, trace: Trace, status: int | str) -> None:
+    """One log line, the stage histograms, the autoscaling figures and the root span per request."""
     total_s = time.perf_counter() - trace.started
+    if trace.spans is not None:
+        tracing.finish(trace.spans, status, trace.span_attributes(), trace.error)
     metrics.requests.labels(str(status)).inc()
     metrics.recent.record(trace.started + total_s, status, total_s, trace)
+    if metrics.autoscale is not None:
+        metrics.autoscale.finished(trace)
     stage = metrics.stage
     stage["total"].observe(total_s)
     if trace.encoder_requests:
@@ -74,8 +141,8 @@ def account(metrics: Metrics, trace: Trace, status: int | str, route: Any) -> No
         "consumer_encoded": trace.consumer_encoded,
         "attempts": trace.attempts,
         "outcome": trace.outcome,
-        "decode": route.decoder.url if route else None,
-        "prefill": route.prefill.url if route and route.prefill else None,
+        "decode": trace.decode_url,
+        "prefill": trace.prefill_url,
         "encode_ms": round(trace.encode_s * 1000, 2),
         "prefill_ms": round(trace.prefill_s * 1000, 2),
         "decode_ttfb_ms": round(trace.decode_ttfb_s * 1000, 2),

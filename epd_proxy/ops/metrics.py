@@ -13,13 +13,14 @@ import os
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from epd_proxy.fleet.backends import ENCODE, Instance
+from epd_proxy.fleet.backends import DECODE, ENCODE, PREFILL_DECODE, Instance
 from epd_proxy.fleet.health import EJECTION_REASONS, Health
 from epd_proxy.fleet.lanes import Lanes
 from epd_proxy.fleet.registry import Registry
+from epd_proxy.ops import autoscale as scaling
 from epd_proxy.ops.recent import RecentRequests
 
 if TYPE_CHECKING:
@@ -155,6 +156,35 @@ class _CurrentMembersOnly:
             yield family
 
 
+class _AutoscaleCollector:
+    """One process's autoscaling figures (autoscale.py), read at scrape time."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self):
+        autoscale = self._metrics.autoscale
+        families = {name: CounterMetricFamily(name, text, labels=["role"]) for name, text in scaling.TOTALS}
+        families.update({name: GaugeMetricFamily(name, text, labels=["role"]) for name, text in scaling.WINDOW_GAUGES})
+        name, text = scaling.ENCODER_BACKLOG
+        families[name] = GaugeMetricFamily(name, text, labels=["encoder"])
+        loads = {}
+        for name, labels, value in scaling.rows(autoscale):
+            families[name].add_metric(labels, value)
+            if name == "epd_role_offered_load":
+                loads[labels[0]] = value
+        yield from families.values()
+        yield self._metrics.recommended_family(loads)
+
+
+class _Fixed:
+    def __init__(self, families: list) -> None:
+        self._families = families
+
+    def collect(self):
+        return self._families
+
+
 class _RosterCollector:
     """The shared roster store's state (see roster.py), read at scrape time."""
 
@@ -242,6 +272,12 @@ class Metrics:
             ["encoder"],
             registry=r,
         )
+        self.share_wait = Histogram(
+            "epd_encoder_share_wait_seconds",
+            "Time an image group waited in the proxy for a busy encoder, to share a sub-request, until it was sent",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.affinity_hits = Counter(
             "epd_encoder_affinity_hits",
             "Media items sent to the encoder that was last sent the same content (where it is cached)",
@@ -304,6 +340,7 @@ class Metrics:
             r.register(_FleetCollector(fleet, health))
         self._per_instance = (self.encoder_subrequests, self.failovers, self.coalesced, self.split_retries, self.stalls)
         self._lanes: Lanes | None = None
+        self.autoscale: scaling.Autoscale | None = None
         self._lane_gauges: list = []
         fleet.watch(self)
         # The status page's sliding window of recent requests.
@@ -341,6 +378,44 @@ class Metrics:
         else:
             self.registry.register(_LaneCollector(lanes))
 
+    def watch_autoscale(self, autoscale: scaling.Autoscale) -> None:
+        """Per-role load, backlog and recommended replicas (autoscale.py)."""
+        self.autoscale = autoscale
+        if self.multiprocess:
+            self._scaling_totals = {name: Counter(name, text, ["role"], registry=None) for name, text in scaling.TOTALS}
+            self._scaling_published: dict[tuple[str, str], float] = {}
+            self._scaling_gauges = {
+                name: Gauge(name, text, ["role"], multiprocess_mode="livesum", registry=None)
+                for name, text in scaling.WINDOW_GAUGES
+            }
+            name, text = scaling.ENCODER_BACKLOG
+            self._scaling_gauges[name] = Gauge(name, text, ["encoder"], multiprocess_mode="livesum", registry=None)
+        else:
+            self.registry.register(_AutoscaleCollector(self))
+
+    def members(self, role: str) -> int:
+        roles = (DECODE, PREFILL_DECODE) if role == DECODE else (role,)
+        return sum(len(self._fleet.members(r)) for r in roles)
+
+    def recommended_family(self, loads: dict[str, float]) -> GaugeMetricFamily:
+        name, text = scaling.RECOMMENDED
+        family = GaugeMetricFamily(name, text, labels=["role"])
+        for role, count in scaling.recommendations(self.autoscale, loads, self.members):
+            family.add_metric([role], count)
+        return family
+
+    def _publish_scaling(self) -> None:
+        for name, labels, value in scaling.rows(self.autoscale):
+            if name in self._scaling_totals:
+                # Counters in the shared files only go up: add what grew since the last publish.
+                key = (name, labels[0])
+                grown = value - self._scaling_published.get(key, 0.0)
+                if grown > 0:
+                    self._scaling_totals[name].labels(*labels).inc(grown)
+                    self._scaling_published[key] = value
+            else:
+                self._scaling_gauges[name].labels(*labels).set(value)
+
     def watch_roster(self, roster: Roster) -> None:
         self.read_at_scrape(_RosterCollector(roster))
 
@@ -365,13 +440,26 @@ class Metrics:
                 for gauge, value in zip(self._lane_gauges, values):
                     if value is not None:
                         gauge.labels(url).set(value)
+        if self.autoscale is not None:
+            self._publish_scaling()
 
     def render(self) -> bytes:
         if not self.multiprocess:
             return generate_latest(self.registry)
         self.publish_fleet()
         every_worker = CollectorRegistry()
-        every_worker.register(_CurrentMembersOnly(_WrittenFiles(os.environ["PROMETHEUS_MULTIPROC_DIR"]), self._fleet))
+        merged = list(_CurrentMembersOnly(_WrittenFiles(os.environ["PROMETHEUS_MULTIPROC_DIR"]), self._fleet).collect())
+        if self.autoscale is not None:
+            # Made from the sum of every worker's load: a sum of each worker's rounded-up count
+            # would recommend a replica per worker.
+            loads: dict[str, float] = {}
+            for family in merged:
+                if family.name == "epd_role_offered_load":
+                    for sample in family.samples:
+                        role = sample.labels["role"]
+                        loads[role] = loads.get(role, 0.0) + sample.value
+            merged.append(self.recommended_family(loads))
+        every_worker.register(_Fixed(merged))
         for collector in self._shared_collectors:
             every_worker.register(collector)
         return generate_latest(every_worker)

@@ -74,6 +74,9 @@ class RecentRequests:
             )
         )
 
+    def timeline(self, bucket_s: float = 10.0, buckets: int = 30) -> list[dict[str, Any]]:
+        return timeline(self._ring, self._clock(), bucket_s, buckets, self.started)
+
     def uptime_s(self) -> float:
         return self._clock() - self.started
 
@@ -120,6 +123,31 @@ class RecentRequests:
             "retries": sum(max(0, r[_ATTEMPTS] - 1) for r in recent),
             "failovers": sum(r[_FAILOVERS] for r in recent),
         }
+
+
+def timeline(ring: Sequence[tuple], now: float, bucket_s: float, buckets: int, since: float) -> list[dict[str, Any]]:
+    """The ring as `buckets` intervals of `bucket_s` up to `now`, oldest first: request rate and
+    total latency p50/p99 in each (what the status page charts); none from before `since`, when
+    the process started (a rate of 0 there would be made up)."""
+    start = now - bucket_s * buckets
+    totals: list[list[float]] = [[] for _ in range(buckets)]
+    for r in ring:
+        if r[_END] >= start:
+            totals[min(buckets - 1, int((r[_END] - start) / bucket_s))].append(r[_TOTAL])
+    out = []
+    for n, values in enumerate(totals):
+        if start + bucket_s * (n + 1) < since:
+            continue
+        values.sort()
+        out.append(
+            {
+                "ago_s": round(bucket_s * (buckets - n - 1), 1),
+                "rate_per_s": round(len(values) / bucket_s, 2),
+                "p50_ms": _ms(percentile(values, 0.50)),
+                "p99_ms": _ms(percentile(values, 0.99)),
+            }
+        )
+    return out
 
 
 def _ms(seconds: float | None) -> float | None:

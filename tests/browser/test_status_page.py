@@ -67,6 +67,9 @@ async def test_status_page_in_chromium(make_stack, tmp_path):
     for n in range(12):
         async with await stack.chat(chat(image(f"warm{n}"), image(f"warm{n}b"))) as resp:
             assert resp.status == 200
+    # A client's bad JSON: a client error, not a failure of the proxy.
+    async with await stack.chat(b"{not json") as resp:
+        assert resp.status == 400
     stop = asyncio.Event()
     load = [asyncio.create_task(drive(stack, stop)) for _ in range(3)]
     try:
@@ -99,6 +102,19 @@ async def test_status_page_in_chromium(make_stack, tmp_path):
                 assert (await page.text_content("#latency tr[data-stage='encode'] td:nth-child(2)")).endswith("ms")
                 assert await page.locator("#mix tbody tr[data-status='200']").count() == 1
                 assert float(await page.text_content("#images")) > 0
+                # 4xx apart from failures: the bad JSON does not lower the success rate.
+                assert await page.text_content("#success") == "100.0%"
+                assert await page.get_attribute("#success-sub", "data-client-errors") == "1"
+                assert await page.get_attribute("#success-sub", "data-failed") == "0"
+                # The live chart: a line per series, the encoder backlog sampled at every refresh.
+                for chart in ("rate", "latency", "backlog"):
+                    await wait_until(
+                        page,
+                        "id => [...document.querySelectorAll(`#chart-${id} polyline`)]"
+                        ".every(line => Number(line.dataset.points) >= 2)",
+                        chart,
+                    )
+                assert await page.locator("#chart-latency polyline").count() == 2
 
                 # Readable without scrolling on a laptop screen, for 8 instances.
                 overflow = await page.evaluate(

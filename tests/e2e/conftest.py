@@ -30,6 +30,7 @@ import pytest
 
 from epd_proxy.tools.local.stack import LocalStack, StackConfig
 from epd_proxy.tools.local.supervisor import find_free_port_block, http_ok
+from epd_proxy.tools.testing.otlp_receiver import Receiver
 
 from .e2e_helpers import AUDIO, EPD, PREFILL, TWO_PDS, comparable
 
@@ -59,6 +60,13 @@ def pytest_collection_modifyitems(items):
         items[first : first + len(e2e)] = sorted(e2e, key=group)
 
 
+# Every stack's servers export their spans to this receiver (test_e2e_tracing.py). Sampling is
+# parent-based with no new traces of their own (the OTEL_TRACES_SAMPLER* variables in Stacks.get,
+# which vLLM's SDK and the proxy both read): only a request whose client sent a sampled
+# `traceparent` is traced, so the other tests and the benchmark run as if tracing were off.
+TRACES = Receiver()
+
+
 def stack_config(kind: str) -> StackConfig:
     # Encoders, PD or prefill + decode, the baseline, then the proxy right after them.
     encoders = 1 if kind == AUDIO else 2
@@ -82,6 +90,7 @@ def stack_config(kind: str) -> StackConfig:
         # Pin the spread so 5 images over 2 encoders are exactly 2 sub-requests.
         proxy_args=["--encode-policy", "round_robin", "--log-level", "DEBUG"],
         python=sys.executable,
+        otlp_traces_endpoint=TRACES.grpc_url,
     )
 
 
@@ -100,6 +109,11 @@ class Stacks:
         self.close()
         # Dev mode adds vLLM's cache reset endpoints, which the real-engine benchmark's smoke uses.
         os.environ["VLLM_SERVER_DEV_MODE"] = "1"
+        if not TRACES.grpc_url:
+            TRACES.start()
+        os.environ.update(
+            OTEL_TRACES_SAMPLER="parentbased_traceidratio", OTEL_TRACES_SAMPLER_ARG="0", OTEL_BSP_SCHEDULE_DELAY="200"
+        )
         st = LocalStack(stack_config(kind), progress_stream=sys.stderr)
         try:
             st.start(tty=False)

@@ -174,6 +174,19 @@ def test_stack_urls_prefill():
     assert [m.name for m in st.instances] == ["encoder-0", "encoder-1", "prefill", "decode", "baseline"]
 
 
+def test_up_traces_the_whole_stack():
+    from epd_proxy.options import parse_into
+    from epd_proxy.tools.local.up import COMMAND, build_parser
+
+    argv = ["--prefill", "--otlp-traces-endpoint", "http://127.0.0.1:4317"]
+    config, _ = parse_into(build_parser(), argv, COMMAND, {})
+    st = LocalStack(config)
+    for managed in [*st.instances, st.proxy]:
+        cmd = managed.cmd
+        assert cmd[cmd.index("--otlp-traces-endpoint") + 1] == "http://127.0.0.1:4317", managed.name
+    assert "--otlp-traces-endpoint" not in LocalStack(StackConfig(work_dir=Path("/nonexistent/w"))).proxy.cmd
+
+
 def test_ready_banner_examples_are_runnable():
     from epd_proxy.tools.local.up import ready_banner, tiny_png_data_url
 

@@ -188,3 +188,29 @@ async def test_request_log_line_in_json(make_stack, caplog):
     assert line["request_id"] == "r-1" and line["status"] == 200 and line["encoder_requests"] == 2
     assert line["decode"] == stack.backend_urls["d"][0] and line["total_ms"] > 0
     assert "request_id=r-1" in record.getMessage()
+
+
+async def failed_request_line(stack, fake, status: int, caplog) -> dict:
+    """The request log's fields for a request that `fake` fails with `status` after 0.3 s."""
+    fake.faults.delay_s = 0.3
+    fake.faults.fail_next(1, status=status)
+    with caplog.at_level(logging.INFO, logger="epd_proxy.request"):
+        async with await stack.chat(chat(image("A"))) as resp:
+            assert resp.status == status
+    [record] = [r for r in caplog.records if r.name == "epd_proxy.request"]
+    return record.fields
+
+
+async def test_request_log_times_a_failed_encode_and_names_no_backend_it_never_reached(make_stack, caplog):
+    stack = await make_stack(encoders=1, encoder_failovers=0, decode_retries=0)
+    line = await failed_request_line(stack, stack.encoders[0], 503, caplog)
+    assert line["encode_ms"] >= 300, line
+    assert line["decode"] is None and line["prefill"] is None, line
+    assert line["prefill_ms"] == 0 and line["decode_ttfb_ms"] == 0, line
+
+
+async def test_request_log_times_a_failed_prefill_and_names_the_prefill_not_the_decoder(make_stack, caplog):
+    stack = await make_stack(encoders=1, prefills=1, decode_retries=0)
+    line = await failed_request_line(stack, stack.prefills[0], 400, caplog)
+    assert line["prefill_ms"] >= 300, line
+    assert line["prefill"] == stack.backend_urls["p"][0] and line["decode"] is None, line

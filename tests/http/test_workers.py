@@ -156,3 +156,34 @@ async def test_workers_show_every_series_of_a_single_process():
     assert {name for name, _, _ in seen["1"]} >= {"epd_client_connections", "epd_client_timeouts_total"}
     assert seen["1"] - seen["2"] == set(), "missing with --workers"
     assert seen["2"] - seen["1"] == set(), "only with --workers"
+
+
+def role_sample(text: str, name: str, role: str) -> float | None:
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and s.labels.get("role") == role:
+                return s.value
+    return None
+
+
+async def test_autoscaling_figures_add_up_over_workers():
+    requests = 12
+    async with serve_process("--workers", "2", "--autoscale-window", "30") as served:
+        # A connection per request, so the kernel spreads them over both workers (all twelve on
+        # one worker: 1 in 2048).
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as client:
+            for n in range(requests):
+                body = chat(image(f"w{n}"), image(f"v{n}"))
+                async with client.post(f"{served.url}/v1/chat/completions", json=body) as resp:
+                    assert resp.status == 200
+
+        async def added_up() -> bool:
+            _, text = await scrape(served.url)
+            arrivals = role_sample(text, "epd_role_arrivals_total", "encode")
+            decodes = role_sample(text, "epd_role_arrivals_total", "decode")
+            load = role_sample(text, "epd_role_offered_load", "decode")
+            recommended = role_sample(text, "epd_role_recommended_replicas", "encode")
+            return arrivals == 2 * requests and decodes == requests and load is not None and recommended == 1
+
+        # Each worker publishes within a second; whichever answers the scrape adds both up.
+        await eventually(added_up, timeout=DEADLINE_S, what="both workers' arrivals in one figure")

@@ -146,6 +146,14 @@ class StackConfig:
         (), Words(), "extra arguments for `epd-proxy serve`, one shell-quoted string", flag="--proxy-args"
     )
     keep_ec_store: bool = option(False, Switch(), "do not clear the EC store folder at start", flag="--keep-ec-store")
+    otlp_traces_endpoint: str = option(
+        "",
+        Text(),
+        "every vLLM server and the proxy export OpenTelemetry traces there (gRPC, or HTTP/protobuf with "
+        "`OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf` in the environment, which every server inherits)",
+        flag="--otlp-traces-endpoint",
+        metavar="URL",
+    )
     num_gpu_blocks_pd: int = 128
     with_proxy: bool = True
     python: str = field(default_factory=lambda: sys.executable)
@@ -371,7 +379,12 @@ class LocalStack:
         if kv_role:
             cmd += ["--kv-transfer-config", _connector_config("kv", "ExampleConnector", kv_role, self.kv_store)]
         cmd += list(c.extra_vllm_args)
+        cmd += self._tracing_args()
         return cmd
+
+    def _tracing_args(self) -> list[str]:
+        endpoint = self.config.otlp_traces_endpoint
+        return ["--otlp-traces-endpoint", endpoint] if endpoint else []
 
     def _build_plan(self) -> None:
         c = self.config
@@ -422,6 +435,7 @@ class LocalStack:
                 self.decode_url if c.prefill else ",".join(self.consumer_urls),
                 *(["--prefill-servers-urls", ",".join(self.consumer_urls)] if c.prefill else []),
                 *c.proxy_args,
+                *self._tracing_args(),
             ]
             # The package may be used from a checkout without being installed.
             pp = os.environ.get("PYTHONPATH", "")

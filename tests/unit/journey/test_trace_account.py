@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
 
 from epd_proxy.fleet.health import Health
 from epd_proxy.fleet.registry import Registry
@@ -23,10 +22,17 @@ def sample(m: Metrics, name: str, **labels: str) -> float | None:
 
 def test_a_request_is_counted_by_status_and_its_stages_timed(caplog):
     m = metrics()
-    trace = Trace("req-1", items=2, encoder_requests=1, encode_s=0.004, decode_ttfb_s=0.002, outcome="complete")
-    route = SimpleNamespace(decoder=SimpleNamespace(url="http://pd"), prefill=None)
+    trace = Trace(
+        "req-1",
+        items=2,
+        encoder_requests=1,
+        encode_s=0.004,
+        decode_ttfb_s=0.002,
+        outcome="complete",
+        decode_url="http://pd",
+    )
     with caplog.at_level(logging.INFO, logger="epd_proxy.request"):
-        account(m, trace, 200, route)
+        account(m, trace, 200)
     assert sample(m, "epd_requests_total", status="200") == 1
     assert sample(m, "epd_stage_seconds_count", stage="encode") == 1
     assert sample(m, "epd_stage_seconds_count", stage="decode_ttfb") == 1
@@ -42,7 +48,7 @@ def test_a_request_is_counted_by_status_and_its_stages_timed(caplog):
 def test_a_request_refused_before_routing_is_counted_without_a_route(caplog):
     m = metrics()
     with caplog.at_level(logging.INFO, logger="epd_proxy.request"):
-        account(m, Trace("req-2"), 503, None)
+        account(m, Trace("req-2"), 503)
     assert sample(m, "epd_requests_total", status="503") == 1
     [record] = [r for r in caplog.records if r.name == "epd_proxy.request"]
     assert record.fields["decode"] is None and record.fields["status"] == 503
@@ -50,5 +56,5 @@ def test_a_request_refused_before_routing_is_counted_without_a_route(caplog):
 
 def test_an_answer_cut_off_after_it_began_is_counted_as_aborted():
     m = metrics()
-    account(m, Trace("req-3", outcome="aborted"), "aborted", None)
+    account(m, Trace("req-3", outcome="aborted"), "aborted")
     assert sample(m, "epd_requests_total", status="aborted") == 1

@@ -105,3 +105,15 @@ def test_batching_retries_and_failovers():
     assert summary["status"] == {"200": 4, "503": 1}
     assert summary["latency"]["total"]["count"] == 5
     assert summary["latency"]["encode"] == {"count": 3, "p50_ms": 30.0, "p99_ms": 40.0}
+
+
+def test_the_timeline_buckets_rate_and_latency_and_starts_with_the_process():
+    clock = Clock()
+    recent = RecentRequests(clock=clock)
+    clock.now += 25.0
+    for n in range(20):  # 20 requests in the last 10 s, 100 ms .. 2 s each
+        recent.record(clock.now - 5.0, 200, 0.1 * (n + 1), trace())
+    line = recent.timeline(bucket_s=10.0, buckets=30)
+    assert [b["ago_s"] for b in line] == [20.0, 10.0, 0.0], "nothing from before the process started"
+    assert [b["rate_per_s"] for b in line] == [0.0, 0.0, 2.0]
+    assert line[-1]["p50_ms"] == 1000.0 and line[-1]["p99_ms"] == 2000.0

@@ -1,0 +1,259 @@
+"""OpenTelemetry traces of chat requests, exported with `--otlp-traces-endpoint` (vLLM's flag).
+
+Off unless set up: `setup()` is the only place the SDK is imported, so the light install never
+needs it (`pip install 'epd-proxy[otel]'` brings it) and a request of a proxy without tracing
+costs an `is None` test per stage. The exporter is chosen as vLLM chooses it (gRPC unless
+`OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf`); the SDK reads its own `OTEL_*` variables
+(service name, resource attributes, batch sizes, sampler, propagators).
+
+A request's spans hang under one root span (SERVER, continuing the client's `traceparent`).
+Stages open their spans through journey/trace.py's `Trace.stage`; while one is open, every
+backend call its task makes carries that span's context (calls/upstream.CONTEXT_HEADERS), so
+vLLM's own `llm_request` spans join the trace under the stage that called them. A sub-request
+shared by several requests is one span in a trace of its own, linked both ways with each
+member's wait span.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from collections.abc import Iterable, Mapping
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+from epd_proxy.calls.upstream import CONTEXT_HEADERS
+from epd_proxy.config import ConfigError
+
+PROTOCOL_VARIABLE = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
+SERVICE_NAME = "epd-proxy"
+ROOT_SPAN = "POST /v1/chat/completions"
+
+_tracer: Any = None
+_provider: Any = None
+_api: Any = None  # what setup() imported of opentelemetry
+
+
+class _Api:
+    __slots__ = ("trace", "propagate", "link", "kind", "error")
+
+    def __init__(self, trace: Any, propagate: Any, link: Any, kind: Any, error: Any) -> None:
+        self.trace, self.propagate, self.link, self.kind, self.error = trace, propagate, link, kind, error
+
+
+class TracingUnavailable(RuntimeError):
+    """--otlp-traces-endpoint without the OpenTelemetry SDK installed."""
+
+
+def require_sdk() -> None:
+    """At startup, not at the first request: the SDK, the chosen exporter and a known protocol."""
+    protocol = os.environ.get(PROTOCOL_VARIABLE, "grpc")
+    module = {"grpc": "grpc", "http/protobuf": "http"}.get(protocol)
+    if module is None:
+        raise ConfigError(f"{PROTOCOL_VARIABLE}={protocol!r}: only grpc and http/protobuf are supported")
+    for name in ("opentelemetry.sdk", f"opentelemetry.exporter.otlp.proto.{module}"):
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except ImportError:  # its parent package is missing
+            found = False
+        if not found:
+            raise ConfigError(f"--otlp-traces-endpoint needs {name}: pip install 'epd-proxy[otel]'")
+
+
+def setup(endpoint: str, sample_ratio: float | None = None) -> None:
+    """Start exporting this process's spans to `endpoint`.
+
+    `sample_ratio` None leaves sampling to the SDK's OTEL_TRACES_SAMPLER (parent-based, always on
+    by default); a ratio samples new traces by trace id and follows the client's decision."""
+    global _tracer, _provider, _api
+    try:
+        from opentelemetry import propagate, trace
+        from opentelemetry.sdk.resources import SERVICE_NAME as SERVICE_KEY
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+        from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+    except ImportError as exc:
+        raise TracingUnavailable(
+            f"--otlp-traces-endpoint needs the OpenTelemetry SDK: pip install 'epd-proxy[otel]' ({exc})"
+        ) from None
+    attributes = {} if os.environ.get("OTEL_SERVICE_NAME") else {SERVICE_KEY: SERVICE_NAME}
+    options: dict[str, Any] = {"resource": Resource.create(attributes)}
+    if sample_ratio is not None:
+        options["sampler"] = ParentBased(TraceIdRatioBased(sample_ratio))
+    provider = TracerProvider(**options)
+    provider.add_span_processor(BatchSpanProcessor(span_exporter(endpoint)))
+    _api = _Api(trace, propagate, Link, SpanKind, lambda message: Status(StatusCode.ERROR, message))
+    _provider = provider
+    _tracer = provider.get_tracer("epd_proxy")
+
+
+def span_exporter(endpoint: str) -> Any:
+    """vLLM's choice (vllm/tracing/otel.py): gRPC, plaintext, unless the protocol variable says
+    http/protobuf; anything else is refused at startup."""
+    protocol = os.environ.get(PROTOCOL_VARIABLE, "grpc")
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        return OTLPSpanExporter(endpoint=endpoint, insecure=True)
+    if protocol == "http/protobuf":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        return OTLPSpanExporter(endpoint=endpoint)
+    raise TracingUnavailable(f"{PROTOCOL_VARIABLE}={protocol!r}: only grpc and http/protobuf are supported")
+
+
+def shutdown() -> None:
+    """Export what is left and stop: spans of the last requests must not die with the process."""
+    global _tracer, _provider
+    if _provider is not None:
+        _provider.shutdown()
+    _tracer = _provider = None
+
+
+class RequestSpans:
+    """One request's root span and the encode span its encoder sub-requests hang under."""
+
+    __slots__ = ("root", "encode")
+
+    def __init__(self, root: Any) -> None:
+        self.root = root
+        self.encode: Any = None
+
+
+def begin(headers: Mapping[str, str], request_id: str, started: float) -> RequestSpans | None:
+    """The root span of a chat request, continuing the client's trace context if it sent one;
+    None while tracing is off. `started` is the request's perf_counter start."""
+    if _tracer is None:
+        return None
+    root = _tracer.start_span(
+        ROOT_SPAN,
+        context=_api.propagate.extract(headers),
+        kind=_api.kind.SERVER,
+        start_time=_ns(started),
+        attributes={"http.request.method": "POST", "url.path": "/v1/chat/completions", "epd.request_id": request_id},
+    )
+    return RequestSpans(root)
+
+
+def lap(spans: RequestSpans, name: str, since: float, **attributes: Any) -> None:
+    """A span already over: a step with no backend call in it (reading the body, extracting)."""
+    _tracer.start_span(
+        name, context=_api.trace.set_span_in_context(spans.root), start_time=_ns(since), attributes=attributes
+    ).end()
+
+
+def open_span(spans: RequestSpans, name: str, url: str | None, attributes: Mapping[str, Any], parent: Any) -> Any:
+    """A stage's span, and the trace headers its backend calls carry from now on (a token to
+    reset them with)."""
+    if parent is None:
+        parent = spans.encode if name.startswith("encode.") and spans.encode is not None else spans.root
+    kind = _api.kind.CLIENT if url else _api.kind.INTERNAL
+    span = _tracer.start_span(name, context=_api.trace.set_span_in_context(parent), kind=kind)
+    if url:
+        span.set_attribute("server.address", url)
+    if attributes:
+        span.set_attributes(attributes)
+    if name == "encode":
+        spans.encode = span
+    return span, CONTEXT_HEADERS.set(_headers_of(span))
+
+
+def close_span(spans: RequestSpans, span: Any, token: Any, exc: BaseException | None) -> None:
+    CONTEXT_HEADERS.reset(token)
+    if exc is not None:
+        failed(span, exc)
+    if spans.encode is span:
+        spans.encode = None
+    span.end()
+
+
+def failed(span: Any, exc: BaseException) -> None:
+    """What an operator filters a failed span by: the error's kind, status and stage."""
+    kind = getattr(exc, "kind", None) or getattr(exc, "error_type", None) or type(exc).__name__
+    span.set_attribute("error.type", str(kind))
+    for name, key in (("status", "http.response.status_code"), ("stage", "epd.error.stage")):
+        value = getattr(exc, name, None)
+        if value is not None:
+            span.set_attribute(key, value)
+    message = getattr(exc, "message", None) or str(exc) or type(exc).__name__
+    span.set_status(_api.error(message[:500]))
+
+
+def finish(spans: RequestSpans, status: int | str, attributes: Mapping[str, Any], error: BaseException | None) -> None:
+    root = spans.root
+    root.set_attributes(attributes)
+    if isinstance(status, int):
+        root.set_attribute("http.response.status_code", status)
+    else:
+        root.set_attribute("epd.outcome", status)
+    if error is not None:
+        failed(root, error)
+    elif not isinstance(status, int) or status >= 500:
+        root.set_status(_api.error(str(status)))
+    root.end()
+
+
+def queued_subrequest(waiting: Iterable[Any], url: str, items: int) -> AbstractContextManager:
+    """The span of an encoder sub-request sent from the queue: with one member, a child of that
+    member's wait span; shared by several, a trace of its own linked to each member's wait span,
+    each of which links back to it (see the module's docstring)."""
+    members = [span for span in waiting if span is not None] if _tracer is not None else ()
+    if not members:
+        return _NOTHING
+    trace = _api.trace
+    if len(members) == 1:
+        context, links = trace.set_span_in_context(members[0]), ()
+    else:
+        context = trace.set_span_in_context(trace.INVALID_SPAN)
+        links = [_api.link(member.get_span_context()) for member in members]
+    span = _tracer.start_span(
+        "encode.subrequest",
+        context=context,
+        kind=_api.kind.CLIENT,
+        links=links,
+        attributes={"server.address": url, "epd.items": items, "epd.shared_by": len(members)},
+    )
+    for member in members:
+        member.add_event("sent")
+        if len(members) > 1:
+            member.add_link(span.get_span_context())
+    return _Current(span)
+
+
+class _Current:
+    """A span whose context the backend calls made inside carry, ended on the way out."""
+
+    __slots__ = ("span", "_token")
+
+    def __init__(self, span: Any) -> None:
+        self.span = span
+
+    def __enter__(self) -> Any:
+        self._token = CONTEXT_HEADERS.set(_headers_of(self.span))
+        return self.span
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+        CONTEXT_HEADERS.reset(self._token)
+        if exc is not None:
+            failed(self.span, exc)
+        self.span.end()
+
+
+_NOTHING = nullcontext()
+
+
+def _headers_of(span: Any) -> dict[str, str]:
+    carrier: dict[str, str] = {}
+    _api.propagate.inject(carrier, context=_api.trace.set_span_in_context(span))
+    return carrier
+
+
+# perf_counter -> the wall clock in ns the SDK stamps spans with, fixed once per process.
+_OFFSET_NS = time.time_ns() - time.perf_counter_ns()
+
+
+def _ns(perf: float) -> int:
+    return int(perf * 1e9) + _OFFSET_NS
