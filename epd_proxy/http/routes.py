@@ -21,6 +21,7 @@ from epd_proxy.errors import ErrorAnswer, InternalError, ProxyError
 from epd_proxy.fleet.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE, Instance
 from epd_proxy.fleet.registry import normalize_url, parse_registration
 from epd_proxy.http.auth import check_admin_key, check_client_key
+from epd_proxy.journey.doors import CHAT, Door
 from epd_proxy.journey.extract import parse_json_body, parse_request
 from epd_proxy.journey.pipeline import ClientBody
 from epd_proxy.journey.relay import ABORTED, CLIENT_GONE, relay
@@ -42,8 +43,13 @@ MODELS_TIMEOUTS = Timeouts(total=10)
 PROFILE_TIMEOUTS = Timeouts(total=30)
 
 
-def error_response(exc: ProxyError, request_id: str | None = None) -> web.Response:
+def error_response(exc: ProxyError, request_id: str | None = None, door: Door = CHAT) -> web.Response:
     headers = {"x-request-id": request_id} if request_id else {}
+    shaped = door.error(exc)
+    if shaped is not None:
+        if isinstance(exc, ErrorAnswer):
+            headers["x-epd-stage"] = exc.stage
+        return web.Response(status=exc.status, body=shaped, content_type="application/json", headers=headers)
     if isinstance(exc, ErrorAnswer) and exc.raw_body:
         # A backend's own error body (vLLM's OpenAI error object) is the most faithful answer.
         headers["x-epd-stage"] = exc.stage
@@ -81,7 +87,13 @@ def client_manners(api_key: str):
     async def middleware(request: web.Request, handler) -> web.StreamResponse:
         if api_key:
             try:
-                check_client_key(api_key, request.method, request.path, request.headers.get("Authorization"))
+                check_client_key(
+                    api_key,
+                    request.method,
+                    request.path,
+                    request.headers.get("Authorization"),
+                    request.headers.get("x-api-key"),
+                )
             except ProxyError as exc:
                 return error_response(exc)
         try:
@@ -115,10 +127,16 @@ def _http_error_message(request: web.Request, exc: web.HTTPException) -> str:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await serve(request, CHAT)
+
+
+async def serve(request: web.Request, door: Door) -> web.StreamResponse:
+    """One request through `door`: read, admitted, run through the pipeline, relayed, logged."""
     state = request.app[STATE]
     config = state.config
     request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
     trace = Trace(request_id)
+    trace.endpoint = door.name
     status = 500
     route = None
     admitted = False
@@ -127,9 +145,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         # With splice, `raw` lives on in `spliced` (the media are slices of it) and the parsed
         # body holds only the skeleton; otherwise the parsed body holds the media and raw goes.
         if len(raw) > OFFLOAD_READ_BYTES:
-            normalised, spliced = await asyncio.to_thread(parse_request, raw, **state.parse_options)
+            normalised, spliced = await asyncio.to_thread(
+                parse_request, raw, **state.parse_options, normalise=door.normalise
+            )
         else:
-            normalised, spliced = parse_request(raw, **state.parse_options)
+            normalised, spliced = parse_request(raw, **state.parse_options, normalise=door.normalise)
         del raw
         body, items = normalised.body, normalised.items
         trace.items = len(items)
@@ -150,7 +170,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         del normalised, body, items, spliced
         route = state.pipeline.choose_route(request_id)
         with route.decoder.busy():
-            answer = await state.pipeline.open(job, route, trace)
+            answer = await state.pipeline.open(job, route, trace, door)
             try:
                 response, trace.outcome = await relay(request, answer, {"x-request-id": request_id})
                 status = {ABORTED: "aborted", CLIENT_GONE: 499}.get(trace.outcome, answer.status)
@@ -161,7 +181,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 answer.release()
     except ProxyError as exc:
         status = exc.status
-        response = error_response(exc, request_id)
+        response = error_response(exc, request_id, door)
         if exc.stage == "admission":
             response.headers["Retry-After"] = "1"
         return response
@@ -172,7 +192,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     except Exception:  # the client must get JSON, whatever broke inside the proxy
         log.exception("request %s: unexpected proxy failure", request_id)
         status = 500
-        return error_response(InternalError(request_id), request_id)
+        return error_response(InternalError(request_id), request_id, door)
     finally:
         if admitted:
             state.inflight -= 1
@@ -183,6 +203,7 @@ def _finish(metrics: Metrics, trace: Trace, status: int | str, route: Any) -> No
     """One log line and the stage histograms per request."""
     total_s = time.perf_counter() - trace.started
     metrics.requests.labels(str(status)).inc()
+    metrics.endpoint_requests.labels(trace.endpoint, str(status)).inc()
     metrics.recent.record(trace.started + total_s, status, total_s, trace)
     stage = metrics.stage
     stage["total"].observe(total_s)
@@ -196,6 +217,7 @@ def _finish(metrics: Metrics, trace: Trace, status: int | str, route: Any) -> No
         return
     fields = {
         "request_id": trace.request_id,
+        "endpoint": trace.endpoint,
         "status": status,
         "items": trace.items,
         "encoder_requests": trace.encoder_requests,

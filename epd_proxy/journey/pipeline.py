@@ -22,10 +22,10 @@ from epd_proxy.fleet.registry import Registry
 from epd_proxy.fleet.routing import RoutingPolicy
 from epd_proxy.fleet.scheduler import Lanes
 from epd_proxy.journey.decode import DecodeAnswer, hold_head, open_decode
+from epd_proxy.journey.doors import CHAT, Door
 from epd_proxy.journey.encode import EncodeStep
 from epd_proxy.journey.extract import MediaItem
 from epd_proxy.journey.prefill import run_prefill
-from epd_proxy.journey.rewrite import rewrite_request
 from epd_proxy.journey.splice import Spliced
 from epd_proxy.journey.trace import Trace
 from epd_proxy.ops.metrics import Metrics
@@ -170,7 +170,7 @@ class Pipeline:
             trace.charged_5xx.add(instance.url)
         self.health.answered(instance, status, message)
 
-    async def open(self, job: ClientBody, route: Route, trace: Trace) -> DecodeAnswer:
+    async def open(self, job: ClientBody, route: Route, trace: Trace, door: Door = CHAT) -> DecodeAnswer:
         """Run attempts until decode commits, then let go of the client's body.
 
         Committed means a 2xx that is not a stream, or a stream whose first generated event (or
@@ -193,7 +193,7 @@ class Pipeline:
             attempt += 1
             trace.attempts = attempt
             matches = await self.encode.run(job.body, job.items, route.consumer_zmq, trace, job.dumps)
-            prepared = rewrite_request(job.body, job.items, matches, rewrite=self.rewrite, push_mode=push_mode)
+            prepared = door.consumer_body(job.body, job.items, matches, rewrite=self.rewrite, push_mode=push_mode)
             try:
                 decode_body = prepared
                 if route.prefill is not None:
@@ -201,7 +201,14 @@ class Pipeline:
                     kv = await self._call(
                         route.prefill,
                         run_prefill(
-                            self.upstream, route.prefill, prepared, prefill_headers, self.prefill_timeouts, job.dumps
+                            self.upstream,
+                            route.prefill,
+                            prepared,
+                            prefill_headers,
+                            self.prefill_timeouts,
+                            job.dumps,
+                            path=door.path,
+                            build=door.prefill_body,
                         ),
                         trace,
                     )
@@ -212,7 +219,13 @@ class Pipeline:
                 answer = await self._call(
                     route.decoder,
                     open_decode(
-                        self.upstream, route.decoder, decode_body, decode_headers, self.decode_timeouts, job.dumps
+                        self.upstream,
+                        route.decoder,
+                        decode_body,
+                        decode_headers,
+                        self.decode_timeouts,
+                        job.dumps,
+                        door.path,
                     ),
                     trace,
                 )

@@ -49,13 +49,17 @@ async def run_prefill(
     headers: dict[str, str],
     timeouts: Timeouts,
     dumps: Callable[[Any], Payload] = orjson.dumps,
+    *,
+    path: str = CHAT_PATH,
+    build: Callable[[dict[str, Any]], dict[str, Any]] = prefill_request,
 ) -> dict[str, Any] | None:
-    """The `kv_transfer_params` prefill returned, or None. Errors keep prefill's own status."""
+    """The `kv_transfer_params` prefill returned, or None. Errors keep prefill's own status.
+    `path` and `build` are the client's API's (every API vLLM serves returns them)."""
     answer = await upstream.call(
         prefill,
         "POST",
-        CHAT_PATH,
-        body=dumps(prefill_request(prepared)),
+        path,
+        body=dumps(build(prepared)),
         headers=headers,
         timeouts=timeouts,
         stage="prefill",

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 @dataclass(slots=True)
 class Trace:
     request_id: str
+    # The API the request came in by (doors.py), for the request log and /metrics.
+    endpoint: str = "chat"
     items: int = 0
     attempts: int = 0
     # Encoder sub-requests that carried this request's items (shared ones included), and the
