@@ -221,6 +221,8 @@ async def test_metrics_count_requests_per_endpoint(make_stack):
     assert 'epd_endpoint_requests_total{endpoint="responses",status="200"} 1.0' in text
     assert 'epd_endpoint_requests_total{endpoint="messages",status="200"} 1.0' in text
     assert 'epd_endpoint_requests_total{endpoint="messages",status="400"} 1.0' in text
+    async with stack.client.get(f"{stack.url}/status.json") as resp:
+        assert (await resp.json())["totals"]["endpoints"] == {"messages": 2, "responses": 1}
 
 
 async def test_large_responses_images_take_the_splice_path(make_stack):
