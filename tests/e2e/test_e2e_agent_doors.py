@@ -75,7 +75,9 @@ def message(url: str, images: list[str], stream: bool) -> tuple[str, dict, str]:
         system="Answer briefly.",
         messages=messages_input(images),
         max_tokens=MAX_TOKENS,
-        temperature=0,
+        stop_sequences=["zzz"],
+        # This SDK's signature has no temperature; vLLM reads it from the body all the same.
+        extra_body={"temperature": 0},
     )
     if not stream:
         answer = client.messages.create(**args)
