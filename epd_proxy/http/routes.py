@@ -22,7 +22,7 @@ from epd_proxy.fleet.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE, In
 from epd_proxy.fleet.registry import normalize_url, parse_registration
 from epd_proxy.http.auth import check_admin_key, check_client_key
 from epd_proxy.journey.doors import CHAT, Door
-from epd_proxy.journey.extract import parse_json_body, parse_request
+from epd_proxy.journey.extract import parse_json_body
 from epd_proxy.journey.pipeline import ClientBody
 from epd_proxy.journey.relay import ABORTED, CLIENT_GONE, relay
 from epd_proxy.journey.trace import Trace
@@ -145,11 +145,9 @@ async def serve(request: web.Request, door: Door) -> web.StreamResponse:
         # With splice, `raw` lives on in `spliced` (the media are slices of it) and the parsed
         # body holds only the skeleton; otherwise the parsed body holds the media and raw goes.
         if len(raw) > OFFLOAD_READ_BYTES:
-            normalised, spliced = await asyncio.to_thread(
-                parse_request, raw, **state.parse_options, normalise=door.normalise
-            )
+            normalised, spliced = await asyncio.to_thread(door.parse, raw, **state.parse_options)
         else:
-            normalised, spliced = parse_request(raw, **state.parse_options, normalise=door.normalise)
+            normalised, spliced = door.parse(raw, **state.parse_options)
         del raw
         body, items = normalised.body, normalised.items
         trace.items = len(items)

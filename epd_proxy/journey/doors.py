@@ -1,7 +1,7 @@
 """The APIs a request may come in by (its door) and what each changes in the journey.
 
 Every door runs the same journey (encode, prefill, decode, retries); a door decides how the
-client's body is read for media (`normalise`), what the consumer is sent (`consumer_body`,
+client's body is read for media (`parse`), what the consumer is sent (`consumer_body`,
 `prefill_body`) on which path, and the shape of the errors the proxy itself makes.
 """
 
@@ -15,10 +15,11 @@ import orjson
 
 from epd_proxy.errors import ErrorAnswer, ProxyError
 from epd_proxy.fleet.backends import CHAT_PATH
-from epd_proxy.journey.extract import MediaItem, NormalisedRequest, normalise_request
+from epd_proxy.journey.extract import MediaItem, NormalisedRequest, parse_request
 from epd_proxy.journey.match import Matches
 from epd_proxy.journey.prefill import prefill_request
 from epd_proxy.journey.rewrite import rewrite_request
+from epd_proxy.journey.splice import Spliced
 
 # The body prefill is sent in place of the client's `kv_transfer_params`: prefill runs one token
 # and hands its KV cache to decode, which samples with the client's own options.
@@ -38,7 +39,8 @@ ConsumerBody = Callable[..., dict[str, Any]]
 class Door:
     name: str
     path: str
-    normalise: Callable[..., NormalisedRequest]
+    # (raw body, **the proxy's parse options) -> (the request, the splice its media point into).
+    parse: Callable[..., tuple[NormalisedRequest, Spliced | None]]
     # (body, items, matches, rewrite=, push_mode=) -> the body prefill (E+P+D) or decode gets.
     consumer_body: ConsumerBody
     prefill_body: Callable[[dict[str, Any]], dict[str, Any]]
@@ -63,7 +65,7 @@ def _chat_consumer_body(
     return rewrite_request(body, items, matches, rewrite=rewrite, push_mode=push_mode)
 
 
-CHAT = Door("chat", CHAT_PATH, normalise_request, _chat_consumer_body, prefill_request)
+CHAT = Door("chat", CHAT_PATH, parse_request, _chat_consumer_body, prefill_request)
 
 
 def error_fields(exc: ProxyError) -> tuple[str, str]:

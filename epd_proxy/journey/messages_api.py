@@ -19,9 +19,17 @@ import orjson
 
 from epd_proxy.errors import BadRequest, ProxyError
 from epd_proxy.journey.doors import REMOTE_DECODE, Door, error_fields
-from epd_proxy.journey.extract import MEDIA_HASHES, MediaItem, NormalisedRequest, content_uuid, refuse_engine_fields
+from epd_proxy.journey.extract import (
+    MEDIA_HASHES,
+    MediaItem,
+    NormalisedRequest,
+    content_uuid,
+    parse_json_body,
+    refuse_engine_fields,
+)
 from epd_proxy.journey.match import Matches
 from epd_proxy.journey.rewrite import ec_item_list, transfer_params
+from epd_proxy.journey.splice import LIFT_MIN_BYTES, Spliced, lift_base64_members
 
 MESSAGES_PATH = "/v1/messages"
 
@@ -94,6 +102,38 @@ def normalise_messages(
     return NormalisedRequest(body, items)
 
 
+def parse_messages(
+    raw: bytes | bytearray,
+    *,
+    trust_client_fields: bool = False,
+    max_media_items: int = 0,
+    media_hash: str = "sha256",
+    lift_min_bytes: int = LIFT_MIN_BYTES,
+) -> tuple[NormalisedRequest, Spliced | None]:
+    """`extract.parse_request` for this door: every large base64 `data` is lifted out first, and
+    the outcome is the full parse's (else the full parse runs): each lifted string must be an
+    image source the consumer builds a URL from, `data:<media type>;base64,` and then its bytes."""
+    options = {"trust_client_fields": trust_client_fields, "max_media_items": max_media_items, "media_hash": media_hash}
+    lifted = lift_base64_members(raw, b"data", lift_min_bytes)
+    if lifted is not None:
+        skeleton, spliced = lifted
+        prefix = spliced.prefix
+
+        def url_bytes(url: str) -> bytes | None:
+            at = url.find(prefix)
+            return None if at < 0 else b"".join((url[:at].encode(), spliced.span(url[at:])))
+
+        try:
+            normalised = normalise_messages(orjson.loads(skeleton), **options, lifted=url_bytes)
+        except (orjson.JSONDecodeError, BadRequest):
+            normalised = None  # the full parse gives the exact error
+        if normalised is not None:
+            used = sum(1 for item in normalised.items if prefix in item.part["image_url"]["url"])
+            if used == len(spliced.spans):
+                return normalised, spliced
+    return normalise_messages(parse_json_body(raw), **options), None
+
+
 def messages_consumer_body(
     body: dict[str, Any], items: Sequence[MediaItem], matches: Matches, *, rewrite: bool, push_mode: bool
 ) -> dict[str, Any]:
@@ -117,5 +157,5 @@ def anthropic_error(exc: ProxyError) -> bytes:
 
 
 MESSAGES = Door(
-    "messages", MESSAGES_PATH, normalise_messages, messages_consumer_body, messages_prefill_body, anthropic_error
+    "messages", MESSAGES_PATH, parse_messages, messages_consumer_body, messages_prefill_body, anthropic_error
 )

@@ -14,6 +14,7 @@ vision encoder.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from epd_proxy.errors import BadRequest
@@ -25,6 +26,7 @@ from epd_proxy.journey.extract import (
     MediaItem,
     NormalisedRequest,
     content_uuid,
+    parse_request,
     refuse_engine_fields,
 )
 from epd_proxy.journey.match import Matches
@@ -147,4 +149,10 @@ def responses_prefill_body(prepared: dict[str, Any]) -> dict[str, Any]:
     return {**prepared, "kv_transfer_params": dict(REMOTE_DECODE), "stream": False, "max_output_tokens": 1}
 
 
-RESPONSES = Door("responses", RESPONSES_PATH, normalise_responses, responses_consumer_body, responses_prefill_body)
+RESPONSES = Door(
+    "responses",
+    RESPONSES_PATH,
+    partial(parse_request, normalise=normalise_responses),
+    responses_consumer_body,
+    responses_prefill_body,
+)

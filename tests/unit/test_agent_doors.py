@@ -19,6 +19,7 @@ from epd_proxy.journey.messages_api import (
     messages_consumer_body,
     messages_prefill_body,
     normalise_messages,
+    parse_messages,
 )
 from epd_proxy.journey.responses_api import (
     RESPONSES,
@@ -226,3 +227,28 @@ def test_errors_take_each_doors_shape():
         "type": "error",
         "error": {"type": "BadRequestError", "message": "bad image"},
     }
+
+
+def test_large_anthropic_images_are_spliced_with_the_full_parses_outcome():
+    data = "QUFB" * 400
+    body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": [anthropic_image(data)]}]}
+    raw = orjson.dumps(body)
+    normalised, spliced = parse_messages(raw)
+    full = normalise_messages(orjson.loads(raw))
+    assert spliced is not None
+    assert [i.uuid for i in normalised.items] == [hashlib.sha256(f"data:image/png;base64,{data}".encode()).hexdigest()]
+    assert [i.uuid for i in normalised.items] == [i.uuid for i in full.items]
+
+    def written(obj) -> dict:
+        return orjson.loads(b"".join(bytes(piece) for piece in spliced.dumps(obj)))
+
+    assert written(encoder_parts(normalised.items, send_uuid=True)) == [i.part for i in full.items]
+    consumer = messages_consumer_body(normalised.body, normalised.items, Matches(), rewrite=True, push_mode=False)
+    assert written(consumer) == body
+
+
+def test_a_lifted_string_that_is_no_image_source_falls_back_to_the_full_parse():
+    data = "QUFB" * 400
+    body = {"model": "m", "max_tokens": 4, "metadata": {"data": data}, "messages": [{"role": "user", "content": "hi"}]}
+    normalised, spliced = parse_messages(orjson.dumps(body))
+    assert spliced is None and normalised.body == body
