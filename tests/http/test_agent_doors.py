@@ -235,3 +235,22 @@ async def test_large_responses_images_take_the_splice_path(make_stack):
     assert stack.pd.requests[0].body["messages"][0]["content"][1]["image_url"] == url
     async with stack.client.get(f"{stack.url}/metrics") as resp:
         assert 'epd_request_parse_total{path="splice"} 1.0' in await resp.text()
+
+
+@pytest.mark.parametrize("api", ["responses", "messages"])
+async def test_a_stream_that_fails_before_generating_is_retried(make_stack, api):
+    stack = await make_stack(encoders=1)
+    stack.pd.faults.generation_errors = 1
+    status, _, raw = await post(stack, stack.url, api, BODIES[api]("A", stream=True))
+    assert status == 200 and b"event: error" not in raw
+    assert text_of_stream(api, raw) != "" and len(stack.encoders[0].requests) == 2
+
+
+@pytest.mark.parametrize("api", ["responses", "messages"])
+async def test_a_stream_failing_on_every_attempt_is_relayed_and_counted_aborted(make_stack, api):
+    stack = await make_stack(encoders=1, decode_retries=0)
+    stack.pd.faults.generation_errors = 1
+    status, _, raw = await post(stack, stack.url, api, BODIES[api]("A", stream=True))
+    assert status == 200 and raw.endswith(b"\n\n") and b"event: error\n" in raw
+    async with stack.client.get(f"{stack.url}/metrics") as resp:
+        assert f'epd_endpoint_requests_total{{endpoint="{api}",status="aborted"}} 1.0' in await resp.text()

@@ -248,10 +248,16 @@ def stream_frames(api: str, answer_id: str, model: Any, pieces: list[str], usage
     return frames
 
 
-def stream_error(api: str) -> bytes:
-    """What the API's stream says when the chat generation under it fails after its 200."""
+def stream_error(api: str, answer_id: str, model: Any) -> bytes:
+    """What the API's stream says when the generation under it fails after its 200: its opening
+    events, then the error."""
     if api == MESSAGES:
-        return _event(
-            "error", {"type": "error", "error": {"type": "internal_error", "message": "Internal server error"}}
-        )
-    return _event("error", {"type": "error", "code": "500", "message": "Internal server error", "sequence_number": 0})
+        start = {"id": answer_id, "type": "message", "role": "assistant", "content": [], "model": model}
+        error = {"type": "error", "error": {"type": "internal_error", "message": "Internal server error"}}
+        return _event("message_start", {"type": "message_start", "message": start}) + _event("error", error)
+    response = {"id": f"resp_{answer_id}", "object": "response", "model": model, "status": "in_progress", "output": []}
+    return (
+        _event("response.created", {"type": "response.created", "sequence_number": 0, "response": response})
+        + _event("response.in_progress", {"type": "response.in_progress", "sequence_number": 1, "response": response})
+        + _event("error", {"type": "error", "code": "500", "message": "Internal server error", "sequence_number": 2})
+    )

@@ -687,7 +687,7 @@ class FakeVLLM:
             if body.get("stream") and self.role != "prefill":
                 if api != "chat":
                     await exchange.start(200, SSE)
-                    await exchange.write(fake_doors.stream_error(api))
+                    await exchange.write(fake_doors.stream_error(api, f"gen-{next(self._ids)}", body.get("model")))
                     await exchange.end()
                     return None
                 return await self._stream_generation_error(exchange, f"chatcmpl-{next(self._ids)}", body.get("model"))
