@@ -18,19 +18,8 @@ from epd_proxy.fleet.backends import CHAT_PATH
 from epd_proxy.journey.extract import MediaItem, NormalisedRequest, parse_request
 from epd_proxy.journey.match import Matches
 from epd_proxy.journey.prefill import prefill_request
-from epd_proxy.journey.rewrite import rewrite_request
+from epd_proxy.journey.rewrite import ec_item_list, rewrite_request, transfer_params
 from epd_proxy.journey.splice import Spliced
-
-# The body prefill is sent in place of the client's `kv_transfer_params`: prefill runs one token
-# and hands its KV cache to decode, which samples with the client's own options.
-REMOTE_DECODE = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 ConsumerBody = Callable[..., dict[str, Any]]
 
@@ -63,6 +52,17 @@ def _chat_consumer_body(
     body: dict[str, Any], items: Sequence[MediaItem], matches: Matches, *, rewrite: bool, push_mode: bool
 ) -> dict[str, Any]:
     return rewrite_request(body, items, matches, rewrite=rewrite, push_mode=push_mode)
+
+
+def with_handles(
+    body: dict[str, Any], items: Sequence[MediaItem], matches: Matches, *, rewrite: bool, push_mode: bool
+) -> dict[str, Any]:
+    """`body` with the EC handles attached: what a consumer needs whose API takes no `*_embeds`."""
+    out = dict(body)
+    params = transfer_params(body, matches.handles, ec_item_list(items, matches) if rewrite or push_mode else [])
+    if params is not None:
+        out["ec_transfer_params"] = params
+    return out
 
 
 CHAT = Door("chat", CHAT_PATH, parse_request, _chat_consumer_body, prefill_request)

@@ -192,16 +192,22 @@ def _forwarded_media_part(part: dict[str, Any], kind: str, where: str) -> tuple[
 
 
 def _check_top_level(body: Any, trust_client_fields: bool) -> list[Any]:
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
+    check_body(body, trust_client_fields)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list")
+    return messages
+
+
+def check_body(body: Any, trust_client_fields: bool) -> None:
+    """What every API's body must be before the proxy reads it for media: an object, whose
+    `stream` the proxy can tell, and which sets no field only the proxy may."""
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
     if "stream" in body and not isinstance(body["stream"], bool) and body["stream"] is not None:
         raise BadRequest("'stream' must be a boolean")
     if not trust_client_fields:
         refuse_engine_fields(body)
-    return messages
 
 
 def refuse_engine_fields(body: dict[str, Any]) -> None:

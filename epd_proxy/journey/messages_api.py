@@ -12,23 +12,22 @@ URL the consumer will build, without the proxy's uuid, so both derive one identi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import orjson
 
 from epd_proxy.errors import BadRequest, ProxyError
-from epd_proxy.journey.doors import REMOTE_DECODE, Door, error_fields
+from epd_proxy.journey.doors import Door, error_fields, with_handles
 from epd_proxy.journey.extract import (
     MEDIA_HASHES,
     MediaItem,
     NormalisedRequest,
+    check_body,
     content_uuid,
     parse_json_body,
-    refuse_engine_fields,
 )
-from epd_proxy.journey.match import Matches
-from epd_proxy.journey.rewrite import ec_item_list, transfer_params
+from epd_proxy.journey.prefill import REMOTE_DECODE
 from epd_proxy.journey.splice import LIFT_MIN_BYTES, Spliced, lift_base64_members
 
 MESSAGES_PATH = "/v1/messages"
@@ -78,12 +77,7 @@ def normalise_messages(
     lifted: Callable[[str], memoryview | None] | None = None,
 ) -> NormalisedRequest:
     """The body as the client sent it and its images as media items; the consumer judges the rest."""
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    if "stream" in body and not isinstance(body["stream"], bool) and body["stream"] is not None:
-        raise BadRequest("'stream' must be a boolean")
-    if not trust_client_fields:
-        refuse_engine_fields(body)
+    check_body(body, trust_client_fields)
     messages = body.get("messages")
     if not isinstance(messages, list):
         return NormalisedRequest(body, [])
@@ -134,17 +128,6 @@ def parse_messages(
     return normalise_messages(parse_json_body(raw), **options), None
 
 
-def messages_consumer_body(
-    body: dict[str, Any], items: Sequence[MediaItem], matches: Matches, *, rewrite: bool, push_mode: bool
-) -> dict[str, Any]:
-    """The client's body with the EC handles attached."""
-    out = dict(body)
-    params = transfer_params(body, matches.handles, ec_item_list(items, matches) if rewrite or push_mode else [])
-    if params is not None:
-        out["ec_transfer_params"] = params
-    return out
-
-
 def messages_prefill_body(prepared: dict[str, Any]) -> dict[str, Any]:
     # vLLM skips the thinking budget's check on a leg with do_remote_decode, for this max_tokens.
     return {**prepared, "kv_transfer_params": dict(REMOTE_DECODE), "stream": False, "max_tokens": 1}
@@ -156,6 +139,5 @@ def anthropic_error(exc: ProxyError) -> bytes:
     return orjson.dumps({"type": "error", "error": {"type": kind, "message": message}})
 
 
-MESSAGES = Door(
-    "messages", MESSAGES_PATH, parse_messages, messages_consumer_body, messages_prefill_body, anthropic_error
-)
+# The consumer gets the client's body as sent, with the EC handles.
+MESSAGES = Door("messages", MESSAGES_PATH, parse_messages, with_handles, messages_prefill_body, anthropic_error)

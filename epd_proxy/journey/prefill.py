@@ -17,19 +17,23 @@ from epd_proxy.fleet.backends import CHAT_PATH, Instance
 _PREFILL_DROPPED = ("min_tokens", "best_of", "use_beam_search", "stream_options")
 
 
+# What prefill is sent in place of any `kv_transfer_params`, whichever API the request uses.
+REMOTE_DECODE = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
 def prefill_request(prepared: dict[str, Any]) -> dict[str, Any]:
     """Prefill runs one token and hands its KV cache to decode; decode samples with the client's
     own options."""
     body = {
         **prepared,
-        "kv_transfer_params": {
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "remote_host": None,
-            "remote_port": None,
-        },
+        "kv_transfer_params": dict(REMOTE_DECODE),
         "stream": False,
         "max_tokens": 1,
     }

@@ -19,18 +19,18 @@ from typing import Any
 
 from epd_proxy.errors import BadRequest
 from epd_proxy.journey.dataurl import canonical_media_url
-from epd_proxy.journey.doors import REMOTE_DECODE, Door
+from epd_proxy.journey.doors import Door, with_handles
 from epd_proxy.journey.extract import (
     MEDIA_HASHES,
     REFERENCE_KINDS,
     MediaItem,
     NormalisedRequest,
+    check_body,
     content_uuid,
     parse_request,
-    refuse_engine_fields,
 )
 from epd_proxy.journey.match import Matches
-from epd_proxy.journey.rewrite import ec_item_list, transfer_params
+from epd_proxy.journey.prefill import REMOTE_DECODE
 
 RESPONSES_PATH = "/v1/responses"
 # State the proxy does not hold: a stored response lives on whichever instance answered it (and
@@ -65,12 +65,7 @@ def normalise_responses(
 
     Everything the proxy does not need to find the media is left for the consumer to judge, so a
     bad body gets vLLM's own 400 in vLLM's words."""
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    if "stream" in body and not isinstance(body["stream"], bool) and body["stream"] is not None:
-        raise BadRequest("'stream' must be a boolean")
-    if not trust_client_fields:
-        refuse_engine_fields(body)
+    check_body(body, trust_client_fields)
     _refuse_unservable(body)
     entries = body.get("input")
     if not isinstance(entries, list):
@@ -127,7 +122,7 @@ def responses_consumer_body(
     body: dict[str, Any], items: Sequence[MediaItem], matches: Matches, *, rewrite: bool, push_mode: bool
 ) -> dict[str, Any]:
     """The client's body with every image under the proxy's uuid (rewrite) and the EC handles."""
-    out = dict(body)
+    out = body
     if rewrite and items:
         entries = list(body["input"])
         copied: set[int] = set()
@@ -138,11 +133,8 @@ def responses_consumer_body(
                 copied.add(m)
             content = entries[m]["content"]
             content[item.part_index] = {**content[item.part_index], "uuid": item.uuid}
-        out["input"] = entries
-    params = transfer_params(body, matches.handles, ec_item_list(items, matches) if rewrite or push_mode else [])
-    if params is not None:
-        out["ec_transfer_params"] = params
-    return out
+        out = {**body, "input": entries}
+    return with_handles(out, items, matches, rewrite=rewrite, push_mode=push_mode)
 
 
 def responses_prefill_body(prepared: dict[str, Any]) -> dict[str, Any]:

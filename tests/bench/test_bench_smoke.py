@@ -15,6 +15,21 @@ from pathlib import Path
 
 import pytest
 
+# One round of 8 measured requests over 4 bodies, 4 at a time, no chart.
+EIGHT_REQUESTS = (
+    "--no-chart",
+    "--pool-size",
+    "4",
+    "--requests",
+    "8",
+    "--rounds",
+    "1",
+    "--warmup",
+    "2",
+    "--concurrency",
+    "4",
+)
+
 
 def run_quick_bench(tmp_path: Path, *flags: str) -> tuple[subprocess.CompletedProcess, Path, dict[str, dict]]:
     """`epd-proxy bench --quick` with `flags`; the run, its results folder and its arms by name."""
@@ -80,17 +95,7 @@ def test_quick_streaming_bench_relays_every_stream_and_samples_rss(tmp_path: Pat
     _, _, arms = run_quick_bench(
         tmp_path,
         "--stream",
-        "--no-chart",
-        "--pool-size",
-        "4",
-        "--requests",
-        "8",
-        "--rounds",
-        "1",
-        "--warmup",
-        "2",
-        "--concurrency",
-        "4",
+        *EIGHT_REQUESTS,
         "--pd-ms",
         "300",
         "--arms",
@@ -171,17 +176,7 @@ def test_quick_bench_drives_the_agent_doors(tmp_path: Path, api: str) -> None:
         tmp_path,
         "--api",
         api,
-        "--no-chart",
-        "--pool-size",
-        "4",
-        "--requests",
-        "8",
-        "--rounds",
-        "1",
-        "--warmup",
-        "2",
-        "--concurrency",
-        "4",
+        *EIGHT_REQUESTS,
         "--arms",
         "batched,direct",
     )

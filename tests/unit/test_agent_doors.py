@@ -9,14 +9,13 @@ import orjson
 import pytest
 
 from epd_proxy.errors import BadRequest, ErrorAnswer, ProxyError
-from epd_proxy.journey.doors import CHAT
+from epd_proxy.journey.doors import CHAT, with_handles
 from epd_proxy.journey.encode import encoder_parts
 from epd_proxy.journey.extract import parse_request
 from epd_proxy.journey.match import ItemMatch, Matches
 from epd_proxy.journey.messages_api import (
     MESSAGES,
     image_source_url,
-    messages_consumer_body,
     messages_prefill_body,
     normalise_messages,
     parse_messages,
@@ -198,7 +197,7 @@ def test_messages_consumer_and_prefill_bodies():
         "messages": [{"role": "user", "content": [anthropic_image()]}],
     }
     normalised = normalise_messages(body)
-    out = messages_consumer_body(body, normalised.items, matches_for(normalised.items), rewrite=True, push_mode=False)
+    out = with_handles(body, normalised.items, matches_for(normalised.items), rewrite=True, push_mode=False)
     assert out["messages"] is body["messages"] and out["ec_transfer_params"]["ec_items"][0]["transfer_id"] == "t0"
     prefill = messages_prefill_body(out)
     assert prefill["max_tokens"] == 1 and prefill["stream"] is False and prefill["ec_transfer_params"]
@@ -243,7 +242,7 @@ def test_large_anthropic_images_are_spliced_with_the_full_parses_outcome():
         return orjson.loads(b"".join(bytes(piece) for piece in spliced.dumps(obj)))
 
     assert written(encoder_parts(normalised.items, send_uuid=True)) == [i.part for i in full.items]
-    consumer = messages_consumer_body(normalised.body, normalised.items, Matches(), rewrite=True, push_mode=False)
+    consumer = with_handles(normalised.body, normalised.items, Matches(), rewrite=True, push_mode=False)
     assert written(consumer) == body
 
 
