@@ -22,7 +22,7 @@ def bearer_token_matches(expected: str, authorization: str | None) -> bool:
 
 
 # Anthropic's clients send their key as `x-api-key`, never as a bearer token.
-X_API_KEY_PATHS = ("/v1/messages",)
+X_API_KEY_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
 
 
 def check_client_key(

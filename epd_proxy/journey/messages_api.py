@@ -31,6 +31,7 @@ from epd_proxy.journey.prefill import REMOTE_DECODE
 from epd_proxy.journey.splice import LIFT_MIN_BYTES, Spliced, lift_base64_members
 
 MESSAGES_PATH = "/v1/messages"
+COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
 
 
 def image_source_url(source: Any) -> str | None:

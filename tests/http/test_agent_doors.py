@@ -254,3 +254,16 @@ async def test_a_stream_failing_on_every_attempt_is_relayed_and_counted_aborted(
     assert status == 200 and raw.endswith(b"\n\n") and b"event: error\n" in raw
     async with stack.client.get(f"{stack.url}/metrics") as resp:
         assert f'epd_endpoint_requests_total{{endpoint="{api}",status="aborted"}} 1.0' in await resp.text()
+
+
+async def test_count_tokens_is_answered_by_a_decoder_and_takes_x_api_key(make_stack):
+    stack = await make_stack(encoders=1, api_key="sekret")
+    body = messages_body("A")
+    headers = {"x-api-key": "sekret"}
+    got = await post(stack, stack.url, "messages/count_tokens", body, headers=headers)
+    direct = await post(stack, stack.pd_url, "messages/count_tokens", body)
+    assert got[0] == direct[0] == 200 and orjson.loads(got[2]) == orjson.loads(direct[2])
+    assert orjson.loads(got[2])["input_tokens"] > 0 and not stack.encoders[0].requests
+    assert (await post(stack, stack.url, "messages/count_tokens", body))[0] == 401
+    forged = await post(stack, stack.url, "messages/count_tokens", {**body, "ec_transfer_params": {}}, headers=headers)
+    assert forged[0] == 400 and orjson.loads(forged[2])["type"] == "error"

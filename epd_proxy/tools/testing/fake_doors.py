@@ -17,6 +17,7 @@ import orjson
 
 RESPONSES, MESSAGES = "responses", "messages"
 PATHS = {RESPONSES: "/v1/responses", MESSAGES: "/v1/messages"}
+COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
 
 
 class Refused(ValueError):

@@ -424,6 +424,7 @@ class FakeVLLM:
             ("POST", "/v1/chat/completions"): self.chat,
             ("POST", fake_doors.PATHS[fake_doors.RESPONSES]): self.responses,
             ("POST", fake_doors.PATHS[fake_doors.MESSAGES]): self.messages,
+            ("POST", fake_doors.COUNT_TOKENS_PATH): self.count_tokens,
             ("GET", "/health"): self.health,
             ("GET", "/stats"): self.stats,
             ("GET", "/v1/models"): self.models,
@@ -469,6 +470,15 @@ class FakeVLLM:
 
     async def messages(self, exchange: Exchange) -> Answer | None:
         return await self.chat(exchange, fake_doors.MESSAGES)
+
+    async def count_tokens(self, exchange: Exchange) -> Answer:
+        """The prompt's length, as vLLM renders it (the fakes count a token per message and per item)."""
+        try:
+            view = fake_doors.chat_view(fake_doors.MESSAGES, {"max_tokens": 1, **orjson.loads(exchange.body)})
+        except ValueError as exc:
+            return Answer(400, fake_doors.error_body(fake_doors.MESSAGES, str(exc), 400), "application/json")
+        tokens = sum(1 + len(m["content"] if isinstance(m["content"], list) else ()) for m in view["messages"])
+        return _json({"input_tokens": tokens, "context_management": {"original_input_tokens": tokens}})
 
     async def chat(self, exchange: Exchange, api: str = "chat") -> Answer | None:
         """Every API's request, run as the chat completion vLLM makes of it (fake_doors.py)."""
