@@ -101,11 +101,29 @@ def pictures(count: int) -> list[str]:
     return [a, b, a]
 
 
+def kv_split(usage: dict) -> tuple[dict, int | None]:
+    """Responses usage with its prompt-cache split folded, and how many tokens were read from
+    cache. In E+P+D, decode gets the prompt's KV from prefill and vLLM counts those tokens as
+    cached where a single instance writes them; the split is the handover, not a difference."""
+    details = usage.get("input_tokens_details")
+    if not details:
+        return usage, None
+    cached = details["cached_tokens"]
+    folded = {**details, "cached_tokens": None, "cache_write_tokens": cached + details["cache_write_tokens"]}
+    return {**usage, "input_tokens_details": folded}, cached
+
+
 def compare(st, fidelity, path: str, api: str, case: str, count: int, stream: bool) -> None:
     images = pictures(count)
     got = CALLS[api](st.proxy_url, images, stream)
     want = CALLS[api](st.baseline_url, images, stream)
-    fidelity.record_text(f"/v1/{api}: {case}", got[0], want[0], got[1] == want[1], path=path)
+    kv = "n/a"
+    if path == PREFILL and api == "responses":
+        (got_usage, cached), (want_usage, _) = kv_split(got[1]), kv_split(want[1])
+        assert cached, f"decode read nothing of the prompt from prefill: {got[1]}"
+        kv = f"{cached} tokens (usage: cached)"
+        got, want = (got[0], got_usage, got[2]), (want[0], want_usage, want[2])
+    fidelity.record_text(f"/v1/{api}: {case}", got[0], want[0], got[1] == want[1], path=path, kv=kv)
     assert got == want, f"{path} /v1/{api} {case}: proxy answer differs from the baseline"
 
 
