@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from .e2e_helpers import EPD, MODEL, PREFILL, image_source, loaded_hashes, store_entries
+from .e2e_helpers import EPD, MODEL, PREFILL, image_source, kv_loads, loaded_hashes, store_entries
 
 pytestmark = pytest.mark.e2e
 
@@ -115,13 +115,18 @@ def kv_split(usage: dict) -> tuple[dict, int | None]:
 
 def compare(st, fidelity, path: str, api: str, case: str, count: int, stream: bool) -> None:
     images = pictures(count)
+    loads_before = len(kv_loads(st.log_path("decode"))) if path == PREFILL else 0
     got = CALLS[api](st.proxy_url, images, stream)
     want = CALLS[api](st.baseline_url, images, stream)
     kv = "n/a"
+    if path == PREFILL:
+        loads = kv_loads(st.log_path("decode"))[loads_before:]
+        assert loads, f"decode loaded no KV from prefill for /v1/{api} {case}"
+        kv = f"{loads[-1]} tokens"
     if path == PREFILL and api == "responses":
         (got_usage, cached), (want_usage, _) = kv_split(got[1]), kv_split(want[1])
         assert cached, f"decode read nothing of the prompt from prefill: {got[1]}"
-        kv = f"{cached} tokens (usage: cached)"
+        kv += f" ({cached} cached in usage)"
         got, want = (got[0], got_usage, got[2]), (want[0], want_usage, want[2])
     fidelity.record_text(f"/v1/{api}: {case}", got[0], want[0], got[1] == want[1], path=path, kv=kv)
     assert got == want, f"{path} /v1/{api} {case}: proxy answer differs from the baseline"
