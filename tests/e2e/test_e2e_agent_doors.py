@@ -9,6 +9,8 @@ import urllib.request
 
 import pytest
 
+from tests.http.polling import eventually_sync
+
 from .e2e_helpers import EPD, MODEL, PREFILL, image_source, kv_loads, loaded_hashes, store_entries
 
 pytestmark = pytest.mark.e2e
@@ -120,9 +122,14 @@ def compare(st, fidelity, path: str, api: str, case: str, count: int, stream: bo
     want = CALLS[api](st.baseline_url, images, stream)
     kv = "n/a"
     if path == PREFILL:
-        loads = kv_loads(st.log_path("decode"))[loads_before:]
-        assert loads, f"decode loaded no KV from prefill for /v1/{api} {case}"
-        kv = f"{loads[-1]} tokens"
+        # Logged before decode's first forward pass, but the log file may trail a moment.
+        eventually_sync(
+            lambda: kv_loads(st.log_path("decode"))[loads_before:],
+            timeout=10,
+            interval=0.2,
+            what=f"decode loaded no KV from prefill for /v1/{api} {case}",
+        )
+        kv = f"{kv_loads(st.log_path('decode'))[-1]} tokens"
     if path == PREFILL and api == "responses":
         (got_usage, cached), (want_usage, _) = kv_split(got[1]), kv_split(want[1])
         assert cached, f"decode read nothing of the prompt from prefill: {got[1]}"
