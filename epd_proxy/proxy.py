@@ -1,7 +1,7 @@
 """The composition root: every part of the proxy built from one Config, started and stopped here.
 
 The registry, health, routing policies, metrics, roster, upstream pools, prober and pipeline are
-made and wired together in this one place; the HTTP routes (routes.py) only read them, and
+made and wired together in this one place; the HTTP routes (routes.py) only call them, and
 create_app (app.py) ties their lifespan to the server's.
 """
 
@@ -16,11 +16,15 @@ from epd_proxy.config import Config
 from epd_proxy.fleet.backends import DECODE, ENCODE, PREFILL
 from epd_proxy.fleet.discovery import Discovery
 from epd_proxy.fleet.health import Health
+from epd_proxy.fleet.lanes import Lanes
 from epd_proxy.fleet.prober import Prober, check_pool
+from epd_proxy.fleet.profiling import Profiling
 from epd_proxy.fleet.registry import Registry
+from epd_proxy.fleet.report import HealthReport
 from epd_proxy.fleet.roster import open_roster
 from epd_proxy.fleet.routing import RoutingPolicy, make_policy
-from epd_proxy.fleet.scheduler import ExpectedFinish, Lanes
+from epd_proxy.fleet.scheduler import ExpectedFinish
+from epd_proxy.journey.admission import Admission
 from epd_proxy.journey.pipeline import Pipeline
 from epd_proxy.ops.metrics import Metrics
 
@@ -87,6 +91,8 @@ class ProxyState:
         # What the encoder scheduler knows of each encoder: placement, sending and /status share it.
         self.lanes = Lanes()
         self.fleet.watch(self.lanes)
+        # Groups waiting for an encoder health ejects move to another at once.
+        self.health.on_ejection(lambda role, url, reason: self.lanes.ejected(url) if role == ENCODE else None)
         self.policies = {
             ENCODE: encode_policy(config, self.lanes),
             PREFILL: make_policy(config.prefill_policy),
@@ -105,7 +111,8 @@ class ProxyState:
         if self.discovery is not None:
             self.metrics.watch_dns(self.discovery)
             self.health.on_unreachable(self.discovery.unreachable)
-        self.inflight = 0
+        self.admission = Admission(config.max_inflight, self.metrics.rejected)
+        self.report = HealthReport(config, self.fleet, self.health, self.roster, self.discovery)
         # How every request body is read; fixed for the server's life.
         self.parse_options = {
             "trust_client_fields": config.trust_client_fields,
@@ -118,6 +125,7 @@ class ProxyState:
         self.probes: Upstream | None = None
         self.prober: Prober | None = None
         self.pipeline: Pipeline | None = None
+        self.profiling: Profiling | None = None
         self._background: list[asyncio.Task] = []
 
     async def start(self) -> None:
@@ -130,6 +138,14 @@ class ProxyState:
             on_refused=lambda stage, reason: self.metrics.backend_refused.labels(stage, reason).inc(),
         )
         self.fleet.watch(self.upstream)
+        # Profiling calls carry OPENAI_API_KEY (as in the reference), else the backend key.
+        self.profiling = Profiling(
+            self.fleet,
+            self.health,
+            self.upstream,
+            api_key=config.profile_api_key or config.backend_api_key,
+            by_role=config.dynamic_registration,
+        )
         self.pipeline = build_pipeline(
             config, self.fleet, self.health, self.upstream, self.policies, self.metrics, self.lanes
         )

@@ -10,11 +10,11 @@ the answer chunk by chunk, and one classification of what happened. A caller get
 A second pool (health probes on their own small connector, never limited by
 `--max-connections-per-backend`) is just another `Upstream`.
 
-Underneath is a lean HTTP/1.1 client (connection.py: an asyncio.Protocol per connection feeding
+The answers and the call's bookkeeping are answer.py's; this module is the pool. Underneath is a lean HTTP/1.1 client (connection.py: an asyncio.Protocol per connection feeding
 httptools' parser, the C parser uvicorn uses), chosen by measurement over aiohttp's client, which
-cost the proxy about as much CPU per request as everything else it does (see the README's
-benchmark). Answers are handed on as the chunks the socket gave, and nothing is decompressed, so
-relayed bytes are exactly what the backend wrote.
+cost the proxy about as much CPU per request as everything else it does (see docs/benchmark.md).
+Answers are handed on as the chunks the socket gave, and nothing is decompressed, so relayed bytes
+are exactly what the backend wrote.
 """
 
 from __future__ import annotations
@@ -22,216 +22,51 @@ from __future__ import annotations
 import asyncio
 import ssl
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping
+from typing import Any
 from urllib.parse import urlsplit
 
-from epd_proxy.calls.connection import BODY_TOO_LARGE, Closed, Connection, Headers, Limits, decoded
-from epd_proxy.errors import BackendUnreachable, ErrorAnswer
+from epd_proxy.calls.answer import (
+    BROKEN,
+    CONNECT_TIMEOUT,
+    HEADERS_TIMEOUT,
+    IDLE_TIMEOUT,
+    POOL_TIMEOUT,
+    REFUSED,
+    REFUSED_ANSWER,
+    RESET,
+    TIMEOUTS,
+    Answer,
+    Call,
+    NoAnswer,
+    Payload,
+    Target,
+    Timeouts,
+    kind_of,
+)
+from epd_proxy.calls.connection import BODY_TOO_LARGE, Closed, Connection, Limits
 
-# What went wrong when there was no (complete) answer. Transport failures:
-REFUSED = "refused"  # the connection could not be made (refused, unreachable, DNS)
-RESET = "reset"  # the connection was reset or closed before any byte of the answer
-BROKEN = "broken"  # the answer started and was cut off
-REFUSED_ANSWER = "refused_answer"  # the backend sent what no client may accept (see Limits)
-# Timeouts, by the phase that ran out of time:
-POOL_TIMEOUT = "pool_timeout"  # waiting for a free connection under the per-backend cap
-CONNECT_TIMEOUT = "connect_timeout"  # opening the connection
-HEADERS_TIMEOUT = "headers_timeout"  # waiting for the status line and headers
-IDLE_TIMEOUT = "idle_timeout"  # waiting for the next chunk of the body
-TIMEOUTS = frozenset({POOL_TIMEOUT, CONNECT_TIMEOUT, HEADERS_TIMEOUT, IDLE_TIMEOUT})
-
-_WAITING_FOR = {
-    POOL_TIMEOUT: "waiting for a free connection",
-    CONNECT_TIMEOUT: "while connecting",
-    HEADERS_TIMEOUT: "waiting for the answer",
-    IDLE_TIMEOUT: "waiting for the next chunk of the answer",
-}
-
-
-class NoAnswer(BackendUnreachable):
-    """No complete answer from a backend: 504 for a timeout, 502 otherwise, naming the stage."""
-
-    def __init__(self, kind: str, detail: str, *, what: str, stage: str, backend: str, limit_s: float | None = None):
-        self.kind = kind
-        self.detail = detail
-        self.limit_s = limit_s
-        timed_out = kind in TIMEOUTS
-        if timed_out:
-            after = f"after {limit_s:g}s " if limit_s is not None else ""
-            message = f"{what} timed out {after}{_WAITING_FOR[kind]}"
-        else:
-            message = f"{what} failed: {detail}"
-        super().__init__(message, stage=stage, backend=backend, timed_out=timed_out)
-
-    @property
-    def timed_out(self) -> bool:
-        return self.kind in TIMEOUTS
-
-    @property
-    def reason(self) -> str:
-        """Short enough for a health record: `refused: ...`, `no answer within 2s`."""
-        if self.timed_out:
-            after = f" within {self.limit_s:g}s" if self.limit_s is not None else ""
-            return f"{self.kind}{after}"
-        return f"{self.kind}: {self.detail}"
-
-
-@dataclass(frozen=True, slots=True)
-class Timeouts:
-    """Seconds; None means no limit. `total` bounds the whole exchange (pool wait to last byte)
-    and is what buffered calls use; each phase gets the smaller of its own limit and what is left
-    of `total`, and a timeout is classified by the phase that ran out of time either way."""
-
-    connect: float | None = 10.0
-    pool: float | None = None
-    headers: float | None = None
-    idle: float | None = None
-    total: float | None = None
-
-
-# A request body: one buffer, or several written back to back (see `splice`).
-Payload = bytes | bytearray | memoryview | list[bytes | memoryview]
-
-
-class Target(Protocol):
-    """What the layer needs of a backend: its base URL and an in-flight counter."""
-
-    url: str
-    inflight: int
-
-
-class Answer:
-    """A backend's answer: status and headers, and the body read whole (`call`) or still to be
-    streamed (`open`). An open answer holds its connection until `release()`."""
-
-    __slots__ = ("status", "headers", "body", "trailers", "_conn", "_call", "_pool", "_done")
-
-    def __init__(self, conn: Connection, call: _Call, pool: Upstream) -> None:
-        self.status = conn.status
-        self.headers = conn.headers()
-        self.body: bytes | None = None
-        # A chunked answer's trailer fields, once the body was read to the end; never merged into
-        # the headers, which were final when the body began.
-        self.trailers = Headers([])
-        self._conn = conn
-        self._call = call
-        self._pool = pool
-        self._done = False
-
-    @property
-    def content_type(self) -> str:
-        return self.headers.get("content-type", "application/json")
-
-    def error(self) -> ErrorAnswer:
-        """This answer as the error the client gets: the backend's own status and body."""
-        return ErrorAnswer(
-            self.status, self.body or b"", self.content_type, stage=self._call.stage, backend=self._call.target.url
-        )
-
-    async def read(self, idle_timeout: float | None = None) -> bytes:
-        """The rest of the body in one piece."""
-        if self.body is None:
-            self.body = b"".join([chunk async for chunk in self.chunks(idle_timeout)])
-        return self.body
-
-    async def chunks(self, idle_timeout: float | None = None) -> AsyncIterator[bytes]:
-        """The body as the backend wrote it, never re-split; an NoAnswer (IDLE_TIMEOUT or
-        BROKEN) when it stalls for `idle_timeout` seconds between two chunks or breaks off."""
-        conn, call = self._conn, self._call
-        idle = _smaller(idle_timeout, call.timeouts.idle)
-        while True:
-            if conn.chunks:
-                yield conn.take()
-                continue
-            if conn.complete:
-                if conn.trailer_items:
-                    self.trailers = decoded(conn.trailer_items)
-                self.release()
-                return
-            if conn.failure is not None:
-                self._end(reuse=False)
-                raise call.failure(_kind_of(conn.failure), conn.failure.detail) from None
-            limit, reported = call.budget(idle)
-            try:
-                await conn.wait(limit)
-            except TimeoutError:
-                self._end(reuse=False)
-                raise call.failure(IDLE_TIMEOUT, "", reported) from None
-            except BaseException:
-                self._end(reuse=False)
-                raise
-
-    def cap_body(self, max_bytes: int) -> None:
-        """Refuse the answer (REFUSED_ANSWER) once its body passes `max_bytes`, for a caller that
-        learns from the headers that it will read the body whole."""
-        conn = self._conn
-        conn.max_body = max_bytes
-        if conn.body_bytes > max_bytes and not conn.complete:
-            conn._refuse(BODY_TOO_LARGE, f"an answer over {max_bytes} bytes")
-
-    def release(self) -> None:
-        """Give the connection back (or close it, if the body was not read to the end)."""
-        if not self._done:
-            self._end(reuse=self._conn.reusable())
-
-    def _end(self, *, reuse: bool) -> None:
-        if self._done:
-            return
-        self._done = True
-        self._conn.answer_ended()
-        self._pool._give_back(self._call.target.url, self._conn, reuse)
-        self._call.end()
-
-    async def __aenter__(self) -> Answer:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.release()
-
-
-class _Call:
-    """One exchange's bookkeeping: its slot under the per-backend cap and the in-flight count."""
-
-    __slots__ = ("target", "stage", "what", "timeouts", "count", "deadline", "slot", "_ended")
-
-    def __init__(self, target: Target, stage: str, what: str, timeouts: Timeouts, count: bool):
-        self.target = target
-        self.stage = stage
-        self.what = what
-        self.timeouts = timeouts
-        self.count = count
-        self.deadline = None if timeouts.total is None else time.monotonic() + timeouts.total
-        self.slot: asyncio.Semaphore | None = None
-        self._ended = False
-
-    def budget(self, phase_limit: float | None) -> tuple[float | None, float | None]:
-        """Seconds this phase may take, and the limit to name if it runs out: the phase's own,
-        or the whole exchange's when less than that is left of it."""
-        if self.deadline is None:
-            return phase_limit, phase_limit
-        left = max(0.0, self.deadline - time.monotonic())
-        if phase_limit is not None and phase_limit <= left:
-            return phase_limit, phase_limit
-        return left, self.timeouts.total
-
-    def begin(self) -> None:
-        if self.count:
-            self.target.inflight += 1
-
-    def end(self) -> None:
-        if self._ended:
-            return
-        self._ended = True
-        if self.count:
-            self.target.inflight -= 1
-        if self.slot is not None:
-            self.slot.release()
-            self.slot = None
-
-    def failure(self, kind: str, detail: str, limit_s: float | None = None) -> NoAnswer:
-        return NoAnswer(kind, detail, what=self.what, stage=self.stage, backend=self.target.url, limit_s=limit_s)
+# The layer's whole vocabulary, so a caller imports the backend calls from one place.
+__all__ = [
+    "BODY_TOO_LARGE",
+    "BROKEN",
+    "CONNECT_TIMEOUT",
+    "HEADERS_TIMEOUT",
+    "IDLE_TIMEOUT",
+    "POOL_TIMEOUT",
+    "REFUSED",
+    "REFUSED_ANSWER",
+    "RESET",
+    "TIMEOUTS",
+    "Answer",
+    "Limits",
+    "NoAnswer",
+    "Payload",
+    "Target",
+    "Timeouts",
+    "Upstream",
+    "bearer",
+]
 
 
 class _Origin:
@@ -352,7 +187,7 @@ class Upstream:
         """
         if method == "HEAD":
             raise ValueError("HEAD is not supported: its answer has no body whatever its framing says")
-        call = _Call(target, stage, what, timeouts, self.count_inflight if count_inflight is None else count_inflight)
+        call = Call(target, stage, what, timeouts, self.count_inflight if count_inflight is None else count_inflight)
         call.begin()
         if idempotent is None:
             idempotent = method == "GET"
@@ -364,7 +199,7 @@ class Upstream:
             raise
         return Answer(conn, call, self)
 
-    async def _acquire_slot(self, call: _Call) -> None:
+    async def _acquire_slot(self, call: Call) -> None:
         cap = self.max_connections_per_backend
         if cap <= 0:
             return
@@ -383,7 +218,7 @@ class Upstream:
         call.slot = slot
 
     async def _exchange(
-        self, call: _Call, method: str, path: str, body, headers, idempotent: bool, max_body: int | None
+        self, call: Call, method: str, path: str, body, headers, idempotent: bool, max_body: int | None
     ) -> Connection:
         url = call.target.url
         origin = self._origins.get(url)
@@ -427,7 +262,7 @@ class Upstream:
                 if conn.reused and not closed.answered and not fresh and (idempotent or not conn.wrote):
                     fresh = True  # the backend dropped an idle connection just as we took it
                     continue
-                raise call.failure(_kind_of(closed), closed.detail) from None
+                raise call.failure(kind_of(closed), closed.detail) from None
             except TimeoutError:
                 self._give_back(url, conn, False)
                 raise call.failure(HEADERS_TIMEOUT, "", reported) from None
@@ -435,7 +270,7 @@ class Upstream:
                 self._give_back(url, conn, False)
                 raise
 
-    async def _connection(self, call: _Call, origin: _Origin, fresh: bool) -> Connection:
+    async def _connection(self, call: Call, origin: _Origin, fresh: bool) -> Connection:
         idle = origin.idle
         if idle and not fresh:
             oldest_allowed = time.monotonic() - (self.keep_alive_s or 0)
@@ -508,24 +343,10 @@ def _header_lines(headers: Mapping[str, str]) -> bytes:
     return "".join(lines).encode("utf-8", "surrogateescape")
 
 
-def _smaller(a: float | None, b: float | None) -> float | None:
-    if a is None:
-        return b
-    if b is None:
-        return a
-    return a if a < b else b
-
-
 def _describe(exc: BaseException) -> str:
     """`ConnectionRefusedError: [Errno 111] ...` rather than a repr full of internals."""
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def _kind_of(closed: Closed) -> str:
-    if closed.refused:
-        return REFUSED_ANSWER
-    return BROKEN if closed.answered else RESET
 
 
 def bearer(key: str) -> dict[str, str]:

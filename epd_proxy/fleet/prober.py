@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterable
+from dataclasses import KW_ONLY, dataclass, field
 
 from epd_proxy.calls.upstream import NoAnswer, Timeouts, Upstream
 from epd_proxy.fleet.backends import Instance
@@ -40,25 +41,18 @@ async def check(pool: Upstream, inst: Instance, timeout_s: float) -> str | None:
     return None if answer.status == 200 else f"HTTP {answer.status}"
 
 
+@dataclass(eq=False)
 class Prober:
     """Checks every member each `interval_s`; the first round runs at once so that the proxy's
     `/health` has results to report from the start."""
 
-    def __init__(
-        self,
-        pool: Upstream,
-        health: Health,
-        members: Callable[[], Iterable[Instance]],
-        *,
-        interval_s: float,
-        timeout_s: float,
-    ) -> None:
-        self.pool = pool
-        self.health = health
-        self.members = members
-        self.interval_s = interval_s
-        self.timeout_s = timeout_s
-        self.rounds = 0
+    pool: Upstream
+    health: Health
+    members: Callable[[], Iterable[Instance]]
+    _: KW_ONLY
+    interval_s: float
+    timeout_s: float
+    rounds: int = field(default=0, init=False)
 
     async def round(self) -> None:
         instances = list(self.members())

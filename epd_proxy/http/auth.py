@@ -1,4 +1,5 @@
-"""Who may call what: the clients' bearer key on the OpenAI routes and the operators' admin key.
+"""Who may call what: the clients' bearer key on the OpenAI routes and the operators' admin key
+(one guard with one rule for every admin route; docs/security.md).
 
 Both compare in constant time; a header with bytes that are not UTF-8 is a wrong key, not a crash.
 """
@@ -6,7 +7,9 @@ Both compare in constant time; a header with bytes that are not UTF-8 is a wrong
 from __future__ import annotations
 
 import hmac
+from dataclasses import dataclass
 
+from epd_proxy.config import Config
 from epd_proxy.errors import ProxyError
 
 # What `vllm serve --api-key` guards (its AuthenticationMiddleware): plain string prefixes, so /v1x too.
@@ -36,7 +39,11 @@ def check_client_key(
         and method != "OPTIONS"
         and path.startswith(GUARDED_PREFIXES)
         and not bearer_token_matches(api_key, authorization)
-        and not (x_api_key is not None and path in X_API_KEY_PATHS and _same_key(api_key, x_api_key))
+        and not (
+            x_api_key is not None
+            and path in X_API_KEY_PATHS
+            and hmac.compare_digest(api_key.encode(), x_api_key.encode("utf-8", "surrogateescape"))
+        )
     ):
         raise ProxyError(
             401,
@@ -46,13 +53,46 @@ def check_client_key(
         )
 
 
-def _same_key(expected: str, presented: str) -> bool:
-    return hmac.compare_digest(expected.encode(), presented.encode("utf-8", "surrogateescape"))
+# How far the proxy's keys close it: none at all, ADMIN_API_KEY (an operator owns what acts on the
+# fleet), --api-key (clients authenticate, so nothing about the fleet is public).
+OPEN, OPERATED, AUTHENTICATED = 0, 1, 2
 
 
-def check_admin_key(
-    expected: str, presented: str | None, action: str = "change the fleet", stage: str = "registry"
-) -> None:
-    if not expected or presented is None or not _same_key(expected, presented):
+@dataclass(frozen=True, slots=True)
+class AdminAction:
+    """What an admin route does, in the 403's words, and from which closure on it needs the key."""
+
+    words: str
+    stage: str
+    closed_from: int
+
+
+# The reference guards only changes to the fleet; profiling slows every engine, and the roster
+# names every backend (which an open proxy's /health shows anyway).
+CHANGE_FLEET = AdminAction("change the fleet", "registry", OPEN)
+PROFILE = AdminAction("profile", "profile", OPERATED)
+READ_FLEET = AdminAction("read the fleet", "registry", AUTHENTICATED)
+
+
+def closure(config: Config) -> int:
+    if config.api_key:
+        return AUTHENTICATED
+    return OPERATED if config.admin_api_key else OPEN
+
+
+def guard_admin(config: Config, action: AdminAction, presented: str | None) -> None:
+    """The one rule of every admin route: it needs `X-API-Key: $ADMIN_API_KEY` once the proxy's
+    keys close it as far as the action; 403 otherwise, and always 403 on a proxy without an
+    ADMIN_API_KEY, which can name no admin."""
+    if closure(config) < action.closed_from:
+        return
+    expected = config.admin_api_key
+    if (
+        not expected
+        or presented is None
+        or not hmac.compare_digest(expected.encode(), presented.encode("utf-8", "surrogateescape"))
+    ):
         hint = "" if expected else " (the proxy has no ADMIN_API_KEY set)"
-        raise ProxyError(403, f"a valid X-API-Key is required to {action}{hint}", stage=stage, error_type="forbidden")
+        raise ProxyError(
+            403, f"a valid X-API-Key is required to {action.words}{hint}", stage=action.stage, error_type="forbidden"
+        )

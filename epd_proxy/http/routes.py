@@ -10,29 +10,25 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any
 
 import orjson
 from aiohttp import web
 
-from epd_proxy.calls.upstream import NoAnswer, Timeouts, Upstream, bearer
+from epd_proxy.calls.upstream import NoAnswer, Timeouts
 from epd_proxy.config import Config
 from epd_proxy.errors import ErrorAnswer, InternalError, ProxyError
-from epd_proxy.fleet.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE, Instance
+from epd_proxy.fleet.backends import DECODE
 from epd_proxy.fleet.registry import normalize_url, parse_registration
-from epd_proxy.http.auth import check_admin_key, check_client_key
+from epd_proxy.http.auth import CHANGE_FLEET, PROFILE, READ_FLEET, check_client_key, guard_admin
 from epd_proxy.journey.doors import CHAT, Door
 from epd_proxy.journey.extract import parse_json_body
 from epd_proxy.journey.pipeline import ClientBody
 from epd_proxy.journey.relay import ABORTED, CLIENT_GONE, relay
-from epd_proxy.journey.trace import Trace
-from epd_proxy.ops.metrics import Metrics
+from epd_proxy.journey.trace import Trace, account
 from epd_proxy.proxy import STATE
 
-# The names operators' log filters know; logs.py turns the first up for --log-requests.
+# The name operators' log filters know; logs.py turns it up for --log-requests.
 log = logging.getLogger("epd_proxy.app")
-access_log = logging.getLogger("epd_proxy.request")
-CLUSTER_KEYS = {ENCODE: "encode_cluster", PREFILL: "prefill_cluster", DECODE: "decode_cluster"}
 # Bodies above this are read (lifted, hashed, normalised) in a worker thread, so one huge upload
 # does not stall every other stream on the loop; sha256 runs at about 2 ms per MB here. Smaller
 # bodies stay on the loop: measured with `epd-proxy bench --variant`, a thread for every
@@ -40,7 +36,6 @@ CLUSTER_KEYS = {ENCODE: "encode_cluster", PREFILL: "prefill_cluster", DECODE: "d
 # or not, because the worker and the loop take turns on the GIL for everything but the hashing.
 OFFLOAD_READ_BYTES = 4 * 1024 * 1024
 MODELS_TIMEOUTS = Timeouts(total=10)
-PROFILE_TIMEOUTS = Timeouts(total=30)
 
 
 def error_response(exc: ProxyError, request_id: str | None = None, door: Door = CHAT) -> web.Response:
@@ -49,6 +44,8 @@ def error_response(exc: ProxyError, request_id: str | None = None, door: Door = 
     if shaped is not None:
         if isinstance(exc, ErrorAnswer):
             headers["x-epd-stage"] = exc.stage
+        if exc.stage == "admission":
+            headers["Retry-After"] = "1"
         return web.Response(status=exc.status, body=shaped, content_type="application/json", headers=headers)
     if isinstance(exc, ErrorAnswer) and exc.raw_body:
         # A backend's own error body (vLLM's OpenAI error object) is the most faithful answer.
@@ -58,6 +55,8 @@ def error_response(exc: ProxyError, request_id: str | None = None, door: Door = 
             body=exc.raw_body,
             headers={"Content-Type": exc.content_type or "application/json", **headers},
         )
+    if exc.stage == "admission":
+        headers["Retry-After"] = "1"
     return web.Response(status=exc.status, body=exc.body(), content_type="application/json", headers=headers)
 
 
@@ -139,7 +138,6 @@ async def serve(request: web.Request, door: Door) -> web.StreamResponse:
     trace.endpoint = door.name
     status = 500
     route = None
-    admitted = False
     try:
         raw = await read_body(request, config.max_body_bytes)
         # With splice, `raw` lives on in `spliced` (the media are slices of it) and the parsed
@@ -152,37 +150,24 @@ async def serve(request: web.Request, door: Door) -> web.StreamResponse:
         body, items = normalised.body, normalised.items
         trace.items = len(items)
         (state.metrics.parsed_spliced if spliced is not None else state.metrics.parsed_full).inc()
-        # Admission counts work, not waiting: a client still sending its body holds no slot.
-        if config.max_inflight and state.inflight >= config.max_inflight:
-            state.metrics.rejected.inc()
-            raise ProxyError(
-                503,
-                f"the proxy is at its limit of {config.max_inflight} requests in flight; retry shortly",
-                stage="admission",
-                error_type="overloaded",
-            )
-        state.inflight += 1
-        admitted = True
-        # From here on only the pipeline holds the body, and it lets go once decode commits.
-        job = ClientBody(body, items, spliced)
-        del normalised, body, items, spliced
-        route = state.pipeline.choose_route(request_id)
-        with route.decoder.busy():
-            answer = await state.pipeline.open(job, route, trace, door)
-            try:
-                response, trace.outcome = await relay(request, answer, {"x-request-id": request_id})
-                status = {ABORTED: "aborted", CLIENT_GONE: 499}.get(trace.outcome, answer.status)
-                if trace.outcome == CLIENT_GONE:
-                    log.info("request %s: the client disconnected during the answer", request_id)
-                return response
-            finally:
-                answer.release()
+        with state.admission.admit():
+            # From here on only the pipeline holds the body, and it lets go once decode commits.
+            job = ClientBody(body, items, spliced)
+            del normalised, body, items, spliced
+            route = state.pipeline.choose_route(request_id)
+            with route.decoder.busy():
+                answer = await state.pipeline.open(job, route, trace, door)
+                try:
+                    response, trace.outcome = await relay(request, answer, {"x-request-id": request_id})
+                    status = {ABORTED: "aborted", CLIENT_GONE: 499}.get(trace.outcome, answer.status)
+                    if trace.outcome == CLIENT_GONE:
+                        log.info("request %s: the client disconnected during the answer", request_id)
+                    return response
+                finally:
+                    answer.release()
     except ProxyError as exc:
         status = exc.status
-        response = error_response(exc, request_id, door)
-        if exc.stage == "admission":
-            response.headers["Retry-After"] = "1"
-        return response
+        return error_response(exc, request_id, door)
     except asyncio.CancelledError:
         status = 499
         trace.outcome = CLIENT_GONE
@@ -192,46 +177,7 @@ async def serve(request: web.Request, door: Door) -> web.StreamResponse:
         status = 500
         return error_response(InternalError(request_id), request_id, door)
     finally:
-        if admitted:
-            state.inflight -= 1
-        _finish(state.metrics, trace, status, route)
-
-
-def _finish(metrics: Metrics, trace: Trace, status: int | str, route: Any) -> None:
-    """One log line and the stage histograms per request."""
-    total_s = time.perf_counter() - trace.started
-    metrics.requests.labels(str(status)).inc()
-    metrics.endpoint_requests.labels(trace.endpoint, str(status)).inc()
-    metrics.recent.record(trace.started + total_s, status, total_s, trace)
-    stage = metrics.stage
-    stage["total"].observe(total_s)
-    if trace.encoder_requests:
-        stage["encode"].observe(trace.encode_s)
-    if trace.prefill_s:
-        stage["prefill"].observe(trace.prefill_s)
-    if trace.decode_ttfb_s:
-        stage["decode_ttfb"].observe(trace.decode_ttfb_s)
-    if not access_log.isEnabledFor(logging.INFO):
-        return
-    fields = {
-        "request_id": trace.request_id,
-        "endpoint": trace.endpoint,
-        "status": status,
-        "items": trace.items,
-        "encoder_requests": trace.encoder_requests,
-        "coalesced": trace.coalesced,
-        "affinity_hits": trace.affinity_hits,
-        "encoder_failovers": trace.encoder_failovers,
-        "attempts": trace.attempts,
-        "outcome": trace.outcome,
-        "decode": route.decoder.url if route else None,
-        "prefill": route.prefill.url if route and route.prefill else None,
-        "encode_ms": round(trace.encode_s * 1000, 2),
-        "prefill_ms": round(trace.prefill_s * 1000, 2),
-        "decode_ttfb_ms": round(trace.decode_ttfb_s * 1000, 2),
-        "total_ms": round(total_s * 1000, 2),
-    }
-    access_log.info(" ".join(f"{k}={'-' if v is None else v}" for k, v in fields.items()), extra={"fields": fields})
+        account(state.metrics, trace, status, route)
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -255,96 +201,19 @@ async def list_models(request: web.Request) -> web.Response:
     return web.Response(status=answer.status, body=answer.body, headers={"Content-Type": answer.content_type})
 
 
-def stage_status(in_rotation: list[bool]) -> str:
-    if not in_rotation:
-        return "empty"
-    if all(in_rotation):
-        return "healthy"
-    return "degraded" if any(in_rotation) else "unhealthy"
-
-
 async def health(request: web.Request) -> web.Response:
-    """Answers from the latest active checks and outlier detection, never by probing on the
-    caller's behalf (anyone may call this as often as they like). Static mode: 200 while every
-    configured stage has an instance in rotation, 503 naming the stage that has none. Dynamic
-    mode: always 200 with the roster, since an empty fleet is a normal state there."""
-    state = request.app[STATE]
-    config = state.config
-    views = state.health.snapshot(state.fleet.all())
-    instances = {view["url"]: {k: v for k, v in view.items() if k != "url"} for view in views}
-    if config.dynamic_registration:
-        roster = state.fleet.snapshot(state.health.in_rotation)
-        body = {"proxy": "healthy", "instances": roster, "health": instances}
-        if state.roster is not None:
-            # Reported, not fatal: routing goes on from the last roster read while the store is away.
-            body["roster"] = state.roster.status()
-        if state.discovery is not None:
-            body["dns"] = state.discovery.status()  # also reported, not fatal
-        return web.Response(body=orjson.dumps(body), content_type="application/json")
-    body: dict[str, Any] = {"proxy": "healthy"}
-    consumer_role = {ENCODE: (ENCODE,), PREFILL: (PREFILL,), DECODE: (DECODE, PREFILL_DECODE)}
-    for stage, key in CLUSTER_KEYS.items():
-        body[key] = stage_status([view["in_rotation"] for view in views if view["role"] in consumer_role[stage]])
-    body["instances"] = instances
-    # Only a DNS name can leave a stage it names empty: that stage cannot serve either.
-    configured = {ENCODE: config.encode_urls, PREFILL: config.prefill_urls, DECODE: config.decode_urls}
-    down = any(
-        body[key] == "unhealthy" or (body[key] == "empty" and configured[stage]) for stage, key in CLUSTER_KEYS.items()
-    )
-    if state.discovery is not None:
-        body["dns"] = state.discovery.status()
-    return web.Response(body=orjson.dumps(body), status=503 if down else 200, content_type="application/json")
-
-
-async def _profile_one(upstream: Upstream, instance: Instance, action: str, payload: bytes, api_key: str):
-    headers = {"Content-Type": "application/json", **bearer(api_key)}
-    try:
-        answer = await upstream.call(
-            instance,
-            "POST",
-            f"/{action}",
-            body=payload,
-            headers=headers,
-            timeouts=PROFILE_TIMEOUTS,
-            stage="profile",
-            what=action,
-            count_inflight=False,
-        )
-    except NoAnswer as exc:
-        return {"status": None, "error": exc.message}
-    if answer.status == 404:
-        return None
-    return {"status": answer.status, "body": answer.body.decode("utf-8", "replace")}
+    status, body = request.app[STATE].report.answer()
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
 
 
 def profile_handler(action: str):
     async def handler(request: web.Request) -> web.Response:
-        """Every instance of every stage, concurrently (the reference picked one at random)."""
         state = request.app[STATE]
-        config = state.config
-        # Profiling slows every engine: an admin action. A proxy with neither key stays the
-        # reference's open drop-in; one that authenticates clients needs the admin key here.
-        if config.admin_api_key or config.api_key:
-            try:
-                check_admin_key(config.admin_api_key, request.headers.get("X-API-Key"), "profile", "profile")
-            except ProxyError as exc:
-                return error_response(exc)
-        payload = await request.read() or b"{}"
-        everyone = [inst for inst in state.fleet.all() if state.health.in_rotation(inst)]
-        profile_key = config.profile_api_key or config.backend_api_key
-        results = await asyncio.gather(
-            *(_profile_one(state.upstream, inst, action, payload, profile_key) for inst in everyone)
-        )
-        # Static mode answers in the reference's shape (encode/prefill/decode); dynamic mode by role.
-        dynamic = state.config.dynamic_registration
-        out: dict[str, Any] = {} if dynamic else {ENCODE: None, PREFILL: None, DECODE: None}
-        for inst, result in zip(everyone, results):
-            key = inst.role if dynamic or inst.role != PREFILL_DECODE else DECODE
-            out.setdefault(key, None)
-            if result is not None:
-                out[key] = {**(out[key] or {}), inst.url: result}
-        if all(v is None for v in out.values()):
-            return error_response(ProxyError(503, "Profiling endpoints are disabled on all clusters", stage="profile"))
+        try:
+            guard_admin(state.config, PROFILE, request.headers.get("X-API-Key"))
+            out = await state.profiling.fan_out(action, await request.read() or b"{}")
+        except ProxyError as exc:
+            return error_response(exc)
         return web.Response(body=orjson.dumps(out), content_type="application/json")
 
     return handler
@@ -367,12 +236,10 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def list_instances(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    # The roster names every backend: an authenticated proxy shows it to admins only.
-    if state.config.api_key:
-        try:
-            check_admin_key(state.config.admin_api_key, request.headers.get("X-API-Key"), "read the fleet")
-        except ProxyError as exc:
-            return error_response(exc)
+    try:
+        guard_admin(state.config, READ_FLEET, request.headers.get("X-API-Key"))
+    except ProxyError as exc:
+        return error_response(exc)
     roster = state.fleet.snapshot(state.health.in_rotation)
     return web.Response(body=orjson.dumps(roster), content_type="application/json")
 
@@ -380,7 +247,7 @@ async def list_instances(request: web.Request) -> web.Response:
 async def register_instance(request: web.Request) -> web.Response:
     state = request.app[STATE]
     try:
-        check_admin_key(state.config.admin_api_key, request.headers.get("X-API-Key"))
+        guard_admin(state.config, CHANGE_FLEET, request.headers.get("X-API-Key"))
         payload = parse_json_body(await request.read())
         if state.roster is not None:
             record = parse_registration(payload)
@@ -396,7 +263,7 @@ async def register_instance(request: web.Request) -> web.Response:
 async def unregister_instance(request: web.Request) -> web.Response:
     state = request.app[STATE]
     try:
-        check_admin_key(state.config.admin_api_key, request.headers.get("X-API-Key"))
+        guard_admin(state.config, CHANGE_FLEET, request.headers.get("X-API-Key"))
         if state.roster is not None:
             url = normalize_url(request.query.get("url"))
             state.fleet.check_registrable(url, "unregistered")

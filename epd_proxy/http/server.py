@@ -5,7 +5,7 @@ so this module narrows in where it must:
 - `GuardedRequestHandler` (aiohttp's protocol) adds a clock for the request head, from accept or
   from the head's first byte until the head is parsed, and one between two reads of the body (nginx's
   `client_header_timeout` and `client_body_timeout`); it also counts the connection against
-  `ConnectionGate` and refuses it at once when the gate is full.
+  `ConnectionGate` (limits.py) and refuses it at once when the gate is full.
 - `GuardedAppRunner` makes aiohttp's server build that protocol.
 - `run` replaces `web.run_app`; `start` serves an app in a running loop (tests).
 """
@@ -13,13 +13,7 @@ so this module narrows in where it must:
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ctypes
-import ctypes.util
-import fcntl
 import logging
-import os
-import resource
 import signal
 import uuid
 from dataclasses import dataclass
@@ -30,11 +24,11 @@ import aiohttp
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_server import Server
-from prometheus_client import CollectorRegistry, Counter
-from prometheus_client.core import GaugeMetricFamily
 
 from epd_proxy.config import Config
 from epd_proxy.errors import InternalError, ProxyError
+from epd_proxy.http.heap import HeapTrimmer
+from epd_proxy.http.limits import ConnectionGate, GateCollector, GateCounters, PortConnections, raise_fd_limit
 from epd_proxy.proxy import STATE
 
 log = logging.getLogger("epd_proxy.server")
@@ -63,127 +57,6 @@ class ClientTimeout(ProxyError):
     def __init__(self, what: str, seconds: float) -> None:
         super().__init__(
             408, f"{what} within {seconds:g} s; closing the connection", stage="request", error_type="timeout"
-        )
-
-
-class PortConnections:
-    """The open client connections of a port that several worker processes serve (--workers).
-
-    Each worker counts its own in a slot of an array in shared memory and admits a connection only
-    while all the slots together are under the limit. A worker that dies cannot take its count
-    back, so the parent does when it reaps it (`release`). The check holds an flock(2), which the
-    kernel drops with a process that dies holding it: a multiprocessing lock taken by a killed
-    worker would stay taken, and no worker could admit anyone again."""
-
-    def __init__(self, slots: Any, lock_path: str, slot: int = -1) -> None:
-        self._slots = slots
-        self._lock_path = lock_path
-        self._slot = slot
-        self._lock_fd: int | None = None
-
-    @classmethod
-    def create(cls, ctx: Any, workers: int, lock_path: str) -> PortConnections:
-        """The parent's view, over a new array of `workers` slots; `ctx` is a multiprocessing context."""
-        return cls(ctx.RawArray("q", workers), lock_path)
-
-    def worker(self, slot: int) -> PortConnections:
-        """The view worker `slot` counts through, handed to its process when it starts."""
-        return PortConnections(self._slots, self._lock_path, slot)
-
-    def release(self, slot: int) -> None:
-        """Stop counting the connections of worker `slot`, which has exited."""
-        self._slots[slot] = 0
-
-    @property
-    def total(self) -> int:
-        return sum(self._slots)
-
-    @contextlib.contextmanager
-    def _locked(self):
-        if self._lock_fd is None:
-            self._lock_fd = os.open(self._lock_path, os.O_RDWR | os.O_CLOEXEC)
-        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-
-    def enter(self, limit: int) -> bool:
-        with self._locked():
-            if limit and sum(self._slots) >= limit:
-                return False
-            self._slots[self._slot] += 1
-            return True
-
-    def leave(self) -> None:
-        # Only this worker writes its slot while it lives; a check that reads the old value a
-        # moment longer only refuses a connection it could have taken.
-        self._slots[self._slot] -= 1
-
-
-class GateCounters:
-    """What the gate counts. Prometheus counters, so that with --workers they live in the shared
-    files (see metrics.py): /metrics adds every worker's up, a dead one's included."""
-
-    def __init__(self, registry: CollectorRegistry | None) -> None:
-        self.refused = Counter(
-            "epd_client_connections_refused",
-            "Client connections closed at accept by --max-client-connections",
-            registry=registry,
-        )
-        timeouts = Counter(
-            "epd_client_timeouts", "Client connections closed by a client-side timeout", ["kind"], registry=registry
-        )
-        self.timeouts = {kind: timeouts.labels(kind) for kind in ("header", "body", "keepalive")}
-
-
-class ConnectionGate:
-    """Open client connections against a limit: this process's, or with --workers the port's
-    (`PortConnections`), so the limit holds for the port whichever worker the kernel picked."""
-
-    def __init__(self, limit: int, shared: PortConnections | None = None, counters: GateCounters | None = None) -> None:
-        self.limit = limit
-        self._shared = shared
-        self._local = 0
-        self.counters = counters or GateCounters(None)
-
-    @property
-    def open(self) -> int:
-        return self._shared.total if self._shared is not None else self._local
-
-    def enter(self) -> bool:
-        if self._shared is not None:
-            admitted = self._shared.enter(self.limit)
-        elif admitted := not self.limit or self._local < self.limit:
-            self._local += 1
-        if not admitted:
-            self.counters.refused.inc()
-        return admitted
-
-    def leave(self) -> None:
-        if self._shared is not None:
-            self._shared.leave()
-        else:
-            self._local -= 1
-
-    def timed_out(self, kind: str) -> None:
-        self.counters.timeouts[kind].inc()
-
-
-class GateCollector:
-    """The open connections and their limit for /metrics, read at scrape time; the same whichever
-    worker is asked."""
-
-    def __init__(self, gate: ConnectionGate) -> None:
-        self._gate = gate
-
-    def collect(self):
-        gate = self._gate
-        yield GaugeMetricFamily(
-            "epd_client_connections", "Open client connections (all workers of this port)", value=gate.open
-        )
-        yield GaugeMetricFamily(
-            "epd_client_connections_limit", "--max-client-connections (0 = unlimited)", value=gate.limit
         )
 
 
@@ -417,51 +290,6 @@ def check_aiohttp(plain: Server) -> None:
         )
 
 
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
-    ]
-
-
-class HeapTrimmer:
-    """Gives memory glibc holds free back to the system.
-
-    Request bodies are large buffers; once a burst of uploads is gone glibc keeps their memory in
-    its heap for reuse (measured: 56 MB kept after 200 uploads of 300 KB), so RSS would stay at
-    the peak. malloc_trim(0) returns it in well under a millisecond; it runs only when glibc holds
-    more than `threshold` bytes free. The threshold is well below what "given back" is held to
-    (within 8 MB of the baseline, tests/http/test_slow_clients.py): at 8 MiB, free memory just
-    under it was kept and RSS stayed 9 MB up in a full test run. A no-op without glibc."""
-
-    def __init__(self, interval_s: float = 2.0, threshold: int = 2 << 20) -> None:
-        self.interval_s = interval_s
-        self.threshold = threshold
-        self._trim = self._free = None
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            self._trim = libc.malloc_trim
-            self._trim.argtypes = [ctypes.c_size_t]
-            mallinfo2 = libc.mallinfo2
-            mallinfo2.restype = _MallInfo2
-            self._free = lambda: mallinfo2().fordblks
-        except (OSError, AttributeError):
-            pass
-
-    def trim_if_worth_it(self) -> bool:
-        if self._trim is None or (self._free is not None and self._free() < self.threshold):
-            return False
-        self._trim(0)
-        return True
-
-    async def run(self) -> None:
-        if self._trim is None:
-            return
-        while True:
-            await asyncio.sleep(self.interval_s)
-            self.trim_if_worth_it()
-
-
 class GuardedAppRunner(web.AppRunner):
     """aiohttp's AppRunner, whose server builds GuardedRequestHandler protocols."""
 
@@ -496,19 +324,6 @@ class GuardedAppRunner(web.AppRunner):
         )
 
 
-def raise_fd_limit(needed: int) -> None:
-    """Lift the soft open-files limit toward the hard one, so the connection limit is reached
-    before accept() starts failing with EMFILE."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY or soft >= needed:
-        return
-    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
-    if target > soft:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-    if target < needed:
-        log.warning("open-files limit %d is below --max-client-connections plus backend sockets (%d)", target, needed)
-
-
 async def start(
     app: web.Application,
     limits: ClientLimits,
@@ -538,23 +353,16 @@ async def start(
     return runner, site
 
 
-def run(
-    app: web.Application,
-    limits: ClientLimits,
-    *,
-    host: str,
-    port: int,
-    reuse_port: bool = False,
-    shared: PortConnections | None = None,
-) -> None:
-    """`web.run_app` with the client limits; returns on SIGTERM or SIGINT after a graceful shutdown."""
+def run(app: web.Application, limits: ClientLimits, **where: Any) -> None:
+    """`web.run_app` with the client limits, listening where `start`'s keywords say (host, port,
+    reuse_port, shared); returns on SIGTERM or SIGINT after a graceful shutdown."""
 
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        runner, site = await start(app, limits, host=host, port=port, reuse_port=reuse_port, shared=shared)
+        runner, site = await start(app, limits, **where)
         logging.getLogger("epd_proxy").info("serving on %s", site.name)
         try:
             await stop.wait()

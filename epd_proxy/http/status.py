@@ -70,7 +70,7 @@ def roster(state: ProxyState) -> list[dict[str, Any]]:
 
 def scheduler(state: ProxyState) -> dict[str, Any]:
     """What the encoder scheduler does and knows: its options and each encoder's learnt speed,
-    sub-requests in flight and groups waiting to share one (scheduler.Lane)."""
+    sub-requests in flight and groups waiting to share one (lanes.Lane)."""
     policy = state.policies[ENCODE]
     placing = isinstance(policy, ExpectedFinish)
     return {
@@ -129,7 +129,7 @@ def snapshot(state: ProxyState) -> dict[str, Any]:
             "pid": os.getpid(),
             "uptime_s": round(state.metrics.recent.uptime_s(), 1),
             "mode": "dynamic" if config.dynamic_registration else "static",
-            "inflight": state.inflight,
+            "inflight": state.admission.inflight,
             "max_inflight": config.max_inflight,
             "probe_interval_s": config.probe_interval_s,
             "fail_threshold": config.fail_threshold,

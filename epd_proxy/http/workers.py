@@ -169,7 +169,7 @@ def serve(config: Config, log_level: str, workers: int = 1) -> None:
     import shutil
     import tempfile
 
-    from epd_proxy.http.server import PortConnections
+    from epd_proxy.http.limits import PortConnections
     from epd_proxy.ops.logs import configure_logging
 
     configure_logging(log_level, config.log_format, config.log_requests)

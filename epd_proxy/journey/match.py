@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from epd_proxy.errors import ProxyError
 from epd_proxy.journey.extract import MediaItem
@@ -100,6 +100,41 @@ def match_group(
         metadata = entry.get("metadata")
         into.items[item.index] = ItemMatch(metadata if isinstance(metadata, dict) else {}, key, transfer_ids[position])
         into.handles[key] = entry
+
+
+class Answer(Protocol):
+    """One group's answer as the encode step hands it back (subrequest.Encoded)."""
+
+    ec_transfer_params: dict[str, Any] | None
+    transfer_ids: list[str]
+
+    @property
+    def backend(self) -> str: ...
+
+
+def match_groups(
+    body: dict[str, Any],
+    items: Sequence[MediaItem],
+    groups: Sequence[Sequence[int]],
+    answers: Sequence[Answer],
+    *,
+    push_mode: bool,
+) -> Matches:
+    """Every group's answer mapped to its items (`groups` holds each group's item indices)."""
+    matches = Matches()
+    kwargs = body.get("mm_processor_kwargs")
+    audio_in_video = isinstance(kwargs, dict) and bool(kwargs.get("use_audio_in_video"))
+    for indices, answer in zip(groups, answers):
+        match_group(
+            [items[i] for i in indices],
+            answer.transfer_ids,
+            answer.ec_transfer_params,
+            matches,
+            audio_in_video=audio_in_video,
+            push_mode=push_mode,
+            backend=answer.backend,
+        )
+    return matches
 
 
 def _keep_positions(items: Sequence[MediaItem], transfer_ids: Sequence[str], into: Matches, push_mode: bool) -> None:

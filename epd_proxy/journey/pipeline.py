@@ -1,4 +1,4 @@
-"""One request's journey: route → encode (encode.py) → rewrite → prefill → decode, with retries.
+"""One request's journey: route → plan → encode → match → rewrite → prefill → decode, with retries.
 
 Every attempt starts again from the client's untouched body, so a retry never inherits the
 previous attempt's transfer ids, EC handles or KV block ids.
@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import orjson
@@ -18,13 +19,15 @@ from epd_proxy.calls.upstream import REFUSED_ANSWER, NoAnswer, Payload, Timeouts
 from epd_proxy.errors import BadRequest, ErrorAnswer, ProxyError
 from epd_proxy.fleet.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE, Instance
 from epd_proxy.fleet.health import Health, counts_against_instance
+from epd_proxy.fleet.lanes import Lanes
 from epd_proxy.fleet.registry import Registry
 from epd_proxy.fleet.routing import RoutingPolicy
-from epd_proxy.fleet.scheduler import Lanes
 from epd_proxy.journey.decode import DecodeAnswer, hold_head, open_decode
 from epd_proxy.journey.doors import CHAT, Door
 from epd_proxy.journey.encode import EncodeStep
 from epd_proxy.journey.extract import MediaItem
+from epd_proxy.journey.match import Matches, match_groups
+from epd_proxy.journey.plan import plan_groups
 from epd_proxy.journey.prefill import run_prefill
 from epd_proxy.journey.splice import Spliced
 from epd_proxy.journey.trace import Trace
@@ -112,6 +115,7 @@ class Pipeline:
             failovers=encoder_failovers,
             lanes=lanes,
             coalesce=coalesce,
+            stalled=lambda encoder: health.answered(encoder, 504, "a sub-request far past its expected time"),
         )
         self.prefill_timeouts = prefill_timeouts
         self.decode_timeouts = decode_timeouts
@@ -142,6 +146,10 @@ class Pipeline:
         dp_rank = pinned.next_dp_rank() if pinned.dp_size > 1 else None
         consumer_zmq = pinned.zmq_addrs[dp_rank or 0] if pinned.zmq_addrs else None
         return Route(decoder, prefill, pinned, dp_rank, consumer_zmq)
+
+    async def _stage(self, step, instance: Instance, body: dict[str, Any], headers, timeouts, job: ClientBody, trace):
+        """Prefill or decode (`step`) on `instance`, its outcome fed to outlier detection."""
+        return await self._call(instance, step(self.upstream, instance, body, headers, timeouts, job.dumps), trace)
 
     async def _call(self, instance: Instance, call, trace: Trace):
         """Await a backend call, feeding its outcome to passive outlier detection: a transport
@@ -192,42 +200,23 @@ class Pipeline:
         while True:
             attempt += 1
             trace.attempts = attempt
-            matches = await self.encode.run(job.body, job.items, route.consumer_zmq, trace, job.dumps)
+            matches = await self._encode(job, route.consumer_zmq, trace)
             prepared = door.consumer_body(job.body, job.items, matches, rewrite=self.rewrite, push_mode=push_mode)
             try:
                 decode_body = prepared
                 if route.prefill is not None:
                     started = time.perf_counter()
-                    kv = await self._call(
-                        route.prefill,
-                        run_prefill(
-                            self.upstream,
-                            route.prefill,
-                            prepared,
-                            prefill_headers,
-                            self.prefill_timeouts,
-                            job.dumps,
-                            path=door.path,
-                            build=door.prefill_body,
-                        ),
-                        trace,
+                    prefill = partial(run_prefill, path=door.path, build=door.prefill_body)
+                    kv = await self._stage(
+                        prefill, route.prefill, prepared, prefill_headers, self.prefill_timeouts, job, trace
                     )
                     trace.prefill_s += time.perf_counter() - started
                     if kv:
                         decode_body = {**prepared, "kv_transfer_params": kv}
                 started = time.perf_counter()
-                answer = await self._call(
-                    route.decoder,
-                    open_decode(
-                        self.upstream,
-                        route.decoder,
-                        decode_body,
-                        decode_headers,
-                        self.decode_timeouts,
-                        job.dumps,
-                        door.path,
-                    ),
-                    trace,
+                decode = partial(open_decode, path=door.path)
+                answer = await self._stage(
+                    decode, route.decoder, decode_body, decode_headers, self.decode_timeouts, job, trace
                 )
                 in_band = None
                 if answer.streaming:
@@ -249,6 +238,20 @@ class Pipeline:
                 if exc.status != 500 or attempt == attempts:
                     raise
                 self._note_retry(trace, exc.stage, "answered 500", exc.message)
+
+    async def _encode(self, job: ClientBody, consumer_zmq: str | None, trace: Trace) -> Matches:
+        """Plan (placement, then groups), encode, match: one attempt's embeddings."""
+        if not job.items:
+            return Matches()
+        started = time.perf_counter()
+        assignment = self.encode.place(job.items, trace)
+        groups = plan_groups(job.items, assignment, self.encode.max_batch_size)
+        answers = await self.encode.run(job.body, job.items, groups, consumer_zmq, trace, job.dumps)
+        matches = match_groups(
+            job.body, job.items, [group.indices for group in groups], answers, push_mode=consumer_zmq is not None
+        )
+        trace.encode_s += time.perf_counter() - started
+        return matches
 
     def _note_retry(self, trace: Trace, stage: str, what: str, message: Any) -> None:
         self.metrics.retries.labels(stage).inc()

@@ -18,8 +18,8 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from epd_proxy.fleet.backends import ENCODE, Instance
 from epd_proxy.fleet.health import EJECTION_REASONS, Health
+from epd_proxy.fleet.lanes import Lanes
 from epd_proxy.fleet.registry import Registry
-from epd_proxy.fleet.scheduler import Lanes
 from epd_proxy.ops.recent import RecentRequests
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ FLEET_GAUGES = (
 )
 
 
-# Per-encoder gauges of the scheduler (scheduler.Lane), read at scrape time like the fleet's.
+# Per-encoder gauges of the scheduler (lanes.Lane), read at scrape time like the fleet's.
 SCHEDULER_GAUGES = (
     (
         "epd_encoder_estimated_seconds_per_item",
@@ -51,13 +51,20 @@ SCHEDULER_GAUGES = (
         "livemax",
     ),
     ("epd_encoder_queued_items", "Media items waiting in the proxy to share an encoder sub-request", "livesum"),
+    (
+        "epd_encoder_share_limit",
+        "Items a shared encoder sub-request may hold now (0 while sharing pauses after a back-off)",
+        "livemin",
+    ),
+    ("epd_encoder_suspect", "1 while a sub-request to the encoder is far overdue", "livemax"),
 )
 
 
 def _lane_rows(lanes: Lanes):
     """(encoder url, values in SCHEDULER_GAUGES order, None where not known yet)."""
     for lane in lanes.all():
-        yield lane.url, (lane.item_s, lane.fixed_s, lane.queued_items)
+        limit = lane.merge_limit if lane.paused_until == 0.0 else 0
+        yield lane.url, (lane.item_s, lane.fixed_s, lane.queued_items, limit, int(lane.suspect))
 
 
 class _LaneCollector:
@@ -228,6 +235,19 @@ class Metrics:
             ["encoder"],
             registry=r,
         )
+        self.shared_refusals = Counter(
+            "epd_encoder_shared_refusals",
+            "Shared encoder sub-requests refused or unsplittable, by whom the split retry found at fault: "
+            "a member request (charged=request) or the share itself (charged=encoder: the lane backs off)",
+            ["encoder", "charged"],
+            registry=r,
+        )
+        self.stalls = Counter(
+            "epd_encoder_stalls",
+            "Encoder sub-requests far past their expected time (the encoder turns suspect)",
+            ["encoder"],
+            registry=r,
+        )
         self.affinity_hits = Counter(
             "epd_encoder_affinity_hits",
             "Media items sent to the encoder that was last sent the same content (where it is cached)",
@@ -278,7 +298,7 @@ class Metrics:
             ]
         else:
             r.register(_FleetCollector(fleet, health))
-        self._per_instance = (self.encoder_subrequests, self.failovers, self.coalesced, self.split_retries)
+        self._per_instance = (self.encoder_subrequests, self.failovers, self.coalesced, self.split_retries, self.stalls)
         self._lanes: Lanes | None = None
         self._lane_gauges: list = []
         fleet.watch(self)
@@ -299,6 +319,7 @@ class Metrics:
             return  # the files cannot forget a series; the scrape leaves it out (_CurrentMembersOnly)
         labels = [(family, (inst.url,)) for family in self._per_instance]
         labels += [(self.ejections, (inst.role, inst.url, reason)) for reason in EJECTION_REASONS]
+        labels += [(self.shared_refusals, (inst.url, charged)) for charged in ("request", "encoder")]
         for family, values in labels:
             try:
                 family.remove(*values)

@@ -142,8 +142,8 @@ def test_a_proxy_arms_python_is_this_environment_and_a_variant_tree_is_absolute(
 @pytest.mark.parametrize("server", ["aiohttp", "bare"])
 def test_sink_servers_read_a_chat_request_and_answer(server: str) -> None:
     """The server-only arms (`python -m epd_proxy.tools.bench.sink`) take the reference's command line."""
-    from tests.http.polling import eventually_sync
-    from tests.serve_process import free_port
+    from epd_proxy.tools.testing.harness import free_port
+    from epd_proxy.tools.testing.polling import eventually_sync
 
     port = free_port()
     cmd = [sys.executable, "-m", "epd_proxy.tools.bench.sink", "--server", server, "--port", str(port)]

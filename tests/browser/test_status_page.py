@@ -1,7 +1,7 @@
 """/status rendered by a real headless Chromium over a fleet of 8 fake instances.
 
 Chromium is Debian's package (`make browser` installs it); Playwright only drives it, so nothing is
-downloaded at test time. Set EPD_UPDATE_SCREENSHOT=1 to refresh docs/status.png for the README.
+downloaded at test time. Set EPD_UPDATE_SCREENSHOT=1 to refresh docs/status.png for the docs' status page.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from playwright.async_api import async_playwright
 
-from tests.http.polling import eventually
+from epd_proxy.tools.testing.polling import eventually
 from tests.media import chat, image
 
 CHROMIUM_FLAGS = [

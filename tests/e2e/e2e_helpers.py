@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from epd_proxy.tools.local.supervisor import http_ok
-from tests.http.polling import eventually_sync
-from tests.serve_process import free_port, serve_command
+from epd_proxy.tools.testing.harness import free_port, serve_command
+from epd_proxy.tools.testing.polling import eventually_sync
 
 MODEL = "tiny-vlm"
 # The topologies the tests run, as the fidelity table names them.

@@ -24,7 +24,7 @@ import urllib.request
 import pytest
 
 from epd_proxy.tools.local.supervisor import http_ok
-from tests.http.polling import eventually_sync
+from epd_proxy.tools.testing.polling import eventually_sync
 
 from .e2e_helpers import chat_body, chat_ok, extra_proxy, finished_requests, make_image, post_json
 

@@ -14,7 +14,7 @@ import time
 import blake3
 import pytest
 
-from tests.http.polling import eventually_sync
+from epd_proxy.tools.testing.polling import eventually_sync
 
 from .e2e_helpers import (
     BLACK_BG,

@@ -15,10 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from epd_proxy.errors import BadRequest
-from epd_proxy.journey.encode import encoder_body
 from epd_proxy.journey.extract import REFERENCE_KINDS, TEXT_TYPES, normalise_request
 from epd_proxy.journey.match import Matches
 from epd_proxy.journey.rewrite import rewrite_request
+from epd_proxy.journey.subrequest import encoder_body
 from tests.matching import every_item_matched
 
 pytestmark = pytest.mark.e2e

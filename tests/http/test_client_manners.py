@@ -12,11 +12,9 @@ import openai
 import pytest
 from multidict import CIMultiDict
 
-from epd_proxy.config import Config
-from epd_proxy.http import server
 from epd_proxy.http.app import STATE
+from epd_proxy.tools.testing.harness import serve_process
 from tests.media import chat, image
-from tests.serve_process import serve_process
 
 KEY = "client-secret"
 
@@ -27,8 +25,8 @@ async def answer(session: aiohttp.ClientSession, method: str, url: str, **kwargs
         return resp.status, resp.headers.copy(), await resp.json()
 
 
-async def test_wrong_paths_and_methods_answer_json_like_the_other_errors(serve_proxy):
-    url = (await serve_proxy()).url
+async def test_wrong_paths_and_methods_answer_json_like_the_other_errors(make_stack):
+    url = (await make_stack(encoders=1)).url
     async with aiohttp.ClientSession() as session:
         for path in ("/nope", "/v1/nope", "/v1/chat/completions/", "/v1"):
             status, _, body = await answer(session, "GET", url + path)
@@ -88,8 +86,8 @@ def broken(*_args, **_kwargs):
     raise RuntimeError(SECRET)
 
 
-async def test_an_internal_fault_tells_the_client_only_the_request_id(serve_proxy, caplog):
-    proxy = await serve_proxy()
+async def test_an_internal_fault_tells_the_client_only_the_request_id(make_stack, caplog):
+    proxy = await make_stack(encoders=1)
     app, url = proxy.runner.app, proxy.url
     state = app[STATE]
     caplog.set_level(logging.ERROR, logger="epd_proxy")
@@ -111,7 +109,7 @@ async def test_an_internal_fault_tells_the_client_only_the_request_id(serve_prox
         assert logged and logged[0].exc_info and str(logged[0].exc_info[1]) == SECRET
 
 
-async def test_a_fault_no_middleware_caught_is_a_generic_json_500_from_the_server_class(caplog):
+async def test_a_fault_no_middleware_caught_is_a_generic_json_500_from_the_server_class(make_stack, caplog):
     """GuardedRequestHandler's own answer, for whatever escapes an app (here one with no middleware)."""
 
     async def raising(request):
@@ -119,16 +117,9 @@ async def test_a_fault_no_middleware_caught_is_a_generic_json_500_from_the_serve
 
     app = aiohttp.web.Application()
     app.router.add_get("/", raising)
-    config = Config(encode_urls=("http://127.0.0.1:9",), decode_urls=("http://127.0.0.1:9",))
-    runner, site = await server.start(app, server.ClientLimits.from_config(config), host="127.0.0.1", port=0)
+    stack = await make_stack(encoders=1, app=app)
     caplog.set_level(logging.ERROR, logger="epd_proxy")
-    try:
-        async with aiohttp.ClientSession() as session:
-            status, _, body = await answer(
-                session, "GET", f"http://127.0.0.1:{site.port}/", headers={"x-request-id": "r9"}
-            )
-    finally:
-        await runner.cleanup()
+    status, _, body = await answer(stack.client, "GET", f"{stack.url}/", headers={"x-request-id": "r9"})
     assert status == 500 and "r9" in body["error"]["message"] and SECRET not in body["error"]["message"]
     logged = [r for r in caplog.records if "r9" in r.getMessage()]
     assert logged and str(logged[0].exc_info[1]) == SECRET

@@ -20,9 +20,9 @@ from aiohttp.test_utils import TestServer
 
 from epd_proxy.tools.testing.dns_server import UnboundServer
 from epd_proxy.tools.testing.fake_vllm import ECStore, FakeVLLM
-from tests.http.polling import eventually
+from epd_proxy.tools.testing.harness import ProxyProcess, free_port
+from epd_proxy.tools.testing.polling import eventually
 from tests.media import chat, image
-from tests.serve_process import ProxyProcess, free_port
 
 DEADLINE_S = 20.0
 POLL = {"timeout": DEADLINE_S, "ignoring": (aiohttp.ClientError, TimeoutError)}

@@ -8,13 +8,10 @@ import threading
 
 import orjson
 import pytest
-from aiohttp.test_utils import TestServer
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from epd_proxy.config import Config
-from epd_proxy.http.app import create_app
-from epd_proxy.tools.testing.fake_vllm import ECStore, FakeVLLM
+from epd_proxy.tools.testing.harness import start_stack
 from tests.media import chat, image
 
 
@@ -26,30 +23,14 @@ def proxy_port():
     holder: dict = {}
 
     async def start():
-        store = ECStore()
-        servers = []
-        urls = []
-        for role in ("encode", "encode", "pd"):
-            server = TestServer(FakeVLLM(role, store).app())
-            await server.start_server()
-            servers.append(server)
-            urls.append(str(server.make_url("")).rstrip("/"))
-        proxy = TestServer(create_app(Config(encode_urls=tuple(urls[:2]), decode_urls=(urls[2],), probe_interval_s=0)))
-        await proxy.start_server()
-        servers.append(proxy)
-        holder.update(servers=servers, port=proxy.port)
+        holder["stack"] = await start_stack(encoders=2, probe_interval_s=0)
         ready.set()
 
     thread = threading.Thread(target=lambda: (loop.run_until_complete(start()), loop.run_forever()), daemon=True)
     thread.start()
     assert ready.wait(10)
-    yield holder["port"]
-
-    async def stop():
-        for server in reversed(holder["servers"]):
-            await server.close()
-
-    asyncio.run_coroutine_threadsafe(stop(), loop).result(10)
+    yield holder["stack"].port
+    asyncio.run_coroutine_threadsafe(holder["stack"].close(), loop).result(10)
     loop.call_soon_threadsafe(loop.stop)
     thread.join(5)
 

@@ -5,14 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
-import aiohttp
 import pytest
-from aiohttp.test_utils import TestServer
 
-from epd_proxy.config import Config
-from epd_proxy.http.app import create_app
-from epd_proxy.tools.testing.fake_vllm import ECStore, FakeVLLM
-from tests.http.polling import eventually, get_json
+from epd_proxy.tools.testing.polling import eventually, get_json
 from tests.media import chat, image
 
 KEY = {"X-API-Key": "sekrit"}
@@ -261,33 +256,9 @@ async def test_concurrent_health_calls_cause_no_probe_traffic(make_stack):
 
 
 @pytest.fixture
-async def dynamic_fleet():
-    servers: list[TestServer] = []
-    clients: list[aiohttp.ClientSession] = []
-
+async def dynamic_fleet(make_stack):
     async def build(**overrides):
-        store = ECStore()
-        config = Config(dynamic_registration=True, admin_api_key="sekrit", **{"probe_interval_s": 0, **overrides})
-        proxy = TestServer(create_app(config))
-        await proxy.start_server()
-        servers.append(proxy)
-        client = aiohttp.ClientSession(base_url=str(proxy.make_url("")))
-        clients.append(client)
+        stack = await make_stack(dynamic=True, **overrides)
+        return stack.client, stack.join
 
-        async def add(role):
-            fake = FakeVLLM({"prefill_decode": "pd"}.get(role, role), store)
-            server = TestServer(fake.app())
-            await server.start_server()
-            servers.append(server)
-            url = str(server.make_url("")).rstrip("/")
-            async with client.post("/instances", json={"role": role, "url": url}, headers=KEY) as resp:
-                assert resp.status == 200
-            return fake, url
-
-        return client, add
-
-    yield build
-    for client in clients:
-        await client.close()
-    for server in reversed(servers):
-        await server.close()
+    return build

@@ -8,37 +8,17 @@ import logging
 
 import aiohttp
 import pytest
-from aiohttp.test_utils import TestServer
 
-from epd_proxy.config import Config
-from epd_proxy.http.app import STATE, create_app
-from epd_proxy.tools.testing.fake_vllm import ECStore, FakeVLLM
-from tests.http.polling import eventually, get_json
+from epd_proxy.tools.testing.polling import eventually, get_json
 from tests.media import chat, image
 
 KEY = {"X-API-Key": "sekrit"}
 
 
 @pytest.fixture
-async def dynamic_proxy():
-    servers = []
-    store = ECStore()
-
-    async def start_fake(role):
-        fake = FakeVLLM(role, store)
-        server = TestServer(fake.app())
-        await server.start_server()
-        servers.append(server)
-        return fake, str(server.make_url("")).rstrip("/")
-
-    proxy = TestServer(create_app(Config(dynamic_registration=True, admin_api_key="sekrit", probe_interval_s=0)))
-    await proxy.start_server()
-    servers.append(proxy)
-    client = aiohttp.ClientSession(base_url=str(proxy.make_url("")))
-    yield client, start_fake
-    await client.close()
-    for server in reversed(servers):
-        await server.close()
+async def dynamic_proxy(make_stack):
+    stack = await make_stack(dynamic=True)
+    return stack.client, stack.fakes.start
 
 
 async def test_dynamic_fleet_starts_empty_and_routes_once_registered(dynamic_proxy):
@@ -178,7 +158,7 @@ async def test_client_disconnect_cancels_backend_calls(make_stack):
     await eventually(lambda: sum(e.cancelled for e in stack.encoders) == 2, what="both sub-requests cancelled")
     assert [e.cancelled for e in stack.encoders] == [1, 1]
     assert stack.pd.requests == []
-    assert all(e.inflight == 0 for e in stack.servers[-1].app[STATE].fleet.all())
+    assert all(e.inflight == 0 for e in stack.state.fleet.all())
 
 
 async def test_client_disconnect_mid_stream_cancels_decode(make_stack):

@@ -14,15 +14,14 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from aiohttp.test_utils import TestServer
 
 from epd_proxy.fleet.registry import Record, Registry, RegistryError
 from epd_proxy.fleet.roster import RedisRoster
-from epd_proxy.tools.testing.fake_vllm import ECStore, FakeVLLM
+from epd_proxy.tools.testing.fake_vllm import FakeVLLM
+from epd_proxy.tools.testing.harness import Fakes, ProxyProcess, free_port
+from epd_proxy.tools.testing.polling import eventually
 from epd_proxy.tools.testing.redis_server import RedisServer
-from tests.http.polling import eventually
 from tests.media import chat, image
-from tests.serve_process import ProxyProcess, free_port
 
 KEY = "roster-test-key"
 DEADLINE_S = 20.0
@@ -31,6 +30,8 @@ POLL = {"timeout": DEADLINE_S, "ignoring": (aiohttp.ClientError, TimeoutError)}
 
 
 class Proxy(ProxyProcess):
+    admin_key = KEY
+
     def __init__(self, client: aiohttp.ClientSession, roster_url: str, *extra: str, workers: int = 1) -> None:
         flags = ["--dynamic-registration", "--roster", roster_url, "--workers", str(workers), "--log-level", "WARNING"]
         flags += ["--probe-interval", "0.2", "--probe-timeout", "1", *extra]
@@ -43,15 +44,6 @@ class Proxy(ProxyProcess):
 
         await eventually(up, what=f"proxy on {self.port} answers /health", **POLL)
 
-    async def register(self, role: str, url: str) -> tuple[int, dict]:
-        body = {"role": role, "url": url}
-        async with self.client.post(f"{self.url}/instances", json=body, headers={"X-API-Key": KEY}) as resp:
-            return resp.status, await resp.json()
-
-    async def unregister(self, url: str) -> tuple[int, dict]:
-        async with self.client.delete(f"{self.url}/instances", params={"url": url}, headers={"X-API-Key": KEY}) as resp:
-            return resp.status, await resp.json()
-
     async def members(self) -> dict[str, list[str]]:
         """role -> URLs (live or evicted) as this process sees them."""
         status, body = await self.get("/instances")
@@ -61,9 +53,10 @@ class Proxy(ProxyProcess):
     async def roster_status(self) -> str:
         return (await self.get("/health"))[1]["roster"]["status"]
 
-    async def chat(self, n: int, with_image: bool = True) -> tuple[int, dict]:
+    async def ask(self, n: int, with_image: bool = True) -> tuple[int, dict]:
+        """Question `n` (with an image of its own unless told otherwise): the status and the body."""
         body = chat(image(str(n))) if with_image else chat(text=f"question {n}")
-        async with self.client.post(f"{self.url}/v1/chat/completions", json=body) as resp:
+        async with await self.chat(body) as resp:
             return resp.status, await resp.json()
 
 
@@ -77,22 +70,13 @@ def redis_server(tmp_path: Path):
 @pytest.fixture
 async def fakes():
     """Start in-process fake vLLM servers: `await fakes("encode", "pd")` -> [(fake, url), ...]."""
-    store = ECStore()
-    servers: list[TestServer] = []
+    started = Fakes()
 
     async def start(*roles: str) -> list[tuple[FakeVLLM, str]]:
-        out = []
-        for role in roles:
-            fake = FakeVLLM(role, store)
-            server = TestServer(fake.app(), host="127.0.0.1")
-            await server.start_server()
-            servers.append(server)
-            out.append((fake, str(server.make_url("")).rstrip("/")))
-        return out
+        return [await started.start(role) for role in roles]
 
     yield start
-    for server in servers:
-        await server.close()
+    await started.close()
 
 
 @pytest.fixture
@@ -129,7 +113,7 @@ async def test_three_processes_share_one_roster_and_survive_the_store(redis_serv
 
     # Route through the others.
     for n, proxy in enumerate((b, c, b, c)):
-        status, body = await proxy.chat(n)
+        status, body = await proxy.ask(n)
         assert status == 200, body
     assert len(encoder.requests) == 4 and pd.loaded_from_cache == 4
 
@@ -145,7 +129,7 @@ async def test_three_processes_share_one_roster_and_survive_the_store(redis_serv
         await eventually(
             lambda p=proxy: _has(p, {"prefill_decode": [pd_url]}), what=f"{proxy.url} drops the encoder", **POLL
         )
-    status, body = await a.chat(10)
+    status, body = await a.ask(10)
     assert status == 503, body
     assert await b.register("encode", e_url) == (200, {"registered": True})
     for proxy in (a, b, c):
@@ -159,7 +143,7 @@ async def test_three_processes_share_one_roster_and_survive_the_store(redis_serv
         status, metrics = await proxy.get("/metrics")
         assert "epd_roster_up 0.0" in metrics
     for n, proxy in enumerate((a, b, c, a, b, c), start=20):
-        status, body = await proxy.chat(n)
+        status, body = await proxy.ask(n)
         assert status == 200, body
     status, body = await a.register("encode", e2_url)
     assert status == 503 and body["error"]["type"] == "roster_unavailable", body
@@ -205,7 +189,7 @@ async def test_a_record_nobody_keeps_alive_expires_everywhere(redis_server, fake
     # The healthy PD outlived its own first TTL: the processes renewed its lease.
     assert time.monotonic() - registered_at > 1.5
     assert int(redis_server.command("PTTL", f"t:instance:{pd_url}")) > 0
-    status, body = await a.chat(1, with_image=False)
+    status, body = await a.ask(1, with_image=False)
     assert status == 200, body
 
 
@@ -244,7 +228,7 @@ async def test_workers_share_the_roster(redis_server, fakes, proxies):
     async with fresh_connections(proxy):
         await on_every_worker(lambda: _has(proxy, want), "every worker sees the registrations", times=30)
         for n in range(12):
-            status, body = await proxy.chat(n)
+            status, body = await proxy.ask(n)
             assert status == 200, body
     assert len(encoder.requests) == 12 and pd.loaded_from_cache == 12
 
@@ -271,7 +255,7 @@ async def test_workers_drop_the_metric_series_of_a_removed_instance(redis_server
     async with fresh_connections(proxy):
         await on_every_worker(lambda: _has(proxy, want), "every worker sees the registrations", times=20)
         for n in range(8):
-            status, body = await proxy.chat(n)
+            status, body = await proxy.ask(n)
             assert status == 200, body
         text = await scrape()
         assert f'epd_encoder_subrequests_total{{encoder="{e1}"}}' in text
@@ -307,7 +291,7 @@ async def test_a_proxy_started_before_its_store_serves_and_joins_when_it_appears
             store.start()
             await eventually(lambda: _status_is(proxy, "up"), what="the proxy connects once the store is there", **POLL)
             assert (await proxy.register("prefill_decode", pd_url))[0] == 200
-            status, body = await proxy.chat(1, with_image=False)
+            status, body = await proxy.ask(1, with_image=False)
             assert status == 200, body
         finally:
             await asyncio.to_thread(proxy.stop)

@@ -8,8 +8,8 @@ import subprocess
 import aiohttp
 import pytest
 
+from epd_proxy.tools.testing.harness import serve_process
 from tests.media import chat, image
-from tests.serve_process import serve_process
 
 
 def children_of(pid: int) -> list[int]:

@@ -9,9 +9,9 @@ import aiohttp
 import orjson
 import pytest
 
-from tests.http.polling import eventually
+from epd_proxy.tools.testing.harness import serve_process, wait_healthy
+from epd_proxy.tools.testing.polling import eventually
 from tests.media import chat, image
-from tests.serve_process import serve_process, wait_healthy
 
 DEADLINE_S = 15.0
 JSON = {"Content-Type": "application/json"}
@@ -52,8 +52,8 @@ def parse_response(raw: bytes) -> tuple[int, dict[str, str], bytes]:
     return int(lines[0].split()[1]), headers, body
 
 
-async def test_stalled_uploads_leave_admission_to_the_other_clients(serve_proxy):
-    proxy = await serve_proxy(max_inflight=3, client_body_timeout_s=60.0)
+async def test_stalled_uploads_leave_admission_to_the_other_clients(make_stack):
+    proxy = await make_stack(encoders=1, max_inflight=3, client_body_timeout_s=60.0)
     body = big_body(600_000)
     stalled = []
     try:
@@ -67,8 +67,13 @@ async def test_stalled_uploads_leave_admission_to_the_other_clients(serve_proxy)
         await eventually(
             lambda: proxy.handlers_in_progress() == 3, what="three stalled uploads inside the proxy", timeout=DEADLINE_S
         )
+
+        async def answered(body: dict) -> tuple[int, dict]:
+            async with await proxy.chat(body) as resp:
+                return resp.status, await resp.json()
+
         for round_ in range(2):  # up to the limit at once, twice
-            results = await asyncio.gather(*(proxy.chat(chat(image(f"{round_}-{n}"))) for n in range(3)))
+            results = await asyncio.gather(*(answered(chat(image(f"{round_}-{n}"))) for n in range(3)))
             assert [status for status, _ in results] == [200] * 3, results
         assert proxy.handlers_in_progress() == 3
     finally:
@@ -78,8 +83,8 @@ async def test_stalled_uploads_leave_admission_to_the_other_clients(serve_proxy)
 
 # /start_profile reads with a plain `await request.read()`: the timeout escapes the handler.
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/start_profile"])
-async def test_a_stalled_upload_gets_408_within_the_body_timeout(serve_proxy, path):
-    proxy = await serve_proxy(client_body_timeout_s=1.0)
+async def test_a_stalled_upload_gets_408_within_the_body_timeout(make_stack, path):
+    proxy = await make_stack(encoders=1, client_body_timeout_s=1.0)
     body = big_body(600_000)
     reader, writer = await asyncio.open_connection(proxy.host, proxy.port)
     try:
@@ -97,9 +102,9 @@ async def test_a_stalled_upload_gets_408_within_the_body_timeout(serve_proxy, pa
     assert 'epd_client_timeouts_total{kind="body"} 1.0' in await proxy.metrics()
 
 
-async def test_a_slow_but_steady_upload_is_not_cut_off(serve_proxy):
+async def test_a_slow_but_steady_upload_is_not_cut_off(make_stack):
     """nginx's meaning: the clock runs between two reads, not over the whole body."""
-    proxy = await serve_proxy(client_body_timeout_s=2.0)
+    proxy = await make_stack(encoders=1, client_body_timeout_s=2.0)
     body = orjson.dumps(chat(image("steady")))
     pieces = [body[i : i + len(body) // 12 + 1] for i in range(0, len(body), len(body) // 12 + 1)]
     reader, writer = await asyncio.open_connection(proxy.host, proxy.port)
@@ -120,8 +125,8 @@ async def test_a_slow_but_steady_upload_is_not_cut_off(serve_proxy):
 
 
 @pytest.mark.parametrize("dribble", [False, True], ids=["stalled", "slowloris"])
-async def test_a_stalled_request_head_gets_408_within_the_header_timeout(serve_proxy, dribble):
-    proxy = await serve_proxy(client_header_timeout_s=1.0)
+async def test_a_stalled_request_head_gets_408_within_the_header_timeout(make_stack, dribble):
+    proxy = await make_stack(encoders=1, client_header_timeout_s=1.0)
     reader, writer = await asyncio.open_connection(proxy.host, proxy.port)
     started = time.monotonic()
     closed = asyncio.ensure_future(read_until_closed(reader))
@@ -143,8 +148,8 @@ async def test_a_stalled_request_head_gets_408_within_the_header_timeout(serve_p
     assert proxy.timeouts("header") == 1
 
 
-async def test_a_connection_that_sends_nothing_is_closed_after_the_header_timeout(serve_proxy):
-    proxy = await serve_proxy(client_header_timeout_s=1.0, client_keepalive_timeout_s=60.0)
+async def test_a_connection_that_sends_nothing_is_closed_after_the_header_timeout(make_stack):
+    proxy = await make_stack(encoders=1, client_header_timeout_s=1.0, client_keepalive_timeout_s=60.0)
     reader, writer = await asyncio.open_connection(proxy.host, proxy.port)
     started = time.monotonic()
     try:
@@ -155,8 +160,8 @@ async def test_a_connection_that_sends_nothing_is_closed_after_the_header_timeou
     await eventually(lambda: proxy.gate.open == 0, what="the proxy to forget the connection", timeout=DEADLINE_S)
 
 
-async def test_an_idle_kept_alive_connection_is_closed_after_the_keepalive_timeout(serve_proxy):
-    proxy = await serve_proxy(client_keepalive_timeout_s=1.0, client_header_timeout_s=60.0)
+async def test_an_idle_kept_alive_connection_is_closed_after_the_keepalive_timeout(make_stack):
+    proxy = await make_stack(encoders=1, client_keepalive_timeout_s=1.0, client_header_timeout_s=60.0)
     reader, writer = await asyncio.open_connection(proxy.host, proxy.port)
     try:
         writer.write(b"GET /metrics HTTP/1.1\r\nHost: proxy\r\n\r\n")
@@ -173,8 +178,8 @@ async def test_an_idle_kept_alive_connection_is_closed_after_the_keepalive_timeo
     assert proxy.timeouts("keepalive") == 1 and proxy.timeouts("header") == 0
 
 
-async def test_connections_over_the_limit_are_refused_while_the_others_are_served(serve_proxy):
-    proxy = await serve_proxy(max_client_connections=4, client_header_timeout_s=60.0)
+async def test_connections_over_the_limit_are_refused_while_the_others_are_served(make_stack):
+    proxy = await make_stack(encoders=1, max_client_connections=4, client_header_timeout_s=60.0)
     idle = [await asyncio.open_connection(proxy.host, proxy.port) for _ in range(3)]
     try:
         await eventually(lambda: proxy.gate.open == 3, what="three idle connections to be counted", timeout=DEADLINE_S)

@@ -5,17 +5,13 @@ from __future__ import annotations
 
 import asyncio
 
-import aiohttp
 import orjson
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestServer
 
 from epd_proxy.calls.sse import MAX_EVENT_BYTES
-from epd_proxy.config import Config
-from epd_proxy.http.app import STATE, create_app
-from epd_proxy.tools.testing.fake_vllm import ECStore, FakeVLLM
-from tests.http.polling import eventually
+from epd_proxy.tools.testing.harness import Fakes
+from epd_proxy.tools.testing.polling import eventually
 from tests.media import chat
 
 ROLE = b'data: {"id":"c","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n'
@@ -56,20 +52,11 @@ class ScriptedDecode:
 
 
 @pytest.fixture
-async def proxy_over_scripted_decode():
-    decode = ScriptedDecode()
-    servers = [TestServer(decode.app()), TestServer(FakeVLLM("encode", ECStore()).app())]
-    for server in servers:
-        await server.start_server()
-    decode_url, encode_url = (str(server.make_url("")).rstrip("/") for server in servers)
-    proxy = TestServer(create_app(Config(encode_urls=(encode_url,), decode_urls=(decode_url,))))
-    await proxy.start_server()
-    servers.append(proxy)
-    client = aiohttp.ClientSession(base_url=str(proxy.make_url("")))
-    yield decode, decode_url, client, proxy.app[STATE]
-    await client.close()
-    for server in reversed(servers):
-        await server.close()
+async def proxy_over_scripted_decode(make_stack):
+    decode, fakes = ScriptedDecode(), Fakes()
+    decode_url = await fakes.serve(decode.app())
+    stack = await make_stack(encoders=1, decoders=0, fakes=fakes, decode_urls=(decode_url,))
+    return decode, decode_url, stack.client, stack.state
 
 
 async def read_until(resp, wanted: bytes) -> bytes:
@@ -114,4 +101,4 @@ async def test_an_event_over_the_cap_ends_the_stream_with_an_in_band_error(proxy
     async with client.get("/metrics") as resp:
         assert 'epd_requests_total{status="aborted"} 1.0' in await resp.text()
     # The decode connection is let go, not left reading the rest of the event.
-    await eventually(lambda: state.inflight == 0 and all(i.inflight == 0 for i in state.fleet.all()))
+    await eventually(lambda: state.admission.inflight == 0 and all(i.inflight == 0 for i in state.fleet.all()))

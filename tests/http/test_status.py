@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from tests.http.polling import eventually
+from epd_proxy.tools.testing.polling import eventually
 from tests.media import chat, image
 
 

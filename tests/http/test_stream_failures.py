@@ -12,8 +12,7 @@ import aiohttp
 import orjson
 
 import epd_proxy.http.routes
-from epd_proxy.http.app import STATE
-from tests.http.polling import eventually
+from epd_proxy.tools.testing.polling import eventually
 from tests.media import chat, image
 
 VLLM_ERROR = {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}
@@ -37,7 +36,7 @@ def text_of(evs: list) -> str:
 
 
 def state_of(stack):
-    return stack.servers[-1].app[STATE]
+    return stack.state
 
 
 async def metric_lines(stack) -> str:
@@ -110,7 +109,7 @@ async def test_stream_silent_after_content_gets_an_error_event_and_frees_everyth
     assert "timed out" in error["message"]
     state = state_of(stack)
     await eventually(lambda: stack.pd.cancelled == 1)
-    await eventually(lambda: state.inflight == 0 and all(i.inflight == 0 for i in state.fleet.all()))
+    await eventually(lambda: state.admission.inflight == 0 and all(i.inflight == 0 for i in state.fleet.all()))
 
 
 async def test_non_streaming_answer_silent_after_headers_is_504(make_stack):
@@ -122,7 +121,7 @@ async def test_non_streaming_answer_silent_after_headers_is_504(make_stack):
             error = (await resp.json())["error"]
     assert error["stage"] == "decode" and error["backend"] == stack.pd_url
     await eventually(lambda: stack.pd.cancelled == 1)
-    assert state_of(stack).inflight == 0
+    assert state_of(stack).admission.inflight == 0
 
 
 # -- 3. aborted streams, clients that leave -------------------------------------------------------
@@ -217,4 +216,4 @@ async def test_waiting_for_a_decode_connection_is_bounded_by_the_decode_timeout(
     finally:
         first.close()
     state = state_of(stack)
-    await eventually(lambda: state.inflight == 0 and all(i.inflight == 0 for i in state.fleet.all()))
+    await eventually(lambda: state.admission.inflight == 0 and all(i.inflight == 0 for i in state.fleet.all()))

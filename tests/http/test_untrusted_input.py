@@ -155,20 +155,9 @@ async def test_a_key_that_is_not_utf8_is_a_401_not_a_crash(make_stack):
 
 
 async def test_an_authenticated_proxy_shows_its_roster_to_admins_only(make_stack):
-    from aiohttp.test_utils import TestServer
-
-    from epd_proxy.config import Config
-    from epd_proxy.http.app import create_app
-
-    config = Config(dynamic_registration=True, admin_api_key="adm", api_key="client", probe_interval_s=0)
-    server = TestServer(create_app(config))
-    await server.start_server()
-    try:
-        stack = await make_stack(encoders=1)
-        url = str(server.make_url("/instances"))
-        async with stack.client.get(url, headers={"Authorization": "Bearer client"}) as resp:
-            assert resp.status == 403
-        async with stack.client.get(url, headers={"X-API-Key": "adm"}) as resp:
-            assert resp.status == 200
-    finally:
-        await server.close()
+    stack = await make_stack(dynamic=True, admin_api_key="adm", api_key="client")
+    url = stack.url + "/instances"
+    async with stack.client.get(url, headers={"Authorization": "Bearer client"}) as resp:
+        assert resp.status == 403
+    async with stack.client.get(url, headers={"X-API-Key": "adm"}) as resp:
+        assert resp.status == 200

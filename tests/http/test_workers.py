@@ -11,10 +11,10 @@ import aiohttp
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.http.polling import eventually
+from epd_proxy.tools.testing.harness import serve_process
+from epd_proxy.tools.testing.polling import eventually
 from tests.http.test_slow_clients import read_until_closed
 from tests.media import chat, image
-from tests.serve_process import serve_process
 
 DEADLINE_S = 30.0
 HEALTH = b"GET /health HTTP/1.1\r\nHost: proxy\r\n\r\n"

@@ -138,17 +138,17 @@ def test_outlier_detection_limits(kwargs, complaint):
         Config(encode_urls=("http://e",), decode_urls=("http://d",), **kwargs)
 
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+SERVE_PAGE = Path(__file__).resolve().parents[2] / "docs" / "serve.md"
 # Settings read only from the environment, as the reference proxy and vLLM read them: the admin
 # and profiling keys (secrets stay out of the process list) and the backends' own keep-alive.
 ENV_ONLY = {"admin_api_key", "profile_api_key", "backend_keep_alive_s"}
 
 
-def test_the_readme_table_is_the_declarations():
-    text = README.read_text()
+def test_the_docs_table_is_the_declarations():
+    text = SERVE_PAGE.read_text()
     start = text.index("| Flag / env | Default | Meaning |")
     end = text.index("<!-- end of the generated table -->")
-    assert text[start:end] == markdown_table(), "regenerate the README's table with: python -m epd_proxy.config"
+    assert text[start:end] == markdown_table(), "regenerate docs/serve.md's table with: python -m epd_proxy.config"
 
 
 def test_every_field_is_an_option_with_a_flag_unless_read_from_the_environment():

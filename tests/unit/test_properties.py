@@ -11,11 +11,11 @@ from hypothesis import strategies as st
 from epd_proxy.errors import BadRequest
 from epd_proxy.fleet.backends import Instance
 from epd_proxy.fleet.routing import RoundRobin
-from epd_proxy.journey.encode import encoder_body
 from epd_proxy.journey.extract import EMBEDS_TYPE, REFERENCE_KINDS, normalise_request
 from epd_proxy.journey.match import Matches, match_group
 from epd_proxy.journey.plan import plan_groups
 from epd_proxy.journey.rewrite import rewrite_request
+from epd_proxy.journey.subrequest import encoder_body
 from epd_proxy.tools.testing.fake_vllm import vllm_part_kind
 from tests.matching import every_item_matched
 

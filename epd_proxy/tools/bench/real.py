@@ -34,8 +34,9 @@ from epd_proxy.options import add_arguments, parse_into
 from epd_proxy.tools.bench import chat_load, engines, procs, real_report
 from epd_proxy.tools.bench.engines import BASELINE, DECODE, ENCODE, PD, PREFILL, Engine
 from epd_proxy.tools.bench.flags import OUR_COMMAND, REAL_GROUPS, REAL_QUICK, RealBenchOptions
-from epd_proxy.tools.bench.runner import CHECKOUT, command_words, free_port, http_get, wait_ready
+from epd_proxy.tools.bench.runner import CHECKOUT, command_words, http_get, wait_ready
 from epd_proxy.tools.bench.workload import ChatMixSpec, get_chats
+from epd_proxy.tools.testing.harness import free_port
 
 SINGLE = "single-instance"
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +27,7 @@ from epd_proxy.tools.bench import procs, report
 from epd_proxy.tools.bench.flags import PRESETS, FakeBenchOptions
 from epd_proxy.tools.bench.loadgen import Block, ClientPool
 from epd_proxy.tools.bench.workload import API_PATHS, WorkloadSpec, get_pool
+from epd_proxy.tools.testing.harness import free_port
 
 COST, FREE = "cost", "free"
 # The tree this benchmark (and so, by default, every proxy it starts) runs from.
@@ -91,12 +91,6 @@ def encoder_speeds(args: FakeBenchOptions) -> list[float]:
 
 def _cpus(spec: str) -> set[int]:
     return {int(c) for c in spec.split(",") if c.strip()}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http_get(url: str, timeout: float = 5.0) -> bytes:

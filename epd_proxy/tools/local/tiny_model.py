@@ -74,22 +74,36 @@ LOWERCASE_IDS = tuple(range(ord("a"), ord("z") + 1))
 # Image sizes bounded so a 224x160 picture is 48 tokens and none exceeds 64.
 IMAGE_SIZE = {"shortest_edge": 3136, "longest_edge": 50176}
 
-# Same structure as the Qwen2-VL template: default system prompt, one
-# vision block per image/video part, optional "Picture N:" labels.  No
-# whitespace control: the pieces are concatenated without stray spaces, and
-# `{%-` would eat the newlines the format needs.
-CHAT_TEMPLATE = (
-    "{% set image_count = namespace(value=0) %}"
-    "{% set video_count = namespace(value=0) %}"
-    "{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-    "{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}"
-    "{{ message['content'] }}<|im_end|>\n"
-    "{% else %}"
-    "{% for content in message['content'] %}"
+
+# No whitespace control: the pieces are concatenated without stray spaces, and `{%-` would eat
+# the newlines the format needs.
+def _qwen_chat_template(counters: tuple[str, ...], media: str) -> str:
+    """Qwen's chat layout around one model's media placeholders: `counters` name the numbering
+    namespaces, `media` is the `{% if %}...{% elif %}` chain for one content part's media kinds."""
+    return (
+        "".join(f"{{% set {name} = namespace(value=0) %}}" for name in counters) + "{% for message in messages %}"
+        "{% if loop.first and message['role'] != 'system' %}"
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        "{% endif %}"
+        "<|im_start|>{{ message['role'] }}\n"
+        "{% if message['content'] is string %}"
+        "{{ message['content'] }}<|im_end|>\n"
+        "{% else %}"
+        "{% for content in message['content'] %}" + media + "{% elif 'text' in content %}"
+        "{{ content['text'] }}"
+        "{% endif %}"
+        "{% endfor %}"
+        "<|im_end|>\n"
+        "{% endif %}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+
+
+# Same structure as the Qwen2-VL template: default system prompt, one vision block per image/video
+# part, optional "Picture N:" labels.
+CHAT_TEMPLATE = _qwen_chat_template(
+    ("image_count", "video_count"),
     "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
     "{% set image_count.value = image_count.value + 1 %}"
     "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
@@ -97,41 +111,16 @@ CHAT_TEMPLATE = (
     "{% elif content['type'] == 'video' or 'video' in content %}"
     "{% set video_count.value = video_count.value + 1 %}"
     "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
-    "<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif 'text' in content %}"
-    "{{ content['text'] }}"
-    "{% endif %}"
-    "{% endfor %}"
-    "<|im_end|>\n"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "<|vision_start|><|video_pad|><|vision_end|>",
 )
 
 
 # Qwen2-Audio's layout: one "Audio N:" block per audio part, in content order.
-AUDIO_CHAT_TEMPLATE = (
-    "{% set audio_count = namespace(value=0) %}"
-    "{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-    "{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}"
-    "{{ message['content'] }}<|im_end|>\n"
-    "{% else %}"
-    "{% for content in message['content'] %}"
+AUDIO_CHAT_TEMPLATE = _qwen_chat_template(
+    ("audio_count",),
     "{% if content['type'] == 'audio' or 'audio' in content or 'audio_url' in content %}"
     "{% set audio_count.value = audio_count.value + 1 %}"
-    "Audio {{ audio_count.value }}: <|audio_bos|><|AUDIO|><|audio_eos|>\n"
-    "{% elif 'text' in content %}"
-    "{{ content['text'] }}"
-    "{% endif %}"
-    "{% endfor %}"
-    "<|im_end|>\n"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "Audio {{ audio_count.value }}: <|audio_bos|><|AUDIO|><|audio_eos|>\n",
 )
 
 

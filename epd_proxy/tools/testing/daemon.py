@@ -29,7 +29,8 @@ def start_daemon(cmd: Sequence[str], log_path: Path, answers: Callable[[], bool]
         if proc.poll() is not None:
             raise RuntimeError(f"{name} exited with {proc.returncode}; see {log_path}")
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{name} did not answer within {timeout_s}s")
+            kill_daemon(proc)  # the caller gets no handle to stop it with
+            raise RuntimeError(f"{name} did not answer within {timeout_s:g}s; see {log_path}")
         time.sleep(0.05)
     return proc
 

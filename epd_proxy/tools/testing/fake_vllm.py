@@ -252,17 +252,18 @@ class Faults:
         if body is not None:
             self.fail_body = body
 
+    def _spend(self, budget: str) -> bool:
+        """Whether one more of the faults counted down in attribute `budget` is due, spending it."""
+        left = getattr(self, budget)
+        if left > 0:
+            setattr(self, budget, left - 1)
+        return left > 0
+
     def generation_error(self) -> bool:
-        if self.generation_errors > 0:
-            self.generation_errors -= 1
-            return True
-        return False
+        return self._spend("generation_errors")
 
     def stall_stream(self) -> bool:
-        if self.stall_streams > 0:
-            self.stall_streams -= 1
-            return True
-        return False
+        return self._spend("stall_streams")
 
     async def apply(self, exchange: Exchange) -> Answer | None:
         if self.delay_s:
@@ -280,10 +281,7 @@ class Faults:
 
     def break_stream(self) -> bool:
         """Whether the next stream should be cut halfway (connection reset after status 200)."""
-        if self.cut_streams > 0:
-            self.cut_streams -= 1
-            return True
-        return False
+        return self._spend("cut_streams")
 
 
 @dataclass(frozen=True)
@@ -292,7 +290,7 @@ class Costs:
     run back to back, each costing `request_s` plus `image_s` per media item, times `slowdown`
     (a fleet of mixed encoders: 3 is three times slower). An item whose engine identifier is
     among the last `cache_items` this encoder saw costs `repeat_factor` of a fresh one (vLLM's
-    processor and encoder caches: about 0.4x, see the README's "Encoder scheduling"); another
+    processor and encoder caches: about 0.4x, see docs/scheduling.md); another
     encoder has not seen it and pays in full. A consumer answers after `answer_s`; a stream sends
     its role event and first token at once and the rest then."""
 
@@ -302,6 +300,9 @@ class Costs:
     slowdown: float = 1.0
     repeat_factor: float = 1.0
     cache_items: int = 0
+    # Sub-requests batched together as vLLM's engine steps do, each taking its own cost from when
+    # it arrives, instead of back to back.
+    parallel: bool = False
 
 
 class SeenCache:
@@ -572,7 +573,9 @@ class FakeVLLM:
             params["ec_items"] = legacy_items
         self.counts.images[tag] += position
         cost = (self.costs.request_s + self.costs.image_s * work) * self.costs.slowdown
-        if cost > 0:
+        if cost > 0 and self.costs.parallel:
+            await asyncio.sleep(cost)
+        elif cost > 0:
             now = asyncio.get_running_loop().time()
             self._free_at = max(now, self._free_at) + cost
             await asyncio.sleep(self._free_at - now)

@@ -1,0 +1,430 @@
+"""What the encoder scheduler knows of each encoder (its lane), and which queued groups share a
+sub-request. Pure: no sockets and no clocks of its own; encode.py and coalesce.py feed it what
+happened and send what it decides, and placement (scheduler.py) reads it.
+
+- **Speed** is learnt per encoder from what this proxy sees: the time each sub-request held the
+  encoder (from when it was sent, or from when the previous one finished if that was later, to
+  its answer) against its item count, smoothed over the last few dozen answers, with a
+  sub-request's fixed cost at the measured third of an image. An encoder's backlog is then its
+  outstanding sub-requests and items (in flight and queued here) at that speed, in seconds.
+- **Coalescing** (`take_batch`): with two of this proxy's sub-requests in flight an encoder is
+  busy (one computing, one being prepared: vLLM's API server processes media while its engine
+  runs the previous request); image groups of different requests that arrive meanwhile wait and
+  go together when one finishes. Only groups whose encoder bodies would be identical apart from
+  their media share a sub-request (`coalesce_key`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import orjson
+
+from epd_proxy.fleet.backends import Instance
+
+# A sub-request's fixed cost over one image's on real vLLM (7 ms against 21 ms of CPU on the
+# tiny Qwen2-VL; PR 57095's GPU figures imply 0.31): the split of a cost until there are samples
+# enough to fit both parts.
+PRIOR_FIXED_RATIO = 0.35
+# Sub-requests of this proxy in flight at which an encoder counts as busy.
+BUSY_INFLIGHT = 2
+# Items a coalesced sub-request grows to at most (or the batch cap, if lower). Past about four
+# images a sub-request's fixed cost is a few percent of it; larger ones only make the first
+# request in them wait for the last and risk the encoder's --max-model-len.
+COALESCE_TARGET_ITEMS = 8
+# The smallest share a back-off falls to: sharing two groups is the probe that tells whether the
+# encoder takes shared sub-requests again (as TCP's slow start probes with a small window).
+PROBE_ITEMS = 2
+# How long sharing pauses after even a probe failed without any member being at fault, doubling
+# on each failure in a row up to the maximum; the next probe follows the pause.
+PAUSE_FLOOR_S = 1.0
+PAUSE_MAX_S = 30.0
+# A shared sub-request holds at most what the encoder does in this share of the encode timeout,
+# so that behind the one ahead of it in flight it still ends well within each member's own budget.
+SHARE_OF_TIMEOUT = 1 / 3
+# A sub-request still unanswered this many times past what its encoder should take for all it
+# has in flight, and at least OVERDUE_FLOOR_S (so vLLM's slow first requests are not punished),
+# marks the encoder suspect; never later than this share of the encode timeout, so the work
+# moves while its requests' budgets still allow.
+OVERDUE_FACTOR = 3.0
+OVERDUE_FLOOR_S = 1.0
+OVERDUE_SHARE_OF_TIMEOUT = 0.75
+# A suspect encoder gets no placements for this long, then some again: how it comes back when
+# nothing of ours is left there to answer.
+SUSPECT_HOLD_S = 5.0
+# Shortest wait to share a sub-request before a group goes alone (timer granularity).
+PATIENCE_FLOOR_S = 0.02
+# Weight of the newest sample in the speed fit: about the last 30 sub-requests count.
+SMOOTHING = 0.03
+# An encoder idle and unheard from this long is taken at the fleet's mean speed again, and its
+# next answer starts a new estimate: otherwise one slow spell (vLLM's first requests, a pause, a
+# test's injected delay) would leave it idle for as long as the others keep up.
+STALE_S = 5.0
+# Encoders that left, remembered so a call still finishing there does not bring a lane back.
+DEPARTED_ENTRIES = 4096
+
+
+class Queued(Protocol):
+    """What the scheduler reads of a group waiting for a sub-request."""
+
+    key: bytes | None
+    size: int
+    # vLLM's `priority`: lower values first, then arrival order.
+    priority: int
+
+    def move(self) -> None:
+        """Its encoder went: it must go elsewhere at once."""
+
+
+class Lane:
+    """One encoder as this proxy's scheduler sees it: speed estimate, outstanding work, queue."""
+
+    __slots__ = (
+        "url",
+        "inflight",
+        "inflight_items",
+        "suspect",
+        "suspect_until",
+        "waiting",
+        "subs",
+        "items",
+        "fixed_s",
+        "item_s",
+        "samples",
+        "last_done",
+        "busy_since",
+        "merge_limit",
+        "paused_until",
+        "pause_s",
+        "backoffs",
+        "charged_requests",
+        "impatient",
+        "gone",
+        "shared",
+        "_k",
+        "_t",
+    )
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        # Sub-requests of this proxy in flight to it, and their items.
+        self.inflight = 0
+        self.inflight_items = 0
+        # A sub-request of ours was far overdue there, and nothing has answered since; it gets
+        # no placements until `suspect_until` (on the caller's clock).
+        self.suspect = False
+        self.suspect_until = 0.0
+        self.waiting: deque[Any] = deque()
+        # Outstanding work (in flight and queued): sub-requests and items.
+        self.subs = 0
+        self.items = 0
+        # Estimated seconds per sub-request and per item; None until the first answer.
+        self.fixed_s: float | None = None
+        self.item_s: float | None = None
+        self.samples = 0
+        self.last_done = 0.0
+        # Since when the encoder has worked on our oldest sub-request in flight (serially).
+        self.busy_since = 0.0
+        # Items a coalesced sub-request may hold. A refused or unsplittable shared answer that
+        # the split retry pins on no member (each went through alone) is the share's fault: the
+        # limit halves down to a probe of PROBE_ITEMS, then sharing pauses; each shared answer
+        # that splits doubles it back. One a member caused is charged to that request only.
+        self.merge_limit = COALESCE_TARGET_ITEMS
+        # Until when (on the caller's clock) nothing shares; 0.0: sharing.
+        self.paused_until = 0.0
+        self.pause_s = PAUSE_FLOOR_S
+        self.backoffs = 0
+        self.charged_requests = 0
+        # Queued groups sent alone after waiting longer than the backlog explained.
+        self.impatient = 0
+        # It left the fleet: nothing new starts on it.
+        self.gone = False
+        # Shared sub-requests in flight: their own request id -> the request ids they carry.
+        self.shared: dict[str, list[str]] = {}
+        self._k = self._t = 0.0
+
+    # -- outstanding work ------------------------------------------------------------------------
+    def started(self, items: int, now: float = 0.0) -> None:
+        """A sub-request of `items` is on its way (not from the queue)."""
+        if not self.inflight:
+            self.busy_since = now
+        self.inflight += 1
+        self.inflight_items += items
+        self.subs += 1
+        self.items += items
+
+    def queued(self, work: Queued) -> None:
+        """In vLLM's order (`Request.__lt__`): by priority, then arrival; equal priorities, the
+        usual case, append."""
+        waiting = self.waiting
+        if not waiting or waiting[-1].priority <= work.priority:
+            waiting.append(work)
+        else:
+            at = next(n for n, other in enumerate(waiting) if other.priority > work.priority)
+            waiting.insert(at, work)
+        self.subs += 1
+        self.items += work.size
+
+    def evict(self) -> None:
+        """Its encoder left, was ejected or stalls: every waiting group moves elsewhere now."""
+        while self.waiting:
+            work = self.waiting.popleft()
+            self.subs -= 1
+            self.items -= work.size
+            work.move()
+
+    def unqueued(self, work: Queued) -> bool:
+        """A waiting group whose request went away; False if it was no longer waiting."""
+        try:
+            self.waiting.remove(work)
+        except ValueError:
+            return False
+        self.subs -= 1
+        self.items -= work.size
+        return True
+
+    def patience(self, items: int) -> float:
+        """How long a group of `items` queued now may wait to share before it goes alone:
+        three times what the backlog ahead of it and its own work should take."""
+        if self.item_s is None:
+            return PATIENCE_FLOOR_S * 5
+        backlog = self.fixed_s * (self.subs + 1) + self.item_s * (self.items + items)
+        return max(PATIENCE_FLOOR_S, 3.0 * backlog)
+
+    def next_batch(self, cap: int, now: float = 0.0, timeout_s: float | None = None) -> list[Any]:
+        """The waiting groups the next sub-request carries, now counted in flight."""
+        if not self.inflight:
+            self.busy_since = now
+        batch = take_batch(self.waiting, self.share_limit(cap, now, timeout_s))
+        self.subs -= len(batch) - 1
+        self.inflight += 1
+        self.inflight_items += sum(work.size for work in batch)
+        return batch
+
+    def stalled(self, now: float) -> bool:
+        """A sub-request is far overdue: suspect (True if it was not already)."""
+        first = not self.suspect
+        self.suspect = True
+        self.suspect_until = now + SUSPECT_HOLD_S
+        return first
+
+    def avoid(self, now: float) -> bool:
+        return self.suspect and now < self.suspect_until
+
+    def overdue_after(self, items: int, timeout_s: float | None) -> float | None:
+        """Seconds after which a sub-request of `items` just sent is far overdue; None while
+        nothing is known of the encoder's speed."""
+        if self.item_s is None:
+            return None
+        expected = self.fixed_s * self.inflight + self.item_s * max(self.inflight_items, items)
+        after = max(OVERDUE_FLOOR_S, OVERDUE_FACTOR * expected)
+        if timeout_s is not None:
+            after = min(after, OVERDUE_SHARE_OF_TIMEOUT * timeout_s)
+        return after
+
+    def share_limit(self, cap: int, now: float, timeout_s: float | None) -> int:
+        """Items the next shared sub-request may hold (0: it carries one group only)."""
+        if now < self.paused_until:
+            return 0
+        limit = min(cap, self.merge_limit) if cap else self.merge_limit
+        if timeout_s is not None and self.item_s is not None:
+            fits = int((SHARE_OF_TIMEOUT * timeout_s - self.fixed_s) / self.item_s)
+            limit = min(limit, fits)
+        return limit
+
+    def sharing(self, now: float) -> bool:
+        return now >= self.paused_until
+
+    def share_failed(self, items: int, now: float) -> None:
+        """A shared sub-request of `items` failed although each member went through alone."""
+        self.backoffs += 1
+        if items > PROBE_ITEMS:
+            self.merge_limit = max(PROBE_ITEMS, items // 2)
+            return
+        self.merge_limit = PROBE_ITEMS
+        self.paused_until = now + self.pause_s
+        self.pause_s = min(PAUSE_MAX_S, self.pause_s * 2)
+
+    def shared_ok(self, items: int) -> None:
+        self.paused_until = 0.0
+        self.pause_s = PAUSE_FLOOR_S
+        if items * 2 > self.merge_limit:
+            self.merge_limit = min(COALESCE_TARGET_ITEMS, self.merge_limit * 2)
+
+    def finished(self, items: int, sent: float, done: float | None) -> None:
+        """A sub-request of `items` sent at `sent` ended: answered at `done`, or failed (None)."""
+        self.inflight -= 1
+        self.inflight_items -= items
+        self.subs -= 1
+        self.items -= items
+        if done is not None:
+            self.suspect = False  # it answers again
+            self.suspect_until = 0.0
+            self.observe(items, sent, done)
+            self.busy_since = done
+
+    # -- speed -----------------------------------------------------------------------------------
+    def observe(self, items: int, sent: float, done: float) -> None:
+        """One answered sub-request: it held the encoder from when it was sent, or from when the
+        previous answer came if that was later (it queued behind it), until its own answer.
+
+        The estimate is one speed per encoder, seconds per item-equivalent (an item, or the
+        fixed part of a sub-request at PRIOR_FIXED_RATIO of one): time held over items held,
+        each smoothed. Fitting the fixed and per-item parts apart from live samples was tried
+        and is unstable: a few milliseconds of jitter in when answers are read move the fit's
+        fixed part by tens of times, while the ratio of the sums stays put."""
+        if self.samples and sent - self.last_done > STALE_S and self.inflight == 0:
+            self.samples = 0
+            self._k = self._t = 0.0
+        start = sent if sent > self.last_done else self.last_done
+        if done > self.last_done:
+            self.last_done = done
+        held = done - start
+        if held <= 0:
+            return
+        self.samples += 1
+        weight = max(SMOOTHING, 1.0 / self.samples)
+        self._k += weight * (items + PRIOR_FIXED_RATIO - self._k)
+        self._t += weight * (held - self._t)
+        self.item_s = self._t / self._k
+        self.fixed_s = PRIOR_FIXED_RATIO * self.item_s
+
+    @property
+    def queued_items(self) -> int:
+        return sum(work.size for work in self.waiting)
+
+    def stale(self, now: float) -> bool:
+        return self.samples > 0 and self.inflight == 0 and now - self.last_done > STALE_S
+
+    def view(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "ms_per_item": None if self.item_s is None else round(self.item_s * 1000, 3),
+            "ms_per_subrequest": None if self.fixed_s is None else round(self.fixed_s * 1000, 3),
+            "samples": self.samples,
+            "inflight": self.inflight,
+            "suspect": self.suspect,
+            "queued": len(self.waiting),
+            "queued_items": self.queued_items,
+            "merge_limit": self.merge_limit,
+            "coalescing": self.paused_until == 0.0,
+            "backoffs": self.backoffs,
+            "refusals_charged_to_requests": self.charged_requests,
+            "impatient": self.impatient,
+            "shared_inflight": dict(self.shared),
+        }
+
+
+class Lanes:
+    """Every encoder's lane, created on first use and dropped when the encoder leaves the fleet."""
+
+    def __init__(self) -> None:
+        self._lanes: dict[Instance, Lane] = {}
+        self._departed: OrderedDict[Instance, None] = OrderedDict()
+
+    def of(self, encoder: Instance) -> Lane:
+        lane = self._lanes.get(encoder)
+        if lane is None:
+            lane = Lane(encoder.url)
+            if encoder not in self._departed:
+                self._lanes[encoder] = lane
+        return lane
+
+    def avoided(self, now: float) -> bool:
+        """Whether any encoder is suspect and in its hold (`Lane.avoid`)."""
+        return any(lane.suspect_until > now for lane in self._lanes.values())
+
+    def all(self) -> list[Lane]:
+        return list(self._lanes.values())
+
+    # Fleet membership events (registry.Watcher).
+    def joined(self, inst: Instance) -> None:
+        pass
+
+    def rejoined(self, inst: Instance) -> None:
+        pass
+
+    def left(self, inst: Instance) -> None:
+        lane = self._lanes.pop(inst, None)
+        if lane is not None:
+            lane.gone = True
+            lane.evict()
+        self._departed[inst] = None
+        if len(self._departed) > DEPARTED_ENTRIES:
+            self._departed.popitem(last=False)
+
+    def ejected(self, url: str) -> None:
+        """Health took it out of rotation (health.Health.on_ejection)."""
+        for encoder, lane in self._lanes.items():
+            if encoder.url == url:
+                lane.evict()
+
+    def costs(self, lanes: Sequence[Lane], now: float | None = None) -> tuple[list[float], list[float]]:
+        """Seconds per sub-request and per item of each lane; one without answers yet, or stale
+        at `now`, is taken to be as fast as the mean of the others (or 1 unit per item when none
+        has answered)."""
+        fixed = [lane.fixed_s for lane in lanes]
+        stale = now is not None and any(lane.stale(now) for lane in lanes)
+        if None not in fixed and not stale:
+            return fixed, [lane.item_s for lane in lanes]
+        fresh = [lane.item_s is not None and not (stale and lane.stale(now)) for lane in lanes]
+        known = [lane for lane, ok in zip(lanes, fresh) if ok]
+        if known:
+            item = sum(lane.item_s for lane in known) / len(known)
+            fixed = sum(lane.fixed_s for lane in known) / len(known)
+        else:
+            item, fixed = 1.0, PRIOR_FIXED_RATIO
+        return (
+            [lane.fixed_s if ok else fixed for lane, ok in zip(lanes, fresh)],
+            [lane.item_s if ok else item for lane, ok in zip(lanes, fresh)],
+        )
+
+
+def coalesce_key(body: dict[str, Any], forwarded: Sequence[str], consumer_zmq: str | None) -> bytes | None:
+    """What must be identical for two requests' images to share an encoder sub-request: every
+    byte of the encoder body except its media (`subrequest.encoder_body` builds it from the model,
+    the `forwarded` fields and the Mooncake consumer address, which also names the consumer's
+    data-parallel rank). Compared as written, not as parsed: key order reaches vLLM's hashes.
+
+    What else an encoder-only vLLM 0.32 instance reads of a chat request, and why it is not
+    here: the proxy sends it none of it. Sampling fields, `max_tokens`, `tools` and
+    `structured_outputs` shape generation, which an encoder never runs
+    (`Scheduler.update_from_output` stops it once the prompt is consumed); `chat_template`,
+    `chat_template_kwargs` and `add_generation_prompt` change only the text tokens around the
+    placeholders; `cache_salt` salts prefix-cache block hashes, and an encoder-only instance
+    runs with prefix caching off (`VllmConfig`) while media hashes never include it
+    (`ProcessorInputs.get_mm_hashes` folds in only `mm_processor_kwargs` and that modality's
+    `media_io_kwargs`); `vllm_xargs` and `kv_transfer_params` are refused from clients or not
+    forwarded. LoRA is chosen by `model`, which is in the key (tower and connector LoRA change
+    the embeddings), and so are `priority` (the encoder's scheduling order) and `session_id`
+    (kept on the engine's request, in its KV events).
+    """
+    fields = {name: body[name] for name in forwarded if name in body}
+    try:
+        return orjson.dumps([body.get("model"), fields, consumer_zmq])
+    except orjson.JSONEncodeError:
+        return None  # nested too deeply to write: its own sub-request says so (a 400)
+
+
+def take_batch(waiting: deque[Any], limit: int) -> list[Any]:
+    """The next sub-request's groups, leaving the rest waiting in order: the oldest group, and
+    after it every later group with the same key that still fits within `limit` items."""
+    head = waiting.popleft()
+    batch = [head]
+    size = head.size
+    if head.key is None or size >= limit or not waiting:
+        return batch
+    kept: list[Any] = []
+    while waiting:
+        work = waiting.popleft()
+        if work.key == head.key and size + work.size <= limit:
+            batch.append(work)
+            size += work.size
+            if size >= limit:
+                break
+        else:
+            kept.append(work)
+    waiting.extendleft(reversed(kept))
+    return batch

@@ -1,0 +1,410 @@
+"""Cross-request coalescing: image groups waiting for a busy encoder, sent together.
+
+A group bound for an encoder with lanes.BUSY_INFLIGHT of this proxy's sub-requests in flight
+waits in that encoder's lane; when one of them finishes, the oldest waiting group goes out with
+later groups of the same key (lanes.take_batch) as one shared sub-request, whose answer is
+split back into each group's share (match.split_params) as if each had been sent alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from epd_proxy.calls.upstream import Timeouts, Upstream
+from epd_proxy.errors import ProxyError
+from epd_proxy.fleet.backends import Instance
+from epd_proxy.fleet.lanes import BUSY_INFLIGHT, Lane
+from epd_proxy.journey.extract import MediaItem
+from epd_proxy.journey.match import split_params
+from epd_proxy.journey.subrequest import Dumps, Encoded, IdMint, Observed, encoder_body, encoder_parts, post_encoder
+from epd_proxy.journey.trace import Trace
+from epd_proxy.ops.metrics import Metrics
+
+log = logging.getLogger("epd_proxy.encode")
+
+
+# A watchdog that fires this late says the proxy's own event loop was held up (a CPU-starved
+# host), not the encoder: it waits once more instead.
+LOOP_LAG_S = 0.1
+
+
+class Overdue:
+    """Calls `fire` once a sub-request is `after` seconds old (lanes.Lane.overdue_after)."""
+
+    __slots__ = ("_loop", "_after", "_fire", "_due", "_handle")
+
+    def __init__(self, after: float, fire: Callable[[], None]) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._after = after
+        self._fire = fire
+        self._arm()
+
+    def _arm(self) -> None:
+        self._due = self._loop.time() + self._after
+        self._handle = self._loop.call_at(self._due, self._check)
+
+    def _check(self) -> None:
+        if self._loop.time() - self._due > LOOP_LAG_S:
+            self._arm()
+        else:
+            self._fire()
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+
+
+class SendAlone(Exception):
+    """A group that waited to share a sub-request goes out on its own instead: it waited longer
+    than its encoder's backlog explains (`cause` None), or the shared sub-request it was in failed
+    (`cause`), so that one request's bad image never fails another's. `moved`: its encoder left,
+    was ejected or stalls, so it goes to another. `verdict` hears how it fared alone."""
+
+    def __init__(self, cause: ProxyError | None = None, verdict: Verdict | None = None, moved: bool = False) -> None:
+        super().__init__(cause.message if cause is not None else "sent on its own")
+        self.cause = cause
+        self.verdict = verdict
+        self.moved = moved
+
+
+class Verdict:
+    """Whose fault a refused (4xx) or unsplittable shared sub-request was, found by the split
+    retry: each member, sent alone, reports how it fared. One refused alone is the culprit and
+    its request is charged; if every member went through, the share itself was at fault (too
+    long a prompt, an encoder that reports no positions) and the lane backs off. A member that
+    went away says nothing, and without a full hearing nothing is charged."""
+
+    __slots__ = ("lane", "items", "pending", "guilty", "unheard", "charge")
+
+    def __init__(self, lane: Lane, items: int, members: int, charge: Callable[[Lane, int, str], None]) -> None:
+        self.lane = lane
+        self.items = items
+        self.pending = members
+        self.guilty = self.unheard = 0
+        self.charge = charge
+
+    def heard(self, failure: BaseException | None) -> None:
+        if failure is None:
+            pass
+        elif isinstance(failure, ProxyError) and failure.answered is not None and 400 <= failure.answered < 500:
+            self.guilty += 1
+        else:
+            self.unheard += 1
+        self.pending -= 1
+        if self.pending == 0:
+            if self.guilty:
+                self.charge(self.lane, self.items, "request")
+            elif not self.unheard:
+                self.charge(self.lane, self.items, "encoder")
+
+
+@dataclass(eq=False, slots=True)
+class Work:
+    """One request's image group for one encoder, waiting (or sent) to share a sub-request."""
+
+    key: bytes
+    items: list[MediaItem]
+    body: dict[str, Any]
+    consumer_zmq: str | None
+    trace: Trace
+    dumps: Dumps
+    future: asyncio.Future
+    priority: int = 0
+    batch: Batch | None = None
+    timer: asyncio.TimerHandle | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.items)
+
+    def move(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        _settle(self, SendAlone(moved=True))
+
+
+@dataclass(eq=False, slots=True)
+class Batch:
+    """The groups one queued sub-request carries; `live` of them still have a request waiting."""
+
+    works: list[Work]
+    task: asyncio.Task | None
+    live: int
+    sending: bool = False
+    done: bool = False
+    # Its members were moved off a stalled encoder: the call goes on for no one.
+    abandoned: bool = False
+
+
+class Coalescer:
+    """The waiting groups of every lane and the tasks that send them."""
+
+    def __init__(
+        self,
+        upstream: Upstream,
+        metrics: Metrics,
+        observed: Observed,
+        *,
+        timeouts: Timeouts,
+        max_batch_size: int,
+        send_uuid: bool,
+        ids: IdMint,
+        clock: Callable[[], float],
+        stalled: Callable[[Lane, Instance, int], bool],
+    ) -> None:
+        self.upstream = upstream
+        self.metrics = metrics
+        self.observed = observed
+        self.timeouts = timeouts
+        self.max_batch_size = max_batch_size
+        self.send_uuid = send_uuid
+        self.ids = ids
+        self.clock = clock
+        self.stalled = stalled
+        # Tasks sending queued sub-requests; held so they are not collected mid-flight.
+        self._senders: set[asyncio.Task] = set()
+
+    async def wait_to_share(self, lane: Lane, work: Work) -> Encoded:
+        # A healthy encoder works off its backlog in about the estimated time; one that stalls
+        # (its sub-requests running into the timeout) must not hold queued groups behind it.
+        patience = lane.patience(work.size)
+        if self.timeouts.total is not None:
+            patience = min(patience, self.timeouts.total / 4)
+        lane.queued(work)
+        work.timer = asyncio.get_running_loop().call_later(patience, self._impatient, lane, work)
+        try:
+            return await work.future
+        except asyncio.CancelledError:
+            # The request went away (its client, or another of its groups failed). Waiting, it
+            # simply leaves; in flight, the sub-request goes on for the others in it, unless
+            # none is left.
+            work.timer.cancel()
+            if not lane.unqueued(work):
+                batch = work.batch
+                if batch is not None and not batch.done:
+                    batch.live -= 1
+                    if batch.live == 0 and batch.sending and batch.task is not None:
+                        batch.task.cancel()
+            raise
+
+    def drain(self, lane: Lane, encoder: Instance) -> None:
+        """Send what waits in `lane` while the encoder has room, one sending task per slot."""
+        while lane.waiting and lane.inflight < BUSY_INFLIGHT and not lane.gone:
+            batch = self._batch(lane.next_batch(self.max_batch_size, self.clock(), self.timeouts.total))
+            task = asyncio.get_running_loop().create_task(self._send_queued(lane, encoder, batch))
+            batch.task = task
+            self._senders.add(task)
+            task.add_done_callback(self._senders.discard)
+
+    @staticmethod
+    def _batch(works: list[Work]) -> Batch:
+        batch = Batch(works, None, len(works))
+        for work in works:
+            work.batch = batch
+            if work.timer is not None:
+                work.timer.cancel()
+        return batch
+
+    @staticmethod
+    def _impatient(lane: Lane, work: Work) -> None:
+        if lane.unqueued(work):
+            lane.impatient += 1
+            _settle(work, SendAlone())
+
+    async def _send_queued(self, lane: Lane, encoder: Instance, batch: Batch) -> None:
+        """Send queued sub-requests on one of the lane's slots until nothing waits."""
+        try:
+            while True:
+                await self._send_batch(lane, encoder, batch)
+                if not lane.waiting or lane.inflight >= BUSY_INFLIGHT or lane.gone:
+                    return
+                batch = self._batch(lane.next_batch(self.max_batch_size, self.clock(), self.timeouts.total))
+                batch.task = asyncio.current_task()
+        finally:
+            if lane.waiting:
+                self.drain(lane, encoder)
+
+    async def _send_batch(self, lane: Lane, encoder: Instance, batch: Batch) -> None:
+        """One queued sub-request; every group in it learns its own share of the answer, or how
+        it failed."""
+        works = batch.works
+        items = [item for work in works for item in work.items]
+        if batch.live == 0:
+            # Every request in it went away before it left: nothing to send.
+            lane.finished(len(items), 0.0, None)
+            batch.done = True
+            return
+        batch.sending = True
+        shared = len(works) > 1
+        transfer_ids = [self.ids.transfer_id() for _ in items]
+        head = works[0]
+        sent = self.clock()
+        done = None
+        watch = self._watch(lane, encoder, batch, len(items), head.consumer_zmq is None)
+        try:
+            try:
+                if shared:
+                    # Its own id: no client's id labels the others' media, in the encoder's logs too.
+                    request_id = self.ids.shared_request_id()
+                    members = [work.trace.request_id for work in works]
+                    lane.shared[request_id] = members
+                    for work in works:
+                        work.trace.shared.append(request_id)
+                    log.info(
+                        "shared encoder sub-request %s to %s: %d items of %d members %s",
+                        request_id,
+                        encoder.url,
+                        len(items),
+                        len(works),
+                        " ".join(members),
+                    )
+                    payload = coalesced_payload(works, transfer_ids, self.send_uuid)
+                    # Health dedups a 5xx per request; this sub-request is its own.
+                    trace = Trace(request_id)
+                else:
+                    request_id = self.ids.child_request_id(head.trace.request_id, head.items[0].index)
+                    payload = head.dumps(
+                        encoder_body(
+                            head.body,
+                            head.items,
+                            send_uuid=self.send_uuid,
+                            transfer_ids=transfer_ids,
+                            consumer_zmq=head.consumer_zmq,
+                        )
+                    )
+                    trace = head.trace
+                self.metrics.encoder_subrequests.labels(encoder.url).inc()
+                self.metrics.items_per_subrequest.observe(len(items))
+                reply = await self.observed(
+                    encoder, post_encoder(self.upstream, encoder, payload, request_id, self.timeouts), trace
+                )
+                if shared:
+                    self.metrics.coalesced.labels(encoder.url).inc()
+                    shares = split_params(reply.ec_transfer_params, [work.size for work in works], encoder.url)
+                else:
+                    shares = [reply.ec_transfer_params]
+                done = self.clock()
+            except ProxyError as exc:
+                if shared:
+                    self._shared_failed(lane, encoder, works, exc)
+                else:
+                    _settle(head, exc)
+                return
+            except BaseException as exc:
+                # Cancelled (every request in it went away, or the proxy stops) or a fault here:
+                # no request may wait for an answer that will never come.
+                cancelled = isinstance(exc, asyncio.CancelledError)
+                if cancelled and batch.abandoned:
+                    # Its members went elsewhere; the encoder learns it from the closed call.
+                    asyncio.current_task().uncancel()
+                    return
+                for work in works:
+                    if not work.future.done():
+                        if cancelled:
+                            work.future.cancel()
+                        else:
+                            work.future.set_exception(exc)
+                if cancelled:
+                    raise
+                return
+        finally:
+            if watch is not None:
+                watch.cancel()
+            if shared:
+                lane.shared.pop(request_id, None)
+            lane.finished(len(items), sent, done)
+            batch.done = True
+        if shared:
+            lane.shared_ok(len(items))
+        offset = 0
+        for work, params in zip(works, shares):
+            ids = transfer_ids[offset : offset + work.size]
+            offset += work.size
+            if work.future.done():
+                continue  # its request went away
+            work.trace.subrequest_share += 1.0 / len(works)
+            if shared:
+                work.trace.coalesced += 1
+            work.future.set_result(Encoded(encoder, params, ids))
+
+    def _watch(self, lane: Lane, encoder: Instance, batch: Batch, items: int, movable: bool):
+        """A timer for a sub-request far past its expected time (lanes.Lane.overdue_after)."""
+        after = lane.overdue_after(items, self.timeouts.total)
+        if after is None:
+            return None
+        return Overdue(after, lambda: self._overdue(lane, encoder, batch, items, movable))
+
+    def _overdue(self, lane: Lane, encoder: Instance, batch: Batch, items: int, movable: bool) -> None:
+        if batch.done:
+            return
+        elsewhere = self.stalled(lane, encoder, items)
+        if not (elsewhere and movable):
+            return  # a Mooncake push may still arrive under these transfer ids: never sent twice
+        # Its members go elsewhere (the same uuids give the same embeddings), before their
+        # own budgets run out; the stuck call ends for no one.
+        batch.abandoned = True
+        for work in batch.works:
+            _settle(work, SendAlone(moved=True))
+        if batch.task is not None:
+            batch.task.cancel()
+
+    def _shared_failed(self, lane: Lane, encoder: Instance, works: list[Work], exc: ProxyError) -> None:
+        log.info(
+            "coalesced encoder sub-request of %d requests to %s failed (%s); resending each request's items alone",
+            len(works),
+            encoder.url,
+            exc.message[:200],
+        )
+        self.metrics.split_retries.labels(encoder.url).inc()
+        waiting = [work for work in works if not work.future.done()]
+        verdict = None
+        if waiting and (exc.stage == "match" or (exc.answered is not None and 400 <= exc.answered < 500)):
+            verdict = Verdict(lane, sum(work.size for work in works), len(waiting), self._charge)
+        for work in waiting:
+            if exc.answered is not None and exc.answered >= 500:
+                # Health counted this 5xx once already; the lone resend must not count it again.
+                work.trace.charged_5xx.add(encoder.url)
+            _settle(work, SendAlone(exc, verdict))
+
+    def _charge(self, lane: Lane, items: int, charged: str) -> None:
+        self.metrics.shared_refusals.labels(lane.url, charged).inc()
+        if charged == "request":
+            lane.charged_requests += 1
+        else:
+            lane.share_failed(items, self.clock())
+
+
+def _settle(work: Work, exc: BaseException) -> None:
+    if not work.future.done():
+        work.future.set_exception(exc)
+
+
+def coalesced_payload(works: Sequence[Work], transfer_ids: Sequence[str], send_uuid: bool) -> list:
+    """One encoder body for several requests' groups of the same key: their media in order, each
+    written by its own request (whose spliced buffer its parts point into), around the fields
+    they share. `messages` comes first so the parts go at a fixed place."""
+    head = works[0]
+    shared = encoder_body(head.body, (), send_uuid=send_uuid, transfer_ids=transfer_ids, consumer_zmq=head.consumer_zmq)
+    del shared["messages"]
+    pieces: list = [b'{"messages":[{"role":"user","content":[']
+    for n, work in enumerate(works):
+        written = work.dumps(encoder_parts(work.items, send_uuid))
+        if not isinstance(written, list):
+            written = [written]
+        first, last = bytes(written[0]), bytes(written[-1])
+        if n:
+            pieces.append(b",")
+        if len(written) == 1:
+            pieces.append(first[1:-1])
+            continue
+        pieces.append(first[1:])
+        pieces.extend(written[1:-1])
+        pieces.append(last[:-1])
+    pieces.append(b"]}],")
+    pieces.append(orjson.dumps(shared)[1:])
+    return pieces

@@ -1,0 +1,142 @@
+"""Encoder sub-requests on the wire: their bodies (pure), their ids, and sending one.
+
+What the encode step (encode.py) and cross-request coalescing (coalesce.py) both send.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from epd_proxy.calls.upstream import Payload, Timeouts, Upstream
+from epd_proxy.errors import ProxyError
+from epd_proxy.fleet.backends import CHAT_PATH, Instance
+from epd_proxy.journey.extract import MediaItem
+from epd_proxy.journey.trace import Trace
+
+Dumps = Callable[[Any], Payload]
+# Awaits one backend call and tells health how it went (the pipeline's, shared by every stage).
+Observed = Callable[[Instance, Awaitable[Any], Trace], Awaitable[Any]]
+
+log = logging.getLogger("epd_proxy.encode")
+
+# Without these the encoder processes media with default options while the consumer applies the
+# client's, and vLLM fails with "Attempted to assign N = N multimodal tokens to M placeholders".
+FORWARDED_FIELDS = ("mm_processor_kwargs", "media_io_kwargs", "priority", "session_id")
+# An encoder answers a few hundred bytes per item (its `ec_transfer_params`); even at
+# --max-media-items 256 that is well under this, and anything larger is not an encoder's answer.
+MAX_ENCODER_ANSWER_BYTES = 1 << 20
+
+
+class IdMint:
+    """Transfer ids and child request ids from a per-process random stream seeded by the OS.
+
+    They must be unique, not secret; drawing from the OS per id costs a system call each, and a
+    request mints several.
+    """
+
+    def __init__(self) -> None:
+        self._rng = random.Random(os.urandom(32))
+
+    def transfer_id(self) -> str:
+        return f"{self._rng.getrandbits(128):032x}"
+
+    def shared_request_id(self) -> str:
+        """A sub-request carrying several requests' groups is its own: no member's id names it."""
+        return f"shared-{self._rng.getrandbits(64):016x}"
+
+    def child_request_id(self, request_id: str, first_index: int) -> str:
+        return f"{request_id}:{first_index}:{self._rng.getrandbits(24):06x}"
+
+
+def encoder_parts(items: Sequence[MediaItem], send_uuid: bool) -> list[dict[str, Any]]:
+    """The group's media parts as the encoder gets them: under the proxy's uuid where the consumer
+    will name the item by it too."""
+    return [{**item.part, "uuid": item.uuid} if send_uuid and item.named else item.part for item in items]
+
+
+def encoder_body(
+    client_body: dict[str, Any],
+    items: Sequence[MediaItem],
+    *,
+    send_uuid: bool,
+    transfer_ids: Sequence[str] = (),
+    consumer_zmq: str | None = None,
+) -> dict[str, Any]:
+    """One user message holding only the group's media, nothing the encoder would have to sample."""
+    body: dict[str, Any] = {
+        "model": client_body.get("model"),
+        "messages": [{"role": "user", "content": encoder_parts(items, send_uuid)}],
+        "stream": False,
+    }
+    for name in FORWARDED_FIELDS:
+        if name in client_body:
+            body[name] = client_body[name]
+    if consumer_zmq is not None:
+        # The producer matches these by position: the engine may rehash, so no mm_hash is sent.
+        body["ec_transfer_params"] = {
+            "consumer_zmq": consumer_zmq,
+            "ec_items": [{"transfer_id": tid} for tid in transfer_ids],
+        }
+    return body
+
+
+@dataclass(frozen=True, slots=True)
+class EncoderReply:
+    encoder: Instance
+    ec_transfer_params: dict[str, Any] | None
+
+
+async def post_encoder(
+    upstream: Upstream, encoder: Instance, payload: Payload, request_id: str, timeouts: Timeouts
+) -> EncoderReply:
+    headers = {"x-request-id": request_id, "Content-Type": "application/json"}
+    answer = await upstream.call(
+        encoder,
+        "POST",
+        CHAT_PATH,
+        body=payload,
+        headers=headers,
+        timeouts=timeouts,
+        stage="encode",
+        what="Encoder request",
+        # The same uuid gives the same embedding, so a sub-request may be sent again.
+        idempotent=True,
+        max_body=MAX_ENCODER_ANSWER_BYTES,
+    )
+    raw = answer.body
+    if not 200 <= answer.status < 300:
+        text = raw.decode("utf-8", "replace")[:2000]
+        raise ProxyError(
+            answer.status,
+            f"Encoder request failed: {text}",
+            stage="encode",
+            backend=encoder.url,
+            answered=answer.status,
+        )
+    try:
+        parsed = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        log.warning("encoder %s answered 200 with a body that is not JSON; its items stay raw media", encoder.url)
+        return EncoderReply(encoder, None)
+    params = parsed.get("ec_transfer_params") if isinstance(parsed, dict) else None
+    return EncoderReply(encoder, params if isinstance(params, dict) else None)
+
+
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """One group's share of an encoder's answer, as if the group had been sent alone."""
+
+    encoder: Instance
+    ec_transfer_params: dict[str, Any] | None
+    transfer_ids: list[str]
+
+    @property
+    def backend(self) -> str:
+        return self.encoder.url

@@ -1,0 +1,339 @@
+"""The encoder scheduler's pure core (scheduler.py): speed estimates, placement by expected
+finish, load-adaptive fan-out, cache affinity, and which queued groups share a sub-request."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from epd_proxy.fleet.lanes import (
+    COALESCE_TARGET_ITEMS,
+    OVERDUE_FACTOR,
+    OVERDUE_FLOOR_S,
+    PAUSE_FLOOR_S,
+    PAUSE_MAX_S,
+    PRIOR_FIXED_RATIO,
+    PROBE_ITEMS,
+    STALE_S,
+    SUSPECT_HOLD_S,
+    Lane,
+    Lanes,
+    coalesce_key,
+    take_batch,
+)
+from epd_proxy.fleet.scheduler import ExpectedFinish, Key
+from epd_proxy.journey.subrequest import FORWARDED_FIELDS
+from tests.unit.fleet.test_scheduler import fleet, serve
+
+
+def test_a_serial_encoder_is_measured_by_the_time_between_its_answers():
+    lane = Lane("http://e0")
+    serve(lane, [1, 4, 2, 8, 3] * 10, per_item_s=0.010)
+    assert lane.item_s == pytest.approx(0.010, rel=1e-6)
+    assert lane.fixed_s == pytest.approx(PRIOR_FIXED_RATIO * 0.010, rel=1e-6)
+    assert (lane.inflight, lane.subs, lane.items) == (0, 0, 0)
+
+
+def test_a_three_times_slower_encoder_is_estimated_three_times_slower():
+    fast, slow = Lane("f"), Lane("s")
+    serve(fast, [3, 5, 1, 4] * 20, per_item_s=0.004)
+    serve(slow, [3, 5, 1, 4] * 20, per_item_s=0.012)
+    assert slow.item_s / fast.item_s == pytest.approx(3.0, rel=1e-6)
+
+
+def test_an_answer_after_an_idle_gap_counts_from_when_it_was_sent():
+    lane = Lane("e")
+    lane.started(2)
+    lane.finished(2, 0.0, 1.0)
+    lane.started(2)
+    lane.finished(2, 5.0, 5.5)  # sent long after the first answer: it held the encoder 0.5 s
+    assert lane.item_s == pytest.approx((1.0 + 0.5) / 2 / (2 + PRIOR_FIXED_RATIO))
+
+
+def test_a_failed_sub_request_teaches_nothing_but_is_counted_out():
+    lane = Lane("e")
+    lane.started(3)
+    lane.finished(3, 0.0, None)
+    assert (lane.item_s, lane.samples, lane.inflight, lane.subs, lane.items) == (None, 0, 0, 0, 0)
+
+
+def test_an_encoder_slow_once_and_left_idle_gets_work_again_and_is_measured_afresh():
+    encoders = fleet(2)
+    policy = ExpectedFinish(affinity=False)
+    fast, slow = (policy.lanes.of(e) for e in encoders)
+    serve(fast, [1] * 20, 0.001)
+    serve(slow, [1] * 3, 0.300)  # a slow spell: a cold start, a pause
+    # Idle, one image at a time: while the slow spell is recent, it all goes to the fast one.
+    now = fast.last_done
+    assert {policy.place(encoders, [Key(f"a{i}")], 0, now)[0][0] for i in range(4)} == {encoders[0]}
+    # Unheard from for STALE_S, the slow one is taken at the others' speed and shares the work...
+    later = slow.last_done + STALE_S + 1.0
+    fast.last_done = later - 0.5
+    picks = {policy.place(encoders, [Key(f"b{i}")], 0, later)[0][0] for i in range(4)}
+    assert picks == set(encoders)
+    # ...and its next answer starts a new estimate instead of averaging with the old spell.
+    slow.started(1, later)
+    slow.finished(1, later, later + 0.001)
+    assert slow.samples == 1 and slow.item_s == pytest.approx(0.001 / (1 + PRIOR_FIXED_RATIO))
+
+
+def test_a_call_finishing_on_an_encoder_that_left_does_not_bring_its_lane_back():
+    lanes = Lanes()
+    gone, staying = fleet(2)
+    lane = lanes.of(gone)
+    lane.started(2)
+    lanes.left(gone)
+    lanes.of(gone).finished(2, 0.0, 0.1)
+    lanes.of(staying)
+    assert [kept.url for kept in lanes.all()] == [staying.url]
+
+
+def test_unknown_encoders_are_taken_as_fast_as_the_known_mean():
+    lanes = Lanes()
+    a, b, c = (lanes.of(e) for e in fleet(3))
+    serve(a, [2] * 5, 0.002)
+    serve(b, [2] * 5, 0.004)
+    fixed, item = lanes.costs([a, b, c])
+    assert item[2] == pytest.approx((item[0] + item[1]) / 2) and fixed[2] == pytest.approx((fixed[0] + fixed[1]) / 2)
+    assert lanes.costs([lanes.of(e) for e in fleet(2)]) == ([PRIOR_FIXED_RATIO] * 2, [1.0] * 2)
+
+
+def test_a_lane_goes_with_its_encoder():
+    lanes = Lanes()
+    encoder = fleet(1)[0]
+    lane = lanes.of(encoder)
+    assert lanes.of(encoder) is lane
+    lanes.left(encoder)
+    assert lanes.of(encoder) is not lane
+
+
+# -- placement ----------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class W:
+    key: bytes | None
+    size: int
+    name: str = ""
+    priority: int = 0
+    moved: bool = False
+
+    def move(self) -> None:
+        self.moved = True
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    works=st.lists(st.tuples(st.sampled_from([b"a", b"b", b"c"]), st.integers(1, 5)), min_size=1, max_size=15),
+    limit=st.integers(0, 12),
+)
+def test_a_batch_is_the_oldest_group_and_later_ones_of_its_key_within_the_limit(works, limit):
+    queue = deque(W(key, size, str(i)) for i, (key, size) in enumerate(works))
+    before = list(queue)
+    batch = take_batch(queue, limit)
+    assert batch[0] is before[0]
+    assert all(w.key == batch[0].key for w in batch)
+    assert len(batch) == 1 or sum(w.size for w in batch) <= limit
+    # Nothing lost or duplicated, and what stays keeps its order.
+    assert sorted(map(id, batch + list(queue))) == sorted(map(id, before))
+    assert list(queue) == [w for w in before if w not in batch]
+    # Groups in the batch are in arrival order, and none that fitted was passed over for a later one.
+    assert [before.index(w) for w in batch] == sorted(before.index(w) for w in batch)
+
+
+def test_a_group_never_shares_past_the_limit_and_an_unshareable_one_goes_alone():
+    queue = deque([W(b"k", 3), W(b"k", 3), W(b"k", 2), W(b"k", 1)])
+    assert [w.size for w in take_batch(queue, 6)] == [3, 3]
+    assert [w.size for w in take_batch(queue, 6)] == [2, 1]
+    queue = deque([W(None, 1), W(None, 1)])
+    assert len(take_batch(queue, 8)) == 1
+
+
+def test_lane_batches_count_one_sub_request_and_the_cap_wins():
+    lane = Lane("e")
+    for size in (2, 2, 2, 2, 2):
+        lane.queued(W(b"k", size))
+    assert (lane.subs, lane.items) == (5, 10)
+    batch = lane.next_batch(0)
+    assert len(batch) == 4 and (lane.subs, lane.items, lane.inflight, lane.inflight_items) == (2, 10, 1, 8)
+    lane.finished(8, 0.0, 1.0)
+    assert (lane.subs, lane.items, lane.inflight, lane.inflight_items) == (1, 2, 0, 0)
+    assert len(lane.next_batch(1)) == 1, "the batch cap wins"
+
+
+def test_a_share_at_fault_halves_to_a_probe_then_pauses_and_recovers_by_itself():
+    lane = Lane("e")
+    lane.share_failed(8, now=10.0)
+    assert (lane.merge_limit, lane.share_limit(0, 10.0, None)) == (4, 4)
+    lane.share_failed(4, now=10.0)
+    lane.share_failed(2, now=10.0)
+    # At the probe size, sharing pauses for PAUSE_FLOOR_S, then probes with two again.
+    assert lane.share_limit(0, 10.0 + PAUSE_FLOOR_S / 2, None) == 0
+    assert lane.share_limit(0, 10.0 + PAUSE_FLOOR_S, None) == PROBE_ITEMS
+    lane.share_failed(2, now=11.0)
+    assert lane.paused_until == 11.0 + 2 * PAUSE_FLOOR_S, "pauses double while probes fail"
+    for _ in range(20):
+        lane.share_failed(2, now=11.0)
+    assert lane.paused_until == 11.0 + PAUSE_MAX_S
+    # A probe that splits ends the pause; the share doubles back as TCP's slow start does.
+    lane.shared_ok(2)
+    assert (lane.paused_until, lane.merge_limit) == (0.0, 4)
+    lane.shared_ok(4)
+    assert lane.merge_limit == COALESCE_TARGET_ITEMS
+    assert lane.backoffs == 24
+
+
+def test_a_shared_sub_request_holds_only_what_fits_a_third_of_the_encode_timeout():
+    lane = Lane("e")
+    serve(lane, [1] * 40, per_item_s=0.1)
+    fixed, per_item = lane.fixed_s, lane.item_s
+    assert lane.share_limit(0, 0.0, None) == COALESCE_TARGET_ITEMS
+    assert lane.share_limit(0, 0.0, 2.4) == int((2.4 / 3 - fixed) / per_item) == 7
+    assert lane.share_limit(0, 0.0, 0.45) == 1
+    assert lane.share_limit(0, 0.0, 0.1) <= 0, "not even two: the oldest group goes alone"
+
+
+def test_queued_groups_leave_by_priority_then_arrival_as_in_vllm():
+    lane = Lane("e")
+    for name, priority in (("a", 10), ("b", 10), ("c", 0), ("d", 10), ("e", -5), ("f", 0)):
+        lane.queued(W(name.encode(), 1, name, priority))
+    order = []
+    while lane.waiting:
+        (work,) = lane.next_batch(0)
+        order.append(work.name)
+    assert order == ["e", "c", "f", "a", "b", "d"]
+
+
+def test_an_encoder_that_goes_hands_every_waiting_group_on():
+    lanes, (encoder,) = Lanes(), fleet(1)
+    lane = lanes.of(encoder)
+    works = [W(b"k", 2) for _ in range(3)]
+    for work in works:
+        lane.queued(work)
+    lanes.ejected(encoder.url)
+    assert all(work.moved for work in works) and not lane.waiting and (lane.subs, lane.items) == (0, 0)
+    lane.queued(W(b"k", 1))
+    lanes.left(encoder)
+    assert lane.gone and not lane.waiting
+
+
+def test_a_sub_request_far_past_its_expected_time_is_overdue_but_never_during_a_cold_start():
+    lane = Lane("e")
+    lane.started(1, 0.0)
+    assert lane.overdue_after(1, 300.0) is None, "nothing known of its speed yet"
+    lane.finished(1, 0.0, 0.010)
+    lane.started(4, 1.0)
+    lane.started(4, 1.0)
+    expected = lane.fixed_s * 2 + lane.item_s * 8
+    assert lane.overdue_after(4, 300.0) == max(OVERDUE_FLOOR_S, OVERDUE_FACTOR * expected) == OVERDUE_FLOOR_S
+    assert lane.overdue_after(4, 1.0) == 0.75, "always before the encode timeout"
+    assert lane.stalled(2.0) and not lane.stalled(2.5), "suspect once"
+    assert lane.avoid(2.5 + SUSPECT_HOLD_S - 0.01) and not lane.avoid(2.5 + SUSPECT_HOLD_S)
+    lane.finished(4, 1.0, 3.0)
+    assert not lane.suspect, "it answered"
+
+
+def test_patience_grows_with_the_backlog_ahead():
+    lane = Lane("e")
+    short = lane.patience(1)
+    serve(lane, [2] * 10, 0.01)
+    idle = lane.patience(1)
+    for _ in range(10):
+        lane.started(4)
+    assert short > 0 and lane.patience(1) > idle
+
+
+BASE = {"model": "m", "messages": [], "max_tokens": 3}
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"model": "other"},
+        {"mm_processor_kwargs": {"size": {"shortest_edge": 8}}},
+        {"media_io_kwargs": {"image": {"rgba_background_color": [0, 0, 0]}}},
+        {"priority": 1},
+        {"session_id": "s2"},
+        {"priority": None},
+    ],
+)
+def test_requests_differing_in_anything_the_encoder_sees_never_share(change):
+    assert coalesce_key({**BASE, **change}, FORWARDED_FIELDS, None) != coalesce_key(BASE, FORWARDED_FIELDS, None)
+
+
+def test_the_consumer_address_and_key_order_are_part_of_the_key():
+    assert coalesce_key(BASE, FORWARDED_FIELDS, "tcp://c:0") != coalesce_key(BASE, FORWARDED_FIELDS, "tcp://c:1")
+    one = {**BASE, "mm_processor_kwargs": {"a": 1, "b": 2}}
+    other = {**BASE, "mm_processor_kwargs": {"b": 2, "a": 1}}
+    assert coalesce_key(one, FORWARDED_FIELDS, None) != coalesce_key(other, FORWARDED_FIELDS, None)
+
+
+def test_what_the_encoder_never_sees_does_not_split_requests():
+    other = {
+        **BASE,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 99,
+        "temperature": 0.3,
+        "stream": True,
+        "cache_salt": "x",
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
+    assert coalesce_key(other, FORWARDED_FIELDS, None) == coalesce_key(BASE, FORWARDED_FIELDS, None)
+
+
+def test_an_unwritable_body_is_not_shared():
+    deep: dict = {}
+    for _ in range(300):
+        deep = {"x": deep}
+    assert coalesce_key({**BASE, "mm_processor_kwargs": deep}, FORWARDED_FIELDS, None) is None
+
+
+def test_work_an_encoder_has_done_on_its_oldest_sub_request_counts_as_done():
+    encoders = fleet(2)
+    policy = ExpectedFinish(affinity=False)
+    a, b = (policy.lanes.of(e) for e in encoders)
+    for lane in (a, b):
+        serve(lane, [4] * 10, 0.010)
+    # The same queue on both, but a's oldest sub-request has been running for 40 ms.
+    a.started(4, now=10.0)
+    b.started(4, now=10.04)
+    (pick,), _ = policy.place(encoders, [Key("x")], 0, now=10.04)
+    assert pick is encoders[0]
+    # Without a clock both look alike, and the rotation decides.
+    assert {policy.place(encoders, [Key(f"y{i}")], 0)[0][0].url for i in range(2)} == {"http://e0", "http://e1"}
+
+
+VALUES = st.one_of(
+    st.none(),
+    st.integers(-2, 2),
+    st.sampled_from(["a", "b"]),
+    st.dictionaries(st.sampled_from(["x", "y"]), st.integers(0, 1), max_size=2),
+)
+BODIES = st.fixed_dictionaries(
+    {"model": st.sampled_from(["m", "n"]), "messages": st.just([])},
+    optional={
+        **{name: VALUES for name in FORWARDED_FIELDS},
+        "max_tokens": st.integers(1, 3),
+        "temperature": st.floats(0, 1),
+        "cache_salt": st.sampled_from(["s", "t"]),
+    },
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    one=BODIES, other=BODIES, zmq=st.lists(st.sampled_from([None, "tcp://c:0", "tcp://c:1"]), min_size=2, max_size=2)
+)
+def test_two_groups_share_exactly_when_their_encoder_bodies_match_but_for_the_media(one, other, zmq):
+    from epd_proxy.journey.subrequest import encoder_body
+
+    def written(body, consumer):
+        return orjson.dumps(encoder_body(body, [], send_uuid=True, transfer_ids=(), consumer_zmq=consumer))
+
+    same_key = coalesce_key(one, FORWARDED_FIELDS, zmq[0]) == coalesce_key(other, FORWARDED_FIELDS, zmq[1])
+    assert same_key == (written(one, zmq[0]) == written(other, zmq[1]))
