@@ -185,7 +185,7 @@ async def test_an_encoder_error_reaches_an_anthropic_client_in_anthropics_shape(
 
 async def test_an_unreachable_decoder_answers_anthropic_clients_in_their_shape(make_stack):
     stack = await make_stack(encoders=1)
-    await stack.servers[-2].close()  # the decoder, the last fake started
+    await stack.servers[-1].close()  # the decoder: consumers are started last
     status, _, raw = await post(stack, stack.url, "messages", messages_body())
     answer = orjson.loads(raw)
     assert status == 502 and answer["type"] == "error" and "Decode" in answer["error"]["message"]
