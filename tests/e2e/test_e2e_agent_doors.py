@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from tests.http.polling import eventually_sync
+from epd_proxy.tools.testing.polling import eventually_sync
 
 from .e2e_helpers import EPD, MODEL, PREFILL, image_source, kv_loads, loaded_hashes, store_entries
 

@@ -6,39 +6,12 @@ import orjson
 
 from epd_proxy.errors import ErrorAnswer, ProxyError
 from epd_proxy.journey.doors import CHAT
-from epd_proxy.journey.match import ItemMatch, Matches
 from epd_proxy.journey.messages_api import (
     MESSAGES,
 )
 from epd_proxy.journey.responses_api import (
     RESPONSES,
 )
-
-URL = "data:image/png;base64,aW1hZ2UtQQ=="
-
-
-def responses(*parts, **fields):
-    return {
-        "model": "m",
-        "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}, *parts]}],
-        **fields,
-    }
-
-
-def image_part(url=URL, **extra):
-    return {"type": "input_image", "image_url": url, **extra}
-
-
-def anthropic_image(data="aW1hZ2UtQQ==", media_type="image/png"):
-    return {"type": "image", "source": {"type": "base64", "media_type": media_type, "data": data}}
-
-
-def matches_for(items):
-    m = Matches()
-    for item in items:
-        m.items[item.index] = ItemMatch({"image_grid_thw": [1, 2, 2]}, f"h{item.index}", f"t{item.index}")
-        m.handles[f"h{item.index}"] = {"metadata": {}}
-    return m
 
 
 def test_errors_take_each_doors_shape():

@@ -21,18 +21,6 @@ from epd_proxy.journey.subrequest import encoder_parts
 URL = "data:image/png;base64,aW1hZ2UtQQ=="
 
 
-def responses(*parts, **fields):
-    return {
-        "model": "m",
-        "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}, *parts]}],
-        **fields,
-    }
-
-
-def image_part(url=URL, **extra):
-    return {"type": "input_image", "image_url": url, **extra}
-
-
 def anthropic_image(data="aW1hZ2UtQQ==", media_type="image/png"):
     return {"type": "image", "source": {"type": "base64", "media_type": media_type, "data": data}}
 

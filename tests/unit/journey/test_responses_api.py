@@ -31,10 +31,6 @@ def image_part(url=URL, **extra):
     return {"type": "input_image", "image_url": url, **extra}
 
 
-def anthropic_image(data="aW1hZ2UtQQ==", media_type="image/png"):
-    return {"type": "image", "source": {"type": "base64", "media_type": media_type, "data": data}}
-
-
 def matches_for(items):
     m = Matches()
     for item in items:
