@@ -13,7 +13,7 @@ from epd_proxy.options import Choice, ConfigError, Count, Kind, Number, Option, 
 # Names a user may pick, here so that the configuration needs no component (which keys them by these).
 MEDIA_HASH_NAMES = ("sha256", "blake3")
 ENCODE_POLICIES = ("expected_finish", "round_robin", "least_loaded", "content_affinity", "random", "power_of_two")
-SERVING_POLICIES = ("least_loaded", "power_of_two", "round_robin", "random")
+SERVING_POLICIES = ("prefix_affinity", "least_loaded", "power_of_two", "round_robin", "random")
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 ROSTER_SCHEMES = ("redis", "rediss", "unix")
@@ -199,17 +199,50 @@ class Config:
         flag="--no-coalescing",
     )
     prefill_policy: str = option(
-        "least_loaded",
+        "prefix_affinity",
         Choice(SERVING_POLICIES),
-        "how a prefill instance is chosen per request: `least_loaded` (in-flight count), `power_of_two`, "
-        "`round_robin`, `random`",
+        "how a prefill instance is chosen per request: `prefix_affinity` (every turn of a conversation where its "
+        "earlier turns ran, so their KV is reused, unless that instance holds over 1.25x the mean load; see "
+        "docs/prefix-routing.md), `least_loaded` (in-flight count), `power_of_two`, `round_robin`, `random`",
         flag="--prefill-policy",
     )
     decode_policy: str = option(
-        "least_loaded",
+        "prefix_affinity",
         Choice(SERVING_POLICIES),
-        "how a decode (or PD) instance is chosen per request, as `--prefill-policy`",
+        "how a PD (or decode) instance is chosen per request, as `--prefill-policy`; split decode instances, "
+        "whose KV comes from prefill, go by load under `prefix_affinity`",
         flag="--decode-policy",
+    )
+    reuse: bool = option(
+        True,
+        Switch(False),
+        "encode a conversation's earlier images again on every turn, as references, instead of sending them raw "
+        "under their uuids to the consumer, which holds them in its prefix cache or finds them in the EC store "
+        "(see [Conversations](prefix-routing.md))",
+        flag="--no-reuse",
+    )
+    consumer_encode: bool = option(
+        True,
+        Switch(False),
+        "fail a request with media when no encoder can take it (503 with none in rotation or all queued past "
+        "`--consumer-encode-after`, 502/504 when none answers) instead of sending the media raw for the consumer to "
+        "encode itself (see [Conversations](prefix-routing.md))",
+        flag="--no-consumer-encode",
+    )
+    consumer_encode_after_s: float = option(
+        10.0,
+        Seconds(positive=True),
+        "seconds a new item would wait behind this proxy's work queued on every encoder (at each one's measured "
+        "speed) past which media go raw for the consumer to encode instead; long enough that only an overwhelmed "
+        "or stalled encoder tier trips it",
+        flag="--consumer-encode-after",
+    )
+    text_only_consumers: bool = option(
+        False,
+        Switch(True),
+        "the prefill / PD instances run with vLLM's `--language-model-only`: never send them raw media (a consumer "
+        "that refuses raw media is also learnt from its 400)",
+        flag="--text-only-consumers",
     )
     encoder_failovers: int = option(
         1,

@@ -63,6 +63,10 @@ def build_pipeline(
         encoder_failovers=config.encoder_failovers,
         lanes=lanes,
         coalesce=config.coalesce,
+        reuse=config.reuse,
+        consumer_encode=config.consumer_encode,
+        consumer_encode_after_s=config.consumer_encode_after_s,
+        text_only_consumers=config.text_only_consumers,
     )
 
 

@@ -26,3 +26,14 @@ def chat(*parts: dict[str, Any], text: str = "What is shown?", **fields: Any) ->
         "max_tokens": 8,
         **fields,
     }
+
+
+def conversation(*turns: list[dict[str, Any]], reply: str = "Noted.", **fields: Any) -> dict[str, Any]:
+    """A chat's body on its last turn: every earlier turn's user parts, each answered by `reply`,
+    re-sent in front of the last, as chat clients and agents do."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You operate a browser."}]
+    for n, parts in enumerate(turns):
+        if n:
+            messages.append({"role": "assistant", "content": reply})
+        messages.append({"role": "user", "content": [{"type": "text", "text": f"step {n}"}, *parts]})
+    return {"model": "tiny-vlm", "messages": messages, "max_tokens": 8, **fields}

@@ -21,6 +21,9 @@ class Instance:
     zmq_addrs: tuple[str, ...] = ()
     dp_size: int = 1
     inflight: int = 0
+    # A consumer without a vision tower (vLLM's --language-model-only): it refuses raw media, so
+    # every item reaches it as an embeddings reference (journey/reuse.py).
+    text_only: bool = False
     _dp_cursor: int = field(default=0, repr=False)
 
     def next_dp_rank(self) -> int:

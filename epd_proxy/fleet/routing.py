@@ -1,6 +1,7 @@
 """Routing policies behind one narrow interface: `choose(candidates, keys)`.
 
-One pick per key: for encoders a key is an item's content uuid, for prefill/decode the request id.
+One pick per key: for encoders a key is an item's content uuid, for prefill/decode the request id
+or, for `prefix_affinity`, the conversation's key (journey/reuse.py).
 Policies see only instance load counters, so they stay pure and testable without sockets.
 """
 
@@ -130,6 +131,27 @@ class ContentAffinity:
         return picks
 
 
+class PrefixAffinity(ContentAffinity):
+    """Every turn of a conversation to the prefill / PD instance that served its earlier turns.
+
+    vLLM's prefix-cache block hashes fold in the multimodal identifiers, which are the proxy's
+    uuids (vllm/v1/core/kv_cache_utils.py): turn k+1 where turn k ran reuses its KV, image tokens
+    included. The key (the conversation's opening, the same on every turn) is hashed with bounded
+    load like an encoder's content uuid, so a hot conversation spills to the next instance on the
+    ring instead of piling onto its home. Stateless: every worker and replica computes the same
+    home from the same key and members (why not a shared index or KV events: docs/prefix-routing.md).
+    A request with no conversation to continue (key None) goes by load."""
+
+    def __init__(self, load_factor: float = 1.25) -> None:
+        super().__init__(load_factor=load_factor)
+        self._by_load = LeastLoaded()
+
+    def choose(self, candidates: Sequence[Instance], keys: Sequence[str | None]) -> list[Instance]:
+        if any(key is None for key in keys):
+            return self._by_load.choose(candidates, keys)
+        return super().choose(candidates, keys)
+
+
 POLICIES: dict[str, Callable[[], RoutingPolicy]] = {
     "expected_finish": ExpectedFinish,
     "round_robin": RoundRobin,
@@ -137,6 +159,7 @@ POLICIES: dict[str, Callable[[], RoutingPolicy]] = {
     "least_loaded": LeastLoaded,
     "power_of_two": PowerOfTwo,
     "content_affinity": ContentAffinity,
+    "prefix_affinity": PrefixAffinity,
 }
 
 

@@ -113,6 +113,8 @@ def _totals(metrics: Metrics) -> dict[str, Any]:
         "coalesced_subrequests": total(metrics.coalesced),
         "split_retries": total(metrics.split_retries),
         "affinity_hits": total(metrics.affinity_hits),
+        "items_reused": total(metrics.reused),
+        "items_consumer_encoded": total(metrics.consumer_encoded),
         "images_per_subrequest": (
             round(items["epd_encoder_items_per_subrequest_sum"] / items["epd_encoder_items_per_subrequest_count"], 2)
             if items.get("epd_encoder_items_per_subrequest_count")

@@ -159,7 +159,7 @@ class EncodeStep:
                         work = Work(key, group_items, body, consumer_zmq, trace, dumps, future, _priority(body))
                         return await self.coalescer.wait_to_share(lane, work)
                 encoded = await self._send_alone(
-                    encoder, group_items, group.indices[0], body, consumer_zmq, trace, dumps
+                    encoder, group_items, group_items[0].index, body, consumer_zmq, trace, dumps
                 )
             except SendAlone as alone:
                 if verdict is not None:

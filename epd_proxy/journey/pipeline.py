@@ -1,5 +1,8 @@
 """One request's journey: route → plan → encode → match → rewrite → prefill → decode, with retries.
 
+What the consumer can reuse is not encoded (reuse.py): routing sends a conversation where its
+earlier turns ran, and their images go to it raw under their uuids.
+
 Every attempt starts again from the client's untouched body, so a retry never inherits the
 previous attempt's transfer ids, EC handles or KV block ids.
 """
@@ -16,12 +19,12 @@ from typing import Any
 import orjson
 
 from epd_proxy.calls.upstream import REFUSED_ANSWER, NoAnswer, Payload, Timeouts, Upstream
-from epd_proxy.errors import BadRequest, ErrorAnswer, ProxyError
+from epd_proxy.errors import BackendUnreachable, BadRequest, ErrorAnswer, ProxyError
 from epd_proxy.fleet.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE, Instance
 from epd_proxy.fleet.health import Health, counts_against_instance
 from epd_proxy.fleet.lanes import Lanes
 from epd_proxy.fleet.registry import Registry
-from epd_proxy.fleet.routing import RoutingPolicy
+from epd_proxy.fleet.routing import PrefixAffinity, RoutingPolicy
 from epd_proxy.journey.decode import DecodeAnswer, hold_head, open_decode
 from epd_proxy.journey.doors import CHAT, Door
 from epd_proxy.journey.encode import EncodeStep
@@ -29,6 +32,7 @@ from epd_proxy.journey.extract import MediaItem
 from epd_proxy.journey.match import Matches, match_groups
 from epd_proxy.journey.plan import plan_groups
 from epd_proxy.journey.prefill import run_prefill
+from epd_proxy.journey.reuse import NO_RAW_MEDIA, EncodePlan, conversation_key, plan_encode, swamped
 from epd_proxy.journey.splice import Spliced
 from epd_proxy.journey.trace import Trace
 from epd_proxy.ops.metrics import Metrics
@@ -95,6 +99,10 @@ class Pipeline:
         encoder_failovers: int,
         lanes: Lanes | None = None,
         coalesce: bool = True,
+        reuse: bool = True,
+        consumer_encode: bool = True,
+        consumer_encode_after_s: float = 10.0,
+        text_only_consumers: bool = False,
     ) -> None:
         self.fleet = fleet
         self.health = health
@@ -119,6 +127,12 @@ class Pipeline:
         )
         self.prefill_timeouts = prefill_timeouts
         self.decode_timeouts = decode_timeouts
+        self.reuse = reuse
+        self.consumer_encode = consumer_encode
+        self.consumer_encode_after_s = consumer_encode_after_s
+        self.text_only_consumers = text_only_consumers
+        # Whether routing reads the conversation key, which costs a digest of the opening messages.
+        self._keyed = any(isinstance(policy, PrefixAffinity) for policy in policies.values())
 
     def candidates(self, role: str) -> Sequence[Instance]:
         """The registry's members of a role that health lets take traffic now."""
@@ -128,12 +142,17 @@ class Pipeline:
         """Where a request's answer comes from: combined PD instances first, else split decoders."""
         return self.candidates(PREFILL_DECODE) or self.candidates(DECODE)
 
-    def choose_route(self, request_id: str) -> Route:
-        keys = (request_id,)
+    def choose_route(self, request_id: str, job: ClientBody | None = None) -> Route:
+        """The consumer that holds the conversation's prefix (prefix_affinity), or by load; in
+        E+P+D the prefix is prefill's, and a split decode instance goes by load."""
+        keys: tuple[str | None, ...] = (request_id,)
+        if self._keyed and job is not None and job.body is not None:
+            keys = (conversation_key(job.body, job.items),)
         candidates = self.decoders()
         if not candidates:
             raise _unavailable("no live decode instance")
-        decoder = self.policies[DECODE].choose(candidates, keys)[0]
+        combined = candidates[0].role == PREFILL_DECODE
+        decoder = self.policies[DECODE].choose(candidates, keys if combined else (None,))[0]
         prefill = None
         if decoder.role == DECODE:
             prefills = self.candidates(PREFILL)
@@ -200,7 +219,7 @@ class Pipeline:
         while True:
             attempt += 1
             trace.attempts = attempt
-            matches = await self._encode(job, route.consumer_zmq, trace)
+            plan, matches = await self._encode(job, route, trace)
             prepared = door.consumer_body(job.body, job.items, matches, rewrite=self.rewrite, push_mode=push_mode)
             try:
                 decode_body = prepared
@@ -233,22 +252,77 @@ class Pipeline:
                 job.release()
                 return answer
             except ErrorAnswer as exc:
+                if self._refused_raw_media(exc, plan, route):
+                    continue
                 # A consumer answers 500 when an embedding it was promised never arrived:
                 # re-encoding republishes it, so 500 (and only 500) is worth another attempt.
                 if exc.status != 500 or attempt == attempts:
                     raise
                 self._note_retry(trace, exc.stage, "answered 500", exc.message)
 
-    async def _encode(self, job: ClientBody, consumer_zmq: str | None, trace: Trace) -> Matches:
-        """Plan (placement, then groups), encode, match: one attempt's embeddings."""
-        if not job.items:
+    async def _encode(self, job: ClientBody, route: Route, trace: Trace) -> tuple[EncodePlan, Matches]:
+        """Encode what the consumer cannot reuse. When no encoder answers (after failover) the
+        consumer that may take raw media encodes instead: a request is not lost to a stopped
+        encoder tier. An answered error is not handed on: input that makes an encoder fail with
+        a 5xx could take the consumer down with it."""
+        plan = self._plan_encode(job, route)
+        try:
+            matches = await self._encode_items(job, plan.encode, route.consumer_zmq, trace)
+        except ProxyError as exc:
+            if not (plan.raw_ok and self.consumer_encode and isinstance(exc, BackendUnreachable)):
+                raise
+            log.warning("request %s: encoders failed (%s); the consumer encodes", trace.request_id, exc.message[:200])
+            plan, matches = EncodePlan((), raw_ok=True, consumer_encoded=len(job.items)), Matches()
+        trace.reused += plan.reused
+        trace.consumer_encoded += plan.consumer_encoded
+        self.metrics.reused.inc(plan.reused)
+        self.metrics.consumer_encoded.inc(plan.consumer_encoded)
+        return plan, matches
+
+    def _plan_encode(self, job: ClientBody, route: Route) -> EncodePlan:
+        consumers = (route.decoder,) if route.prefill is None else (route.prefill, route.decoder)
+        raw_ok = (
+            self.rewrite
+            and not self.text_only_consumers
+            and route.consumer_zmq is None
+            and not any(c.text_only for c in consumers)
+        )
+        last_resort = False
+        if raw_ok and self.consumer_encode and job.items:
+            encoders = self.candidates(ENCODE)
+            lanes = [self.encode.lanes.of(encoder) for encoder in encoders]
+            last_resort = swamped(lanes, self.consumer_encode_after_s, self.encode.clock())
+        return plan_encode(job.body, job.items, raw_ok=raw_ok, reuse=self.reuse, last_resort=last_resort)
+
+    def _refused_raw_media(self, exc: ErrorAnswer, plan: EncodePlan, route: Route) -> bool:
+        """A consumer without a vision tower (--language-model-only) refuses raw media with a
+        400 before anything runs: it takes only references from now on, and this attempt is
+        made again with every item encoded."""
+        if exc.status != 400 or NO_RAW_MEDIA not in exc.message or not (plan.reused or plan.consumer_encoded):
+            return False
+        for consumer in (route.prefill, route.decoder):
+            if consumer is not None and consumer.url == exc.backend:
+                consumer.text_only = True
+                log.warning(
+                    "%s refused raw media (%s); it gets only embeddings references from now on",
+                    consumer.url,
+                    exc.message[:200],
+                )
+                return True
+        return False
+
+    async def _encode_items(
+        self, job: ClientBody, items: Sequence[MediaItem], consumer_zmq: str | None, trace: Trace
+    ) -> Matches:
+        """Plan (placement, then groups), encode, match: the embeddings of `items`."""
+        if not items:
             return Matches()
         started = time.perf_counter()
-        assignment = self.encode.place(job.items, trace)
-        groups = plan_groups(job.items, assignment, self.encode.max_batch_size)
-        answers = await self.encode.run(job.body, job.items, groups, consumer_zmq, trace, job.dumps)
+        assignment = self.encode.place(items, trace)
+        groups = plan_groups(items, assignment, self.encode.max_batch_size)
+        answers = await self.encode.run(job.body, items, groups, consumer_zmq, trace, job.dumps)
         matches = match_groups(
-            job.body, job.items, [group.indices for group in groups], answers, push_mode=consumer_zmq is not None
+            job.body, items, [group.indices for group in groups], answers, push_mode=consumer_zmq is not None
         )
         trace.encode_s += time.perf_counter() - started
         return matches

@@ -23,15 +23,16 @@ class EncoderGroup(Generic[E]):
 
 
 def plan_groups(items: Sequence[MediaItem], assignment: Sequence[E], max_batch: int) -> list[EncoderGroup[E]]:
-    """Groups in creation order; `assignment[k]` is item k's encoder, `max_batch` 0 = unlimited."""
+    """Groups in creation order; `assignment[k]` is item k's encoder, `max_batch` 0 = unlimited.
+    A group's indices are positions in `items`, which may be some of a request's items only."""
     if len(items) != len(assignment):
         raise ValueError("one encoder choice per item is required")
     groups: list[list[int]] = []
     encoders: list[E] = []
     open_image_group: dict[E, int] = {}
-    for item, encoder in zip(items, assignment):
+    for position, (item, encoder) in enumerate(zip(items, assignment)):
         if not item.is_image:
-            groups.append([item.index])
+            groups.append([position])
             encoders.append(encoder)
             continue
         slot = open_image_group.get(encoder)
@@ -40,5 +41,5 @@ def plan_groups(items: Sequence[MediaItem], assignment: Sequence[E], max_batch: 
             open_image_group[encoder] = slot
             groups.append([])
             encoders.append(encoder)
-        groups[slot].append(item.index)
+        groups[slot].append(position)
     return [EncoderGroup(encoder, tuple(indices)) for encoder, indices in zip(encoders, groups)]

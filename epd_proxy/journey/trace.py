@@ -32,6 +32,10 @@ class Trace:
     shared: list[str] = field(default_factory=list)
     affinity_hits: int = 0
     encoder_failovers: int = 0
+    # Items sent raw to the consumer instead of to an encoder: it holds them from earlier turns
+    # (reused), or no encoder could take them in time (consumer_encoded).
+    reused: int = 0
+    consumer_encoded: int = 0
     encode_s: float = 0.0
     prefill_s: float = 0.0
     decode_ttfb_s: float = 0.0
@@ -69,6 +73,8 @@ def account(metrics: Metrics, trace: Trace, status: int | str, route: Any) -> No
         "shared": ",".join(trace.shared) or None,
         "affinity_hits": trace.affinity_hits,
         "encoder_failovers": trace.encoder_failovers,
+        "reused": trace.reused,
+        "consumer_encoded": trace.consumer_encoded,
         "attempts": trace.attempts,
         "outcome": trace.outcome,
         "decode": route.decoder.url if route else None,

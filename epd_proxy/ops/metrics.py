@@ -253,6 +253,16 @@ class Metrics:
             "Media items sent to the encoder that was last sent the same content (where it is cached)",
             registry=r,
         )
+        self.reused = Counter(
+            "epd_items_reused",
+            "Media items sent raw to a consumer that holds them from an earlier turn, instead of to an encoder",
+            registry=r,
+        )
+        self.consumer_encoded = Counter(
+            "epd_items_consumer_encoded",
+            "Media items sent raw for the consumer to encode: no encoder in rotation, or all queued past the bound",
+            registry=r,
+        )
         self.retries = Counter(
             "epd_retries", "Whole-pipeline retries after a consumer HTTP 500, by stage", ["stage"], registry=r
         )

@@ -4,6 +4,7 @@
 - ``prefill_stack``: E+P+D, 2 encoders + prefill + decode + a baseline + the proxy
   (KV handed from prefill to decode through a folder, vLLM's ExampleConnector).
 - ``audio_stack``: E+PD on the tiny Qwen2-Audio model, 1 encoder + PD + a baseline + the proxy.
+- ``two_pd_stack``: 2 encoders + 2 PDs + a baseline + the proxy, for conversations placed by prefix.
 
 The baseline is a plain vLLM instance with no EC or KV role, started from the
 same model folder and flags, so a correct proxy must reproduce its answers exactly.
@@ -30,15 +31,15 @@ import pytest
 from epd_proxy.tools.local.stack import LocalStack, StackConfig
 from epd_proxy.tools.local.supervisor import find_free_port_block, http_ok
 
-from .e2e_helpers import AUDIO, EPD, PREFILL, comparable
+from .e2e_helpers import AUDIO, EPD, PREFILL, TWO_PDS, comparable
 
 REPO = Path(__file__).resolve().parents[2]
 WORK = Path(os.environ.get("EPD_E2E_WORK_DIR", REPO / "work" / "e2e-stack"))
 
 
 # The order the stacks are started in; tests that need none run first.
-STACK_ORDER = {EPD: 1, PREFILL: 2, AUDIO: 3}
-STACK_FIXTURES = {"stack": EPD, "prefill_stack": PREFILL, "audio_stack": AUDIO}
+STACK_ORDER = {EPD: 1, PREFILL: 2, AUDIO: 3, TWO_PDS: 4}
+STACK_FIXTURES = {"stack": EPD, "prefill_stack": PREFILL, "audio_stack": AUDIO, "two_pd_stack": TWO_PDS}
 
 
 def pytest_collection_modifyitems(items):
@@ -61,11 +62,13 @@ def pytest_collection_modifyitems(items):
 def stack_config(kind: str) -> StackConfig:
     # Encoders, PD or prefill + decode, the baseline, then the proxy right after them.
     encoders = 1 if kind == AUDIO else 2
-    servers = encoders + (3 if kind == PREFILL else 2)
+    consumers = 2 if kind == TWO_PDS else 1
+    servers = encoders + consumers + (2 if kind == PREFILL else 1)
     base = find_free_port_block(servers + 1, start=int(os.environ.get("EPD_E2E_BASE_PORT", "18200")))
-    suffix = {EPD: "", PREFILL: "-prefill", AUDIO: "-audio"}[kind]
+    suffix = {EPD: "", PREFILL: "-prefill", AUDIO: "-audio", TWO_PDS: "-two-pds"}[kind]
     return StackConfig(
         encoders=encoders,
+        consumers=consumers,
         baseline=True,
         prefill=kind == PREFILL,
         model_kind="audio" if kind == AUDIO else "image",
@@ -75,7 +78,7 @@ def stack_config(kind: str) -> StackConfig:
         health_timeout=float(os.environ.get("EPD_E2E_HEALTH_TIMEOUT", "600")),
         # PD's DEBUG log is the only place that says it loaded an embedding
         # from the store instead of running its own encoder.
-        pd_debug_log=kind in (EPD, AUDIO),
+        pd_debug_log=kind in (EPD, AUDIO, TWO_PDS),
         # Pin the spread so 5 images over 2 encoders are exactly 2 sub-requests.
         proxy_args=["--encode-policy", "round_robin", "--log-level", "DEBUG"],
         python=sys.executable,
@@ -140,6 +143,11 @@ def prefill_stack(_stacks) -> LocalStack:
 @pytest.fixture
 def audio_stack(_stacks) -> LocalStack:
     return _stacks.get(AUDIO)
+
+
+@pytest.fixture
+def two_pd_stack(_stacks) -> LocalStack:
+    return _stacks.get(TWO_PDS)
 
 
 @pytest.fixture(autouse=True)

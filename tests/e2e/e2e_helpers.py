@@ -22,7 +22,7 @@ from epd_proxy.tools.testing.polling import eventually_sync
 
 MODEL = "tiny-vlm"
 # The topologies the tests run, as the fidelity table names them.
-EPD, PREFILL, AUDIO = "E+PD", "E+P+D", "E+PD audio"
+EPD, PREFILL, AUDIO, TWO_PDS = "E+PD", "E+P+D", "E+PD audio", "E+2PD"
 # Byte-level tokenizer of the tiny model: byte b has token id b.
 LOWERCASE_IDS = list(range(ord("a"), ord("z") + 1))
 SMALL = (224, 160)  # 8 x 6 merged patches = 48 image tokens by default

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from epd_proxy.tools.local.stack import LocalStack, StackConfig, assign_cores
 from epd_proxy.tools.local.up import main as up_main
 
@@ -113,7 +115,34 @@ def test_dry_run_prefill_is_e_p_d(capsys):
 def test_dry_run_without_prefill_has_no_kv_role(capsys):
     assert up_main(["--dry-run", "--work-dir", "/nonexistent-epd-dry-run/q"]) == 0
     out = capsys.readouterr().out
-    assert "--kv-transfer-config" not in out and "--block-size" not in out and "--prefill-servers-urls" not in out
+    assert "--kv-transfer-config" not in out and "--prefill-servers-urls" not in out
+    # Prefix reuse counts whole blocks: the PD gets small ones, the encoder (no KV to reuse) none.
+    blocks = {n: a[a.index("--block-size") + 1] if "--block-size" in a else None for n, a in _vllm_lines(out).items()}
+    assert blocks == {"encoder-0": None, "pd": "32"}
+
+
+def test_dry_run_with_several_pds_serves_them_all_each_on_a_core(capsys):
+    argv = ["--encoders", "2", "--pds", "2", "--dry-run", "--work-dir", "/nonexistent-epd-dry-run/m"]
+    assert up_main([*argv, "--base-port", "8300"]) == 0
+    out = capsys.readouterr().out
+    servers = _vllm_lines(out)
+    assert list(servers) == ["encoder-0", "encoder-1", "pd", "pd-1"]
+    ports = {n: a[a.index("--port") + 1] for n, a in servers.items()}
+    assert ports == {"pd": "8300", "encoder-0": "8301", "encoder-1": "8302", "pd-1": "8303"}
+    (proxy,) = [shlex.split(ln) for ln in out.splitlines() if "epd_proxy serve" in ln]
+    assert proxy[proxy.index("--decode-servers-urls") + 1] == "http://127.0.0.1:8300,http://127.0.0.1:8303"
+    assert assign_cores(2, False, [0, 1], consumers=2) == {"encoder-0": "0", "encoder-1": "1", "pd": "1", "pd-1": "0"}
+    with pytest.raises(SystemExit) as refused:
+        up_main(["--pds", "0", "--dry-run", "--work-dir", "/nonexistent-epd-dry-run/m"])
+    assert refused.value.code == 2
+
+
+def test_several_prefills_share_one_decode():
+    cfg = StackConfig(encoders=1, prefill=True, consumers=2, base_port=9000, work_dir=Path("/nonexistent/w"))
+    st = LocalStack(cfg)
+    assert [m.name for m in st.instances] == ["encoder-0", "prefill", "prefill-1", "decode"]
+    assert st.consumer_urls == ["http://127.0.0.1:9002", "http://127.0.0.1:9003"]
+    assert st.proxy.cmd[st.proxy.cmd.index("--prefill-servers-urls") + 1] == ",".join(st.consumer_urls)
 
 
 def test_local_package_imports_without_torch():

@@ -15,8 +15,9 @@ async def error_of(resp):
     return (await resp.json())["error"]
 
 
+# Where the consumer may not encode media itself (--no-consumer-encode; with it, see test_reuse.py).
 async def test_encoder_transport_error_is_502_when_no_other_encoder(make_stack):
-    stack = await make_stack(encoders=1)
+    stack = await make_stack(encoders=1, consumer_encode=False)
     stack.encoders[0].faults.fail_next(1, 0)  # drop the connection
     async with await stack.chat(chat(image("A"))) as resp:
         assert resp.status == 502
@@ -26,7 +27,7 @@ async def test_encoder_transport_error_is_502_when_no_other_encoder(make_stack):
 
 
 async def test_encoder_refusing_connections_is_502(make_stack):
-    stack = await make_stack(encoders=1)
+    stack = await make_stack(encoders=1, consumer_encode=False)
     await stack.servers[0].close()
     async with await stack.chat(chat(image("A"))) as resp:
         assert resp.status == 502
@@ -71,7 +72,7 @@ async def test_one_failed_group_cancels_the_others(make_stack):
 
 
 async def test_hanging_encoder_times_out_with_504_naming_the_stage(make_stack):
-    stack = await make_stack(encoders=1, encode_timeout_s=0.2)
+    stack = await make_stack(encoders=1, encode_timeout_s=0.2, consumer_encode=False)
     stack.encoders[0].faults.delay_s = 30
     async with asyncio.timeout(5):
         async with await stack.chat(chat(image("A"))) as resp:

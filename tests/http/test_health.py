@@ -144,11 +144,17 @@ async def test_checks_are_answered_while_the_request_pool_is_saturated_by_a_slow
 
 @pytest.mark.parametrize("stage", ["decode", "prefill"])
 async def test_a_long_generation_does_not_eject_its_instance(make_stack, stage):
+    # The same body four times is one conversation; by load, it spreads over both instances.
+    by_load = {"decode_policy": "least_loaded", "prefill_policy": "least_loaded"}
     if stage == "decode":
-        stack = await make_stack(encoders=1, decoders=2, decode_timeout_s=0.2, fail_threshold=1, probe_interval_s=0)
+        stack = await make_stack(
+            encoders=1, decoders=2, decode_timeout_s=0.2, fail_threshold=1, probe_interval_s=0, **by_load
+        )
         slow, urls = stack.consumers, stack.backend_urls["d"]
     else:
-        stack = await make_stack(encoders=1, prefills=2, prefill_timeout_s=0.2, fail_threshold=1, probe_interval_s=0)
+        stack = await make_stack(
+            encoders=1, prefills=2, prefill_timeout_s=0.2, fail_threshold=1, probe_interval_s=0, **by_load
+        )
         slow, urls = stack.prefills, stack.backend_urls["p"]
     for fake in slow:
         fake.faults.delay_s = 2
@@ -183,7 +189,7 @@ async def test_max_ejection_percent_holds_with_four_encoders_and_three_failing(m
 
 
 async def test_active_checks_alone_may_take_every_encoder_out_in_dynamic_mode(dynamic_fleet):
-    client, add = await dynamic_fleet(probe_interval_s=0.05, fail_threshold=1)
+    client, add = await dynamic_fleet(probe_interval_s=0.05, fail_threshold=1, consumer_encode=False)
     await add("prefill_decode")
     encoder, e_url = await add("encode")
     encoder.healthy = False

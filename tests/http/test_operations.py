@@ -37,7 +37,8 @@ async def test_dynamic_fleet_starts_empty_and_routes_once_registered(dynamic_pro
     async with client.post("/v1/chat/completions", json=chat()) as resp:
         assert resp.status == 200, "text routes without encoders"
     async with client.post("/v1/chat/completions", json=chat(image("A"))) as resp:
-        assert resp.status == 503 and "no encoder" in (await resp.json())["error"]["message"]
+        assert resp.status == 200, "without encoders the PD encodes the media itself"
+    assert pd.encoded_locally == 1
     encoder, e_url = await start_fake("encode")
     async with client.post("/instances", json={"role": "encode", "url": e_url}, headers=KEY) as resp:
         assert resp.status == 200

@@ -98,7 +98,9 @@ async def proxies(redis_server):
 
 async def test_three_processes_share_one_roster_and_survive_the_store(redis_server, fakes, proxies):
     (encoder, e_url), (pd, pd_url), (_, e2_url) = await fakes("encode", "pd", "encode")
-    a, b, c = await proxies(3)
+    # Without an encoder, image requests are refused rather than encoded by the PD: what each
+    # process knows of the fleet shows in its answers.
+    a, b, c = await proxies(3, "--no-consumer-encode")
     want = {"encode": [e_url], "prefill_decode": [pd_url]}
 
     # Register through A; B and C learn of it from the store's change notification.

@@ -10,7 +10,6 @@ import logging
 import pytest
 
 from epd_proxy.fleet import lanes as lanes_module
-from epd_proxy.http.app import STATE
 from epd_proxy.tools.testing.fake_vllm import Costs
 from epd_proxy.tools.testing.polling import eventually
 from tests.http.test_coalescing import answer_of, busy_encoder, lanes, queue_behind, shared_subrequests, uuids_of
@@ -172,7 +171,7 @@ async def first_encoder_warmed(stack, proxy, *, delay_s, rounds):
 async def test_groups_queued_for_an_encoder_that_goes_move_at_once(make_stack, how):
     stack = await make_stack(encoders=2, max_ejection_percent=50)
     gone, other = stack.encoders
-    proxy = stack.servers[-1].app[STATE]
+    proxy = stack.state
     encoder, lane = await first_encoder_warmed(stack, proxy, delay_s=0.3, rounds=3)
     # Its two slots held, and groups waiting behind them (the other encoder is busy too).
     gone.faults.delay_s = other.faults.delay_s = 3.0
@@ -198,7 +197,7 @@ async def test_a_stalled_encoder_turns_suspect_its_work_moves_and_it_comes_back(
     monkeypatch.setattr(lanes_module, "SUSPECT_HOLD_S", 0.5)
     stack = await make_stack(encoders=2, encode_timeout_s=30.0)
     stuck, healthy = stack.encoders
-    proxy = stack.servers[-1].app[STATE]
+    proxy = stack.state
     encoder, lane = await first_encoder_warmed(stack, proxy, delay_s=0.05, rounds=4)
     assert len(stuck.requests) >= 2
     stuck.faults.delay_s = 60.0  # accepts, never answers within the test; /health stays 200

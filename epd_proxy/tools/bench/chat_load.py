@@ -109,8 +109,20 @@ async def _send(session: aiohttp.ClientSession, url: str, body: bytes, conversat
     return result
 
 
-async def _conversation(session, url: str, index: int, turns: list[bytes], results: list[Result]) -> None:
+# Pauses between a conversation's turns, in seconds: (shortest, longest), drawn uniformly from a
+# stream seeded by the conversation, so every arm waits the same. An agent's tools run between its
+# steps; without pauses a closed loop flatters load-based routing (the instance a turn just left
+# is the less loaded one when the next turn arrives).
+Think = tuple[float, float]
+
+
+async def _conversation(
+    session, url: str, index: int, turns: list[bytes], results: list[Result], think: Think = (0.0, 0.0)
+) -> None:
+    pauses = random.Random(index)
     for turn, body in enumerate(turns):
+        if turn and think[1] > 0:
+            await asyncio.sleep(pauses.uniform(*think))
         result = await _send(session, url, body, index, turn)
         results.append(result)
         if not result.ok:
@@ -124,14 +136,16 @@ def _session(concurrency: int) -> aiohttp.ClientSession:
     )
 
 
-async def closed_loop(url: str, conversations: list[list[bytes]], concurrency: int) -> list[Result]:
+async def closed_loop(
+    url: str, conversations: list[list[bytes]], concurrency: int, think: Think = (0.0, 0.0)
+) -> list[Result]:
     """`concurrency` clients, each taking the next conversation as soon as its last one ended."""
     results: list[Result] = []
     todo = iter(enumerate(conversations))
 
     async def client(session) -> None:
         for index, turns in todo:
-            await _conversation(session, url, index, turns, results)
+            await _conversation(session, url, index, turns, results, think)
 
     async with _session(concurrency) as session:
         await asyncio.gather(*(client(session) for _ in range(max(1, concurrency))))
@@ -148,7 +162,9 @@ def arrival_times(count: int, rate: float, seed: int) -> list[float]:
     return out
 
 
-async def open_loop(url: str, conversations: list[list[bytes]], rate_rps: float, seed: int) -> list[Result]:
+async def open_loop(
+    url: str, conversations: list[list[bytes]], rate_rps: float, seed: int, think: Think = (0.0, 0.0)
+) -> list[Result]:
     """Conversations start at Poisson times so that requests arrive at about `rate_rps` while the
     system keeps up; a slow system is not given a pause (no client waits for another)."""
     turns = sum(map(len, conversations)) / max(1, len(conversations))
@@ -159,13 +175,21 @@ async def open_loop(url: str, conversations: list[list[bytes]], rate_rps: float,
 
         async def start_at(index: int, delay: float) -> None:
             await asyncio.sleep(max(0.0, origin + delay - time.perf_counter()))
-            await _conversation(session, url, index, conversations[index], results)
+            await _conversation(session, url, index, conversations[index], results, think)
 
         await asyncio.gather(*(start_at(i, d) for i, d in enumerate(starts)))
     return results
 
 
-def run(url: str, conversations: list[list[bytes]], *, concurrency: int = 0, rate: float = 0.0, seed: int = 0):
+def run(
+    url: str,
+    conversations: list[list[bytes]],
+    *,
+    concurrency: int = 0,
+    rate: float = 0.0,
+    seed: int = 0,
+    think: Think = (0.0, 0.0),
+):
     if rate > 0:
-        return asyncio.run(open_loop(url, conversations, rate, seed))
-    return asyncio.run(closed_loop(url, conversations, concurrency))
+        return asyncio.run(open_loop(url, conversations, rate, seed, think))
+    return asyncio.run(closed_loop(url, conversations, concurrency, think))

@@ -207,6 +207,7 @@ class RealBenchOptions:
     prefill: bool = option(
         False, Switch(), "E+P+D: a prefill and a decode instead of PD", flag="--prefill", group=LOCAL_STACK
     )
+    pds: int = option(1, Count(1), "PD instances (prefill instances with `--prefill`)", flag="--pds", group=LOCAL_STACK)
     stack_dir: Path = option(
         Path("work/bench-stack"), Folder(), "the stack's work folder", flag="--stack-dir", group=LOCAL_STACK
     )
@@ -255,6 +256,23 @@ class RealBenchOptions:
         0.25, Real("SHARE", 0), "share of image slots from popular images", flag="--popular-share", group=LOAD
     )
     max_images: int = option(12, Count(1), "most images in one request", flag="--max-images", group=LOAD)
+    workload: str = option(
+        "mix",
+        Choice(("mix", "agent")),
+        "`mix`: MUIRBench-like chats; `agent`: sessions of 6-10 steps, each adding one screenshot and re-sending "
+        "the history",
+        flag="--workload",
+        group=LOAD,
+    )
+    think_ms: str | None = option(
+        None,
+        Text(),
+        "pause between a conversation's turns in milliseconds, drawn per turn from LO-HI",
+        flag="--think-ms",
+        group=LOAD,
+        metavar="LO-HI",
+        shown="100-400 with `--workload agent`, none for `mix`",
+    )
     quick: bool = option(
         False,
         Switch(),

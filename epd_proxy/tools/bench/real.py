@@ -35,7 +35,7 @@ from epd_proxy.tools.bench import chat_load, engines, procs, real_report
 from epd_proxy.tools.bench.engines import BASELINE, DECODE, ENCODE, PD, PREFILL, Engine
 from epd_proxy.tools.bench.flags import OUR_COMMAND, REAL_GROUPS, REAL_QUICK, RealBenchOptions
 from epd_proxy.tools.bench.runner import CHECKOUT, command_words, http_get, wait_ready
-from epd_proxy.tools.bench.workload import ChatMixSpec, get_chats
+from epd_proxy.tools.bench.workload import AgentSpec, ChatMixSpec, get_chats
 from epd_proxy.tools.testing.harness import free_port
 
 SINGLE = "single-instance"
@@ -91,6 +91,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def think_range(args: RealBenchOptions) -> tuple[float, float]:
+    """Seconds between turns: --think-ms LO-HI, else 100-400 ms for agents (their tools run between
+    steps) and none for the chat mix."""
+    text = args.think_ms if args.think_ms is not None else ("100-400" if args.workload == "agent" else "0")
+    lo, _, hi = text.partition("-")
+    try:
+        low, high = float(lo) / 1000, float(hi or lo) / 1000
+    except ValueError:
+        raise SystemExit(f"--think-ms takes LO-HI in milliseconds, got {text!r}") from None
+    if not 0 <= low <= high:
+        raise SystemExit(f"--think-ms needs 0 <= LO <= HI, got {text!r}")
+    return low, high
+
+
 def wants_real_mode(argv: list[str]) -> bool:
     return any(a == "--stack" or a.startswith("--encode-urls") for a in argv)
 
@@ -107,6 +121,7 @@ class RealBench:
         self.notes: list[str] = []
         self.resets = not args.no_reset
         self.canonical: dict[tuple[int, int], chat_load.Answer] = {}
+        self.think = think_range(args)
 
     # -- engines ---------------------------------------------------------------------------------
     def start_engines(self) -> None:
@@ -120,6 +135,7 @@ class RealBench:
                 encoders=a.encoders,
                 baseline=True,
                 prefill=a.prefill,
+                consumers=a.pds,
                 with_proxy=False,
                 base_port=a.base_port,
                 work_dir=a.stack_dir,
@@ -129,9 +145,10 @@ class RealBench:
             self.stack = LocalStack(config, progress_stream=sys.stderr)
             self.stack.start(tty=False)
             st = self.stack
-            cores = assign_cores(a.encoders, True, sorted(os.sched_getaffinity(0)), prefill=a.prefill)
+            cores = assign_cores(a.encoders, True, sorted(os.sched_getaffinity(0)), prefill=a.prefill, consumers=a.pds)
             for m in st.instances:
-                role = {"pd": PD, "prefill": PREFILL, "decode": DECODE, "baseline": BASELINE}.get(m.name, ENCODE)
+                kind = m.name.split("-")[0]
+                role = {"pd": PD, "prefill": PREFILL, "decode": DECODE, "baseline": BASELINE}.get(kind, ENCODE)
                 self.engines.append(Engine(m.name, role, m.health_url.rsplit("/", 1)[0], m.proc.pid))
                 if not a.no_pin:
                     # vLLM binds only its compute threads; its API server (media decoding and
@@ -222,9 +239,12 @@ class RealBench:
     # -- blocks ----------------------------------------------------------------------------------
     def drive(self, url: str, conversations: list[list[bytes]], level: tuple[str, float]) -> list[chat_load.Result]:
         kind, value = level
+        think = self.think
         if kind == "rate":
-            return chat_load.run(url + "/v1/chat/completions", conversations, rate=value, seed=self.args.seed)
-        return chat_load.run(url + "/v1/chat/completions", conversations, concurrency=int(value))
+            return chat_load.run(
+                url + "/v1/chat/completions", conversations, rate=value, seed=self.args.seed, think=think
+            )
+        return chat_load.run(url + "/v1/chat/completions", conversations, concurrency=int(value), think=think)
 
     def run_block(self, arm: Arm, level: tuple[str, float], round_no: int, measured, warmup) -> dict[str, Any]:
         self.reset()
@@ -306,17 +326,20 @@ class RealBench:
             raise SystemExit("give at least one --concurrency or --rate level")
         self.start_engines()
         try:
-            spec = ChatMixSpec(
-                seed=a.seed,
-                conversations=a.conversations,
-                multi_turn_share=a.multi_turn_share,
-                popular_share=a.popular_share,
-                max_images=a.max_images,
-                model=self.model,
-            )
+            if a.workload == "agent":
+                spec = AgentSpec(seed=a.seed, conversations=a.conversations, model=self.model)
+            else:
+                spec = ChatMixSpec(
+                    seed=a.seed,
+                    conversations=a.conversations,
+                    multi_turn_share=a.multi_turn_share,
+                    popular_share=a.popular_share,
+                    max_images=a.max_images,
+                    model=self.model,
+                )
             mix = get_chats(spec, a.cache_dir)
             warm = get_chats(
-                ChatMixSpec(**{**spec.__dict__, "seed": a.seed + 7919, "conversations": max(1, a.warmup)}),
+                type(spec)(**{**spec.__dict__, "seed": a.seed + 7919, "conversations": max(1, a.warmup)}),
                 a.cache_dir,
             )
             measured, warmup = mix.conversations, warm.conversations if a.warmup else []

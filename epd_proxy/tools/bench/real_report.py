@@ -140,7 +140,7 @@ def build(bench, arms: list, levels: list[tuple[str, float]], mix) -> dict[str, 
                 flagged.append(f"{name} at {level[0]} {level[1]:g}: {row['flag']}")
             rows.append(row)
     result = {
-        "workload": mix.summary(),
+        "workload": {"kind": bench.args.workload, "think_ms": [round(t * 1000) for t in bench.think], **mix.summary()},
         "engines": [{"name": e.name, "role": e.role, "url": e.url} for e in bench.engines],
         "arms": [{"name": arm.name, "command": arm.command, "env": arm.env} for arm in arms],
         "rounds": bench.args.rounds,

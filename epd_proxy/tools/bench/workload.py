@@ -303,6 +303,21 @@ class ChatMix:
         }
 
 
+def streamed_body(model: str, messages: list[dict], max_tokens: int) -> bytes:
+    """A turn as the benchmark sends it: greedy and seeded (answers comparable with the single
+    instance's), streamed with usage."""
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "seed": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    return orjson.dumps(body)
+
+
 def generate_chats(spec: ChatMixSpec) -> ChatMix:
     rng = random.Random(spec.seed)
     lo, hi = spec.min_image_bytes, spec.max_image_bytes
@@ -335,31 +350,67 @@ def generate_chats(spec: ChatMixSpec) -> ChatMix:
                 messages.append({"role": "assistant", "content": EARLIER_REPLY})
             messages.append({"role": "user", "content": content})
             sent += n
-            body = {
-                "model": spec.model,
-                "messages": messages,
-                "max_tokens": spec.max_tokens,
-                "temperature": 0.0,
-                "seed": 0,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
-            bodies.append(orjson.dumps(body))
+            bodies.append(streamed_body(spec.model, messages, spec.max_tokens))
             counts.append(sent)
         conversations.append(bodies)
         image_counts.append(counts)
     return ChatMix(conversations, image_counts)
 
 
-def get_chats(spec: ChatMixSpec, cache_dir: Path) -> ChatMix:
+AGENT_SYSTEM = "You operate a web browser for the user. Each step shows the current screen."
+AGENT_STEPS = ("Open the settings page.", "Find the search box.", "Type the order number.", "Press the button.")
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    """Agent sessions: each step adds one screenshot and re-sends the whole history with the
+    agent's earlier replies, as computer-use agents do. 224x224 is 64 image tokens on the tiny
+    model, so ten steps stay inside the local stack's --max-model-len."""
+
+    seed: int = 1234
+    conversations: int = 32
+    min_turns: int = 6
+    max_turns: int = 10
+    screen: tuple[int, int] = (224, 224)
+    min_image_bytes: int = 8_000
+    max_image_bytes: int = 40_000
+    max_tokens: int = 16
+    model: str = MODEL
+
+    def cache_key(self) -> str:
+        raw = json.dumps([GENERATOR_VERSION, "agent", *self.__dict__.values()])
+        return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def generate_agent_sessions(spec: AgentSpec) -> ChatMix:
+    rng = random.Random(spec.seed)
+    conversations, image_counts = [], []
+    for _ in range(spec.conversations):
+        messages: list[dict] = [{"role": "system", "content": AGENT_SYSTEM}]
+        bodies, counts = [], []
+        for turn in range(rng.randint(spec.min_turns, spec.max_turns)):
+            screen = _data_url(_textured_jpeg(rng, spec.screen, spec.min_image_bytes, spec.max_image_bytes))
+            if turn:
+                messages.append({"role": "assistant", "content": f"Done step {turn}. Next?"})
+            step = {"type": "text", "text": f"Step {turn + 1}: {rng.choice(AGENT_STEPS)}"}
+            messages.append({"role": "user", "content": [step, {"type": "image_url", "image_url": {"url": screen}}]})
+            bodies.append(streamed_body(spec.model, messages, spec.max_tokens))
+            counts.append(turn + 1)
+        conversations.append(bodies)
+        image_counts.append(counts)
+    return ChatMix(conversations, image_counts)
+
+
+def get_chats(spec: ChatMixSpec | AgentSpec, cache_dir: Path) -> ChatMix:
     cache_dir.mkdir(parents=True, exist_ok=True)
-    path = cache_dir / f"chats-seed{spec.seed}-n{spec.conversations}-{spec.cache_key()}.json"
+    kind = "agent" if isinstance(spec, AgentSpec) else "chats"
+    path = cache_dir / f"{kind}-seed{spec.seed}-n{spec.conversations}-{spec.cache_key()}.json"
     try:
         raw = orjson.loads(path.read_bytes())
         return ChatMix([[b.encode() for b in c] for c in raw["conversations"]], raw["images"])
     except (OSError, ValueError, KeyError):
         pass  # absent or unreadable: generate below
-    mix = generate_chats(spec)
+    mix = generate_agent_sessions(spec) if isinstance(spec, AgentSpec) else generate_chats(spec)
     tmp = path.with_suffix(".tmp")
     tmp.write_bytes(
         orjson.dumps({"conversations": [[b.decode() for b in c] for c in mix.conversations], "images": mix.images})

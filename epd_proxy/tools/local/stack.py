@@ -1,4 +1,4 @@
-"""A local stack on real vLLM: N encoders, one PD (E+PD) or one prefill and one
+"""A local stack on real vLLM: N encoders, one or more PDs (E+PD) or prefills and one
 decode (E+P+D), an optional baseline, and the proxy.
 
 Used by ``epd-proxy up`` and by the end-to-end tests::
@@ -62,13 +62,22 @@ class StackConfig:
         "E+P+D: separate prefill and decode instances handing KV over through a folder, instead of PD",
         flag="--prefill",
     )
+    consumers: int = option(
+        1,
+        Count(1),
+        "PD instances, or prefill instances with `--prefill` (named pd, pd-1, ... or prefill, prefill-1, ...); the "
+        "proxy places each conversation on the one holding its prefix",
+        flag="--pds",
+    )
     # That connector moves whole blocks only and the CPU default (128) moves nothing for short
-    # prompts. Prefill, decode and the baseline all use it: the same block size on both sides keeps
-    # the comparison exact.
+    # prompts; and a conversation's prefix reuse counts whole blocks (a turn's new tokens would
+    # hide inside a 128-token block recomputed anyway). Every consumer and the baseline use it: the
+    # same block size on both sides keeps the comparison exact.
     kv_block_size: int = option(
         32,
         Count(1),
-        "`--block-size` of prefill, decode and the baseline with `--prefill`; the KV connector moves whole blocks only",
+        "`--block-size` of every PD, prefill, decode and the baseline: prefix reuse counts whole blocks, and the "
+        "KV connector moves whole blocks only",
         flag="--kv-block-size",
     )
     model_kind: str = option(
@@ -153,20 +162,27 @@ def _cpu_list() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
-def assign_cores(n_encoders: int, baseline: bool, cores: Sequence[int], prefill: bool = False) -> dict[str, str]:
+def consumer_names(prefill: bool, consumers: int) -> list[str]:
+    first = "prefill" if prefill else "pd"
+    return [first] + [f"{first}-{k}" for k in range(1, consumers)]
+
+
+def assign_cores(
+    n_encoders: int, baseline: bool, cores: Sequence[int], prefill: bool = False, consumers: int = 1
+) -> dict[str, str]:
     """Map instance name -> VLLM_CPU_OMP_THREADS_BIND value.
 
     vLLM's default binding puts every instance on the same cores, so two
     servers on a 2-core box would fight over core 0.  With enough cores every
-    instance gets its own; otherwise the instance that streams tokens (PD, or
-    decode in E+P+D) keeps the last core to itself as far as possible and
-    encoders (and prefill, which runs between encoding and decode) share the rest.
+    instance gets its own; otherwise the instances that stream tokens (the PDs, or
+    decode in E+P+D) keep the last cores to themselves as far as possible and
+    encoders (and prefills, which run between encoding and decode) share the rest.
     """
     cores = list(cores) or [0]
     encoders = [f"encoder-{i}" for i in range(n_encoders)]
-    front = encoders + (["prefill"] if prefill else [])
-    streamer = "decode" if prefill else "pd"
-    names = front + [streamer] + (["baseline"] if baseline else [])
+    front = encoders + (consumer_names(True, consumers) if prefill else [])
+    streamers = ["decode"] if prefill else consumer_names(False, consumers)
+    names = front + streamers + (["baseline"] if baseline else [])
     if len(cores) >= len(names):
         # Split cores into contiguous, near-equal slices.
         out = {}
@@ -181,9 +197,10 @@ def assign_cores(n_encoders: int, baseline: bool, cores: Sequence[int], prefill:
     if len(cores) == 1:
         return {name: str(cores[0]) for name in names}
     last = cores[-1]
-    rest = cores[:-1]
+    rest = cores[: -len(streamers)] or cores
     out = {name: str(rest[i % len(rest)]) for i, name in enumerate(front)}
-    out[streamer] = str(last)
+    for k, name in enumerate(streamers):
+        out[name] = str(cores[-1 - k % len(cores)])
     if baseline:
         # The baseline is only queried between proxied requests, never at
         # the same time, so sharing PD's core does not skew either.
@@ -247,6 +264,10 @@ class LocalStack:
 
     def _port(self, name: str) -> int:
         c = self.config
+        role, _, k = name.rpartition("-")
+        if role in ("pd", "prefill"):
+            # After the single-consumer layout, so a one-consumer stack keeps its ports.
+            return c.base_port + c.encoders + (1 if c.prefill else 0) + (1 if c.baseline else 0) + int(k)
         if name == self.decoder_name:
             return c.base_port
         if name.startswith("encoder-"):
@@ -274,6 +295,11 @@ class LocalStack:
     @property
     def prefill_url(self) -> str | None:
         return self._url("prefill") if self.config.prefill else None
+
+    @property
+    def consumer_urls(self) -> list[str]:
+        """Every PD (E+PD) or every prefill (E+P+D)."""
+        return [self._url(name) for name in consumer_names(self.config.prefill, self.config.consumers)]
 
     @property
     def baseline_url(self) -> str | None:
@@ -340,7 +366,7 @@ class LocalStack:
                 cmd += ["--num-gpu-blocks-override", str(c.num_gpu_blocks_pd)]
         if ec_role:
             cmd += ["--ec-transfer-config", _connector_config("ec", "ECExampleConnector", ec_role, self.ec_store)]
-        if c.prefill and ec_role != "ec_producer":
+        if ec_role != "ec_producer":
             cmd += ["--block-size", str(c.kv_block_size)]
         if kv_role:
             cmd += ["--kv-transfer-config", _connector_config("kv", "ExampleConnector", kv_role, self.kv_store)]
@@ -349,12 +375,12 @@ class LocalStack:
 
     def _build_plan(self) -> None:
         c = self.config
-        cores = assign_cores(c.encoders, c.baseline, _cpu_list(), prefill=c.prefill)
+        cores = assign_cores(c.encoders, c.baseline, _cpu_list(), prefill=c.prefill, consumers=c.consumers)
         self.instances = []
 
         def add(name: str, role: str | None, kv_role: str | None = None) -> None:
             env = {"VLLM_CPU_OMP_THREADS_BIND": cores[name]}
-            if name in ("pd", "prefill", "decode") and c.pd_debug_log:
+            if not name.startswith(("encoder", "baseline")) and c.pd_debug_log:
                 env["VLLM_LOGGING_LEVEL"] = "DEBUG"
             self.instances.append(
                 Managed(
@@ -370,12 +396,14 @@ class LocalStack:
         for i in range(c.encoders):
             add(f"encoder-{i}", "ec_producer")
         if c.prefill:
-            add("prefill", "ec_consumer", "kv_producer")
+            for name in consumer_names(True, c.consumers):
+                add(name, "ec_consumer", "kv_producer")
             # Decode recomputes the prompt's last tokens (up to a block), which
             # may be image tokens: without the EC role its engine dies on them.
             add("decode", "ec_consumer", "kv_consumer")
         else:
-            add("pd", "ec_consumer")
+            for name in consumer_names(False, c.consumers):
+                add(name, "ec_consumer")
         if c.baseline:
             add("baseline", None)
         if c.with_proxy:
@@ -391,8 +419,8 @@ class LocalStack:
                 "--encode-servers-urls",
                 ",".join(self.encoder_urls),
                 "--decode-servers-urls",
-                self.decode_url,
-                *(["--prefill-servers-urls", self.prefill_url] if self.prefill_url else []),
+                self.decode_url if c.prefill else ",".join(self.consumer_urls),
+                *(["--prefill-servers-urls", ",".join(self.consumer_urls)] if c.prefill else []),
                 *c.proxy_args,
             ]
             # The package may be used from a checkout without being installed.

@@ -121,9 +121,9 @@ def ready_banner(stack: LocalStack) -> str:
         f"  encoders: {', '.join(stack.encoder_urls)}",
     ]
     if stack.prefill_url:
-        lines += [f"  prefill:  {stack.prefill_url}", f"  decode:   {stack.decode_url}"]
+        lines += [f"  prefill:  {', '.join(stack.consumer_urls)}", f"  decode:   {stack.decode_url}"]
     else:
-        lines.append(f"  pd:       {stack.pd_url}")
+        lines.append(f"  pd:       {', '.join(stack.consumer_urls)}")
     if stack.baseline_url:
         lines.append(f"  baseline: {stack.baseline_url}")
     lines += [

@@ -4,7 +4,11 @@ them for the benchmark (`python -m epd_proxy.tools.testing.fake_vllm SPEC`, see 
 They model the behaviour the proxy must get right, not the model: an encoder derives the cache
 identifier from uuid + processing options exactly when vLLM does, stores what a shared-storage EC
 connector would, and reports `item_indices`; a consumer checks every `*_embeds` reference against
-that store and fails the way vLLM does on a missing entry or a placeholder/token mismatch.
+that store and fails the way vLLM does on a missing entry or a placeholder/token mismatch. A
+consumer keeps a prefix cache keyed as vLLM's block hashes are (media by identifier, not pixels):
+raw media inside the cached prefix needs nothing, outside it is loaded from the store, and only
+what neither holds is encoded locally; one without a vision tower (`text_only`, vLLM's
+--language-model-only) refuses raw media with vLLM's 400.
 
 Failures during generation take vLLM's shape (vllm/entrypoints/openai/chat_completion/serving.py):
 a streaming request has already answered 200 and sent its first (role) chunk when the engine
@@ -305,6 +309,37 @@ class Costs:
     parallel: bool = False
 
 
+class PrefixCache:
+    """A consumer's KV prefix cache: the chain of a prompt's pieces (a message's role, a text
+    part, a media item by its identifier, each standing in for its blocks) hashed as vLLM's
+    block hashes chain (vllm/v1/core/kv_cache_utils.py), least recently used first out."""
+
+    def __init__(self, capacity: int = 1 << 16) -> None:
+        self.capacity = capacity
+        self._chains: OrderedDict[bytes, None] = OrderedDict()
+
+    def cached(self, pieces: list[tuple[str, int]]) -> int:
+        """How many leading pieces were cached; all of them are from now on."""
+        chain = b""
+        hits = 0
+        missed = False
+        for key, _ in pieces:
+            chain = hashlib.blake2b(chain + key.encode(), digest_size=16).digest()
+            if not missed and chain in self._chains:
+                self._chains.move_to_end(chain)
+                hits += 1
+                continue
+            missed = True
+            self._chains[chain] = None
+            if len(self._chains) > self.capacity:
+                self._chains.popitem(last=False)
+        return hits
+
+
+def text_tokens(text: str) -> int:
+    return len(text) // 4 + 1
+
+
 class SeenCache:
     """The identifiers an encoder saw last, least recently used first out."""
 
@@ -341,6 +376,13 @@ class Counts:
         self.images: defaultdict[str, int] = defaultdict(int)
         self.raw_images: defaultdict[str, int] = defaultdict(int)
         self.bytes_in: defaultdict[str, int] = defaultdict(int)
+        # A consumer's prompt tokens, those its prefix cache held, and its raw media items by
+        # what became of them: inside the cached prefix, loaded from the EC store, encoded here.
+        self.prompt_tokens: defaultdict[str, int] = defaultdict(int)
+        self.cached_tokens: defaultdict[str, int] = defaultdict(int)
+        self.prefix_items: defaultdict[str, int] = defaultdict(int)
+        self.ec_loads: defaultdict[str, int] = defaultdict(int)
+        self.local_encodes: defaultdict[str, int] = defaultdict(int)
 
     def as_dict(self) -> dict[str, dict[str, int]]:
         return {
@@ -348,7 +390,20 @@ class Counts:
             "images": self.images,
             "raw_images": self.raw_images,
             "bytes_in": self.bytes_in,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "prefix_items": self.prefix_items,
+            "ec_loads": self.ec_loads,
+            "local_encodes": self.local_encodes,
         }
+
+
+class Resolved(NamedTuple):
+    seen: list[str]
+    identifiers: list[str]
+    references: int
+    pieces: list[tuple[str, int]]
+    raw: list[int]
 
 
 @dataclass
@@ -377,8 +432,11 @@ class FakeVLLM:
         costs: Costs = Costs(),
         piece_bytes: int | None = 7,
         no_metadata: frozenset[str] = frozenset(),
+        text_only: bool = False,
     ) -> None:
         self.role = role
+        self.text_only = text_only
+        self.prefix = PrefixCache()
         # Media (URL or `input_audio` data) this encoder reports with empty metadata, as a vLLM
         # producer does for a model whose parser declares no placeholder fields for the modality
         # (PlaceholderMetadataResolver), or for an item whose processed data it no longer holds.
@@ -591,19 +649,26 @@ class FakeVLLM:
         )
 
     # -- consumers -------------------------------------------------------------------------------
-    def _resolve_media(self, body: dict[str, Any]) -> tuple[list[str], list[str], int] | Answer:
+    def _resolve_media(self, body: dict[str, Any]) -> Resolved | Answer:
         """Each media item's identity and engine identifier as the consumer sees them, and how many
         came as `*_embeds` references; or vLLM's error for a bad reference."""
         seen: list[str] = []
         identifiers: list[str] = []
         references = 0
+        # The prompt as the prefix cache chains it, and the piece of each raw media item.
+        pieces: list[tuple[str, int]] = []
+        raw: list[int] = []
         if problem := _mixed_modality(body):
             return _engine_error(problem, 400)
         for message in body["messages"]:
+            pieces.append((f"<{message.get('role')}>", 1))
             content = message.get("content")
             if not isinstance(content, list):
+                pieces.append((str(content), text_tokens(str(content))))
                 continue
             for part in content:
+                if isinstance(part, dict) and part.get("type") == "text":
+                    pieces.append((str(part.get("text")), text_tokens(str(part.get("text")))))
                 kind = vllm_part_kind(part)
                 if kind == "prompt_embeds":
                     return _engine_error("You must set `--enable-prompt-embeds` to input `prompt_embeds`.", 400)
@@ -631,20 +696,45 @@ class FakeVLLM:
                     references += 1
                     seen.append(f"{identity}:{shape}")
                     identifiers.append(key)
+                    pieces.append((key, tokens_of(modality, shape)))
                 elif kind in MEDIA_KEYS:
                     modality = MEDIA_KEYS[kind]
+                    if self.text_only:
+                        # --language-model-only sets every modality's limit to 0, and the chat
+                        # parser refuses the first item (multimodal/processing/context.py).
+                        return _engine_error(f"At most 0 {modality}(s) may be provided in one prompt.", 400)
                     media = media_source(part, kind)
                     factors = hash_factors(modality, body)
                     identity = media_id(media)
                     shape = placeholder_shape(modality, identity, factors)
                     key = identifier(part.get("uuid"), identity, factors)
-                    if key in self.store.entries:
-                        self.loaded_from_cache += 1
-                    else:
-                        self.encoded_locally += 1
                     seen.append(f"{identity}:{shape}")
                     identifiers.append(key)
-        return seen, identifiers, references
+                    raw.append(len(pieces))
+                    pieces.append((key, tokens_of(modality, shape)))
+        return Resolved(seen, identifiers, references, pieces, raw)
+
+    def _compute(self, resolved: Resolved, tag: str) -> None:
+        """What the engine computes of the prompt: vLLM's scheduler needs no encoder output for an
+        item inside the prefix-cached tokens, loads one the EC connector has
+        (`_try_schedule_encoder_inputs`), and encodes the rest itself. A decode instance's KV
+        comes from prefill."""
+        if self.role == "decode":
+            hit = len(resolved.pieces)
+        else:
+            hit = self.prefix.cached(resolved.pieces)
+            self.counts.prompt_tokens[tag] += sum(tokens for _, tokens in resolved.pieces)
+            self.counts.cached_tokens[tag] += sum(tokens for _, tokens in resolved.pieces[:hit])
+        for position in resolved.raw:
+            key = resolved.pieces[position][0]
+            if position < hit:
+                self.counts.prefix_items[tag] += 1
+            elif key in self.store.entries:
+                self.loaded_from_cache += 1
+                self.counts.ec_loads[tag] += 1
+            else:
+                self.encoded_locally += 1
+                self.counts.local_encodes[tag] += 1
 
     def _unresolved_push(self, body: dict[str, Any], identifiers: list[str]) -> str | None:
         """Why a Mooncake consumer cannot obtain some item's embedding, or None.
@@ -686,10 +776,11 @@ class FakeVLLM:
             kv = body.get("kv_transfer_params") or {}
             if not kv.get("remote_block_ids"):
                 return _engine_error("decode instance got no kv_transfer_params from prefill", status=400)
-        resolved = self._resolve_media(body)
-        if isinstance(resolved, Answer):
-            return resolved
-        resolved, identifiers, references = resolved
+        media = self._resolve_media(body)
+        if isinstance(media, Answer):
+            return media
+        self._compute(media, tag)
+        resolved, identifiers, references = media.seen, media.identifiers, media.references
         self.counts.images[tag] += references
         self.counts.raw_images[tag] += len(resolved) - references
         failure = "injected generation error" if self.faults.generation_error() else None

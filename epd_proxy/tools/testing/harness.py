@@ -175,6 +175,7 @@ async def start_stack(
     decoders: int = 1,
     encoder_options: dict[str, Any] | None = None,
     consumer_options: dict[str, Any] | None = None,
+    prefill_options: dict[str, Any] | None = None,
     dynamic: bool = False,
     app: web.Application | None = None,
     fakes: Fakes | None = None,
@@ -191,7 +192,7 @@ async def start_stack(
     stack_fakes: dict[str, list[FakeVLLM]] = {"e": [], "p": [], "d": []}
     urls: dict[str, list[str]] = {"e": [], "p": [], "d": []}
     if not dynamic:
-        wanted = (("e", "encode", encoders, encoder_options), ("p", "prefill", prefills, None))
+        wanted = (("e", "encode", encoders, encoder_options), ("p", "prefill", prefills, prefill_options))
         for key, role, count, options in (*wanted, ("d", consumer_role, decoders, consumer_options)):
             for _ in range(count):
                 fake, url = await fakes.start(role, **(options or {}))

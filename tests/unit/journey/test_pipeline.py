@@ -62,7 +62,7 @@ class RecordingHealth(Health):
 class Journey:
     """A pipeline over a static fleet whose backends answer from scripts."""
 
-    def __init__(self, **fields) -> None:
+    def __init__(self, policies=None, **fields) -> None:
         fields.setdefault("encode_urls", (E1, E2))
         fields.setdefault("decode_urls", (PD,))
         self.config = Config(**fields)
@@ -71,15 +71,21 @@ class Journey:
         self.fleet.watch(self.health)
         self.upstream = ScriptedUpstream()
         self.metrics = Metrics(self.fleet, self.health)
-        policies = {ENCODE: RoundRobin(), PREFILL: LeastLoaded(), DECODE: LeastLoaded()}
+        policies = policies or {ENCODE: RoundRobin(), PREFILL: LeastLoaded(), DECODE: LeastLoaded()}
         self.pipeline = build_pipeline(self.config, self.fleet, self.health, self.upstream, policies, self.metrics)
+
+    def take_encoders_out(self) -> None:
+        """Every encoder fails its health checks until it is out of rotation."""
+        for encoder in self.fleet.members(ENCODE):
+            for _ in range(self.health.fail_threshold):
+                self.health.checked(encoder, "connection refused")
 
     def script(self, url: str, *replies: Reply) -> None:
         self.upstream.script(url, *replies)
 
     async def run(self, body: dict, request_id: str = "req-1"):
         job = ClientBody(body, normalise_request(body).items)
-        route = self.pipeline.choose_route(request_id)
+        route = self.pipeline.choose_route(request_id, job)
         trace = Trace(request_id)
         try:
             answer = await self.pipeline.open(job, route, trace)
@@ -103,11 +109,9 @@ async def test_a_text_only_request_goes_straight_to_decode():
     assert journey.upstream.sent[0].headers == {"x-request-id": "req-1", "Content-Type": "application/json"}
 
 
-async def test_media_without_a_live_encoder_is_503():
-    journey = Journey(encode_urls=(E1,))
-    (encoder,) = journey.fleet.members(ENCODE)
-    for _ in range(journey.health.fail_threshold):
-        journey.health.checked(encoder, "connection refused")
+async def test_media_without_a_live_encoder_is_503_when_the_consumer_may_not_encode():
+    journey = Journey(encode_urls=(E1,), consumer_encode=False)
+    journey.take_encoders_out()
     with pytest.raises(ProxyError) as err:
         await journey.run(chat(image("A")))
     assert (err.value.status, err.value.stage, err.value.error_type) == (503, "route", "service_unavailable")
@@ -165,7 +169,7 @@ async def test_an_encoders_4xx_is_the_requests_fault_and_not_failed_over():
 
 
 async def test_failover_stops_after_encoder_failovers_others():
-    journey = Journey(encode_urls=(E1, E2, "http://e3"), encoder_failovers=1)
+    journey = Journey(encode_urls=(E1, E2, "http://e3"), encoder_failovers=1, consumer_encode=False)
     journey.script(E1, failed_with(503))
     journey.script(E2, failed_with(503))
     with pytest.raises(ProxyError) as err:

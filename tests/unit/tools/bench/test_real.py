@@ -12,7 +12,15 @@ import pytest
 
 from epd_proxy.tools.bench import chat_load, engines, real, real_report
 from epd_proxy.tools.bench.engines import ENCODE, PD, Engine
-from epd_proxy.tools.bench.workload import EARLIER_REPLY, ChatMixSpec, generate_chats
+from epd_proxy.tools.bench.flags import RealBenchOptions
+from epd_proxy.tools.bench.real import think_range
+from epd_proxy.tools.bench.workload import (
+    EARLIER_REPLY,
+    AgentSpec,
+    ChatMixSpec,
+    generate_agent_sessions,
+    generate_chats,
+)
 
 # The exposition format vLLM 0.32 serves (names from vllm/v1/metrics/loggers.py), two engines'
 # worth of label sets, as a Prometheus client writes them.
@@ -153,6 +161,29 @@ def test_later_turns_resend_every_earlier_image_and_the_mix_has_repeats():
     assert max(n for counts in mix.images for n in counts) <= 12
 
 
+def test_agent_sessions_add_one_screenshot_per_step_and_resend_the_history():
+    mix = generate_agent_sessions(AgentSpec(seed=5, conversations=6))
+    for turns in mix.conversations:
+        assert 6 <= len(turns) <= 10
+        bodies = [orjson.loads(b) for b in turns]
+        screens = [
+            [p["image_url"]["url"] for m in b["messages"] if isinstance(m["content"], list) for p in m["content"][1:]]
+            for b in bodies
+        ]
+        for n in range(1, len(screens)):
+            assert screens[n][:-1] == screens[n - 1] and screens[n][-1] not in screens[n - 1]
+        assert bodies[-1]["messages"][: len(bodies[-2]["messages"])] == bodies[-2]["messages"]
+    assert mix.images[0] == list(range(1, len(mix.conversations[0]) + 1))
+
+
+def test_agents_pause_between_steps_by_default_and_the_chat_mix_does_not():
+    assert think_range(RealBenchOptions(stack=True, workload="agent")) == (0.1, 0.4)
+    assert think_range(RealBenchOptions(stack=True)) == (0.0, 0.0)
+    assert think_range(RealBenchOptions(stack=True, think_ms="50-80")) == (0.05, 0.08)
+    with pytest.raises(SystemExit):
+        think_range(RealBenchOptions(stack=True, think_ms="9-3"))
+
+
 def _block(level, round_no, rps, exact, requests=10, failed=0):
     return {
         "level": list(level),
@@ -174,7 +205,9 @@ def _block(level, round_no, rps, exact, requests=10, failed=0):
 
 def _result(arm_blocks):
     arms = [SimpleNamespace(name=n, command=[], env={}, blocks=b) for n, b in arm_blocks.items()]
-    bench = SimpleNamespace(engines=[], args=SimpleNamespace(rounds=2), resets=True, notes=[])
+    bench = SimpleNamespace(
+        engines=[], args=SimpleNamespace(rounds=2, workload="mix"), think=(0.0, 0.0), resets=True, notes=[]
+    )
     mix = SimpleNamespace(
         summary=lambda: {
             "conversations": 5,

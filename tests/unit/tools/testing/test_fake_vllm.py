@@ -91,3 +91,47 @@ def test_the_bench_passes_speeds_and_repeats_to_its_fakes():
             encoder_speeds(parse_args(["--encoder-speeds", bad]))
     args = parse_args(["--encoder-repeat-factor", "0.4", "--encoder-cache-items", "64"])
     assert (args.encoder_repeat_factor, args.encoder_cache_items) == (0.4, 64)
+
+
+def _turn(*names: str, embeds: bool = False) -> dict:
+    """One conversation's body with an image per user turn, as raw media or as references."""
+    messages = []
+    for n, name in enumerate(names):
+        if n:
+            messages.append({"role": "assistant", "content": "ok"})
+        part = (
+            {"type": "image_embeds", "image_embeds": {"image_grid_thw": None}, "uuid": name}
+            if embeds
+            else {"type": "image_url", "image_url": {"url": f"https://m/{name}.png"}, "uuid": name}
+        )
+        messages.append({"role": "user", "content": [{"type": "text", "text": f"step {n}"}, part]})
+    return {"model": "m", "messages": messages, "max_tokens": 4}
+
+
+async def test_a_consumer_needs_nothing_for_raw_media_inside_its_prefix_loads_the_rest_or_encodes_it():
+    store = ECStore()
+    pd = FakeVLLM("pd", store)
+    assert (await pd.chat(_Exchange(_turn("a")))).status == 200
+    assert (pd.counts.local_encodes["m"], pd.counts.cached_tokens["m"]) == (1, 0)
+    # An encoder stored b: the next turn has a inside the cached prefix and loads b.
+    await FakeVLLM("encode", store).chat(_Exchange({"model": "m", "messages": [_turn("b")["messages"][0]]}))
+    assert (await pd.chat(_Exchange(_turn("a", "b")))).status == 200
+    assert (pd.counts.prefix_items["m"], pd.counts.ec_loads["m"], pd.counts.local_encodes["m"]) == (1, 1, 1)
+    assert 0 < pd.counts.cached_tokens["m"] < pd.counts.prompt_tokens["m"]
+    # Another instance holds no prefix: it loads b and encodes a itself.
+    other = FakeVLLM("pd", store)
+    assert (await other.chat(_Exchange(_turn("a", "b")))).status == 200
+    assert (other.counts.prefix_items["m"], other.counts.ec_loads["m"], other.counts.local_encodes["m"]) == (0, 1, 1)
+
+
+async def test_a_text_only_consumer_refuses_raw_media_as_vllm_does_and_takes_references():
+    store = ECStore()
+    await FakeVLLM("encode", store).chat(_Exchange({"model": "m", "messages": [_turn("a")["messages"][0]]}))
+    pd = FakeVLLM("pd", store, text_only=True)
+    refused = await pd.chat(_Exchange(_turn("a")))
+    assert refused.status == 400
+    assert orjson.loads(refused.body)["error"]["message"] == "At most 0 image(s) may be provided in one prompt."
+    _, shape = store.entries["a"]
+    reference = _turn("a", embeds=True)
+    reference["messages"][0]["content"][1]["image_embeds"]["image_grid_thw"] = shape
+    assert (await pd.chat(_Exchange(reference))).status == 200

@@ -1,0 +1,125 @@
+"""What the consumer can reuse, so the fleet does not do it again (pure).
+
+Three decisions per attempt, all from the request and the fleet's counters, none from a store:
+
+- **The conversation key** (`conversation_key`): the conversation's opening (every message up to
+  and including the first user message, media as their uuids), identical on every turn. The
+  `prefix_affinity` policy hashes it, so every turn goes where its prefix KV already is.
+- **Reuse** (`plan_encode`): an image in the history (before the last assistant message) was sent
+  on an earlier turn; the consumer gets it raw under the same uuid instead of having it encoded
+  again. vLLM's scheduler (v1/core/sched/scheduler.py `_try_schedule_encoder_inputs`) then needs
+  no encoder output for it when it lies inside the prefix-cached tokens, loads it when the EC
+  connector has it (`has_cache_item`, keyed by the uuid), and only otherwise encodes it locally:
+  raw media under a uuid can cost the consumer work, never a failure, where a `*_embeds`
+  reference nobody backed in this attempt can kill the engine. vLLM refuses raw and embedded
+  items of one modality in one request, so the turn's new images go raw too; they are still
+  encoded first, and the consumer loads them from the EC store by uuid.
+- **The consumer as encoder of last resort**: when no encoder is in rotation, or every one is
+  queued beyond a bound (its backlog at its measured speed, lanes.Lane), every item goes raw
+  and the consumer encodes what it has not seen.
+
+Neither applies to a consumer that runs with `--language-model-only` (vLLM refuses its raw media
+with a 400, `multimodal/processing/context.py` `validate_num_items`), nor in Mooncake push mode,
+where every item the consumer reads must arrive by a push of this attempt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from epd_proxy.fleet.lanes import Lane
+from epd_proxy.journey.extract import MediaItem
+
+# How vLLM 0.32 words the 400 of a consumer that takes no raw media of a modality (its limit per
+# prompt is 0, which --language-model-only sets for all).
+NO_RAW_MEDIA = "At most 0 "
+
+
+def conversation_key(body: dict[str, Any], items: Sequence[MediaItem]) -> str | None:
+    """A digest of the conversation's opening, or None for a body with no user message."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return None
+    media = {(item.message_index, item.part_index): item.uuid for item in items}
+    digest = hashlib.blake2b(orjson.dumps(body.get("model")), digest_size=16)
+    for m, message in enumerate(messages):
+        if not isinstance(message, dict):
+            return None
+        content = message.get("content")
+        if isinstance(content, list):
+            content = [media.get((m, p), part) for p, part in enumerate(content)]
+        try:
+            digest.update(orjson.dumps([message.get("role"), content]))
+        except orjson.JSONEncodeError:
+            return None
+        if message.get("role") == "user":
+            return digest.hexdigest()
+    return None
+
+
+def history_end(body: dict[str, Any]) -> int:
+    """Index of the last assistant message: messages before it were sent on earlier turns."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return 0
+    for m in range(len(messages) - 1, -1, -1):
+        message = messages[m]
+        if isinstance(message, dict) and message.get("role") == "assistant":
+            return m
+    return 0
+
+
+def backlog_s(lane: Lane, now: float) -> float:
+    """Seconds of this proxy's work queued or running on an encoder, at its measured speed (0
+    until measured): what a new item would wait behind."""
+    if lane.item_s is None:
+        return 0.0
+    backlog = lane.fixed_s * lane.subs + lane.item_s * lane.items
+    if lane.inflight:
+        backlog -= now - lane.busy_since
+    return max(0.0, backlog)
+
+
+def swamped(lanes: Sequence[Lane], bound_s: float, now: float) -> bool:
+    """No encoder, or every one queued beyond `bound_s`."""
+    return all(backlog_s(lane, now) > bound_s for lane in lanes)
+
+
+@dataclass(frozen=True, slots=True)
+class EncodePlan:
+    """What one attempt sends to encoders; the rest goes raw to the consumer under its uuid."""
+
+    encode: Sequence[MediaItem]
+    # Whether the consumer may be sent raw media at all.
+    raw_ok: bool = False
+    # Items the consumer gets raw because it has them (earlier turns), and because no encoder can
+    # take them in time (last resort).
+    reused: int = 0
+    consumer_encoded: int = 0
+
+
+def plan_encode(
+    body: dict[str, Any],
+    items: Sequence[MediaItem],
+    *,
+    raw_ok: bool,
+    reuse: bool,
+    last_resort: bool,
+) -> EncodePlan:
+    """`raw_ok`: the consumer may be sent raw media (it has a vision tower, and no push mode);
+    `reuse`: history images are not encoded again; `last_resort`: no encoder can take the items
+    (see `swamped`) and the consumer encodes them itself."""
+    if not items or not raw_ok:
+        return EncodePlan(items)
+    if last_resort:
+        return EncodePlan((), raw_ok=True, consumer_encoded=len(items))
+    if not reuse:
+        return EncodePlan(items, raw_ok=True)
+    end = history_end(body)
+    fresh = [item for item in items if not (item.is_image and item.message_index < end)]
+    return EncodePlan(fresh, raw_ok=True, reused=len(items) - len(fresh))

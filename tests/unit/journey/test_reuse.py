@@ -1,0 +1,285 @@
+"""What the consumer can reuse (reuse.py), the prefix-aware placement of PD / prefill
+(routing.PrefixAffinity) and the pipeline wired to both, against scripted backends."""
+
+from __future__ import annotations
+
+import pytest
+
+from epd_proxy.calls.upstream import REFUSED
+from epd_proxy.errors import ProxyError
+from epd_proxy.fleet.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE, Instance
+from epd_proxy.fleet.lanes import Lane
+from epd_proxy.fleet.routing import PrefixAffinity, RoundRobin
+from epd_proxy.journey.extract import normalise_request
+from epd_proxy.journey.pipeline import ClientBody
+from epd_proxy.journey.reuse import backlog_s, conversation_key, history_end, plan_encode, swamped
+from tests.media import audio, chat, conversation, image
+from tests.unit.journey.test_pipeline import E1, E2, KV, PD, STREAM, D, Journey, P, failed_with, json_reply
+from tests.unit.scripted_upstream import Reply
+
+PD2, D2 = "http://pd2", "http://d2"
+TURNS = ([image("s0")], [image("s1")], [image("s2")])
+
+
+def items_of(body):
+    return normalise_request(body).items
+
+
+def job_of(body) -> ClientBody:
+    return ClientBody(body, items_of(body))
+
+
+def key_of(body):
+    return conversation_key(body, items_of(body))
+
+
+def encoded(body, *indices):
+    """An encoder's answer for the body's items at `indices`, in that order, with metadata."""
+    items = items_of(body)
+    params = {
+        items[i].uuid: {"metadata": {"image_grid_thw": [[1, 4, 4]]}, "item_indices": [n]} for n, i in enumerate(indices)
+    }
+    return json_reply({"ec_transfer_params": params})
+
+
+def media_parts(sent):
+    return [
+        part
+        for m in sent.body["messages"]
+        if isinstance(m["content"], list)
+        for part in m["content"]
+        if part.get("type") != "text"
+    ]
+
+
+# -- the conversation key ---------------------------------------------------------------------------
+
+
+def test_every_turn_of_a_conversation_has_the_key_of_its_opening():
+    keys = {key_of(conversation(*TURNS[:n])) for n in (1, 2, 3)}
+    assert len(keys) == 1 and None not in keys
+
+
+def test_conversations_that_open_differently_have_different_keys():
+    other_image = conversation([image("t0")], [image("s1")])
+    other_text = conversation(*TURNS[:2])
+    other_text["messages"][1]["content"][0]["text"] = "another task"
+    assert len({key_of(conversation(*TURNS[:2])), key_of(other_image), key_of(other_text)}) == 3
+
+
+def test_a_body_without_a_user_message_has_no_key():
+    assert conversation_key({"messages": [{"role": "system", "content": "x"}]}, []) is None
+    assert conversation_key({"messages": "not a list"}, []) is None
+
+
+# -- which items are encoded ------------------------------------------------------------------------
+
+
+def test_history_ends_at_the_last_assistant_message():
+    assert history_end(chat(image("a"))) == 0
+    assert history_end(conversation(*TURNS)) == 4
+
+
+def test_earlier_turns_images_go_raw_and_only_the_new_one_is_encoded():
+    body = conversation(*TURNS)
+    items = items_of(body)
+    plan = plan_encode(body, items, raw_ok=True, reuse=True, last_resort=False)
+    assert [item.index for item in plan.encode] == [2] and plan.reused == 2 and plan.consumer_encoded == 0
+
+
+def test_audio_in_the_history_is_encoded_again():
+    body = conversation([audio("a0")], [image("s1")])
+    plan = plan_encode(body, items_of(body), raw_ok=True, reuse=True, last_resort=False)
+    assert len(plan.encode) == 2 and plan.reused == 0
+
+
+@pytest.mark.parametrize(("raw_ok", "reuse"), [(False, True), (True, False)])
+def test_without_raw_media_or_reuse_everything_is_encoded(raw_ok, reuse):
+    body = conversation(*TURNS)
+    plan = plan_encode(body, items_of(body), raw_ok=raw_ok, reuse=reuse, last_resort=not raw_ok)
+    assert len(plan.encode) == 3 and plan.reused == plan.consumer_encoded == 0
+
+
+def test_as_last_resort_nothing_is_encoded():
+    body = conversation(*TURNS)
+    plan = plan_encode(body, items_of(body), raw_ok=True, reuse=True, last_resort=True)
+    assert plan.encode == () and plan.consumer_encoded == 3
+
+
+def measured_lane(item_s: float, items: int, *, inflight: int = 0, busy_since: float = 0.0) -> Lane:
+    lane = Lane("http://e")
+    lane.item_s, lane.fixed_s = item_s, item_s * 0.35
+    lane.subs, lane.items, lane.inflight, lane.busy_since = 1, items, inflight, busy_since
+    return lane
+
+
+def test_an_encoder_is_swamped_when_its_measured_backlog_passes_the_bound():
+    assert backlog_s(Lane("http://e"), 0.0) == 0.0  # unmeasured: never swamped
+    assert backlog_s(measured_lane(0.1, 30), 0.0) == pytest.approx(3.035)
+    # What it worked off since our oldest sub-request there began counts as done.
+    assert backlog_s(measured_lane(0.1, 30, inflight=1, busy_since=1.0), 2.0) == pytest.approx(2.035)
+    assert swamped([measured_lane(0.1, 30), measured_lane(0.1, 40)], 2.0, 0.0)
+    assert not swamped([measured_lane(0.1, 30), measured_lane(0.1, 10)], 2.0, 0.0)
+    assert swamped([], 2.0, 0.0)
+
+
+# -- prefix affinity --------------------------------------------------------------------------------
+
+
+def pds(*urls: str) -> list[Instance]:
+    return [Instance(url, PREFILL_DECODE) for url in urls]
+
+
+def test_prefix_affinity_sends_a_key_to_one_home_whatever_the_order_or_the_process():
+    members = pds(PD, PD2, "http://pd3")
+    homes = {PrefixAffinity().choose(order, ["conv7"])[0].url for order in (members, members[::-1])}
+    assert len(homes) == 1
+    spread = {PrefixAffinity().choose(members, [f"conv{n}"])[0].url for n in range(40)}
+    assert spread == {PD, PD2, "http://pd3"}
+
+
+def test_prefix_affinity_spills_past_its_load_bound_and_goes_by_load_without_a_key():
+    members = pds(PD, PD2)
+    policy = PrefixAffinity()
+    home = policy.choose(members, ["conv"])[0]
+    other = next(m for m in members if m is not home)
+    home.inflight = 3  # over 1.25x the mean of (3 + 0 + 1) / 2
+    assert policy.choose(members, ["conv"])[0] is other
+    assert policy.choose(members, [None])[0] is other
+
+
+# -- the pipeline ------------------------------------------------------------------------------------
+
+
+def affine(**fields) -> Journey:
+    policies = {ENCODE: RoundRobin(), PREFILL: PrefixAffinity(), DECODE: PrefixAffinity()}
+    return Journey(policies=policies, **fields)
+
+
+async def test_every_turn_goes_to_the_pd_that_ran_the_conversation_so_far():
+    journey = affine(decode_urls=(PD, PD2))
+    homes = set()
+    for n in (1, 2, 3):
+        homes.add(journey.pipeline.choose_route(f"r{n}", job_of(conversation(*TURNS[:n]))).decoder.url)
+    assert len(homes) == 1
+
+
+async def test_in_epd_the_prefill_follows_the_conversation_and_decode_goes_by_load():
+    journey = affine(decode_urls=(D, D2), prefill_urls=(P, "http://p2"))
+    routes = [journey.pipeline.choose_route(f"r{n}", job_of(conversation(*TURNS[:n]))) for n in (1, 2, 3)]
+    assert len({route.prefill.url for route in routes}) == 1
+    assert {route.decoder.url for route in routes} == {D, D2}
+
+
+async def test_only_the_new_image_is_encoded_and_the_consumer_gets_all_raw_under_their_uuids():
+    journey = affine(encode_urls=(E1,))
+    body = conversation(*TURNS)
+    journey.script(E1, encoded(body, 2))
+    journey.script(PD, STREAM)
+    await journey.run(body)
+    (sub,) = journey.upstream.to(E1)
+    assert len(media_parts(sub)) == 1 and media_parts(sub)[0]["uuid"] == items_of(body)[2].uuid
+    (consumer,) = journey.upstream.to(PD)
+    parts = media_parts(consumer)
+    assert [part["type"] for part in parts] == ["image_url"] * 3
+    assert [part["uuid"] for part in parts] == [item.uuid for item in items_of(body)]
+    assert (journey.trace.reused, journey.trace.consumer_encoded) == (2, 0)
+    assert journey.metric("epd_items_reused_total") == 2
+
+
+async def test_with_no_reuse_every_turn_encodes_the_whole_history_as_before():
+    journey = affine(encode_urls=(E1,), reuse=False)
+    body = conversation(*TURNS)
+    journey.script(E1, encoded(body, 0, 1, 2))
+    journey.script(PD, STREAM)
+    await journey.run(body)
+    assert len(media_parts(journey.upstream.to(E1)[0])) == 3
+    assert [part["type"] for part in media_parts(journey.upstream.to(PD)[0])] == ["image_embeds"] * 3
+
+
+async def test_with_no_encoder_in_rotation_the_consumer_encodes_the_media_itself():
+    journey = Journey(encode_urls=(E1,))
+    journey.take_encoders_out()
+    body = chat(image("A"))
+    journey.script(PD, STREAM)
+    await journey.run(body)
+    (consumer,) = journey.upstream.sent
+    assert consumer.url == PD and media_parts(consumer) == [{**image("A"), "uuid": items_of(body)[0].uuid}]
+    assert journey.trace.consumer_encoded == 1 and journey.metric("epd_items_consumer_encoded_total") == 1
+
+
+async def test_when_no_encoder_answers_the_consumer_encodes_but_an_answered_error_is_the_answer():
+    journey = Journey(encode_urls=(E1, E2), encoder_failovers=1)
+    journey.script(E1, Reply(fails=REFUSED))
+    journey.script(E2, Reply(fails=REFUSED))
+    journey.script(PD, STREAM)
+    body = chat(image("A"))
+    await journey.run(body)
+    assert [sent.url for sent in journey.upstream.sent] == [E1, E2, PD]
+    assert media_parts(journey.upstream.sent[-1]) == [{**image("A"), "uuid": items_of(body)[0].uuid}]
+    assert journey.trace.consumer_encoded == 1
+    for status in (400, 500):
+        answered = Journey(encode_urls=(E1,))
+        answered.script(E1, failed_with(status))
+        with pytest.raises(ProxyError) as err:
+            await answered.run(body)
+        assert err.value.status == status and [sent.url for sent in answered.upstream.sent] == [E1]
+
+
+async def test_with_every_encoder_swamped_the_consumer_encodes_and_a_flag_turns_that_off():
+    for allowed in (True, False):
+        journey = Journey(encode_urls=(E1, E2), consumer_encode=allowed, consumer_encode_after_s=1.0)
+        for encoder in journey.fleet.members(ENCODE):
+            lane = journey.pipeline.encode.lanes.of(encoder)
+            lane.item_s, lane.fixed_s, lane.subs, lane.items = 0.1, 0.035, 2, 20
+        journey.script(PD, STREAM)
+        if not allowed:
+            journey.script(E1, json_reply({"ec_transfer_params": {}}))
+        await journey.run(chat(image("A")))
+        assert [sent.url for sent in journey.upstream.sent] == ([PD] if allowed else [E1, PD])
+
+
+async def test_a_consumer_that_refuses_raw_media_is_learnt_and_the_attempt_made_with_references():
+    journey = affine(encode_urls=(E1,))
+    body = conversation(*TURNS[:2])
+    refused = json_reply({"error": {"message": "At most 0 image(s) may be provided in one prompt."}}, 400)
+    journey.script(E1, encoded(body, 1), encoded(body, 0, 1))
+    journey.script(PD, refused, STREAM)
+    await journey.run(body)
+    first, second = journey.upstream.to(PD)
+    assert [p["type"] for p in media_parts(first)] == ["image_url"] * 2
+    assert [p["type"] for p in media_parts(second)] == ["image_embeds"] * 2
+    assert journey.fleet.members(PREFILL_DECODE)[0].text_only
+    # From now on it gets references only, and never raw media as a last resort either.
+    journey.script(E1, encoded(body, 0, 1))
+    journey.script(PD, STREAM)
+    await journey.run(body, request_id="req-2")
+    assert [p["type"] for p in media_parts(journey.upstream.to(PD)[-1])] == ["image_embeds"] * 2
+
+
+async def test_text_only_consumers_never_get_raw_media_and_media_without_encoders_is_503():
+    journey = Journey(encode_urls=(E1,), text_only_consumers=True)
+    journey.take_encoders_out()
+    with pytest.raises(ProxyError) as err:
+        await journey.run(conversation(*TURNS[:2]))
+    assert err.value.status == 503 and journey.upstream.sent == []
+
+
+async def test_push_mode_consumers_get_every_item_by_a_push_of_this_attempt():
+    journey = affine(encode_urls=(E1,), ec_consumer_zmq_addrs=("tcp://c:0",))
+    body = conversation(*TURNS[:2])
+    journey.script(E1, encoded(body, 0, 1))
+    journey.script(PD, STREAM)
+    await journey.run(body)
+    assert len(media_parts(journey.upstream.to(E1)[0])) == 2 and journey.trace.reused == 0
+
+
+async def test_in_epd_decode_gets_the_same_raw_body_as_prefill():
+    journey = affine(encode_urls=(E1,), decode_urls=(D,), prefill_urls=(P,))
+    body = conversation(*TURNS[:2])
+    journey.script(E1, encoded(body, 1))
+    journey.script(P, json_reply({"kv_transfer_params": KV}))
+    journey.script(D, STREAM)
+    await journey.run(body)
+    assert media_parts(journey.upstream.to(P)[0]) == media_parts(journey.upstream.to(D)[0])
+    assert journey.trace.reused == 1
