@@ -27,6 +27,9 @@ DONE = b"[DONE]"
 # Events that decide nothing are held at most this many bytes before the stream is committed.
 MAX_HELD_BYTES = 64 * 1024
 MAX_EVENT_BYTES = 8 * 1024 * 1024
+# What vLLM's Messages and Responses streams open with before anything is generated
+# (`message_stream_converter`, `responses_stream_generator`): a failure after them is still a retry.
+OPENING_EVENTS = frozenset({"message_start", "ping", "response.created", "response.in_progress"})
 
 _CR, _LF = 0x0D, 0x0A
 _LINE_END_RUN = re.compile(rb"[\r\n]+")
@@ -195,6 +198,11 @@ def _judge_event(event: bytes) -> tuple[Verdict, dict[str, Any] | None]:
     error = payload.get("error")
     if error is not None:
         return Verdict.ERROR, error if isinstance(error, dict) else {"message": str(error)}
+    kind = payload.get("type")
+    if kind in OPENING_EVENTS:
+        return Verdict.HOLD, None
+    if kind == "error":  # the Responses API's error event carries its fields at the top
+        return Verdict.ERROR, payload
     choices = payload.get("choices")
     if not isinstance(choices, list):
         return Verdict.COMMIT, None

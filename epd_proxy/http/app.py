@@ -5,6 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from epd_proxy.config import Config
+from epd_proxy.http.agents import add_agent_routes
 from epd_proxy.http.routes import add_routes, middlewares
 from epd_proxy.http.status import add_status_routes
 from epd_proxy.proxy import STATE, ProxyState
@@ -22,5 +23,6 @@ def create_app(config: Config) -> web.Application:
 
     app.cleanup_ctx.append(lifespan)
     add_routes(app, config)
+    add_agent_routes(app)
     add_status_routes(app, state)
     return app

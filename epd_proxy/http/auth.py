@@ -24,14 +24,26 @@ def bearer_token_matches(expected: str, authorization: str | None) -> bool:
     return hmac.compare_digest(expected.encode(), authorization[7:].encode("utf-8", "surrogateescape"))
 
 
-def check_client_key(api_key: str, method: str, path: str, authorization: str | None) -> None:
+# Anthropic's clients send their key as `x-api-key`, never as a bearer token.
+X_API_KEY_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
+
+
+def check_client_key(
+    api_key: str, method: str, path: str, authorization: str | None, x_api_key: str | None = None
+) -> None:
     """401 for a guarded path without the key; checked before routing, so an unknown /v1 path
-    tells a caller without the key nothing."""
+    tells a caller without the key nothing. The Messages door also takes `x-api-key` (vLLM
+    itself does not, so its Anthropic clients have to be given the key as a bearer token)."""
     if (
         api_key
         and method != "OPTIONS"
         and path.startswith(GUARDED_PREFIXES)
         and not bearer_token_matches(api_key, authorization)
+        and not (
+            x_api_key is not None
+            and path in X_API_KEY_PATHS
+            and hmac.compare_digest(api_key.encode(), x_api_key.encode("utf-8", "surrogateescape"))
+        )
     ):
         raise ProxyError(
             401,

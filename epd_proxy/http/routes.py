@@ -20,7 +20,8 @@ from epd_proxy.errors import ErrorAnswer, InternalError, ProxyError
 from epd_proxy.fleet.backends import DECODE
 from epd_proxy.fleet.registry import normalize_url, parse_registration
 from epd_proxy.http.auth import CHANGE_FLEET, PROFILE, READ_FLEET, check_client_key, guard_admin
-from epd_proxy.journey.extract import parse_json_body, parse_request
+from epd_proxy.journey.doors import CHAT, Door
+from epd_proxy.journey.extract import parse_json_body
 from epd_proxy.journey.pipeline import ClientBody
 from epd_proxy.journey.relay import ABORTED, CLIENT_GONE, relay
 from epd_proxy.journey.trace import Trace, account
@@ -38,8 +39,15 @@ OFFLOAD_READ_BYTES = 4 * 1024 * 1024
 MODELS_TIMEOUTS = Timeouts(total=10)
 
 
-def error_response(exc: ProxyError, request_id: str | None = None) -> web.Response:
+def error_response(exc: ProxyError, request_id: str | None = None, door: Door = CHAT) -> web.Response:
     headers = {"x-request-id": request_id} if request_id else {}
+    shaped = door.error(exc)
+    if shaped is not None:
+        if isinstance(exc, ErrorAnswer):
+            headers["x-epd-stage"] = exc.stage
+        if exc.stage == "admission":
+            headers["Retry-After"] = "1"
+        return web.Response(status=exc.status, body=shaped, content_type="application/json", headers=headers)
     if isinstance(exc, ErrorAnswer) and exc.raw_body:
         # A backend's own error body (vLLM's OpenAI error object) is the most faithful answer.
         headers["x-epd-stage"] = exc.stage
@@ -79,7 +87,13 @@ def client_manners(api_key: str):
     async def middleware(request: web.Request, handler) -> web.StreamResponse:
         if api_key:
             try:
-                check_client_key(api_key, request.method, request.path, request.headers.get("Authorization"))
+                check_client_key(
+                    api_key,
+                    request.method,
+                    request.path,
+                    request.headers.get("Authorization"),
+                    request.headers.get("x-api-key"),
+                )
             except ProxyError as exc:
                 return error_response(exc)
         try:
@@ -113,11 +127,17 @@ def _http_error_message(request: web.Request, exc: web.HTTPException) -> str:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await serve(request, CHAT)
+
+
+async def serve(request: web.Request, door: Door) -> web.StreamResponse:
+    """One request through `door`: read, admitted, run through the pipeline, relayed, logged."""
     state = request.app[STATE]
     config = state.config
     request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
     trace = Trace(request_id)
     trace.spans = tracing.begin(request.headers, request_id, trace.started)
+    trace.endpoint = door.name
     status = 500
     try:
         raw = await read_body(request, config.max_body_bytes)
@@ -127,9 +147,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         # With splice, `raw` lives on in `spliced` (the media are slices of it) and the parsed
         # body holds only the skeleton; otherwise the parsed body holds the media and raw goes.
         if len(raw) > OFFLOAD_READ_BYTES:
-            normalised, spliced = await asyncio.to_thread(parse_request, raw, **state.parse_options)
+            normalised, spliced = await asyncio.to_thread(door.parse, raw, **state.parse_options)
         else:
-            normalised, spliced = parse_request(raw, **state.parse_options)
+            normalised, spliced = door.parse(raw, **state.parse_options)
         del raw
         body, items = normalised.body, normalised.items
         trace.items = len(items)
@@ -143,7 +163,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             del normalised, body, items, spliced
             route = state.pipeline.choose_route(request_id, job)
             with route.decoder.busy():
-                answer = await state.pipeline.open(job, route, trace)
+                answer = await state.pipeline.open(job, route, trace, door)
                 try:
                     with trace.stage("relay"):
                         response, trace.outcome = await relay(request, answer, {"x-request-id": request_id})
@@ -156,7 +176,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     except ProxyError as exc:
         status = exc.status
         trace.error = exc
-        return error_response(exc, request_id)
+        return error_response(exc, request_id, door)
     except asyncio.CancelledError:
         status = 499
         trace.outcome = CLIENT_GONE
@@ -164,7 +184,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     except Exception:  # the client must get JSON, whatever broke inside the proxy
         log.exception("request %s: unexpected proxy failure", request_id)
         status = 500
-        return error_response(InternalError(request_id), request_id)
+        return error_response(InternalError(request_id), request_id, door)
     finally:
         account(state.metrics, trace, status)
 

@@ -95,6 +95,11 @@ def _totals(metrics: Metrics) -> dict[str, Any]:
         s.labels["encoder"]: int(s.value) for s in _samples(metrics.encoder_subrequests) if s.name.endswith("_total")
     }
     items = {s.name: s.value for s in _samples(metrics.items_per_subrequest)}
+    endpoints: dict[str, int] = {}
+    for sample in _samples(metrics.endpoint_requests):
+        if sample.name.endswith("_total"):
+            name = sample.labels["endpoint"]
+            endpoints[name] = endpoints.get(name, 0) + int(sample.value)
 
     def total(counter) -> int:
         return int(sum(s.value for s in _samples(counter) if s.name.endswith("_total")))
@@ -102,6 +107,8 @@ def _totals(metrics: Metrics) -> dict[str, Any]:
     return {
         "requests": sum(requests.values()),
         "status": dict(sorted(requests.items())),
+        # Which API they came in by (chat, responses, messages).
+        "endpoints": dict(sorted(endpoints.items())),
         "retries": total(metrics.retries),
         "failovers": total(metrics.failovers),
         "encoder_subrequests": subrequests,

@@ -58,6 +58,7 @@ async def open_decode(
     headers: dict[str, str],
     timeouts: Timeouts,
     dumps: Callable[[Any], Payload] = orjson.dumps,
+    path: str = CHAT_PATH,
 ) -> DecodeAnswer:
     """A 2xx answer whose body is still unread; the caller must release it. The decode timeout
     bounds the wait for headers, the idle timeout each silence after them: a long stream is
@@ -65,7 +66,7 @@ async def open_decode(
     answer = await upstream.open(
         decoder,
         "POST",
-        CHAT_PATH,
+        path,
         body=dumps(body),
         headers=headers,
         timeouts=timeouts,

@@ -73,6 +73,9 @@ class MediaItem:
     uuid: str
     message_index: int
     part_index: int
+    # Whether the consumer gets this item under the proxy's uuid. An Anthropic image block has no
+    # field for one, so there the encoder must name the item by its content, as the consumer will.
+    named: bool = True
 
     @property
     def is_image(self) -> bool:
@@ -189,24 +192,35 @@ def _forwarded_media_part(part: dict[str, Any], kind: str, where: str) -> tuple[
 
 
 def _check_top_level(body: Any, trust_client_fields: bool) -> list[Any]:
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
+    check_body(body, trust_client_fields)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list")
+    return messages
+
+
+def check_body(body: Any, trust_client_fields: bool) -> None:
+    """What every API's body must be before the proxy reads it for media: an object, whose
+    `stream` the proxy can tell, and which sets no field only the proxy may."""
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
     if "stream" in body and not isinstance(body["stream"], bool) and body["stream"] is not None:
         raise BadRequest("'stream' must be a boolean")
     if not trust_client_fields:
-        xargs = body.get("vllm_xargs")
-        forged = [name for name in ENGINE_ONLY_FIELDS if body.get(name) is not None]
-        if isinstance(xargs, dict):
-            forged += [f"vllm_xargs.{name}" for name in ENGINE_ONLY_XARGS if name in xargs]
-        if forged:
-            raise BadRequest(
-                f"'{forged[0]}' is set by the proxy, not by clients "
-                "(start the proxy with --trust-client-fields if a trusted router sits in front)"
-            )
-    return messages
+        refuse_engine_fields(body)
+
+
+def refuse_engine_fields(body: dict[str, Any]) -> None:
+    """A 400 for a client body that sets what only the proxy (or a trusted router) may."""
+    xargs = body.get("vllm_xargs")
+    forged = [name for name in ENGINE_ONLY_FIELDS if body.get(name) is not None]
+    if isinstance(xargs, dict):
+        forged += [f"vllm_xargs.{name}" for name in ENGINE_ONLY_XARGS if name in xargs]
+    if forged:
+        raise BadRequest(
+            f"'{forged[0]}' is set by the proxy, not by clients "
+            "(start the proxy with --trust-client-fields if a trusted router sits in front)"
+        )
 
 
 def normalise_request(
@@ -292,8 +306,10 @@ def parse_request(
     max_media_items: int = 0,
     media_hash: str = "sha256",
     lift_min_bytes: int = LIFT_MIN_BYTES,
+    normalise: Callable[..., NormalisedRequest] = normalise_request,
 ) -> tuple[NormalisedRequest, Spliced | None]:
-    """The normalised request and, when the fast path held, the buffer its tokens point into."""
+    """The normalised request and, when the fast path held, the buffer its tokens point into.
+    `normalise` reads one API's body (this module's is the chat completion's)."""
     options = {
         "trust_client_fields": trust_client_fields,
         "max_media_items": max_media_items,
@@ -303,9 +319,9 @@ def parse_request(
     if lifted is not None:
         skeleton, spliced = lifted
         try:
-            normalised = normalise_request(orjson.loads(skeleton), **options, lifted=spliced.bytes_of)
+            normalised = normalise(orjson.loads(skeleton), **options, lifted=spliced.bytes_of)
         except (orjson.JSONDecodeError, BadRequest):
             normalised = None  # the full parse gives the exact error
         if normalised is not None and spliced.accounts_for(media_url(i.part, i.kind) for i in normalised.items):
             return normalised, spliced
-    return normalise_request(parse_json_body(raw), **options), None
+    return normalise(parse_json_body(raw), **options), None

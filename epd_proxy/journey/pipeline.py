@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import orjson
@@ -24,13 +25,13 @@ from epd_proxy.fleet.lanes import Lanes
 from epd_proxy.fleet.registry import Registry
 from epd_proxy.fleet.routing import PrefixAffinity, RoutingPolicy
 from epd_proxy.journey.decode import DecodeAnswer, hold_head, open_decode
+from epd_proxy.journey.doors import CHAT, Door
 from epd_proxy.journey.encode import EncodeStep
 from epd_proxy.journey.extract import MediaItem
 from epd_proxy.journey.match import Matches, match_groups
 from epd_proxy.journey.plan import plan_groups
 from epd_proxy.journey.prefill import run_prefill
 from epd_proxy.journey.reuse import NO_RAW_MEDIA, EncodePlan, conversation_key, plan_encode, swamped
-from epd_proxy.journey.rewrite import rewrite_request
 from epd_proxy.journey.splice import Spliced
 from epd_proxy.journey.trace import Trace
 from epd_proxy.ops.metrics import Metrics
@@ -195,7 +196,7 @@ class Pipeline:
             trace.charged_5xx.add(instance.url)
         self.health.answered(instance, status, message)
 
-    async def open(self, job: ClientBody, route: Route, trace: Trace) -> DecodeAnswer:
+    async def open(self, job: ClientBody, route: Route, trace: Trace, door: Door = CHAT) -> DecodeAnswer:
         """Run attempts until decode commits, then let go of the client's body.
 
         Committed means a 2xx that is not a stream, or a stream whose first generated event (or
@@ -219,19 +220,21 @@ class Pipeline:
             trace.attempts = attempt
             plan, matches = await self._encode(job, route, trace)
             with trace.stage("rewrite"):
-                prepared = rewrite_request(job.body, job.items, matches, rewrite=self.rewrite, push_mode=push_mode)
+                prepared = door.consumer_body(job.body, job.items, matches, rewrite=self.rewrite, push_mode=push_mode)
             try:
                 decode_body = prepared
                 if route.prefill is not None:
+                    prefill = partial(run_prefill, path=door.path, build=door.prefill_body)
                     with trace.stage("prefill", route.prefill, attempt=attempt):
                         kv = await self._stage(
-                            run_prefill, route.prefill, prepared, prefill_headers, self.prefill_timeouts, job, trace
+                            prefill, route.prefill, prepared, prefill_headers, self.prefill_timeouts, job, trace
                         )
                     if kv:
                         decode_body = {**prepared, "kv_transfer_params": kv}
+                decode = partial(open_decode, path=door.path)
                 with trace.stage("decode", route.decoder, attempt=attempt):
                     answer = await self._stage(
-                        open_decode, route.decoder, decode_body, decode_headers, self.decode_timeouts, job, trace
+                        decode, route.decoder, decode_body, decode_headers, self.decode_timeouts, job, trace
                     )
                     in_band = None
                     if answer.streaming:

@@ -17,19 +17,23 @@ from epd_proxy.fleet.backends import CHAT_PATH, Instance
 _PREFILL_DROPPED = ("min_tokens", "best_of", "use_beam_search", "stream_options")
 
 
+# What prefill is sent in place of any `kv_transfer_params`, whichever API the request uses.
+REMOTE_DECODE = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
 def prefill_request(prepared: dict[str, Any]) -> dict[str, Any]:
     """Prefill runs one token and hands its KV cache to decode; decode samples with the client's
     own options."""
     body = {
         **prepared,
-        "kv_transfer_params": {
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "remote_host": None,
-            "remote_port": None,
-        },
+        "kv_transfer_params": dict(REMOTE_DECODE),
         "stream": False,
         "max_tokens": 1,
     }
@@ -49,13 +53,17 @@ async def run_prefill(
     headers: dict[str, str],
     timeouts: Timeouts,
     dumps: Callable[[Any], Payload] = orjson.dumps,
+    *,
+    path: str = CHAT_PATH,
+    build: Callable[[dict[str, Any]], dict[str, Any]] = prefill_request,
 ) -> dict[str, Any] | None:
-    """The `kv_transfer_params` prefill returned, or None. Errors keep prefill's own status."""
+    """The `kv_transfer_params` prefill returned, or None. Errors keep prefill's own status.
+    `path` and `build` are the client's API's (every API vLLM serves returns them)."""
     answer = await upstream.call(
         prefill,
         "POST",
-        CHAT_PATH,
-        body=dumps(prefill_request(prepared)),
+        path,
+        body=dumps(build(prepared)),
         headers=headers,
         timeouts=timeouts,
         stage="prefill",

@@ -17,6 +17,12 @@ COMPLETE, ABORTED, CLIENT_GONE = "complete", "aborted", "client_disconnect"
 # An event vLLM sends when generation failed after its 200. Inside generated text a quote is
 # escaped, so this can only match the start of an error event.
 VLLM_ERROR_EVENT = b'data: {"error"'
+# The same in the Messages and Responses streams, whose events are named.
+NAMED_ERROR_EVENT = b"event: error\n"
+
+
+def _has_error(ready: bytes) -> bool:
+    return VLLM_ERROR_EVENT in ready or NAMED_ERROR_EVENT in ready
 
 
 async def relay(
@@ -39,12 +45,12 @@ async def relay(
         try:
             ready = framer.feed(answer.held)
             if ready:
-                errored = VLLM_ERROR_EVENT in ready
+                errored = _has_error(ready)
                 await response.write(ready)
             async for chunk in answer.chunks:
                 ready = framer.feed(chunk)
                 if ready:
-                    errored = errored or VLLM_ERROR_EVENT in ready
+                    errored = errored or _has_error(ready)
                     await response.write(ready)
         except BackendUnreachable as exc:
             return await _end_in_band(response, exc, extra_headers), ABORTED
@@ -54,7 +60,7 @@ async def relay(
             return await _end_in_band(response, _too_large(exc, answer.backend), extra_headers), ABORTED
         pending = framer.pending
         if pending:
-            errored = errored or VLLM_ERROR_EVENT in pending
+            errored = errored or _has_error(pending)
             await response.write(pending)
         await response.write_eof()
     except ConnectionResetError:

@@ -42,7 +42,7 @@ def _with_parts(body: dict[str, Any], items: Sequence[MediaItem], parts: Sequenc
     return messages
 
 
-def _transfer_params(
+def transfer_params(
     body: dict[str, Any], handles: dict[str, Any], ec_items: list[dict[str, str]]
 ) -> dict[str, Any] | None:
     client = body.get("ec_transfer_params")
@@ -51,6 +51,15 @@ def _transfer_params(
     if ec_items:
         merged["ec_items"] = ec_items
     return merged or None
+
+
+def ec_item_list(items: Sequence[MediaItem], matches: Matches) -> list[dict[str, Any]]:
+    """Every matched item's handle, in the items' order (a Mooncake consumer takes them by position)."""
+    return [
+        {"mm_hash": m.ec_mm_hash, "transfer_id": m.transfer_id}
+        for m in (matches.items.get(item.index) for item in items)
+        if m is not None
+    ]
 
 
 def referenced(items: Sequence[MediaItem], matches: Matches) -> list[bool]:
@@ -88,11 +97,7 @@ def rewrite_request(
 
     rewrite=False: media stays as the client sent it; only the handles are attached.
     """
-    ec_items = [
-        {"mm_hash": m.ec_mm_hash, "transfer_id": m.transfer_id}
-        for m in (matches.items.get(item.index) for item in items)
-        if m is not None
-    ]
+    ec_items = ec_item_list(items, matches)
     out = dict(body)
     if rewrite:
         parts = [
@@ -103,7 +108,7 @@ def rewrite_request(
             out["messages"] = _with_parts(body, items, parts)
     elif not push_mode:
         ec_items = []
-    params = _transfer_params(body, matches.handles, ec_items)
+    params = transfer_params(body, matches.handles, ec_items)
     if params is not None:
         out["ec_transfer_params"] = params
     return out

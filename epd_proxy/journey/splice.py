@@ -31,6 +31,7 @@ from epd_proxy.journey.dataurl import canonical_media_url
 LIFT_MIN_BYTES = 512
 _WHITESPACE = b" \t\r\n"
 _COLON = ord(":")
+_QUOTE = ord('"')
 
 
 class Spliced:
@@ -111,6 +112,51 @@ def lift(raw: bytes | bytearray, min_bytes: int = LIFT_MIN_BYTES) -> tuple[bytes
     return b"".join(pieces), Spliced(raw, prefix, spans)
 
 
+def lift_base64_members(
+    raw: bytes | bytearray, key: bytes, min_bytes: int = LIFT_MIN_BYTES
+) -> tuple[bytes, Spliced] | None:
+    """`lift` for bare base64 strings that are the value of a member named `key` (an Anthropic
+    image source's `data`): the same tokens, the same rule that only pure base64 is lifted."""
+    spans: list[tuple[int, int]] = []
+    pieces: list[bytes | bytearray] = []
+    prefix = f"data:,epd-{os.urandom(8).hex()}-"
+    needle = b'"' + key + b'"'
+    done = 0
+    at = raw.find(needle)
+    while at >= 0:
+        start = at + len(needle)
+        while start < len(raw) and raw[start] in _WHITESPACE:
+            start += 1
+        if start < len(raw) and raw[start] == _COLON:
+            start += 1
+            while start < len(raw) and raw[start] in _WHITESPACE:
+                start += 1
+            if start < len(raw) and raw[start] == _QUOTE:
+                start += 1
+                end = raw.find(b'"', start)
+                if end < 0:
+                    return None  # not valid JSON: the full parse says why
+                if end - start >= min_bytes and _is_base64(raw, start, end):
+                    pieces.append(raw[done:start])
+                    pieces.append(f"{prefix}{len(spans)}".encode("ascii"))
+                    spans.append((start, end))
+                    done = end
+                start = end
+        at = raw.find(needle, start)
+    if not spans:
+        return None
+    pieces.append(raw[done:])
+    return b"".join(pieces), Spliced(raw, prefix, spans)
+
+
+def _is_base64(raw: bytes | bytearray, start: int, end: int) -> bool:
+    try:
+        pybase64.b64decode(memoryview(raw)[start:end], validate=True)
+    except ValueError:
+        return False
+    return True
+
+
 def _is_member_value(raw: bytes | bytearray, quote: int) -> bool:
     at = quote - 1
     while at >= 0 and raw[at] in _WHITESPACE:
@@ -133,8 +179,4 @@ def _is_canonical_base64(raw: bytes | bytearray, start: int, end: int) -> bool:
     # A strict decode accepts nothing but the base64 alphabet, so no escape, whitespace, quote or
     # control character: then the JSON text is the string's UTF-8 bytes exactly. pybase64's SIMD
     # decoder checks at memory speed, several times faster than any byte loop in the stdlib.
-    try:
-        pybase64.b64decode(memoryview(raw)[comma + 1 : end], validate=True)
-    except ValueError:
-        return False
-    return True
+    return _is_base64(raw, comma + 1, end)

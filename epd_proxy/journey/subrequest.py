@@ -56,8 +56,9 @@ class IdMint:
 
 
 def encoder_parts(items: Sequence[MediaItem], send_uuid: bool) -> list[dict[str, Any]]:
-    """The group's media parts as the encoder gets them."""
-    return [{**item.part, "uuid": item.uuid} if send_uuid else item.part for item in items]
+    """The group's media parts as the encoder gets them: under the proxy's uuid where the consumer
+    will name the item by it too."""
+    return [{**item.part, "uuid": item.uuid} if send_uuid and item.named else item.part for item in items]
 
 
 def encoder_body(

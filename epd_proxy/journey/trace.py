@@ -23,6 +23,8 @@ TIMED = {"encode": "encode_s", "prefill": "prefill_s", "decode": "decode_ttfb_s"
 @dataclass(slots=True)
 class Trace:
     request_id: str
+    # The API the request came in by (doors.py), for the request log and /metrics.
+    endpoint: str = "chat"
     items: int = 0
     attempts: int = 0
     # Encoder sub-requests that carried this request's items (shared ones included), and the
@@ -115,6 +117,7 @@ def account(metrics: Metrics, trace: Trace, status: int | str) -> None:
     if trace.spans is not None:
         tracing.finish(trace.spans, status, trace.span_attributes(), trace.error)
     metrics.requests.labels(str(status)).inc()
+    metrics.endpoint_requests.labels(trace.endpoint, str(status)).inc()
     metrics.recent.record(trace.started + total_s, status, total_s, trace)
     if metrics.autoscale is not None:
         metrics.autoscale.finished(trace)
@@ -147,5 +150,6 @@ def account(metrics: Metrics, trace: Trace, status: int | str) -> None:
         "prefill_ms": round(trace.prefill_s * 1000, 2),
         "decode_ttfb_ms": round(trace.decode_ttfb_s * 1000, 2),
         "total_ms": round(total_s * 1000, 2),
+        "endpoint": trace.endpoint,
     }
     access_log.info(" ".join(f"{k}={'-' if v is None else v}" for k, v in fields.items()), extra={"fields": fields})

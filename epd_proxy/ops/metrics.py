@@ -233,6 +233,12 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("epd_requests", "Chat completion requests by final HTTP status", ["status"], registry=r)
+        self.endpoint_requests = Counter(
+            "epd_endpoint_requests",
+            "Requests by the API they came in by (chat, responses, messages) and final HTTP status",
+            ["endpoint", "status"],
+            registry=r,
+        )
         self.stage_seconds = Histogram(
             "epd_stage_seconds",
             "Time per stage: encode (fan-out to all encoders), prefill, decode_ttfb (until decode's "

@@ -15,6 +15,21 @@ from pathlib import Path
 
 import pytest
 
+# One round of 8 measured requests over 4 bodies, 4 at a time, no chart.
+EIGHT_REQUESTS = (
+    "--no-chart",
+    "--pool-size",
+    "4",
+    "--requests",
+    "8",
+    "--rounds",
+    "1",
+    "--warmup",
+    "2",
+    "--concurrency",
+    "4",
+)
+
 
 def run_quick_bench(tmp_path: Path, *flags: str) -> tuple[subprocess.CompletedProcess, Path, dict[str, dict]]:
     """`epd-proxy bench --quick` with `flags`; the run, its results folder and its arms by name."""
@@ -80,17 +95,7 @@ def test_quick_streaming_bench_relays_every_stream_and_samples_rss(tmp_path: Pat
     _, _, arms = run_quick_bench(
         tmp_path,
         "--stream",
-        "--no-chart",
-        "--pool-size",
-        "4",
-        "--requests",
-        "8",
-        "--rounds",
-        "1",
-        "--warmup",
-        "2",
-        "--concurrency",
-        "4",
+        *EIGHT_REQUESTS,
         "--pd-ms",
         "300",
         "--arms",
@@ -161,3 +166,43 @@ def test_sink_servers_read_a_chat_request_and_answer(server: str) -> None:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+@pytest.mark.parametrize("api", ["responses", "messages"])
+def test_quick_bench_drives_the_agent_doors(tmp_path: Path, api: str) -> None:
+    """`--api` sends the same mix through another door: every answer 200, embeddings from the
+    encoders (the consumer decodes the raw images itself but loads their embeddings)."""
+    _, _, arms = run_quick_bench(
+        tmp_path,
+        "--api",
+        api,
+        *EIGHT_REQUESTS,
+        "--arms",
+        "batched,direct",
+    )
+    for arm in arms.values():
+        assert arm["errors"] == 0 and arm["measured"] == 8 and arm["pd_requests_per_round"] == 8
+    assert arms["batched"]["encoder_subrequests_per_round"] > 0
+    assert arms["direct"]["encoder_subrequests_per_round"] == 0
+
+
+def test_the_agent_doors_pools_are_the_chat_mix_converted(tmp_path: Path) -> None:
+    from epd_proxy.tools.bench.workload import WorkloadSpec, get_pool
+
+    spec = WorkloadSpec(requests=3, tiny=True)
+    chat = get_pool(spec, tmp_path)
+    for api, key in (("responses", "input"), ("messages", "messages")):
+        pool = get_pool(spec, tmp_path, api)
+        assert pool.images_per_request == chat.images_per_request
+        for body, original in zip(pool.bodies, chat.bodies):
+            urls = [p["image_url"]["url"] for p in json.loads(original)["messages"][0]["content"] if "image_url" in p]
+            parts = json.loads(body)[key][0]["content"]
+            if api == "responses":
+                got = [p["image_url"] for p in parts if p["type"] == "input_image"]
+            else:
+                got = [
+                    f"data:{p['source']['media_type']};base64,{p['source']['data']}"
+                    for p in parts
+                    if p["type"] == "image"
+                ]
+            assert got == urls

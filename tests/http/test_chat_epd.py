@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import dataclasses
 import hashlib
 import threading
 
@@ -184,14 +185,14 @@ async def test_large_bodies_are_read_off_the_loop_with_the_same_outcome(make_sta
     """Bodies above the offload size are lifted and hashed in a worker thread; everything the
     backends see is what the loop itself would have produced."""
     threads = []
-    real_parse_request = routes_module.parse_request
+    real_parse_request = routes_module.CHAT.parse
 
     def recording_parse_request(*args, **kwargs):
         threads.append(threading.current_thread() is threading.main_thread())
         return real_parse_request(*args, **kwargs)
 
     monkeypatch.setattr(routes_module, "OFFLOAD_READ_BYTES", offload_above)
-    monkeypatch.setattr(routes_module, "parse_request", recording_parse_request)
+    monkeypatch.setattr(routes_module, "CHAT", dataclasses.replace(routes_module.CHAT, parse=recording_parse_request))
     stack = await make_stack(encoders=2)
     body = chat(big_image("A", 90_000), big_image("B", 60_000), image("C"))
     answer = await answer_of(stack, body)

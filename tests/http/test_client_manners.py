@@ -72,11 +72,11 @@ async def test_api_key_guards_every_v1_path_as_vllm_does():
 
         async with openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0) as client:
             with pytest.raises(openai.NotFoundError):
-                await client.get("/responses", cast_to=object)
+                await client.get("/files", cast_to=object)
             assert [m.id for m in (await client.models.list()).data] == ["tiny-vlm"]
         async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0) as client:
             with pytest.raises(openai.AuthenticationError):
-                await client.get("/responses", cast_to=object)
+                await client.get("/files", cast_to=object)
 
 
 SECRET = "db password is hunter2"

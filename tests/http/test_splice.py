@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 
 import orjson
@@ -29,7 +30,7 @@ async def test_spliced_and_fully_parsed_requests_reach_the_backends_identically(
         took_fast_path.append(spliced is not None)
         return normalised, spliced
 
-    monkeypatch.setattr(routes, "parse_request", recording)
+    monkeypatch.setattr(routes, "CHAT", dataclasses.replace(routes.CHAT, parse=recording))
     images = [big_image(1), big_image(2), big_image(1)]
     body = chat(*images, mm_processor_kwargs={"size": 1})
     seen = {}

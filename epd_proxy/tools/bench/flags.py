@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from epd_proxy.options import Choice, Count, Folder, Real, Switch, Text, Texts, check, option
+from epd_proxy.tools.bench.workload import API_PATHS
 
 SEED = 1234
 CACHE_DIR = Path("work/bench-cache")
@@ -138,6 +139,13 @@ class FakeBenchOptions:
         "NAME@saturation=... runs it against the zero-cost fakes instead",
         flag="--proxy",
         metavar="NAME=COMMAND",
+    )
+    api: str = option(
+        "chat",
+        Choice(tuple(API_PATHS)),
+        "the door every arm is driven through: the same mix as chat completions, OpenAI Responses or Anthropic "
+        "Messages",
+        flag="--api",
     )
     no_chart: bool = option(False, Switch(), "skip the matplotlib chart", flag="--no-chart")
 

@@ -26,7 +26,7 @@ from epd_proxy.options import add_arguments, parse_into
 from epd_proxy.tools.bench import procs, report
 from epd_proxy.tools.bench.flags import PRESETS, FakeBenchOptions
 from epd_proxy.tools.bench.loadgen import Block, ClientPool
-from epd_proxy.tools.bench.workload import WorkloadSpec, get_pool
+from epd_proxy.tools.bench.workload import API_PATHS, WorkloadSpec, get_pool
 from epd_proxy.tools.testing.harness import free_port
 
 COST, FREE = "cost", "free"
@@ -387,7 +387,7 @@ class Bench:
         )
         for port, sink in targets:
             results = self.clients.run(
-                Block("127.0.0.1", port, "/v1/chat/completions", 1, schedule, stream=self.args.stream)
+                Block("127.0.0.1", port, API_PATHS[self.args.api], 1, schedule, stream=self.args.stream)
             )
             sink.extend((r[2] - r[1]) * 1000 for r in results if r[0].startswith("u") and r[3] == 200)
             errors = sum(1 for r in results if r[3] != 200)
@@ -406,7 +406,7 @@ class Bench:
         cores0 = procs.core_busy()
         wall0 = time.perf_counter()
         block = Block(
-            "127.0.0.1", target_port, "/v1/chat/completions", self.concurrency, schedule, stream=self.args.stream
+            "127.0.0.1", target_port, API_PATHS[self.args.api], self.concurrency, schedule, stream=self.args.stream
         )
         # RSS while the block runs (the peak alone mostly shows the first burst of parsing).
         rss_samples: list[float] = []
@@ -530,7 +530,8 @@ class Bench:
         if self.pin:
             os.sched_setaffinity(0, _cpus(a.harness_cpus))
         t0 = time.perf_counter()
-        pool = get_pool(WorkloadSpec(seed=a.seed, requests=self.pool_size), a.cache_dir)
+        spec = WorkloadSpec(seed=a.seed, requests=self.pool_size)
+        pool = get_pool(spec, a.cache_dir, a.api)
         self.pool_size = len(pool.bodies)
         pool_paths = {"main": str(pool.path)}
         print(
@@ -540,7 +541,9 @@ class Bench:
             f"(ready in {time.perf_counter() - t0:.1f} s; {pool.path})",
             flush=True,
         )
-        floor = json_floor(pool.bodies, repeat=3 if a.quick else 10)
+        # The floor is the chat body's: the least any door's proxy must spend on the same request.
+        chat_bodies = pool.bodies if a.api == "chat" else get_pool(spec, a.cache_dir).bodies
+        floor = json_floor(chat_bodies, repeat=3 if a.quick else 10)
         arms = self.build_arms()
         active = [arm for arm in arms if arm.skipped is None]
         for arm in arms:

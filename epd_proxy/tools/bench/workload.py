@@ -186,18 +186,52 @@ def load_pool(path: Path) -> Pool:
     return Pool(bodies, meta["images_per_request"], meta["image_bytes"], path)
 
 
-def get_pool(spec: WorkloadSpec, cache_dir: Path) -> Pool:
+def get_pool(spec: WorkloadSpec, cache_dir: Path, api: str = "chat") -> Pool:
+    """The mix for `spec`, written for `api` (API_PATHS): the same requests through any door."""
     cache_dir.mkdir(parents=True, exist_ok=True)
-    path = cache_dir / f"pool-seed{spec.seed}-n{spec.requests}-{spec.cache_key()}.bin"
+    suffix = "" if api == "chat" else f"-{api}"
+    path = cache_dir / f"pool-seed{spec.seed}-n{spec.requests}-{spec.cache_key()}{suffix}.bin"
     if path.exists():
         try:
             return load_pool(path)
         except (OSError, ValueError, struct.error):
             pass  # unreadable cache: regenerate below
-    pool = generate(spec)
+    pool = generate(spec) if api == "chat" else get_pool(spec, cache_dir)
+    if api != "chat":
+        pool = Pool([in_api(body, api) for body in pool.bodies], pool.images_per_request, pool.image_bytes)
     _save(pool, path)
     pool.path = path
     return pool
+
+
+API_PATHS = {"chat": "/v1/chat/completions", "responses": "/v1/responses", "messages": "/v1/messages"}
+
+
+def in_api(body: bytes, api: str) -> bytes:
+    """One of the mix's chat bodies as the same request in the Responses or Messages API."""
+    chat = orjson.loads(body)
+    (message,) = chat["messages"]
+    if api == "responses":
+        parts = [
+            {"type": "input_text", "text": part["text"]}
+            if part["type"] == "text"
+            else {"type": "input_image", "image_url": part["image_url"]["url"]}
+            for part in message["content"]
+        ]
+        out = {"model": chat["model"], "input": [{"role": "user", "content": parts}]}
+        out.update(max_output_tokens=chat["max_tokens"], temperature=chat["temperature"])
+        return orjson.dumps(out)
+    blocks = []
+    for part in message["content"]:
+        if part["type"] == "text":
+            blocks.append(part)
+            continue
+        header, data = part["image_url"]["url"].split(",", 1)
+        media_type = header.removeprefix("data:").removesuffix(";base64")
+        blocks.append({"type": "image", "source": {"type": "base64", "media_type": media_type, "data": data}})
+    out = {"model": chat["model"], "max_tokens": chat["max_tokens"], "temperature": chat["temperature"]}
+    out["messages"] = [{"role": "user", "content": blocks}]
+    return orjson.dumps(out)
 
 
 # --- Chats for real engines ------------------------------------------------------------------------

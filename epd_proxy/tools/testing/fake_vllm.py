@@ -39,7 +39,7 @@ import blake3
 import orjson
 from aiohttp import web
 
-from epd_proxy.tools.testing import bare_server
+from epd_proxy.tools.testing import bare_server, fake_doors
 
 MEDIA_KEYS = {"image_url": "image", "audio_url": "audio", "input_audio": "audio", "video_url": "video"}
 EMBEDS_KEYS = {"image_embeds": "image", "audio_embeds": "audio", "video_embeds": "video"}
@@ -481,6 +481,9 @@ class FakeVLLM:
         streamed one through the exchange."""
         return {
             ("POST", "/v1/chat/completions"): self.chat,
+            ("POST", fake_doors.PATHS[fake_doors.RESPONSES]): self.responses,
+            ("POST", fake_doors.PATHS[fake_doors.MESSAGES]): self.messages,
+            ("POST", fake_doors.COUNT_TOKENS_PATH): self.count_tokens,
             ("GET", "/health"): self.health,
             ("GET", "/stats"): self.stats,
             ("GET", "/v1/models"): self.models,
@@ -521,14 +524,44 @@ class FakeVLLM:
     async def profile(self, exchange: Exchange) -> Answer:
         return Answer(200)
 
-    async def chat(self, exchange: Exchange) -> Answer | None:
+    async def responses(self, exchange: Exchange) -> Answer | None:
+        return await self.chat(exchange, fake_doors.RESPONSES)
+
+    async def messages(self, exchange: Exchange) -> Answer | None:
+        return await self.chat(exchange, fake_doors.MESSAGES)
+
+    async def count_tokens(self, exchange: Exchange) -> Answer:
+        """The prompt's length, as vLLM renders it (the fakes count a token per message and per item)."""
+        try:
+            view = fake_doors.chat_view(fake_doors.MESSAGES, {"max_tokens": 1, **orjson.loads(exchange.body)})
+        except ValueError as exc:
+            return Answer(400, fake_doors.error_body(fake_doors.MESSAGES, str(exc), 400), "application/json")
+        tokens = sum(1 + len(m["content"] if isinstance(m["content"], list) else ()) for m in view["messages"])
+        return _json({"input_tokens": tokens, "context_management": {"original_input_tokens": tokens}})
+
+    async def chat(self, exchange: Exchange, api: str = "chat") -> Answer | None:
+        """Every API's request, run as the chat completion vLLM makes of it (fake_doors.py)."""
         try:
             raw = exchange.body
             body = orjson.loads(raw)
+            if api != "chat":
+                body = fake_doors.chat_view(api, body)
             if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
                 raise ValueError("messages must be a list")
         except ValueError as exc:
+            if api != "chat":
+                return Answer(400, fake_doors.error_body(api, str(exc), 400), "application/json")
             return _engine_error(f"invalid request: {exc}", status=400)
+        answer = await self._chat(exchange, raw, body, api)
+        if answer is not None and api != "chat" and answer.status >= 400:
+            # vLLM's routers translate the chat error into the API's shape, status kept.
+            error = orjson.loads(answer.body)["error"]
+            return Answer(
+                answer.status, fake_doors.error_body(api, error["message"], answer.status), "application/json"
+            )
+        return answer
+
+    async def _chat(self, exchange: Exchange, raw: bytes, body: dict[str, Any], api: str) -> Answer | None:
         if self.record:
             self.requests.append(Seen({k.lower(): v for k, v in exchange.headers.items()}, body))
         tag = (exchange.headers.get("x-request-id") or "?")[:1]
@@ -545,7 +578,7 @@ class FakeVLLM:
                 return injected
             if self.role == "encode":
                 return await self._encode(exchange, body, tag)
-            return await self._consume(exchange, body, tag)
+            return await self._consume(exchange, body, tag, api)
         except (asyncio.CancelledError, ConnectionResetError):
             # The caller went away: what a backend sees when the proxy cancels its sub-request.
             self.cancelled += 1
@@ -738,7 +771,7 @@ class FakeVLLM:
             used.add(transfer_id)
         return None
 
-    async def _consume(self, exchange: Exchange, body: dict[str, Any], tag: str) -> Answer | None:
+    async def _consume(self, exchange: Exchange, body: dict[str, Any], tag: str, api: str = "chat") -> Answer | None:
         if self.role == "decode":
             kv = body.get("kv_transfer_params") or {}
             if not kv.get("remote_block_ids"):
@@ -756,6 +789,11 @@ class FakeVLLM:
         if failure is not None:
             self.generation_failures.append(failure)
             if body.get("stream") and self.role != "prefill":
+                if api != "chat":
+                    await exchange.start(200, SSE)
+                    await exchange.write(fake_doors.stream_error(api, f"gen-{next(self._ids)}", body.get("model")))
+                    await exchange.end()
+                    return None
                 return await self._stream_generation_error(exchange, f"chatcmpl-{next(self._ids)}", body.get("model"))
             return _engine_error("Internal server error")
         texts = [
@@ -775,6 +813,11 @@ class FakeVLLM:
                 "remote_host": "127.0.0.1",
                 "remote_port": 5600,
             }
+            if api != "chat":
+                native = fake_doors.answer_json(
+                    api, completion_id, body.get("model"), "x", {**usage, "completion_tokens": 1}, kv
+                )
+                return Answer(self.success_status, native, "application/json")
             return _json(
                 {
                     "id": completion_id,
@@ -785,6 +828,8 @@ class FakeVLLM:
                 },
                 status=self.success_status,
             )
+        if api != "chat":
+            return await self._answer_natively(exchange, api, completion_id, body, answer, usage)
         if not body.get("stream"):
             completion = {
                 "id": completion_id,
@@ -802,6 +847,19 @@ class FakeVLLM:
             await exchange.start(self.success_status, "application/json")
             return await self._write_paced(exchange, orjson.dumps(completion), cut, stall)
         return await self._stream(exchange, completion_id, body.get("model"), answer)
+
+    async def _answer_natively(
+        self, exchange: Exchange, api: str, answer_id: str, body: dict[str, Any], answer: str, usage: dict[str, int]
+    ) -> Answer | None:
+        if not body.get("stream"):
+            return Answer(
+                self.success_status, fake_doors.answer_json(api, answer_id, body.get("model"), answer, usage), JSON_TEXT
+            )
+        await exchange.start(self.success_status, SSE)
+        pieces = [answer[i : i + self.tokens_per_chunk] for i in range(0, len(answer), self.tokens_per_chunk)]
+        payload = b"".join(fake_doors.stream_frames(api, answer_id, body.get("model"), pieces, usage))
+        await self._write_paced(exchange, payload, self.faults.break_stream(), self.faults.stall_stream())
+        return None
 
     async def _stream_generation_error(self, exchange: Exchange, completion_id: str, model: Any) -> None:
         """vLLM's stream when the engine fails the request: the role chunk of the first iteration,

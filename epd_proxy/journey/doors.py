@@ -1,0 +1,82 @@
+"""The APIs a request may come in by (its door) and what each changes in the journey.
+
+Every door runs the same journey (encode, prefill, decode, retries); a door decides how the
+client's body is read for media (`parse`), what the consumer is sent (`consumer_body`,
+`prefill_body`) on which path, and the shape of the errors the proxy itself makes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from epd_proxy.errors import ErrorAnswer, ProxyError
+from epd_proxy.fleet.backends import CHAT_PATH
+from epd_proxy.journey.extract import MediaItem, NormalisedRequest, parse_request
+from epd_proxy.journey.match import Matches
+from epd_proxy.journey.prefill import prefill_request
+from epd_proxy.journey.rewrite import ec_item_list, rewrite_request, transfer_params
+from epd_proxy.journey.splice import Spliced
+
+ConsumerBody = Callable[..., dict[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class Door:
+    name: str
+    path: str
+    # (raw body, **the proxy's parse options) -> (the request, the splice its media point into).
+    parse: Callable[..., tuple[NormalisedRequest, Spliced | None]]
+    # (body, items, matches, rewrite=, push_mode=) -> the body prefill (E+P+D) or decode gets.
+    consumer_body: ConsumerBody
+    prefill_body: Callable[[dict[str, Any]], dict[str, Any]]
+    # The proxy's own error in this API's shape; None keeps the proxy's (OpenAI's) shape.
+    error_body: Callable[[ProxyError], bytes] | None = None
+
+    def error(self, exc: ProxyError) -> bytes | None:
+        """The body of an error answer, or None to answer in the proxy's own shape.
+
+        A consumer of this door answers in its API's shape already; an encoder is always called
+        by chat completions, so its answer is reshaped like the proxy's own errors."""
+        if self.error_body is None:
+            return None
+        if isinstance(exc, ErrorAnswer) and exc.raw_body and exc.stage != "encode":
+            return exc.raw_body
+        return self.error_body(exc)
+
+
+def _chat_consumer_body(
+    body: dict[str, Any], items: Sequence[MediaItem], matches: Matches, *, rewrite: bool, push_mode: bool
+) -> dict[str, Any]:
+    return rewrite_request(body, items, matches, rewrite=rewrite, push_mode=push_mode)
+
+
+def with_handles(
+    body: dict[str, Any], items: Sequence[MediaItem], matches: Matches, *, rewrite: bool, push_mode: bool
+) -> dict[str, Any]:
+    """`body` with the EC handles attached: what a consumer needs whose API takes no `*_embeds`."""
+    out = dict(body)
+    params = transfer_params(body, matches.handles, ec_item_list(items, matches) if rewrite or push_mode else [])
+    if params is not None:
+        out["ec_transfer_params"] = params
+    return out
+
+
+CHAT = Door("chat", CHAT_PATH, parse_request, _chat_consumer_body, prefill_request)
+
+
+def error_fields(exc: ProxyError) -> tuple[str, str]:
+    """(type, message) of an error, read from a backend's OpenAI-shaped body where there is one."""
+    if isinstance(exc, ErrorAnswer) and exc.raw_body:
+        try:
+            parsed = orjson.loads(exc.raw_body)
+        except orjson.JSONDecodeError:
+            parsed = None
+        error = parsed.get("error") if isinstance(parsed, dict) else None
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            kind = error.get("type")
+            return (kind if isinstance(kind, str) else exc.error_type), error["message"]
+    return exc.error_type, exc.message

@@ -1,0 +1,144 @@
+"""The Anthropic Messages door (`/v1/messages`): the client's body is forwarded to the consumer's
+own `/v1/messages`, its images encoded first (pure functions; see docs/agent-apis.md for why).
+
+vLLM 0.32 turns a Messages request into a chat completion inside the consumer
+(`anthropic/serving.py`, `to_chat_completion_request`): each image block becomes an `image_url`
+part whose URL is the block's `url` source, or a data URL built from a base64 source's
+`media_type` and `data`; a user's `tool_result` blocks put their images in a user message of
+their own, which goes into the conversation before the message that holds them. The block has no
+field for a uuid, so the consumer names each image by its content: the encoder is sent the very
+URL the consumer will build, without the proxy's uuid, so both derive one identifier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import orjson
+
+from epd_proxy.errors import BadRequest, ProxyError
+from epd_proxy.journey.doors import Door, error_fields, with_handles
+from epd_proxy.journey.extract import (
+    MEDIA_HASHES,
+    MediaItem,
+    NormalisedRequest,
+    check_body,
+    content_uuid,
+    parse_json_body,
+)
+from epd_proxy.journey.prefill import REMOTE_DECODE
+from epd_proxy.journey.splice import LIFT_MIN_BYTES, Spliced, lift_base64_members
+
+MESSAGES_PATH = "/v1/messages"
+COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
+
+
+def image_source_url(source: Any) -> str | None:
+    """The URL vLLM makes of an image source (`_convert_image_source_to_url`), or None where the
+    consumer would fail on it anyway (it says why, in its own words)."""
+    if not isinstance(source, dict) or not source:
+        return None
+    if source.get("type") == "url":
+        url = source.get("url", "")
+        return url if isinstance(url, str) and url else None
+    media_type, data = source.get("media_type", "image/jpeg"), source.get("data", "")
+    if not isinstance(media_type, str) or not isinstance(data, str) or not data:
+        return None
+    return f"data:{media_type};base64,{data}"
+
+
+def _image_urls(message: dict[str, Any]) -> Iterator[tuple[int, str]]:
+    """(block index, URL) of a message's images in the order the consumer's prompt holds them."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return
+    blocks = [(b, block) for b, block in enumerate(content) if isinstance(block, dict)]
+    if message.get("role") == "user":
+        for b, block in blocks:
+            inner = block.get("content") if block.get("type") == "tool_result" else None
+            for entry in inner if isinstance(inner, list) else ():
+                if isinstance(entry, dict) and entry.get("type") == "image":
+                    url = image_source_url(entry.get("source", {}))
+                    if url is not None:
+                        yield b, url
+    for b, block in blocks:
+        if block.get("type") == "image":
+            url = image_source_url(block.get("source"))
+            if url is not None:
+                yield b, url
+
+
+def normalise_messages(
+    body: Any,
+    *,
+    trust_client_fields: bool = False,
+    max_media_items: int = 0,
+    media_hash: str = "sha256",
+    lifted: Callable[[str], memoryview | None] | None = None,
+) -> NormalisedRequest:
+    """The body as the client sent it and its images as media items; the consumer judges the rest."""
+    check_body(body, trust_client_fields)
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return NormalisedRequest(body, [])
+    digest = MEDIA_HASHES[media_hash]
+    items: list[MediaItem] = []
+    for m, message in enumerate(messages):
+        # vLLM keeps only the text of a system message.
+        if not isinstance(message, dict) or message.get("role") == "system":
+            continue
+        for b, url in _image_urls(message):
+            if max_media_items and len(items) >= max_media_items:
+                raise BadRequest(f"the request has more than {max_media_items} media items")
+            part = {"type": "image_url", "image_url": {"url": url}}
+            uuid = content_uuid(part, "image_url", lifted, digest)
+            items.append(MediaItem(len(items), "image_url", part, uuid, m, b, named=False))
+    return NormalisedRequest(body, items)
+
+
+def parse_messages(
+    raw: bytes | bytearray,
+    *,
+    trust_client_fields: bool = False,
+    max_media_items: int = 0,
+    media_hash: str = "sha256",
+    lift_min_bytes: int = LIFT_MIN_BYTES,
+) -> tuple[NormalisedRequest, Spliced | None]:
+    """`extract.parse_request` for this door: every large base64 `data` is lifted out first, and
+    the outcome is the full parse's (else the full parse runs): each lifted string must be an
+    image source the consumer builds a URL from, `data:<media type>;base64,` and then its bytes."""
+    options = {"trust_client_fields": trust_client_fields, "max_media_items": max_media_items, "media_hash": media_hash}
+    lifted = lift_base64_members(raw, b"data", lift_min_bytes)
+    if lifted is not None:
+        skeleton, spliced = lifted
+        prefix = spliced.prefix
+
+        def url_bytes(url: str) -> bytes | None:
+            at = url.find(prefix)
+            return None if at < 0 else b"".join((url[:at].encode(), spliced.span(url[at:])))
+
+        try:
+            normalised = normalise_messages(orjson.loads(skeleton), **options, lifted=url_bytes)
+        except (orjson.JSONDecodeError, BadRequest):
+            normalised = None  # the full parse gives the exact error
+        if normalised is not None:
+            used = sum(1 for item in normalised.items if prefix in item.part["image_url"]["url"])
+            if used == len(spliced.spans):
+                return normalised, spliced
+    return normalise_messages(parse_json_body(raw), **options), None
+
+
+def messages_prefill_body(prepared: dict[str, Any]) -> dict[str, Any]:
+    # vLLM skips the thinking budget's check on a leg with do_remote_decode, for this max_tokens.
+    return {**prepared, "kv_transfer_params": dict(REMOTE_DECODE), "stream": False, "max_tokens": 1}
+
+
+def anthropic_error(exc: ProxyError) -> bytes:
+    """vLLM's Anthropic error shape (`anthropic/api_router.py`, `translate_error_response`)."""
+    kind, message = error_fields(exc)
+    return orjson.dumps({"type": "error", "error": {"type": kind, "message": message}})
+
+
+# The consumer gets the client's body as sent, with the EC handles.
+MESSAGES = Door("messages", MESSAGES_PATH, parse_messages, with_handles, messages_prefill_body, anthropic_error)

@@ -1,0 +1,264 @@
+"""The fakes' `/v1/responses` and `/v1/messages`: what vLLM 0.32 does with them, reduced to what the
+proxy can tell apart (pure functions; fake_vllm.py serves them).
+
+vLLM serves both by building a chat completion from the body and converting its answer back:
+Messages in `anthropic/serving.py` (`to_chat_completion_request`, `messages_full_converter`,
+`message_stream_converter`), Responses in `openai/responses/` (`construct_input_messages`, the
+typed output items and events). So the fakes do the same: `chat_view` is the chat body the
+consumer would run, and the answer is written in the API's own shapes, errors included.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+
+RESPONSES, MESSAGES = "responses", "messages"
+PATHS = {RESPONSES: "/v1/responses", MESSAGES: "/v1/messages"}
+COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
+
+
+class Refused(ValueError):
+    """A body vLLM's validation refuses: a 400 in the API's error shape."""
+
+
+def _image_url(source: Any) -> str:
+    """`_convert_image_source_to_url`, as vLLM has it."""
+    if source.get("type") == "url":
+        return source.get("url", "")
+    return f"data:{source.get('media_type', 'image/jpeg')};base64,{source.get('data', '')}"
+
+
+def _messages_view(body: dict[str, Any]) -> list[dict[str, Any]]:
+    for name in ("model", "messages", "max_tokens"):
+        if name not in body:
+            raise Refused(f"Field required: {name}")
+    if not isinstance(body["max_tokens"], int) or body["max_tokens"] <= 0:
+        raise Refused("max_tokens must be positive")
+    if not isinstance(body["messages"], list):
+        raise Refused("messages: Input should be a valid list")
+    chat: list[dict[str, Any]] = []
+    system = body.get("system")
+    if isinstance(system, str) and system:
+        chat.append({"role": "system", "content": system})
+    elif isinstance(system, list):
+        text = "".join(b.get("text") or "" for b in system if b.get("type") == "text")
+        if text:
+            chat.append({"role": "system", "content": text})
+    for message in body["messages"]:
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant", "system"):
+            raise Refused("messages: each needs a role of user, assistant or system")
+        content = message.get("content")
+        if isinstance(content, str):
+            chat.append({"role": message["role"], "content": content})
+            continue
+        if not isinstance(content, list):
+            raise Refused("messages.content: Input should be a valid string or list")
+        parts: list[dict[str, Any]] = []
+        for block in content:
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind == "text" and block.get("text"):
+                parts.append({"type": "text", "text": block["text"]})
+            elif kind == "image" and block.get("source"):
+                parts.append({"type": "image_url", "image_url": {"url": _image_url(block["source"])}})
+            elif kind == "tool_result" and message["role"] == "user":
+                inner = block.get("content")
+                urls = [
+                    _image_url(i.get("source", {}))
+                    for i in (inner if isinstance(inner, list) else ())
+                    if isinstance(i, dict) and i.get("type") == "image"
+                ]
+                chat.append({"role": "tool", "content": str(inner) if isinstance(inner, str) else ""})
+                if urls:
+                    chat.append(
+                        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": u}} for u in urls]}
+                    )
+            elif kind not in ("text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking"):
+                raise Refused(f"messages.content.type: Input should be a known block type, got {kind!r}")
+        if message["role"] != "system" and parts:
+            chat.append({"role": message["role"], "content": parts})
+    return chat
+
+
+def _responses_view(body: dict[str, Any]) -> list[dict[str, Any]]:
+    if "input" not in body:
+        raise Refused("input: Field required")
+    chat: list[dict[str, Any]] = []
+    if body.get("instructions"):
+        chat.append({"role": "system", "content": body["instructions"]})
+    entries = body["input"]
+    if isinstance(entries, str):
+        return chat + [{"role": "user", "content": entries}]
+    if not isinstance(entries, list):
+        raise Refused("input: Input should be a valid string or list")
+    for entry in entries:
+        if not isinstance(entry, dict) or "role" not in entry:
+            raise Refused("input: Input should be a valid message item")
+        content = entry.get("content")
+        for part in content if isinstance(content, list) else ():
+            if not isinstance(part, dict) or part.get("type") not in ("input_text", "input_image", "output_text"):
+                raise Refused("input.content: Input should be input_text, input_image or input_file")
+        chat.append({"role": entry["role"], "content": content})
+    return chat
+
+
+def chat_view(api: str, body: Any) -> dict[str, Any]:
+    """The chat completion vLLM runs for `body`, with what the fakes read of it."""
+    if not isinstance(body, dict):
+        raise Refused("Input should be a valid dictionary")
+    messages = _messages_view(body) if api == MESSAGES else _responses_view(body)
+    view = {k: v for k, v in body.items() if k not in ("messages", "input", "instructions", "system")}
+    view["messages"] = messages
+    if api == RESPONSES and "max_output_tokens" in body:
+        view["max_tokens"] = body["max_output_tokens"]
+    return view
+
+
+def error_body(api: str, message: str, status: int) -> bytes:
+    if api == MESSAGES:
+        kind = "BadRequestError" if status == 400 else "InternalServerError"
+        return orjson.dumps({"type": "error", "error": {"type": kind, "message": message}})
+    kind = "BadRequestError" if status == 400 else "InternalServerError"
+    return orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}})
+
+
+def _usage(api: str, usage: dict[str, int]) -> dict[str, int]:
+    if api == MESSAGES:
+        return {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]}
+    return {
+        "input_tokens": usage["prompt_tokens"],
+        "output_tokens": usage["completion_tokens"],
+        "total_tokens": usage["total_tokens"],
+    }
+
+
+def answer_json(api: str, answer_id: str, model: Any, text: str, usage: dict[str, int], kv: Any = None) -> bytes:
+    if api == MESSAGES:
+        out: dict[str, Any] = {
+            "id": answer_id,
+            "type": "message",
+            "role": "assistant",
+            "content": [{"type": "text", "text": text}],
+            "model": model,
+            "stop_reason": "end_turn",
+            "usage": _usage(api, usage),
+        }
+    else:
+        out = {
+            "id": f"resp_{answer_id}",
+            "created_at": int(time.time()),
+            "model": model,
+            "object": "response",
+            "output": [_output_message(answer_id, text)],
+            "status": "completed",
+            "usage": _usage(api, usage),
+        }
+    if kv is not None:
+        out["kv_transfer_params"] = kv
+    return orjson.dumps(out)
+
+
+def _output_message(answer_id: str, text: str) -> dict[str, Any]:
+    return {
+        "id": f"msg_{answer_id}",
+        "type": "message",
+        "role": "assistant",
+        "status": "completed",
+        "content": [{"type": "output_text", "text": text, "annotations": []}],
+    }
+
+
+def _event(name: str, data: dict[str, Any]) -> bytes:
+    return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+def stream_frames(api: str, answer_id: str, model: Any, pieces: list[str], usage: dict[str, int]) -> list[bytes]:
+    """The answer's events, in the order vLLM writes them."""
+    text = "".join(pieces)
+    if api == MESSAGES:
+        start = {"id": answer_id, "type": "message", "role": "assistant", "content": [], "model": model}
+        frames = [
+            _event("message_start", {"type": "message_start", "message": {**start, "usage": _usage(api, usage)}}),
+            _event(
+                "content_block_start",
+                {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+            ),
+        ]
+        frames += [
+            _event(
+                "content_block_delta",
+                {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": piece}},
+            )
+            for piece in pieces
+        ]
+        frames.append(_event("content_block_stop", {"type": "content_block_stop", "index": 0}))
+        frames.append(
+            _event(
+                "message_delta",
+                {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": _usage(api, usage)},
+            )
+        )
+        frames.append(_event("message_stop", {"type": "message_stop"}))
+        return frames
+    response = {"id": f"resp_{answer_id}", "object": "response", "model": model, "status": "in_progress", "output": []}
+    message = _output_message(answer_id, "")
+    sequence = iter(range(1 << 30))
+    frames = [
+        _event(
+            "response.created", {"type": "response.created", "sequence_number": next(sequence), "response": response}
+        ),
+        _event(
+            "response.in_progress",
+            {"type": "response.in_progress", "sequence_number": next(sequence), "response": response},
+        ),
+        _event(
+            "response.output_item.added",
+            {
+                "type": "response.output_item.added",
+                "sequence_number": next(sequence),
+                "output_index": 0,
+                "item": message,
+            },
+        ),
+    ]
+    frames += [
+        _event(
+            "response.output_text.delta",
+            {
+                "type": "response.output_text.delta",
+                "sequence_number": next(sequence),
+                "delta": piece,
+                "output_index": 0,
+            },
+        )
+        for piece in pieces
+    ]
+    done = {
+        **response,
+        "status": "completed",
+        "output": [_output_message(answer_id, text)],
+        "usage": _usage(api, usage),
+    }
+    frames.append(
+        _event(
+            "response.completed", {"type": "response.completed", "sequence_number": next(sequence), "response": done}
+        )
+    )
+    return frames
+
+
+def stream_error(api: str, answer_id: str, model: Any) -> bytes:
+    """What the API's stream says when the generation under it fails after its 200: its opening
+    events, then the error."""
+    if api == MESSAGES:
+        start = {"id": answer_id, "type": "message", "role": "assistant", "content": [], "model": model}
+        error = {"type": "error", "error": {"type": "internal_error", "message": "Internal server error"}}
+        return _event("message_start", {"type": "message_start", "message": start}) + _event("error", error)
+    response = {"id": f"resp_{answer_id}", "object": "response", "model": model, "status": "in_progress", "output": []}
+    return (
+        _event("response.created", {"type": "response.created", "sequence_number": 0, "response": response})
+        + _event("response.in_progress", {"type": "response.in_progress", "sequence_number": 1, "response": response})
+        + _event("error", {"type": "error", "code": "500", "message": "Internal server error", "sequence_number": 2})
+    )
