@@ -190,7 +190,9 @@ async def run(duration_s: float, concurrency: int, seed: int, coalesce: bool = T
         except TimeoutError:
             if disconnect_after is None:
                 late = lag.total_s - lag_before
-                violations.append(f"request hung for {time.monotonic() - started:.1f}s (event loop late {late:.1f}s of it)")
+                violations.append(
+                    f"request hung for {time.monotonic() - started:.1f}s (event loop late {late:.1f}s of it)"
+                )
             else:
                 outcomes["client_disconnected"] += 1
         except aiohttp.ClientPayloadError:
