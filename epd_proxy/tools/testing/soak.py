@@ -99,6 +99,16 @@ def _rss_mb() -> float:
     return 0.0
 
 
+def _cpu_wait_s() -> float:
+    """Seconds this thread has spent runnable but waiting for a CPU (schedstat's second field):
+    what the host's other load took from the proxy, the fakes and the clients alike."""
+    try:
+        with open("/proc/thread-self/schedstat") as stat:
+            return int(stat.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 class LoopLag:
     """How late this process's event loop runs its timers: the proxy, its fakes and the clients all
     share it, so a starved host shows here before it shows as a request that "hung"."""
@@ -175,7 +185,7 @@ async def run(duration_s: float, concurrency: int, seed: int, coalesce: bool = T
             }
         )
         disconnect_after = rng.uniform(0.001, 0.3) if rng.random() < 0.1 else None
-        started, lag_before = time.monotonic(), lag.total_s
+        started, lag_before, waited_before = time.monotonic(), lag.total_s, _cpu_wait_s()
         try:
             async with asyncio.timeout(disconnect_after or HANG_LIMIT_S):
                 async with client.post(target, data=body, headers={"Content-Type": "application/json"}) as resp:
@@ -189,9 +199,10 @@ async def run(duration_s: float, concurrency: int, seed: int, coalesce: bool = T
                         outcomes[f"{resp.status} {error.get('stage', '?') if isinstance(error, dict) else '?'}"] += 1
         except TimeoutError:
             if disconnect_after is None:
-                late = lag.total_s - lag_before
+                late, waited = lag.total_s - lag_before, _cpu_wait_s() - waited_before
                 violations.append(
-                    f"request hung for {time.monotonic() - started:.1f}s (event loop late {late:.1f}s of it)"
+                    f"request hung for {time.monotonic() - started:.1f}s"
+                    f" (event loop late {late:.1f}s of it, waiting for a CPU {waited:.1f}s)"
                 )
             else:
                 outcomes["client_disconnected"] += 1
@@ -212,10 +223,10 @@ async def run(duration_s: float, concurrency: int, seed: int, coalesce: bool = T
             rss_samples.append(_rss_mb())
             await asyncio.sleep(1)
 
-    started = time.monotonic()
+    started, waited_before = time.monotonic(), _cpu_wait_s()
     watch = lag.watch(asyncio.get_running_loop().time() + duration_s)
     await asyncio.gather(sample_memory(), watch, *(worker(w) for w in range(concurrency)))
-    elapsed = time.monotonic() - started
+    elapsed, waited = time.monotonic() - started, _cpu_wait_s() - waited_before
 
     # Let pooled keep-alive connections retire, stalled fake handlers finish their sleep, and
     # cancelled handlers unwind; whatever is left after that is a leak.
@@ -263,6 +274,7 @@ async def run(duration_s: float, concurrency: int, seed: int, coalesce: bool = T
         "rss_growth_mb": round(rss_growth, 1),
         "loop_lag_worst_s": round(lag.worst_s, 2),
         "loop_lag_total_s": round(lag.total_s, 1),
+        "cpu_wait_s": round(waited, 1),
     }
     report["ok"] = (
         not violations
