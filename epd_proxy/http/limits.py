@@ -24,18 +24,59 @@ class PortConnections:
     while all the slots together are under the limit. A worker that dies cannot take its count
     back, so the parent does when it reaps it (`release`). The check holds an flock(2), which the
     kernel drops with a process that dies holding it: a multiprocessing lock taken by a killed
-    worker would stay taken, and no worker could admit anyone again."""
+    worker would stay taken, and no worker could admit anyone again.
+
+    Until the parent gets round to reaping, a dead worker's count would still fill the port: a
+    supervisor that is slow to wake (a loaded host, or one stopped) refused clients the survivors
+    had room for. So each worker also holds an flock on a file of its own slot for as long as it
+    lives (`claim`); the kernel drops it in the same exit that closes the worker's connections,
+    and a check that finds the port full counts only the slots whose lock is still held."""
 
     def __init__(self, slots: Any, lock_path: str, slot: int = -1) -> None:
         self._slots = slots
         self._lock_path = lock_path
         self._slot = slot
         self._lock_fd: int | None = None
+        self._life_fds: dict[int, int] = {}
 
     @classmethod
     def create(cls, ctx: Any, workers: int, lock_path: str) -> PortConnections:
         """The parent's view, over a new array of `workers` slots; `ctx` is a multiprocessing context."""
+        for path in cls.life_paths(lock_path, workers):
+            os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
         return cls(ctx.RawArray("q", workers), lock_path)
+
+    @staticmethod
+    def life_paths(lock_path: str, workers: int) -> list[str]:
+        """The files whose flock says that a slot's worker is alive, one per slot."""
+        return [f"{lock_path}.{slot}" for slot in range(workers)]
+
+    def _life_fd(self, slot: int) -> int:
+        fd = self._life_fds.get(slot)
+        if fd is None:
+            fd = self._life_fds[slot] = os.open(f"{self._lock_path}.{slot}", os.O_RDWR | os.O_CLOEXEC)
+        return fd
+
+    def claim(self) -> None:
+        """In the worker, before it accepts anyone: hold this slot's life lock until the process
+        ends. The slot's previous worker is dead, so what its count still says is stale."""
+        fcntl.flock(self._life_fd(self._slot), fcntl.LOCK_EX)
+        with self._locked():
+            self._slots[self._slot] = 0
+
+    def _alive(self, slot: int) -> bool:
+        fd = self._life_fd(slot)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+
+    def _living_total(self) -> int:
+        return sum(
+            count for slot, count in enumerate(self._slots) if count and (slot == self._slot or self._alive(slot))
+        )
 
     def worker(self, slot: int) -> PortConnections:
         """The view worker `slot` counts through, handed to its process when it starts."""
@@ -47,7 +88,7 @@ class PortConnections:
 
     @property
     def total(self) -> int:
-        return sum(self._slots)
+        return self._living_total()
 
     @contextlib.contextmanager
     def _locked(self):
@@ -61,7 +102,9 @@ class PortConnections:
 
     def enter(self, limit: int) -> bool:
         with self._locked():
-            if limit and sum(self._slots) >= limit:
+            # The life locks are read only when the port looks full: that is when a dead worker's
+            # count can refuse someone.
+            if limit and sum(self._slots) >= limit and self._living_total() >= limit:
                 return False
             self._slots[self._slot] += 1
             return True

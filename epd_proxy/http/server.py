@@ -336,6 +336,8 @@ async def start(
     """Serve `app` with `limits` in the running loop; the caller cleans up with
     `await runner.cleanup()`."""
     metrics = app[STATE].metrics if STATE in app else None
+    if shared is not None:
+        shared.claim()
     gate = ConnectionGate(limits.max_connections, shared, GateCounters(metrics.registry if metrics else None))
     if metrics is not None:
         metrics.read_at_scrape(GateCollector(gate))

@@ -189,6 +189,7 @@ def serve(config: Config, log_level: str, workers: int = 1) -> None:
     try:
         supervisor.run()
     finally:
-        os.unlink(lock_path)
+        for path in (lock_path, *PortConnections.life_paths(lock_path, workers)):
+            os.unlink(path)
         if metrics_dir is not None:
             shutil.rmtree(metrics_dir, ignore_errors=True)

@@ -187,3 +187,90 @@ async def test_autoscaling_figures_add_up_over_workers():
 
         # Each worker publishes within a second; whichever answers the scrape adds both up.
         await eventually(added_up, timeout=DEADLINE_S, what="both workers' arrivals in one figure")
+
+
+def server_side_connections(pids: set[int], port: int) -> int:
+    """Connections on `port` any of the workers still has open (established or waiting to close)."""
+    count = 0
+    for pid in pids:
+        try:
+            connections = psutil.Process(pid).net_connections("tcp")
+        except psutil.Error:
+            continue
+        count += sum(1 for c in connections if c.status != psutil.CONN_LISTEN and c.laddr.port == port)
+    return count
+
+
+async def test_after_a_worker_is_killed_under_traffic_fresh_clients_up_to_the_limit_all_get_in():
+    limit = 8
+    async with serve_process("--workers", "2", "--max-client-connections", str(limit)) as served:
+        parent, port = served.proc.pid, served.port
+        first = await eventually(lambda: len(workers_of(parent)) == 2 and workers_of(parent), what="two workers")
+        statuses: list[int] = []
+        stop = asyncio.Event()
+
+        async def traffic(client: aiohttp.ClientSession) -> None:
+            while not stop.is_set():
+                try:
+                    async with client.post(f"{served.url}/v1/chat/completions", json=chat(image("t"))) as resp:
+                        await resp.read()
+                        statuses.append(resp.status)
+                except aiohttp.ClientError:
+                    statuses.append(0)  # its worker was killed under it
+
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit)) as client:
+            clients = [asyncio.create_task(traffic(client)) for _ in range(limit)]
+            await eventually(lambda: statuses.count(200) >= 2 * limit, timeout=DEADLINE_S, what="traffic flowing")
+            victim = max(first, key=lambda pid: established(pid, port))
+            os.kill(victim, signal.SIGKILL)
+
+            def replaced() -> set[int]:
+                workers = workers_of(parent)
+                return len(workers) == 2 and victim not in workers and workers - first
+
+            (new,) = await eventually(replaced, timeout=DEADLINE_S, what="the parent to start a new worker")
+            await eventually(lambda: listening(new, port), timeout=DEADLINE_S, what="the new worker to listen")
+            recovered = len(statuses)
+            await eventually(
+                lambda: statuses[recovered:].count(200) >= 2 * limit, timeout=DEADLINE_S, what="traffic recovered"
+            )
+            stop.set()
+            await asyncio.gather(*clients)
+        workers = first - {victim} | {new}
+        # Every connection the traffic had is closed on the workers' side too before the fresh ones come.
+        await eventually(lambda: server_side_connections(workers, port) == 0, timeout=DEADLINE_S, what="closed")
+        fresh = await asyncio.gather(*(held_connection(port) for _ in range(limit)), return_exceptions=True)
+        try:
+            refused = [f for f in fresh if not isinstance(f, asyncio.StreamWriter)]
+            assert not refused, refused
+        finally:
+            for writer in fresh:
+                if isinstance(writer, asyncio.StreamWriter):
+                    writer.close()
+
+
+async def test_a_killed_workers_connections_stop_counting_before_the_supervisor_reaps_it():
+    limit = 8
+    async with serve_process("--workers", "2", "--max-client-connections", str(limit)) as served:
+        parent, port = served.proc.pid, served.port
+        first = await eventually(lambda: len(workers_of(parent)) == 2 and workers_of(parent), what="two workers")
+        await eventually(lambda: all(listening(pid, port) for pid in first), timeout=DEADLINE_S, what="both listen")
+        held = [await held_connection(port) for _ in range(limit)]
+        victim = max(first, key=lambda pid: established(pid, port))
+        (survivor,) = first - {victim}
+        # A supervisor that cannot run (a starved host; here a stopped one) has not reaped the victim.
+        os.kill(parent, signal.SIGSTOP)
+        try:
+            os.kill(victim, signal.SIGKILL)
+            await eventually(lambda: not psutil.pid_exists(victim) or psutil.Process(victim).status() == "zombie")
+            for writer in held:
+                writer.close()
+            await eventually(lambda: server_side_connections({survivor}, port) == 0, timeout=DEADLINE_S, what="closed")
+            fresh = await asyncio.gather(*(held_connection(port) for _ in range(limit)), return_exceptions=True)
+            refused = [f for f in fresh if not isinstance(f, asyncio.StreamWriter)]
+            for writer in fresh:
+                if isinstance(writer, asyncio.StreamWriter):
+                    writer.close()
+            assert not refused, refused
+        finally:
+            os.kill(parent, signal.SIGCONT)

@@ -267,6 +267,10 @@ class RealBench:
             cores_after = procs.core_busy()
             proxy_after = procs.tree_cpu_split(proc.pid) if proc else (0.0, 0.0)
             after = engines.settled(self.engines)
+            if arm.ours:
+                # What the scheduler saw by the block's end, to tell a bad round's cause afterwards.
+                status = self.out / f"status-{arm.name}-{level[0]}{level[1]:g}-round{round_no}.json"
+                status.write_bytes(http_get(url + "/status.json"))
         finally:
             if proc is not None:
                 _stop(proc)

@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import base64
 import collections
+import contextlib
 import gc
 import logging
 import os
@@ -99,6 +100,61 @@ def _rss_mb() -> float:
     return 0.0
 
 
+def _cpu_wait_s() -> float:
+    """Seconds this thread has spent runnable but waiting for a CPU (schedstat's second field):
+    what the host's other load took from the proxy, the fakes and the clients alike."""
+    try:
+        with open("/proc/thread-self/schedstat") as stat:
+            return int(stat.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+@contextlib.asynccontextmanager
+async def _bound(limit_s: float):
+    """asyncio.timeout(limit_s) that gives back the time this process waited for a CPU meanwhile:
+    the bound is on the proxy, and seconds the host kept it off every core say nothing of it. A
+    proxy that truly hangs waits idle, which costs no CPU wait, so it still runs out."""
+    loop = asyncio.get_running_loop()
+    started, waited_before = loop.time(), _cpu_wait_s()
+    timer: asyncio.TimerHandle | None = None
+    async with asyncio.timeout(None) as timeout:
+
+        def expire_or_extend() -> None:
+            nonlocal timer
+            due = started + limit_s + (_cpu_wait_s() - waited_before)
+            if due > loop.time() + 0.01:
+                timer = loop.call_at(due, expire_or_extend)
+            else:
+                timeout.reschedule(loop.time())
+
+        timer = loop.call_at(started + limit_s, expire_or_extend)
+        try:
+            yield
+        finally:
+            timer.cancel()
+
+
+class LoopLag:
+    """How late this process's event loop runs its timers: the proxy, its fakes and the clients all
+    share it, so a starved host shows here before it shows as a request that "hung"."""
+
+    TICK_S = 0.05
+
+    def __init__(self) -> None:
+        self.total_s = 0.0
+        self.worst_s = 0.0
+
+    async def watch(self, until: float) -> None:
+        loop = asyncio.get_running_loop()
+        while loop.time() < until:
+            asked = loop.time()
+            await asyncio.sleep(self.TICK_S)
+            late = loop.time() - asked - self.TICK_S
+            self.total_s += late
+            self.worst_s = max(self.worst_s, late)
+
+
 def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -142,6 +198,7 @@ async def run(duration_s: float, concurrency: int, seed: int, coalesce: bool = T
     violations: list[str] = []
     rss_samples: list[float] = []
     deadline = time.monotonic() + duration_s
+    lag = LoopLag()
 
     async def one(client: aiohttp.ClientSession, n: int) -> None:
         images = [_image(rng.randrange(40)) for _ in range(rng.randrange(0, 5))]
@@ -154,9 +211,9 @@ async def run(duration_s: float, concurrency: int, seed: int, coalesce: bool = T
             }
         )
         disconnect_after = rng.uniform(0.001, 0.3) if rng.random() < 0.1 else None
-        started = time.monotonic()
+        started, lag_before, waited_before = time.monotonic(), lag.total_s, _cpu_wait_s()
         try:
-            async with asyncio.timeout(disconnect_after or HANG_LIMIT_S):
+            async with asyncio.timeout(disconnect_after) if disconnect_after else _bound(HANG_LIMIT_S):
                 async with client.post(target, data=body, headers={"Content-Type": "application/json"}) as resp:
                     payload = await resp.read()
                     if resp.status == 200:
@@ -168,7 +225,11 @@ async def run(duration_s: float, concurrency: int, seed: int, coalesce: bool = T
                         outcomes[f"{resp.status} {error.get('stage', '?') if isinstance(error, dict) else '?'}"] += 1
         except TimeoutError:
             if disconnect_after is None:
-                violations.append(f"request hung for {time.monotonic() - started:.1f}s")
+                late, waited = lag.total_s - lag_before, _cpu_wait_s() - waited_before
+                violations.append(
+                    f"request hung for {time.monotonic() - started:.1f}s"
+                    f" (event loop late {late:.1f}s of it, waiting for a CPU {waited:.1f}s)"
+                )
             else:
                 outcomes["client_disconnected"] += 1
         except aiohttp.ClientPayloadError:
@@ -188,9 +249,10 @@ async def run(duration_s: float, concurrency: int, seed: int, coalesce: bool = T
             rss_samples.append(_rss_mb())
             await asyncio.sleep(1)
 
-    started = time.monotonic()
-    await asyncio.gather(sample_memory(), *(worker(w) for w in range(concurrency)))
-    elapsed = time.monotonic() - started
+    started, waited_before = time.monotonic(), _cpu_wait_s()
+    watch = lag.watch(asyncio.get_running_loop().time() + duration_s)
+    await asyncio.gather(sample_memory(), watch, *(worker(w) for w in range(concurrency)))
+    elapsed, waited = time.monotonic() - started, _cpu_wait_s() - waited_before
 
     # Let pooled keep-alive connections retire, stalled fake handlers finish their sleep, and
     # cancelled handlers unwind; whatever is left after that is a leak.
@@ -236,6 +298,9 @@ async def run(duration_s: float, concurrency: int, seed: int, coalesce: bool = T
         "rss_mb_start": round(rss_samples[quarter], 1) if len(rss_samples) > quarter else None,
         "rss_mb_end": round(rss_samples[-1], 1) if rss_samples else None,
         "rss_growth_mb": round(rss_growth, 1),
+        "loop_lag_worst_s": round(lag.worst_s, 2),
+        "loop_lag_total_s": round(lag.total_s, 1),
+        "cpu_wait_s": round(waited, 1),
     }
     report["ok"] = (
         not violations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import resource
 import threading
@@ -34,8 +35,11 @@ def port_connections(tmp_path, workers: int) -> PortConnections:
 def test_workers_share_the_limit_and_a_dead_workers_connections_are_released(tmp_path):
     port = port_connections(tmp_path, 2)
     registry = CollectorRegistry()
-    first = ConnectionGate(3, port.worker(0), GateCounters(registry))
-    second = ConnectionGate(3, port.worker(1))
+    views = [port.worker(0), port.worker(1)]
+    for view in views:
+        view.claim()
+    first = ConnectionGate(3, views[0], GateCounters(registry))
+    second = ConnectionGate(3, views[1])
     assert first.enter() and first.enter() and second.enter()
     # The port is full, whichever worker is asked.
     assert not first.enter() and not second.enter()
@@ -48,6 +52,47 @@ def test_workers_share_the_limit_and_a_dead_workers_connections_are_released(tmp
     assert [second.enter() for _ in range(4)] == [True, True, True, False]
 
 
+@contextlib.contextmanager
+def worker_killed_afterwards(target, *args):
+    """A spawned process running `target(*args, holding)`, once it has set `holding`; killed with
+    SIGKILL when the block ends."""
+    ctx = multiprocessing.get_context("spawn")
+    holding = ctx.Event()
+    worker = ctx.Process(target=target, args=(*args, holding))
+    worker.start()
+    try:
+        assert holding.wait(30), f"{target.__name__} did not get going"
+        yield
+    finally:
+        worker.kill()
+        worker.join(30)
+
+
+def serve_until_killed(port: PortConnections, connections: int, holding) -> None:
+    port.claim()
+    gate = ConnectionGate(connections, port)
+    assert all(gate.enter() for _ in range(connections))
+    holding.set()
+    time.sleep(600)
+
+
+def test_a_killed_workers_connections_stop_counting_before_the_parent_reaps_it(tmp_path):
+    port = port_connections(tmp_path, 2)
+    survivor_view = port.worker(1)
+    survivor_view.claim()
+    survivor = ConnectionGate(3, survivor_view)
+    with worker_killed_afterwards(serve_until_killed, port.worker(0), 3):
+        assert not survivor.enter(), "a live worker's connections fill the port"
+    # The parent has not released slot 0 (it may be slow to wake, or stopped): the dead worker's
+    # three connections are closed all the same, so the port has room for three.
+    assert [survivor.enter() for _ in range(4)] == [True, True, True, False]
+    assert survivor.open == 3
+    # Its replacement starts from nothing, whatever the slot still said.
+    replacement = port.worker(0)
+    replacement.claim()
+    assert survivor.open == 3 and replacement.total == 3
+
+
 def hold_the_lock_until_killed(port: PortConnections, holding) -> None:
     with port._locked():
         holding.set()
@@ -55,17 +100,12 @@ def hold_the_lock_until_killed(port: PortConnections, holding) -> None:
 
 
 def test_a_worker_killed_during_the_check_does_not_lock_the_others_out(tmp_path):
-    ctx = multiprocessing.get_context("spawn")
     port = port_connections(tmp_path, 2)
-    holding = ctx.Event()
-    worker = ctx.Process(target=hold_the_lock_until_killed, args=(port.worker(0), holding))
-    worker.start()
-    try:
-        assert holding.wait(30), "the worker did not take the lock"
-    finally:
-        worker.kill()
-        worker.join(30)
-    gate = ConnectionGate(1, port.worker(1))
+    with worker_killed_afterwards(hold_the_lock_until_killed, port.worker(0)):
+        pass
+    survivor = port.worker(1)
+    survivor.claim()
+    gate = ConnectionGate(1, survivor)
     admitted = []
     # In a thread: a lock that stayed taken would block this test instead of failing it.
     checking = threading.Thread(target=lambda: admitted.append(gate.enter()), daemon=True)
