@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import orjson
@@ -145,33 +145,22 @@ class Batch:
     abandoned: bool = False
 
 
+@dataclass(eq=False)
 class Coalescer:
     """The waiting groups of every lane and the tasks that send them."""
 
-    def __init__(
-        self,
-        upstream: Upstream,
-        metrics: Metrics,
-        observed: Observed,
-        *,
-        timeouts: Timeouts,
-        max_batch_size: int,
-        send_uuid: bool,
-        ids: IdMint,
-        clock: Callable[[], float],
-        stalled: Callable[[Lane, Instance, int], bool],
-    ) -> None:
-        self.upstream = upstream
-        self.metrics = metrics
-        self.observed = observed
-        self.timeouts = timeouts
-        self.max_batch_size = max_batch_size
-        self.send_uuid = send_uuid
-        self.ids = ids
-        self.clock = clock
-        self.stalled = stalled
-        # Tasks sending queued sub-requests; held so they are not collected mid-flight.
-        self._senders: set[asyncio.Task] = set()
+    upstream: Upstream
+    metrics: Metrics
+    observed: Observed
+    _: KW_ONLY
+    timeouts: Timeouts
+    max_batch_size: int
+    send_uuid: bool
+    ids: IdMint
+    clock: Callable[[], float]
+    stalled: Callable[[Lane, Instance, int], bool]
+    # Tasks sending queued sub-requests; held so they are not collected mid-flight.
+    _senders: set[asyncio.Task] = field(default_factory=set, init=False, repr=False)
 
     async def wait_to_share(self, lane: Lane, work: Work) -> Encoded:
         # A healthy encoder works off its backlog in about the estimated time; one that stalls
