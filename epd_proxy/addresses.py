@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Protocol
 from urllib.parse import urlsplit
 
-from epd_proxy.options import Kind
+from epd_proxy.options import ConfigError, Kind
 
 # A role's instances found through DNS (discovery.py): `dns://host:port` (A and AAAA records, one
 # port for all) or `dns+srv://name` (SRV records, which carry the ports).
@@ -91,3 +91,61 @@ class CommaList(Kind):
             except ValueError:
                 return f"{url!r} has an invalid port"
         return None
+
+
+class Topology(Protocol):
+    """What of `serve`'s options (config.py) says where the instances come from."""
+
+    encode_urls: tuple[str, ...]
+    prefill_urls: tuple[str, ...]
+    decode_urls: tuple[str, ...]
+    ec_consumer_zmq_addrs: tuple[str, ...]
+    ec_consumer_dp_size: int
+    dynamic_registration: bool
+    admin_api_key: str
+    roster_url: str
+    workers: int
+
+
+def check_topology(config: Topology) -> None:
+    """The rules across the instance options: listed, found through DNS or registered, never two
+    ways at once, and Mooncake consumer addresses that line up with the decode servers."""
+    entries = (*config.encode_urls, *config.prefill_urls, *config.decode_urls)
+    names = [entry for entry in entries if is_dns(entry)]
+    if len(set(names)) != len(names):
+        raise ConfigError("a DNS name is listed twice; each instance has one role")
+    if config.dynamic_registration:
+        if len(names) != len(entries) or config.ec_consumer_zmq_addrs:
+            # A listed instance could never leave through DELETE /instances: register it instead.
+            raise ConfigError(
+                "--dynamic-registration takes instances from POST /instances and DNS names, not from listed URLs"
+            )
+        if not config.admin_api_key:
+            raise ConfigError("--dynamic-registration needs ADMIN_API_KEY in the environment")
+        if config.workers > 1 and not config.roster_url:
+            raise ConfigError("--workers > 1 in dynamic mode needs --roster: each worker would hold its own registry")
+    else:
+        if not config.decode_urls:
+            raise ConfigError("--decode-servers-urls needs at least one URL")
+        if not config.encode_urls:
+            raise ConfigError("--encode-servers-urls needs at least one URL")
+    if config.roster_url and not config.dynamic_registration:
+        raise ConfigError("--roster holds the dynamic roster: add --dynamic-registration")
+    if config.ec_consumer_zmq_addrs:
+        if any(is_dns(url) for url in config.decode_urls):
+            raise ConfigError(
+                "--ec-consumer-zmq-addrs are matched to --decode-servers-urls by position, and a DNS name has no "
+                "fixed order or count: list the decode servers, or register them with their ec_zmq_addrs"
+            )
+        if config.prefill_urls:
+            raise ConfigError(
+                "Mooncake EC consumer routing (--ec-consumer-zmq-addrs) supports E+PD only: "
+                "with a separate prefill stage the consumer is the prefill instance"
+            )
+        expected = len(config.decode_urls) * config.ec_consumer_dp_size
+        if len(config.ec_consumer_zmq_addrs) != expected:
+            raise ConfigError(
+                f"--ec-consumer-zmq-addrs has {len(config.ec_consumer_zmq_addrs)} addresses; expected "
+                f"{expected} (decode servers {len(config.decode_urls)} x dp size {config.ec_consumer_dp_size}, "
+                "each server's replicas listed consecutively)"
+            )

@@ -1,5 +1,6 @@
-"""`serve`'s options, each declared once on a field of `Config` (options.py says how), and the rules
-that involve several of them. `python -m epd_proxy.config` prints their table in docs/serve.md."""
+"""`serve`'s options, each declared once on a field of `Config` (options.py says how); the rules
+across the instance options are addresses.py's `check_topology`. `python -m epd_proxy.config` prints
+their table in docs/serve.md."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from epd_proxy import options as options_module
-from epd_proxy.addresses import CommaList, Server, is_dns
-from epd_proxy.options import Choice, ConfigError, Count, Kind, Number, Option, Seconds, Switch, Text
+from epd_proxy.addresses import CommaList, Server, check_topology
+from epd_proxy.options import Choice, ConfigError, Count, Kind, Number, Option, Seconds, Switch, Text  # noqa: F401 (ConfigError: callers catch it from here)
 
 # Names a user may pick, here so that the configuration needs no component (which keys them by these).
 MEDIA_HASH_NAMES = ("sha256", "blake3")
@@ -471,51 +472,7 @@ class Config:
 
     def __post_init__(self) -> None:
         options_module.check(self)
-        self._check_topology()
-
-    def _check_topology(self) -> None:
-        """The rules that involve several options."""
-        entries = (*self.encode_urls, *self.prefill_urls, *self.decode_urls)
-        names = [entry for entry in entries if is_dns(entry)]
-        if len(set(names)) != len(names):
-            raise ConfigError("a DNS name is listed twice; each instance has one role")
-        if self.dynamic_registration:
-            if len(names) != len(entries) or self.ec_consumer_zmq_addrs:
-                # A listed instance could never leave through DELETE /instances: register it instead.
-                raise ConfigError(
-                    "--dynamic-registration takes instances from POST /instances and DNS names, not from listed URLs"
-                )
-            if not self.admin_api_key:
-                raise ConfigError("--dynamic-registration needs ADMIN_API_KEY in the environment")
-            if self.workers > 1 and not self.roster_url:
-                raise ConfigError(
-                    "--workers > 1 in dynamic mode needs --roster: each worker would hold its own registry"
-                )
-        else:
-            if not self.decode_urls:
-                raise ConfigError("--decode-servers-urls needs at least one URL")
-            if not self.encode_urls:
-                raise ConfigError("--encode-servers-urls needs at least one URL")
-        if self.roster_url and not self.dynamic_registration:
-            raise ConfigError("--roster holds the dynamic roster: add --dynamic-registration")
-        if self.ec_consumer_zmq_addrs:
-            if any(is_dns(url) for url in self.decode_urls):
-                raise ConfigError(
-                    "--ec-consumer-zmq-addrs are matched to --decode-servers-urls by position, and a DNS name has no "
-                    "fixed order or count: list the decode servers, or register them with their ec_zmq_addrs"
-                )
-            if self.prefill_urls:
-                raise ConfigError(
-                    "Mooncake EC consumer routing (--ec-consumer-zmq-addrs) supports E+PD only: "
-                    "with a separate prefill stage the consumer is the prefill instance"
-                )
-            expected = len(self.decode_urls) * self.ec_consumer_dp_size
-            if len(self.ec_consumer_zmq_addrs) != expected:
-                raise ConfigError(
-                    f"--ec-consumer-zmq-addrs has {len(self.ec_consumer_zmq_addrs)} addresses; expected "
-                    f"{expected} (decode servers {len(self.decode_urls)} x dp size {self.ec_consumer_dp_size}, "
-                    "each server's replicas listed consecutively)"
-                )
+        check_topology(self)
 
     @property
     def pool_keep_alive_s(self) -> float | None:

@@ -26,6 +26,7 @@ from epd_proxy.fleet.routing import RoutingPolicy, make_policy
 from epd_proxy.fleet.scheduler import ExpectedFinish
 from epd_proxy.journey.admission import Admission
 from epd_proxy.journey.pipeline import Pipeline
+from epd_proxy.journey.subrequest import EncodeOptions
 from epd_proxy.ops import tracing
 from epd_proxy.ops.autoscale import Autoscale
 from epd_proxy.ops.metrics import Metrics
@@ -51,7 +52,13 @@ def build_pipeline(
         upstream,
         policies,
         metrics,
-        encode_timeouts=Timeouts(connect=connect, total=config.encode_timeout_s),
+        encoding=EncodeOptions(
+            Timeouts(connect=connect, total=config.encode_timeout_s),
+            config.encoder_max_batch_size,
+            send_uuid=config.rewrite,
+            failovers=config.encoder_failovers,
+            coalesce=config.coalesce,
+        ),
         prefill_timeouts=Timeouts(connect=connect, total=config.prefill_timeout_s),
         decode_timeouts=Timeouts(
             connect=connect,
@@ -61,10 +68,7 @@ def build_pipeline(
         ),
         decode_retries=config.decode_retries,
         rewrite=config.rewrite,
-        encoder_max_batch_size=config.encoder_max_batch_size,
-        encoder_failovers=config.encoder_failovers,
         lanes=lanes,
-        coalesce=config.coalesce,
         reuse=config.reuse,
         consumer_encode=config.consumer_encode,
         consumer_encode_after_s=config.consumer_encode_after_s,

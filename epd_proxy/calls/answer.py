@@ -9,13 +9,10 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from epd_proxy.calls.connection import BODY_TOO_LARGE, Closed, Connection, Headers, decoded
 from epd_proxy.errors import BackendUnreachable, ErrorAnswer
-
-if TYPE_CHECKING:
-    from epd_proxy.calls.upstream import Upstream
 
 # What went wrong when there was no (complete) answer. Transport failures:
 REFUSED = "refused"  # the connection could not be made (refused, unreachable, DNS)
@@ -89,13 +86,20 @@ class Target(Protocol):
     inflight: int
 
 
+class Pool(Protocol):
+    """Where an answer's connection goes when the answer ends (upstream.py's pool): declared here
+    so that answers need nothing of the pool but this."""
+
+    def give_back(self, url: str, conn: Connection, reuse: bool) -> None: ...
+
+
 class Answer:
     """A backend's answer: status and headers, and the body read whole (`call`) or still to be
     streamed (`open`). An open answer holds its connection until `release()`."""
 
     __slots__ = ("status", "headers", "body", "trailers", "_conn", "_call", "_pool", "_done")
 
-    def __init__(self, conn: Connection, call: Call, pool: Upstream) -> None:
+    def __init__(self, conn: Connection, call: Call, pool: Pool) -> None:
         self.status = conn.status
         self.headers = conn.headers()
         self.body: bytes | None = None
@@ -168,7 +172,7 @@ class Answer:
             return
         self._done = True
         self._conn.answer_ended()
-        self._pool._give_back(self._call.target.url, self._conn, reuse)
+        self._pool.give_back(self._call.target.url, self._conn, reuse)
         self._call.end()
 
     async def __aenter__(self) -> Answer:

@@ -265,16 +265,16 @@ class Upstream:
                         await conn.wait(None)
                 return conn
             except Closed as closed:
-                self._give_back(url, conn, False)
+                self.give_back(url, conn, False)
                 if conn.reused and not closed.answered and not fresh and (idempotent or not conn.wrote):
                     fresh = True  # the backend dropped an idle connection just as we took it
                     continue
                 raise call.failure(kind_of(closed), closed.detail) from None
             except TimeoutError:
-                self._give_back(url, conn, False)
+                self.give_back(url, conn, False)
                 raise call.failure(HEADERS_TIMEOUT, "", reported) from None
             except BaseException:
-                self._give_back(url, conn, False)
+                self.give_back(url, conn, False)
                 raise
 
     async def _connection(self, call: Call, origin: _Origin, fresh: bool) -> Connection:
@@ -306,7 +306,7 @@ class Upstream:
             raise call.failure(REFUSED, _describe(exc)) from None
         return conn
 
-    def _give_back(self, url: str, conn: Connection, reuse: bool) -> None:
+    def give_back(self, url: str, conn: Connection, reuse: bool) -> None:
         self._in_use -= 1
         origin = self._origins.get(url)
         if not reuse or self.keep_alive_s is None or self._closed or origin is None:

@@ -11,18 +11,27 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import orjson
 
-from epd_proxy.calls.upstream import Timeouts, Upstream
+from epd_proxy.calls.upstream import Upstream
 from epd_proxy.errors import ProxyError
 from epd_proxy.fleet.backends import Instance
 from epd_proxy.fleet.lanes import BUSY_INFLIGHT, Lane
 from epd_proxy.journey.extract import MediaItem
 from epd_proxy.journey.match import split_params
-from epd_proxy.journey.subrequest import Dumps, Encoded, IdMint, Observed, encoder_body, encoder_parts, post_encoder
+from epd_proxy.journey.subrequest import (
+    Dumps,
+    Encoded,
+    EncodeOptions,
+    IdMint,
+    Observed,
+    encoder_body,
+    encoder_parts,
+    post_encoder,
+)
 from epd_proxy.journey.trace import Trace
 from epd_proxy.ops import tracing
 from epd_proxy.ops.metrics import Metrics
@@ -145,40 +154,27 @@ class Batch:
     abandoned: bool = False
 
 
+@dataclass(eq=False)
 class Coalescer:
     """The waiting groups of every lane and the tasks that send them."""
 
-    def __init__(
-        self,
-        upstream: Upstream,
-        metrics: Metrics,
-        observed: Observed,
-        *,
-        timeouts: Timeouts,
-        max_batch_size: int,
-        send_uuid: bool,
-        ids: IdMint,
-        clock: Callable[[], float],
-        stalled: Callable[[Lane, Instance, int], bool],
-    ) -> None:
-        self.upstream = upstream
-        self.metrics = metrics
-        self.observed = observed
-        self.timeouts = timeouts
-        self.max_batch_size = max_batch_size
-        self.send_uuid = send_uuid
-        self.ids = ids
-        self.clock = clock
-        self.stalled = stalled
-        # Tasks sending queued sub-requests; held so they are not collected mid-flight.
-        self._senders: set[asyncio.Task] = set()
+    upstream: Upstream
+    metrics: Metrics
+    observed: Observed
+    _: KW_ONLY
+    options: EncodeOptions
+    ids: IdMint
+    clock: Callable[[], float]
+    stalled: Callable[[Lane, Instance, int], bool]
+    # Tasks sending queued sub-requests; held so they are not collected mid-flight.
+    _senders: set[asyncio.Task] = field(default_factory=set, init=False, repr=False)
 
     async def wait_to_share(self, lane: Lane, work: Work) -> Encoded:
         # A healthy encoder works off its backlog in about the estimated time; one that stalls
         # (its sub-requests running into the timeout) must not hold queued groups behind it.
         patience = lane.patience(work.size)
-        if self.timeouts.total is not None:
-            patience = min(patience, self.timeouts.total / 4)
+        if self.options.timeouts.total is not None:
+            patience = min(patience, self.options.timeouts.total / 4)
         lane.queued(work)
         work.queued_at = self.clock()
         work.timer = asyncio.get_running_loop().call_later(patience, self._impatient, lane, work)
@@ -202,7 +198,7 @@ class Coalescer:
     def drain(self, lane: Lane, encoder: Instance) -> None:
         """Send what waits in `lane` while the encoder has room, one sending task per slot."""
         while lane.waiting and lane.inflight < BUSY_INFLIGHT and not lane.gone:
-            batch = self._batch(lane.next_batch(self.max_batch_size, self.clock(), self.timeouts.total))
+            batch = self._batch(lane.next_batch(self.options.max_batch_size, self.clock(), self.options.timeouts.total))
             task = asyncio.get_running_loop().create_task(self._send_queued(lane, encoder, batch))
             batch.task = task
             self._senders.add(task)
@@ -230,7 +226,9 @@ class Coalescer:
                 await self._send_batch(lane, encoder, batch)
                 if not lane.waiting or lane.inflight >= BUSY_INFLIGHT or lane.gone:
                     return
-                batch = self._batch(lane.next_batch(self.max_batch_size, self.clock(), self.timeouts.total))
+                batch = self._batch(
+                    lane.next_batch(self.options.max_batch_size, self.clock(), self.options.timeouts.total)
+                )
                 batch.task = asyncio.current_task()
         finally:
             if lane.waiting:
@@ -272,7 +270,7 @@ class Coalescer:
                         len(works),
                         " ".join(members),
                     )
-                    payload = coalesced_payload(works, transfer_ids, self.send_uuid)
+                    payload = coalesced_payload(works, transfer_ids, self.options.send_uuid)
                     # Health dedups a 5xx per request; this sub-request is its own.
                     trace = Trace(request_id)
                 else:
@@ -281,7 +279,7 @@ class Coalescer:
                         encoder_body(
                             head.body,
                             head.items,
-                            send_uuid=self.send_uuid,
+                            send_uuid=self.options.send_uuid,
                             transfer_ids=transfer_ids,
                             consumer_zmq=head.consumer_zmq,
                         )
@@ -291,7 +289,7 @@ class Coalescer:
                 self.metrics.items_per_subrequest.observe(len(items))
                 with tracing.queued_subrequest([work.waiting for work in works], encoder.url, len(items)):
                     reply = await self.observed(
-                        encoder, post_encoder(self.upstream, encoder, payload, request_id, self.timeouts), trace
+                        encoder, post_encoder(self.upstream, encoder, payload, request_id, self.options.timeouts), trace
                     )
                 if shared:
                     self.metrics.coalesced.labels(encoder.url).inc()
@@ -344,7 +342,7 @@ class Coalescer:
 
     def _watch(self, lane: Lane, encoder: Instance, batch: Batch, items: int, movable: bool):
         """A timer for a sub-request far past its expected time (lanes.Lane.overdue_after)."""
-        after = lane.overdue_after(items, self.timeouts.total)
+        after = lane.overdue_after(items, self.options.timeouts.total)
         if after is None:
             return None
         return Overdue(after, lambda: self._overdue(lane, encoder, batch, items, movable))

@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from epd_proxy.calls.upstream import Timeouts, Upstream
+from epd_proxy.calls.upstream import Upstream
 from epd_proxy.errors import BackendUnreachable, ProxyError
 from epd_proxy.fleet.backends import Instance
 from epd_proxy.fleet.lanes import BUSY_INFLIGHT, Lane, Lanes, coalesce_key
@@ -28,6 +28,7 @@ from epd_proxy.journey.subrequest import (
     FORWARDED_FIELDS,
     Dumps,
     Encoded,
+    EncodeOptions,
     IdMint,
     Observed,
     encoder_body,
@@ -57,12 +58,8 @@ class EncodeStep:
         live: Callable[[], Sequence[Instance]],
         observed: Observed,
         *,
-        timeouts: Timeouts,
-        max_batch_size: int,
-        send_uuid: bool,
-        failovers: int,
+        options: EncodeOptions,
         lanes: Lanes | None = None,
-        coalesce: bool = True,
         clock: Callable[[], float] = time.perf_counter,
         stalled: Callable[[Instance], None] = lambda encoder: None,
     ) -> None:
@@ -72,13 +69,10 @@ class EncodeStep:
         self._place = getattr(policy, "place", None)
         self.live = live
         self.observed = observed
-        self.timeouts = timeouts
-        self.max_batch_size = max_batch_size
-        self.send_uuid = send_uuid
-        self.failovers = failovers
+        self.options = options
         self.lanes = lanes if lanes is not None else getattr(policy, "lanes", None) or Lanes()
         # A cap of one image per sub-request leaves nothing to share.
-        self.coalesce = coalesce and max_batch_size != 1
+        self.coalesce = options.coalesce and options.max_batch_size != 1
         self.clock = clock
         # Tells health an encoder let a sub-request run far past its expected time.
         self.health_stalled = stalled
@@ -87,9 +81,7 @@ class EncodeStep:
             upstream,
             metrics,
             observed,
-            timeouts=timeouts,
-            max_batch_size=max_batch_size,
-            send_uuid=send_uuid,
+            options=options,
             ids=self.ids,
             clock=clock,
             stalled=self._stalled,
@@ -107,7 +99,7 @@ class EncodeStep:
             encoders = [e for e in encoders if not self.lanes.of(e).avoid(now)] or encoders
         if self._place is None:
             return self.policy.choose(encoders, [item.uuid for item in items])
-        assignment, hits = self._place(encoders, items, self.max_batch_size, now)
+        assignment, hits = self._place(encoders, items, self.options.max_batch_size, now)
         if hits:
             trace.affinity_hits += hits
             self.metrics.affinity_hits.inc(hits)
@@ -262,7 +254,7 @@ class EncodeStep:
         sub_body = encoder_body(
             body,
             group_items,
-            send_uuid=self.send_uuid,
+            send_uuid=self.options.send_uuid,
             transfer_ids=transfer_ids,
             consumer_zmq=consumer_zmq,
         )
@@ -273,7 +265,7 @@ class EncodeStep:
         sent = self.clock()
         lane.started(len(group_items), sent)
         done = None
-        after = lane.overdue_after(len(group_items), self.timeouts.total)
+        after = lane.overdue_after(len(group_items), self.options.timeouts.total)
         task = asyncio.current_task()
         moving: list[bool] = []
 
@@ -295,7 +287,7 @@ class EncodeStep:
                         encoder,
                         payload,
                         self.ids.child_request_id(trace.request_id, first_index),
-                        self.timeouts,
+                        self.options.timeouts,
                     ),
                     trace,
                 )
@@ -314,7 +306,7 @@ class EncodeStep:
         return Encoded(encoder, reply.ec_transfer_params, transfer_ids)
 
     def _failover_target(self, tried: list[Instance]) -> Instance | None:
-        if len(tried) > self.failovers:
+        if len(tried) > self.options.failovers:
             return None
         others = [e for e in self.live() if e not in tried]
         if not others:

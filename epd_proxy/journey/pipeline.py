@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from functools import partial
 from typing import Any
 
@@ -33,6 +33,7 @@ from epd_proxy.journey.plan import plan_groups
 from epd_proxy.journey.prefill import run_prefill
 from epd_proxy.journey.reuse import NO_RAW_MEDIA, EncodePlan, conversation_key, plan_encode, swamped
 from epd_proxy.journey.splice import Spliced
+from epd_proxy.journey.subrequest import EncodeOptions
 from epd_proxy.journey.trace import Trace
 from epd_proxy.ops.metrics import Metrics
 
@@ -80,58 +81,38 @@ def _unavailable(message: str) -> ProxyError:
     return ProxyError(503, message, stage="route", error_type="service_unavailable")
 
 
+@dataclass(eq=False)
 class Pipeline:
-    def __init__(
-        self,
-        fleet: Registry,
-        health: Health,
-        upstream: Upstream,
-        policies: dict[str, RoutingPolicy],
-        metrics: Metrics,
-        *,
-        encode_timeouts: Timeouts,
-        prefill_timeouts: Timeouts,
-        decode_timeouts: Timeouts,
-        decode_retries: int,
-        rewrite: bool,
-        encoder_max_batch_size: int,
-        encoder_failovers: int,
-        lanes: Lanes | None = None,
-        coalesce: bool = True,
-        reuse: bool = True,
-        consumer_encode: bool = True,
-        consumer_encode_after_s: float = 10.0,
-        text_only_consumers: bool = False,
-    ) -> None:
-        self.fleet = fleet
-        self.health = health
-        self.upstream = upstream
-        self.policies = policies
-        self.metrics = metrics
-        self.decode_retries = decode_retries
-        self.rewrite = rewrite
+    fleet: Registry
+    health: Health
+    upstream: Upstream
+    policies: dict[str, RoutingPolicy]
+    metrics: Metrics
+    _: KW_ONLY
+    encoding: EncodeOptions
+    prefill_timeouts: Timeouts
+    decode_timeouts: Timeouts
+    decode_retries: int
+    rewrite: bool
+    lanes: Lanes | None = None
+    reuse: bool = True
+    consumer_encode: bool = True
+    consumer_encode_after_s: float = 10.0
+    text_only_consumers: bool = False
+
+    def __post_init__(self) -> None:
         self.encode = EncodeStep(
-            upstream,
-            metrics,
-            policies[ENCODE],
+            self.upstream,
+            self.metrics,
+            self.policies[ENCODE],
             lambda: self.candidates(ENCODE),
             self._call,
-            timeouts=encode_timeouts,
-            max_batch_size=encoder_max_batch_size,
-            send_uuid=rewrite,
-            failovers=encoder_failovers,
-            lanes=lanes,
-            coalesce=coalesce,
-            stalled=lambda encoder: health.answered(encoder, 504, "a sub-request far past its expected time"),
+            options=self.encoding,
+            lanes=self.lanes,
+            stalled=lambda encoder: self.health.answered(encoder, 504, "a sub-request far past its expected time"),
         )
-        self.prefill_timeouts = prefill_timeouts
-        self.decode_timeouts = decode_timeouts
-        self.reuse = reuse
-        self.consumer_encode = consumer_encode
-        self.consumer_encode_after_s = consumer_encode_after_s
-        self.text_only_consumers = text_only_consumers
         # Whether routing reads the conversation key, which costs a digest of the opening messages.
-        self._keyed = any(isinstance(policy, PrefixAffinity) for policy in policies.values())
+        self._keyed = any(isinstance(policy, PrefixAffinity) for policy in self.policies.values())
 
     def candidates(self, role: str) -> Sequence[Instance]:
         """The registry's members of a role that health lets take traffic now."""
@@ -318,7 +299,7 @@ class Pipeline:
         # Timed however it ends: a failure after 5 s logs its 5 s.
         with trace.stage("encode", attempt=trace.attempts, items=len(items)):
             assignment = self.encode.place(items, trace)
-            groups = plan_groups(items, assignment, self.encode.max_batch_size)
+            groups = plan_groups(items, assignment, self.encoding.max_batch_size)
             answers = await self.encode.run(job.body, items, groups, consumer_zmq, trace, job.dumps)
             return match_groups(
                 job.body, items, [group.indices for group in groups], answers, push_mode=consumer_zmq is not None

@@ -34,6 +34,21 @@ FORWARDED_FIELDS = ("mm_processor_kwargs", "media_io_kwargs", "priority", "sessi
 MAX_ENCODER_ANSWER_BYTES = 1 << 20
 
 
+@dataclass(frozen=True, slots=True)
+class EncodeOptions:
+    """How an attempt's groups go to encoders, from `serve`'s options: read by the encode step and
+    by the coalescer alike, so the two can never send under different rules."""
+
+    timeouts: Timeouts
+    # Images per sub-request; 0 = no cap.
+    max_batch_size: int
+    # Each item's uuid goes with it, so the encoder's cache keys are the consumer's (with the rewrite).
+    send_uuid: bool
+    # Other encoders a failed group is sent to.
+    failovers: int
+    coalesce: bool = True
+
+
 class IdMint:
     """Transfer ids and child request ids from a per-process random stream seeded by the OS.
 

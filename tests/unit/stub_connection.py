@@ -39,7 +39,7 @@ class Pool:
     def _refused(self, stage: str, reason: str) -> None:
         self.refused.append((stage, reason))
 
-    def _give_back(self, url: str, conn: Connection, reuse: bool) -> None:
+    def give_back(self, url: str, conn: Connection, reuse: bool) -> None:
         self.given_back.append(reuse)
 
 

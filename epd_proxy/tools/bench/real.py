@@ -34,7 +34,7 @@ from epd_proxy.options import add_arguments, parse_into
 from epd_proxy.tools.bench import chat_load, engines, procs, real_report
 from epd_proxy.tools.bench.engines import BASELINE, DECODE, ENCODE, PD, PREFILL, Engine
 from epd_proxy.tools.bench.flags import OUR_COMMAND, REAL_GROUPS, REAL_QUICK, RealBenchOptions
-from epd_proxy.tools.bench.runner import CHECKOUT, command_words, http_get, wait_ready
+from epd_proxy.tools.bench.launch import CHECKOUT, command_words, http_get, wait_ready
 from epd_proxy.tools.bench.workload import AgentSpec, ChatMixSpec, get_chats
 from epd_proxy.tools.testing.harness import free_port
 
@@ -46,7 +46,7 @@ class Arm:
     name: str
     command: list[str]
     env: dict[str, str] = field(default_factory=dict)
-    # Ours run from the results folder with this checkout first on PYTHONPATH (see runner.py).
+    # Ours run from the results folder with this checkout first on PYTHONPATH (see launch.py).
     ours: bool = False
     direct_url: str | None = None  # the single-instance arm: no proxy, straight to the baseline
     blocks: list[dict[str, Any]] = field(default_factory=list)

@@ -14,8 +14,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,15 +21,14 @@ from typing import Any
 import orjson
 
 from epd_proxy.options import add_arguments, parse_into
-from epd_proxy.tools.bench import procs, report
+from epd_proxy.tools.bench import procs, real, report
 from epd_proxy.tools.bench.flags import PRESETS, FakeBenchOptions
+from epd_proxy.tools.bench.launch import CHECKOUT, command_words, http_get, wait_ready
 from epd_proxy.tools.bench.loadgen import Block, ClientPool
 from epd_proxy.tools.bench.workload import API_PATHS, WorkloadSpec, get_pool
 from epd_proxy.tools.testing.harness import free_port
 
 COST, FREE = "cost", "free"
-# The tree this benchmark (and so, by default, every proxy it starts) runs from.
-CHECKOUT = str(Path(__file__).resolve().parents[3])
 
 
 @dataclass
@@ -59,8 +56,6 @@ class Arm:
 def build_parser() -> argparse.ArgumentParser:
     """Against fakes; the real-engine mode's options (real.py) follow in the epilog, as
     `bench --help` is where a reader looks for them."""
-    from epd_proxy.tools.bench import real
-
     parser = argparse.ArgumentParser(
         prog="epd-proxy bench",
         description=__doc__,
@@ -91,35 +86,6 @@ def encoder_speeds(args: FakeBenchOptions) -> list[float]:
 
 def _cpus(spec: str) -> set[int]:
     return {int(c) for c in spec.split(",") if c.strip()}
-
-
-def http_get(url: str, timeout: float = 5.0) -> bytes:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
-        return resp.read()
-
-
-def command_words(words: list[str]) -> list[str]:
-    """An arm's command as typed, run with this interpreter: `epd-proxy serve` is this checkout's
-    proxy, and a bare `python` is this environment's, which has the reference script's packages
-    (the one first on PATH may not)."""
-    if words[:2] == ["epd-proxy", "serve"]:
-        return [sys.executable, "-m", "epd_proxy", *words[1:]]
-    if words and words[0] in ("python", "python3"):
-        return [sys.executable, *words[1:]]
-    return words
-
-
-def wait_ready(url: str, proc: subprocess.Popen, deadline_s: float = 60.0) -> None:
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited with status {proc.returncode} before it was ready")
-        try:
-            http_get(url, timeout=2.0)
-            return
-        except (urllib.error.URLError, OSError):
-            time.sleep(0.1)
-    raise RuntimeError(f"{url} not ready within {deadline_s:.0f} s")
 
 
 def proxy_supports_workers() -> bool:
@@ -608,8 +574,6 @@ class Bench:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from epd_proxy.tools.bench import real
-
     argv = list(sys.argv[1:] if argv is None else argv)
     if real.wants_real_mode(argv):
         return real.main(argv)

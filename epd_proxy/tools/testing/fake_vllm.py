@@ -31,8 +31,8 @@ import os
 import signal
 import sys
 from collections import OrderedDict, defaultdict
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 import blake3
@@ -412,69 +412,56 @@ class Seen:
     body: dict[str, Any]
 
 
+@dataclass(eq=False)
 class FakeVLLM:
     """One fake server. role: 'encode' (EC producer), 'pd' (EC consumer, decodes), 'prefill'
     (EC consumer, returns KV handles), 'decode' (KV consumer, expects kv_transfer_params)."""
 
-    def __init__(
-        self,
-        role: str,
-        store: ECStore,
-        *,
-        report_indices: bool = True,
-        handles: dict[str, Any] | None = None,
-        tokens_per_chunk: int = 3,
-        stream_pause_s: float = 0.0,
-        record: bool = True,
-        mooncake: bool = False,
-        legacy_params: bool = False,
-        success_status: int = 200,
-        costs: Costs = Costs(),
-        piece_bytes: int | None = 7,
-        no_metadata: frozenset[str] = frozenset(),
-        text_only: bool = False,
-    ) -> None:
-        self.role = role
-        self.text_only = text_only
-        self.prefix = PrefixCache()
-        # Media (URL or `input_audio` data) this encoder reports with empty metadata, as a vLLM
-        # producer does for a model whose parser declares no placeholder fields for the modality
-        # (PlaceholderMetadataResolver), or for an item whose processed data it no longer holds.
-        self.no_metadata = no_metadata
-        # A Mooncake EC consumer: every media item must arrive by a push under its own transfer id.
-        self.mooncake = mooncake
-        # An older encoder: `ec_transfer_params` holds only a bare `ec_items` list, no per-hash entries.
-        self.legacy_params = legacy_params
-        # A server (or something in front of it) that answers success with another 2xx.
-        self.success_status = success_status
-        self.store = store
-        self.report_indices = report_indices
-        self.handles = handles or {}
-        self.tokens_per_chunk = tokens_per_chunk
-        self.stream_pause_s = stream_pause_s
-        # Bodies are written in pieces of this size (None: whole), `stream_pause_s` apart.
-        self.piece_bytes = piece_bytes
-        self.costs = costs
-        self.cache = SeenCache(costs.cache_items)
-        # When the encoder's GPU is free again. An exact clock rather than lock + sleep, so timer
-        # rounding (1 ms in the event loop) does not add up across queued sub-requests.
-        self._free_at = 0.0
-        self.counts = Counts()
-        # Long runs (soak, benchmarks) turn recording off so the fake's memory stays flat.
-        self.record = record
-        self.faults = Faults()
-        self.healthy = True
-        # GET /health calls answered, so tests can tell how often the proxy checks.
-        self.health_checks = 0
-        self.requests: list[Seen] = []
-        self.loaded_from_cache = 0
-        self.encoded_locally = 0
-        self.cancelled = 0
-        # Why each generation failed (injected, or an EC transfer the consumer could not resolve).
-        self.generation_failures: list[str] = []
-        self.active = 0
-        self.max_active = 0
-        self._ids = itertools.count()
+    role: str
+    store: ECStore
+    _: KW_ONLY
+    report_indices: bool = True
+    # Added to every item's `ec_transfer_params` entry, as a real producer adds its peer address.
+    handles: dict[str, Any] = field(default_factory=dict)
+    tokens_per_chunk: int = 3
+    stream_pause_s: float = 0.0
+    # Long runs (soak, benchmarks) turn recording off so the fake's memory stays flat.
+    record: bool = True
+    # A Mooncake EC consumer: every media item must arrive by a push under its own transfer id.
+    mooncake: bool = False
+    # An older encoder: `ec_transfer_params` holds only a bare `ec_items` list, no per-hash entries.
+    legacy_params: bool = False
+    # A server (or something in front of it) that answers success with another 2xx.
+    success_status: int = 200
+    costs: Costs = field(default_factory=Costs)
+    # Bodies are written in pieces of this size (None: whole), `stream_pause_s` apart.
+    piece_bytes: int | None = 7
+    # Media (URL or `input_audio` data) this encoder reports with empty metadata, as a vLLM
+    # producer does for a model whose parser declares no placeholder fields for the modality
+    # (PlaceholderMetadataResolver), or for an item whose processed data it no longer holds.
+    no_metadata: frozenset[str] = frozenset()
+    text_only: bool = False
+    prefix: PrefixCache = field(default_factory=PrefixCache, init=False)
+    # When the encoder's GPU is free again. An exact clock rather than lock + sleep, so timer
+    # rounding (1 ms in the event loop) does not add up across queued sub-requests.
+    _free_at: float = field(default=0.0, init=False, repr=False)
+    counts: Counts = field(default_factory=Counts, init=False)
+    faults: Faults = field(default_factory=Faults, init=False)
+    healthy: bool = field(default=True, init=False)
+    # GET /health calls answered, so tests can tell how often the proxy checks.
+    health_checks: int = field(default=0, init=False)
+    requests: list[Seen] = field(default_factory=list, init=False, repr=False)
+    loaded_from_cache: int = field(default=0, init=False)
+    encoded_locally: int = field(default=0, init=False)
+    cancelled: int = field(default=0, init=False)
+    # Why each generation failed (injected, or an EC transfer the consumer could not resolve).
+    generation_failures: list[str] = field(default_factory=list, init=False)
+    active: int = field(default=0, init=False)
+    max_active: int = field(default=0, init=False)
+    _ids: Iterator[int] = field(default_factory=itertools.count, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.cache = SeenCache(self.costs.cache_items)
 
     def routes(self) -> dict[tuple[str, str], Callable[[Exchange], Awaitable[Answer | None]]]:
         """Method and path -> handler. A handler returns a whole answer, or None once it has

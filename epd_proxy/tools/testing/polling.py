@@ -42,26 +42,10 @@ async def eventually(
         await asyncio.sleep(interval)
 
 
-def eventually_sync(
-    check: Callable[[], Any],
-    *,
-    timeout: float = 10.0,
-    interval: float = 0.1,
-    what: What = "",
-    ignoring: tuple[type[BaseException], ...] = (),
-) -> Any:
-    """`eventually` for tests that block (threads, subprocesses) rather than run on an event loop."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            result = check()
-        except ignoring:
-            result = None
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise _failure(timeout, what, check)
-        time.sleep(interval)
+def eventually_sync(check: Callable[[], Any], *, interval: float = 0.1, **options: Any) -> Any:
+    """`eventually` for tests that block (threads, subprocesses) rather than run on an event loop:
+    the same loop, on an event loop of its own, so both forms keep one set of rules."""
+    return asyncio.run(eventually(check, interval=interval, **options))
 
 
 async def get_json(client, url: str) -> tuple[int, Any]:

@@ -24,7 +24,7 @@ async def encode(journey: Journey, body: dict):
     items = normalise_request(body).items
     step = journey.pipeline.encode
     trace = Trace("req-1")
-    groups = plan_groups(items, step.place(items, trace), step.max_batch_size)
+    groups = plan_groups(items, step.place(items, trace), step.options.max_batch_size)
     return groups, await step.run(body, items, groups, None, trace), trace
 
 
