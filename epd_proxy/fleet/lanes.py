@@ -45,11 +45,13 @@ PAUSE_MAX_S = 30.0
 # so that behind the one ahead of it in flight it still ends well within each member's own budget.
 SHARE_OF_TIMEOUT = 1 / 3
 # A sub-request still unanswered this many times past what its encoder should take for all it
-# has in flight, and at least OVERDUE_FLOOR_S (so vLLM's slow first requests are not punished),
+# has in flight, and at least OVERDUE_FLOOR_S (so vLLM's slow first requests, and a CPU engine's
+# sub-request that waits behind prefill on shared cores, are not taken for a stall: on real vLLM
+# CPU engines a 1 s floor marked healthy encoders suspect and had outlier detection eject them),
 # marks the encoder suspect; never later than this share of the encode timeout, so the work
 # moves while its requests' budgets still allow.
 OVERDUE_FACTOR = 3.0
-OVERDUE_FLOOR_S = 1.0
+OVERDUE_FLOOR_S = 10.0
 OVERDUE_SHARE_OF_TIMEOUT = 0.75
 # A suspect encoder gets no placements for this long, then some again: how it comes back when
 # nothing of ours is left there to answer.

@@ -232,9 +232,10 @@ def test_a_sub_request_far_past_its_expected_time_is_overdue_but_never_during_a_
     expected = lane.fixed_s * 2 + lane.item_s * 8
     assert lane.overdue_after(4, 300.0) == max(OVERDUE_FLOOR_S, OVERDUE_FACTOR * expected) == OVERDUE_FLOOR_S
     assert lane.overdue_after(4, 1.0) == 0.75, "always before the encode timeout"
-    assert lane.stalled(2.0) and not lane.stalled(2.5), "suspect once"
-    assert lane.avoid(2.5 + SUSPECT_HOLD_S - 0.01) and not lane.avoid(2.5 + SUSPECT_HOLD_S)
-    lane.finished(4, 1.0, 3.0)
+    due = 1.0 + OVERDUE_FLOOR_S
+    assert lane.stalled(due) and not lane.stalled(due + 0.5), "suspect once"
+    assert lane.avoid(due + 0.5 + SUSPECT_HOLD_S - 0.01) and not lane.avoid(due + 0.5 + SUSPECT_HOLD_S)
+    lane.finished(4, 1.0, due + 1.0)
     assert not lane.suspect, "it answered"
 
 
