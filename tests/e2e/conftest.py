@@ -91,6 +91,13 @@ def stack_config(kind: str) -> StackConfig:
         proxy_args=["--encode-policy", "round_robin", "--log-level", "DEBUG"],
         python=sys.executable,
         otlp_traces_endpoint=TRACES.grpc_url,
+        extra_env={
+            # Dev mode adds vLLM's cache reset endpoints, which the real-engine benchmark's smoke uses.
+            "VLLM_SERVER_DEV_MODE": "1",
+            "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+            "OTEL_TRACES_SAMPLER_ARG": "0",
+            "OTEL_BSP_SCHEDULE_DELAY": "200",
+        },
     )
 
 
@@ -107,13 +114,8 @@ class Stacks:
         if kind in self.failed:
             pytest.fail(f"the {kind} stack did not start:\n{self.failed[kind]}", pytrace=False)
         self.close()
-        # Dev mode adds vLLM's cache reset endpoints, which the real-engine benchmark's smoke uses.
-        os.environ["VLLM_SERVER_DEV_MODE"] = "1"
         if not TRACES.grpc_url:
             TRACES.start()
-        os.environ.update(
-            OTEL_TRACES_SAMPLER="parentbased_traceidratio", OTEL_TRACES_SAMPLER_ARG="0", OTEL_BSP_SCHEDULE_DELAY="200"
-        )
         st = LocalStack(stack_config(kind), progress_stream=sys.stderr)
         try:
             st.start(tty=False)

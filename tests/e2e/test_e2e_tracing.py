@@ -11,6 +11,7 @@ not sampled, and no server may export a span of it.
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import urllib.request
 
@@ -90,6 +91,13 @@ def test_e_pd_one_trace_from_the_client_through_both_encoders_and_pd(stack):
     assert post_traced(stack.proxy_url, chat_body(fresh(2)), traceparent) == 200
     spans = trace_of(trace_id, engines=3)
     check_tree(spans, trace_id, span_id, {"encode.subrequest": 2, "decode": 1})
+
+
+def test_the_stacks_sampling_stays_with_their_servers(stack):
+    # The test process's own SDK users (the proxies the HTTP and unit tests build, after these)
+    # would read a sampler variable left here and trace nothing.
+    assert not {name for name in os.environ if name.startswith("OTEL_")}
+    assert stack.config.extra_env["OTEL_TRACES_SAMPLER_ARG"] == "0"
 
 
 def test_unsampled_request_leaves_no_span_anywhere(stack):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -185,6 +186,12 @@ def test_up_traces_the_whole_stack():
         cmd = managed.cmd
         assert cmd[cmd.index("--otlp-traces-endpoint") + 1] == "http://127.0.0.1:4317", managed.name
     assert "--otlp-traces-endpoint" not in LocalStack(StackConfig(work_dir=Path("/nonexistent/w"))).proxy.cmd
+
+
+def test_extra_environment_reaches_every_server_and_not_this_process():
+    st = LocalStack(StackConfig(work_dir=Path("/nonexistent/w"), extra_env={"EPD_TEST_ONLY": "1"}))
+    assert st.common_env()["EPD_TEST_ONLY"] == "1"
+    assert "EPD_TEST_ONLY" not in os.environ
 
 
 def test_ready_banner_examples_are_runnable():

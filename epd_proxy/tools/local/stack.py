@@ -158,6 +158,9 @@ class StackConfig:
     with_proxy: bool = True
     python: str = field(default_factory=lambda: sys.executable)
     stop_grace: float = 15.0
+    # Variables for the stack's servers alone: a test sets them here, not in its own process's
+    # environment, where an SDK read later would pick them up too.
+    extra_env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check(self)
@@ -348,6 +351,7 @@ class LocalStack:
             # matplotlib's font cache via MPLCONFIGDIR) stays in the work dir too.
             "XDG_CACHE_HOME": str(w / "cache"),
             "MPLCONFIGDIR": str(w / "cache" / "matplotlib"),
+            **self.config.extra_env,
         }
 
     def _vllm_cmd(self, name: str, ec_role: str | None, kv_role: str | None = None) -> list[str]:
