@@ -9,9 +9,21 @@ from __future__ import annotations
 import shutil
 import urllib.request
 
-from epd_proxy.tools.bench.engines import parse_metrics
+from prometheus_client.parser import text_string_to_metric_families
 
-from .e2e_helpers import LOWERCASE_IDS, MODEL, PREFILL, TWO_PDS, chat_ok, image_source, settled_encoder_total
+from epd_proxy.tools.bench.engines import parse_metrics
+from epd_proxy.tools.testing.harness import free_port
+
+from .e2e_helpers import (
+    LOWERCASE_IDS,
+    MODEL,
+    PREFILL,
+    TWO_PDS,
+    chat_ok,
+    extra_proxy,
+    image_source,
+    settled_encoder_total,
+)
 
 fresh = image_source(range(7000, 7100))
 TURNS = 4
@@ -61,18 +73,22 @@ def reset_prefix_cache(url: str) -> None:
     urllib.request.urlopen(urllib.request.Request(url + "/reset_prefix_cache", data=b"", method="POST"), timeout=30)
 
 
-def converse(st, fidelity, path: str, case: str, consumers: list[str], between=None) -> list[dict]:
-    """One conversation through the proxy, each turn checked against the baseline; `between(n)`
-    runs before turn n. Returns the consumers' counters before and after."""
+def converse(
+    st, fidelity, path: str, case: str, consumers: list[str], between=None, proxy_url: str = "", encoded_per_turn=1
+) -> list[dict]:
+    """One conversation through the proxy (the stack's, or `proxy_url`), each turn checked against
+    the baseline; `between(n)` runs before turn n. Returns the consumers' counters before and after."""
     bodies = turn_bodies(fresh(TURNS))
     before = {url: counters(url) for url in consumers}
     encoded = settled_encoder_total(st.encoder_urls)
     for n, body in enumerate(bodies):
         if between is not None:
             between(n)
-        fidelity.check(f"{case}, turn {n + 1}", chat_ok(st.proxy_url, body), chat_ok(st.baseline_url, body), path)
+        answer = chat_ok(proxy_url or st.proxy_url, body)
+        fidelity.check(f"{case}, turn {n + 1}", answer, chat_ok(st.baseline_url, body), path)
     # One encoder sub-request per turn: the history was not sent to an encoder again.
-    assert settled_encoder_total(st.encoder_urls, encoded + TURNS) == encoded + TURNS
+    expected = encoded + encoded_per_turn * TURNS
+    assert settled_encoder_total(st.encoder_urls, expected) == expected
     return [before, {url: counters(url) for url in consumers}]
 
 
@@ -112,3 +128,20 @@ def test_over_epd_the_prefill_reuses_its_prefix_and_survives_an_emptied_store(pr
 
     before, after = converse(st, fidelity, PREFILL, "agent steps, EC store emptied", [st.prefill_url], between)
     assert grew(before, after, st.prefill_url, "prefix_hits") > 0
+
+
+def test_with_every_encoder_stopped_a_conversation_over_two_pds_is_still_exact(two_pd_stack, fidelity):
+    """No encoder answers (nothing listens at their addresses): each turn's media go raw to the PD,
+    which encodes the new image itself and finds the history in its prefix cache."""
+    st = two_pd_stack
+    stopped = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    decode = ",".join(st.consumer_urls)
+    with extra_proxy(st, "encoders-stopped-proxy", encoder_urls=stopped, decode_url=decode) as url:
+        before, after = converse(
+            st, fidelity, TWO_PDS, "every encoder stopped", st.consumer_urls, proxy_url=url, encoded_per_turn=0
+        )
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+            families = {family.name: family for family in text_string_to_metric_families(resp.read().decode())}
+    assert sum(s.value for s in families["epd_items_consumer_encoded"].samples if s.name.endswith("_total")) == TURNS
+    served = {pd: grew(before, after, pd, "requests") for pd in st.consumer_urls}
+    assert sorted(served.values()) == [0.0, TURNS], served
