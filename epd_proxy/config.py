@@ -5,11 +5,11 @@ their table in docs/serve.md."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 from epd_proxy import options as options_module
 from epd_proxy.addresses import CommaList, Server, check_topology
-from epd_proxy.options import Choice, ConfigError, Count, Kind, Number, Option, Seconds, Switch, Text  # noqa: F401 (ConfigError: callers catch it from here)
+from epd_proxy.options import Choice, ConfigError, Count, Kind, Number, Option, Real, Seconds, Switch, Text  # noqa: F401 (ConfigError: callers catch it from here)
 
 # Names a user may pick, here so that the configuration needs no component (which keys them by these).
 MEDIA_HASH_NAMES = ("sha256", "blake3")
@@ -22,27 +22,6 @@ REFERENCE = "reference proxy flags (same meaning as vLLM's disagg_epd_proxy.py)"
 OURS = "epd-proxy flags"
 CLIENTS = "client side (slow and greedy clients)"
 GROUPS = (REFERENCE, OURS, CLIENTS)  # the sections of `epd-proxy serve --help`, in this order
-
-
-@dataclass(frozen=True)
-class Ratio(Kind):
-    """A share from 0 to 1 (0 refused with `positive`)."""
-
-    positive: bool = False
-    metavar: ClassVar[str] = "RATIO"
-
-    def parse(self, text: str) -> float:
-        try:
-            return float(text)
-        except ValueError:
-            raise ValueError(f"expected a number between 0 and 1, got {text!r}") from None
-
-    def problem(self, value: float | None) -> str | None:
-        if value is not None and not 0.0 <= value <= 1.0:
-            return f"must be within 0..1, got {value:g}"
-        if value == 0 and self.positive:
-            return "must be > 0"
-        return None
 
 
 def option(default: Any, kind: Kind, help: str, **declaration: Any) -> Any:  # in `OURS` unless told
@@ -432,7 +411,7 @@ class Config:
     )
     otlp_traces_sample_ratio: float | None = option(
         None,
-        Ratio(),
+        Real("RATIO", 0, maximum=1),
         "share of new traces sampled, by trace id; a client's `traceparent` decides for its own (parent-based); "
         "unset = the SDK's `OTEL_TRACES_SAMPLER` (default: every trace)",
         flag="--otlp-traces-sample-ratio",
@@ -440,7 +419,7 @@ class Config:
     )
     autoscale_utilisation: float = option(
         0.7,
-        Ratio(positive=True),
+        Real("RATIO", 0, exclusive=True, maximum=1),
         "target utilisation of a replica for `epd_role_recommended_replicas`; see `docs/observability.md`",
         flag="--autoscale-utilisation",
     )
