@@ -1,6 +1,6 @@
 """`serve`'s options, each declared once on a field of `Config` (options.py says how); the rules
-across the instance options are addresses.py's `check_topology`. `python -m epd_proxy.config` prints
-their table in docs/serve.md."""
+across the instance options are addresses.py's `check_topology`. `python -m epd_proxy.tools.flag_tables
+serve` prints their table in docs/serve.md."""
 
 from __future__ import annotations
 
@@ -464,12 +464,3 @@ class Config:
 def options() -> list[tuple[str, Any, Option]]:
     """Every option of `serve` as (field name, default, declaration), in the order of the fields."""
     return options_module.options(Config)
-
-
-def markdown_table() -> str:
-    """The table of `epd-proxy serve` options in docs/serve.md."""
-    return options_module.markdown_table(Config)
-
-
-if __name__ == "__main__":
-    print(markdown_table(), end="")
