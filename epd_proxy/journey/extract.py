@@ -258,14 +258,13 @@ def normalise_request(
     trust_client_fields = options.trust_client_fields
     messages = _check_top_level(body, trust_client_fields)
     items: list[MediaItem] = []
-    cleaned_messages: list[Any] | None = None
+    replaced: dict[tuple[int, int], Any] = {}
     for m, message in enumerate(messages):
         if not isinstance(message, dict):
             raise BadRequest(f"messages[{m}] must be an object")
         content = message.get("content")
         if not isinstance(content, list):
             continue
-        cleaned_content: list[Any] | None = None
         for p, part in enumerate(content):
             if isinstance(part, str):  # vLLM reads a bare string as a text part
                 continue
@@ -297,15 +296,20 @@ def normalise_request(
                         forwarded = {key: value for key, value in forwarded.items() if key != "uuid"}
                 items.append(MediaItem(len(items), item_kind, forwarded, uuid, m, p))
             if forwarded is not part:
-                if cleaned_content is None:
-                    cleaned_content = list(content)
-                cleaned_content[p] = forwarded
-        if cleaned_content is not None:
-            if cleaned_messages is None:
-                cleaned_messages = list(messages)
-            cleaned_messages[m] = {**message, "content": cleaned_content}
-    cleaned = body if cleaned_messages is None else {**body, "messages": cleaned_messages}
+                replaced[m, p] = forwarded
+    cleaned = {**body, "messages": with_parts_replaced(messages, replaced)} if replaced else body
     return NormalisedRequest(cleaned, items)
+
+
+def with_parts_replaced(entries: list[Any], replaced: dict[tuple[int, int], Any]) -> list[Any]:
+    """A copy of `entries` (chat messages, Responses input items) with the content part at each
+    (entry, part) index replaced; an entry without a replaced part stays the client's object."""
+    copied = list(entries)
+    for (m, p), part in replaced.items():
+        if copied[m] is entries[m]:
+            copied[m] = {**entries[m], "content": list(entries[m]["content"])}
+        copied[m]["content"][p] = part
+    return copied
 
 
 def parse_json_body(raw: bytes | bytearray) -> Any:

@@ -28,6 +28,7 @@ from epd_proxy.journey.extract import (
     check_body,
     content_uuid,
     parse_request,
+    with_parts_replaced,
 )
 from epd_proxy.journey.match import Matches
 from epd_proxy.journey.prefill import REMOTE_DECODE
@@ -67,12 +68,11 @@ def normalise_responses(
     if not isinstance(entries, list):
         return NormalisedRequest(body, [])
     items: list[MediaItem] = []
-    cleaned_entries: list[Any] | None = None
+    replaced: dict[tuple[int, int], Any] = {}
     for m, entry in enumerate(entries):
         content = entry.get("content") if isinstance(entry, dict) else None
         if not isinstance(content, list):
             continue
-        cleaned: list[Any] | None = None
         for p, part in enumerate(content):
             if not isinstance(part, dict):
                 continue
@@ -102,14 +102,8 @@ def normalise_responses(
                     forwarded = {**forwarded, "image_url": canonical}
                 items.append(MediaItem(len(items), "image_url", media, uuid, m, p))
             if forwarded is not part:
-                if cleaned is None:
-                    cleaned = list(content)
-                cleaned[p] = forwarded
-        if cleaned is not None:
-            if cleaned_entries is None:
-                cleaned_entries = list(entries)
-            cleaned_entries[m] = {**entry, "content": cleaned}
-    return NormalisedRequest(body if cleaned_entries is None else {**body, "input": cleaned_entries}, items)
+                replaced[m, p] = forwarded
+    return NormalisedRequest({**body, "input": with_parts_replaced(entries, replaced)} if replaced else body, items)
 
 
 def responses_consumer_body(
