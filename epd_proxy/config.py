@@ -1,15 +1,15 @@
 """`serve`'s options, each declared once on a field of `Config` (options.py says how); the rules
-across the instance options are addresses.py's `check_topology`. `python -m epd_proxy.config` prints
-their table in docs/serve.md."""
+across the instance options are addresses.py's `check_topology`. `python -m epd_proxy.tools.flag_tables
+serve` prints their table in docs/serve.md."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 from epd_proxy import options as options_module
 from epd_proxy.addresses import CommaList, Server, check_topology
-from epd_proxy.options import Choice, ConfigError, Count, Kind, Number, Option, Seconds, Switch, Text  # noqa: F401 (ConfigError: callers catch it from here)
+from epd_proxy.options import Choice, ConfigError, Count, Kind, Number, Option, Real, Seconds, Switch, Text  # noqa: F401 (ConfigError: callers catch it from here)
 
 # Names a user may pick, here so that the configuration needs no component (which keys them by these).
 MEDIA_HASH_NAMES = ("sha256", "blake3")
@@ -22,27 +22,6 @@ REFERENCE = "reference proxy flags (same meaning as vLLM's disagg_epd_proxy.py)"
 OURS = "epd-proxy flags"
 CLIENTS = "client side (slow and greedy clients)"
 GROUPS = (REFERENCE, OURS, CLIENTS)  # the sections of `epd-proxy serve --help`, in this order
-
-
-@dataclass(frozen=True)
-class Ratio(Kind):
-    """A share from 0 to 1 (0 refused with `positive`)."""
-
-    positive: bool = False
-    metavar: ClassVar[str] = "RATIO"
-
-    def parse(self, text: str) -> float:
-        try:
-            return float(text)
-        except ValueError:
-            raise ValueError(f"expected a number between 0 and 1, got {text!r}") from None
-
-    def problem(self, value: float | None) -> str | None:
-        if value is not None and not 0.0 <= value <= 1.0:
-            return f"must be within 0..1, got {value:g}"
-        if value == 0 and self.positive:
-            return "must be > 0"
-        return None
 
 
 def option(default: Any, kind: Kind, help: str, **declaration: Any) -> Any:  # in `OURS` unless told
@@ -79,9 +58,8 @@ class Config:
     decode_retries: int = option(
         1,
         Count(0),
-        "on a consumer HTTP 500 (decode, or prefill in E+P+D), or an error event in decode's stream before any "
-        "generated text, re-encode and resend; 0 disables; see "
-        "[Failure behaviour](failures.md)",
+        "on a consumer's HTTP 500, or an error event before decode's first generated text, re-encode and resend; "
+        "0 disables; see [Failure behaviour](failures.md)",
         flag="--decode-retries",
         group=REFERENCE,
     )
@@ -171,16 +149,13 @@ class Config:
     consecutive_5xx: int = option(
         5,
         Count(0),
-        "answers with a 5xx status in a row on live traffic that eject an instance (Envoy's `consecutive_5xx`); "
-        "0 = off; 4xx never counts, and a request's retries count once; see [Health](health.md) "
-        "for why not fewer",
+        "5xx answers in a row that eject an instance (Envoy's `consecutive_5xx`); 0 = off; see [Health](health.md)",
         flag="--consecutive-5xx",
     )
     consecutive_gateway_failure: int = option(
         5,
         Count(0),
-        "gateway failures in a row (502, 503, 504 answers and transport failures alike) that eject an instance "
-        "(Envoy's `consecutive_gateway_failure`); 0 = off",
+        "502/503/504 answers and transport failures in a row that eject an instance; 0 = off; see [Health](health.md)",
         flag="--consecutive-gateway-failure",
     )
     encoder_max_batch_size: int = option(
@@ -193,12 +168,8 @@ class Config:
     encode_policy: str = option(
         "expected_finish",
         Choice(ENCODE_POLICIES),
-        "how items are spread over encoders: `expected_finish` (each item where the request's encoding finishes "
-        "first, from each encoder's learnt speed and queue; spread while encoders are idle, gathered on fewer as "
-        "they queue up; a repeated image goes back where it is cached unless that encoder is overloaded; see "
-        "[Encoder scheduling](scheduling.md)), `round_robin` (the reference's per-item rotation), "
-        "`least_loaded`, `content_affinity` (consistent hashing of the content uuid with a 1.25x load bound), "
-        "`random`, `power_of_two`",
+        "how items are spread over encoders: `expected_finish` (see [Encoder scheduling](scheduling.md)), "
+        "`round_robin` (the reference's), `least_loaded`, `content_affinity`, `random`, `power_of_two`",
         flag="--encode-policy",
     )
     encoder_affinity: bool = option(
@@ -223,9 +194,8 @@ class Config:
     prefill_policy: str = option(
         "prefix_affinity",
         Choice(SERVING_POLICIES),
-        "how a prefill instance is chosen per request: `prefix_affinity` (every turn of a conversation where its "
-        "earlier turns ran, so their KV is reused, unless that instance holds over 1.25x the mean load; see "
-        "docs/prefix-routing.md), `least_loaded` (in-flight count), `power_of_two`, `round_robin`, `random`",
+        "how a prefill instance is chosen per request: `prefix_affinity` (where the conversation's earlier turns "
+        "ran), `least_loaded`, `power_of_two`, `round_robin`, `random`; see [Conversations](prefix-routing.md)",
         flag="--prefill-policy",
     )
     decode_policy: str = option(
@@ -238,39 +208,35 @@ class Config:
     reuse: bool = option(
         True,
         Switch(False),
-        "encode a conversation's earlier images again on every turn, as references, instead of sending them raw "
-        "under their uuids to the consumer, which holds them in its prefix cache or finds them in the EC store "
-        "(see [Conversations](prefix-routing.md))",
+        "encode a conversation's earlier images again on every turn instead of sending them raw for the consumer "
+        "to reuse (see [Conversations](prefix-routing.md))",
         flag="--no-reuse",
     )
     consumer_encode: bool = option(
         True,
         Switch(False),
-        "fail a request with media when no encoder can take it (503 with none in rotation or all queued past "
-        "`--consumer-encode-after`, 502/504 when none answers) instead of sending the media raw for the consumer to "
-        "encode itself (see [Conversations](prefix-routing.md))",
+        "fail a request with media when no encoder can take it instead of sending the media raw for the consumer "
+        "to encode itself (see [Conversations](prefix-routing.md))",
         flag="--no-consumer-encode",
     )
     consumer_encode_after_s: float = option(
         10.0,
         Seconds(positive=True),
-        "seconds a new item would wait behind this proxy's work queued on every encoder (at each one's measured "
-        "speed) past which media go raw for the consumer to encode instead; long enough that only an overwhelmed "
-        "or stalled encoder tier trips it",
+        "seconds of this proxy's work queued on every encoder past which media go raw for the consumer to encode "
+        "instead (see [Conversations](prefix-routing.md))",
         flag="--consumer-encode-after",
     )
     text_only_consumers: bool = option(
         False,
         Switch(True),
-        "the prefill / PD instances run with vLLM's `--language-model-only`: never send them raw media (a consumer "
-        "that refuses raw media is also learnt from its 400)",
+        "the prefill / PD instances run with vLLM's `--language-model-only`: never send them raw media (see "
+        "[Conversations](prefix-routing.md))",
         flag="--text-only-consumers",
     )
     encoder_failovers: int = option(
         1,
         Count(0),
-        "other encoders a failed encoder sub-request (transport error, timeout, 5xx) is retried on; 4xx is never "
-        "retried",
+        "other encoders a failed encoder sub-request is retried on; see [Failure behaviour](failures.md)",
         flag="--encoder-failovers",
     )
     connect_timeout_s: float = option(
@@ -356,10 +322,8 @@ class Config:
     media_hash: str = option(
         "sha256",
         Choice(MEDIA_HASH_NAMES),
-        "how media are named for the encoder cache: `sha256` of the URL, as the reference proxy names them "
-        "(fleets mixing both proxies, or an EC store warmed by the reference, keep their cache keys), or `blake3`, "
-        "as collision-resistant and about three times cheaper (0.10 vs 0.31 ms per 628 KB request here, the "
-        "benchmark's floor line)",
+        "how media are named for the encoder cache: `sha256` of the URL, as the reference proxy names them, or "
+        "`blake3`, about three times cheaper; see [Security](security.md)",
         flag="--media-hash",
     )
     trust_client_fields: bool = option(
@@ -395,8 +359,8 @@ class Config:
     workers: int = option(
         1,
         Count(1),
-        "proxy processes sharing the port (`SO_REUSEPORT`); each has its own cursor and pool, `/metrics` adds them "
-        "all up; a worker that dies is replaced (see [Scaling out](scaling.md)); in dynamic mode only with `--roster`",
+        "proxy processes sharing the port (`SO_REUSEPORT`); a worker that dies is replaced; in dynamic mode only "
+        "with `--roster`; see [Scaling out](scaling.md)",
         flag="--workers",
     )
     roster_url: str = option(
@@ -424,31 +388,30 @@ class Config:
     otlp_traces_endpoint: str = option(
         "",
         Text(),
-        "export OpenTelemetry traces of every chat request there (vLLM's flag: gRPC, or HTTP/protobuf with "
-        "`OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf`; the SDK's `OTEL_*` variables apply); empty = off; needs "
-        "the `otel` extra; see `docs/observability.md`",
+        "export OpenTelemetry traces of every chat request there (vLLM's flag); empty = off; needs the `otel` "
+        "extra; see [Observability](observability.md)",
         flag="--otlp-traces-endpoint",
         metavar="URL",
     )
     otlp_traces_sample_ratio: float | None = option(
         None,
-        Ratio(),
-        "share of new traces sampled, by trace id; a client's `traceparent` decides for its own (parent-based); "
-        "unset = the SDK's `OTEL_TRACES_SAMPLER` (default: every trace)",
+        Real("RATIO", 0, maximum=1),
+        "share of new traces sampled; a client's `traceparent` decides for its own; unset = the SDK's sampler; "
+        "see [Observability](observability.md)",
         flag="--otlp-traces-sample-ratio",
         shown="unset",
     )
     autoscale_utilisation: float = option(
         0.7,
-        Ratio(positive=True),
+        Real("RATIO", 0, exclusive=True, maximum=1),
         "target utilisation of a replica for `epd_role_recommended_replicas`; see `docs/observability.md`",
         flag="--autoscale-utilisation",
     )
     autoscale_concurrency: int = option(
         16,
         Count(1),
-        "requests one prefill or decode replica serves at once at full load (vLLM batches them; an encoder serves one "
-        "sub-request at a time), for `epd_role_recommended_replicas`",
+        "requests one prefill or decode replica serves at once at full load, for `epd_role_recommended_replicas`; "
+        "see [Observability](observability.md)",
         flag="--autoscale-concurrency",
     )
     autoscale_window_s: float = option(
@@ -485,12 +448,3 @@ class Config:
 def options() -> list[tuple[str, Any, Option]]:
     """Every option of `serve` as (field name, default, declaration), in the order of the fields."""
     return options_module.options(Config)
-
-
-def markdown_table() -> str:
-    """The table of `epd-proxy serve` options in docs/serve.md."""
-    return options_module.markdown_table(Config)
-
-
-if __name__ == "__main__":
-    print(markdown_table(), end="")

@@ -128,6 +128,8 @@ class Real(Kind):
     minimum: float | None = None
     # The minimum itself is refused.
     exclusive: bool = False
+    # Set with a minimum: the value lies between the two (a share from 0 to 1).
+    maximum: float | None = None
 
     @property
     def metavar(self) -> str:
@@ -139,6 +141,8 @@ class Real(Kind):
     def problem(self, value: float) -> str | None:
         if self.minimum is None:
             return None
+        if self.maximum is not None and not self.minimum <= value <= self.maximum:
+            return f"must be within {self.minimum:g}..{self.maximum:g}, got {value:g}"
         if value < self.minimum or (self.exclusive and value == self.minimum):
             return f"must be {'>' if self.exclusive else '>='} {self.minimum:g}, got {value:g}"
         return None

@@ -25,6 +25,7 @@ from epd_proxy.fleet.roster import open_roster
 from epd_proxy.fleet.routing import RoutingPolicy, make_policy
 from epd_proxy.fleet.scheduler import ExpectedFinish
 from epd_proxy.journey.admission import Admission
+from epd_proxy.journey.extract import ReadOptions
 from epd_proxy.journey.pipeline import Pipeline
 from epd_proxy.journey.subrequest import EncodeOptions
 from epd_proxy.ops import tracing
@@ -132,11 +133,7 @@ class ProxyState:
         self.admission = Admission(config.max_inflight, self.metrics.rejected)
         self.report = HealthReport(config, self.fleet, self.health, self.roster, self.discovery)
         # How every request body is read; fixed for the server's life.
-        self.parse_options = {
-            "trust_client_fields": config.trust_client_fields,
-            "max_media_items": config.max_media_items,
-            "media_hash": config.media_hash,
-        }
+        self.parse_options = ReadOptions(config.trust_client_fields, config.max_media_items, config.media_hash)
         self.upstream: Upstream | None = None
         # Active checks get their own small pool: a backend whose request connections are all busy
         # streaming (--max-connections-per-backend) must still answer its health checks.

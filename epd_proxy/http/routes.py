@@ -147,9 +147,9 @@ async def serve(request: web.Request, door: Door) -> web.StreamResponse:
         # With splice, `raw` lives on in `spliced` (the media are slices of it) and the parsed
         # body holds only the skeleton; otherwise the parsed body holds the media and raw goes.
         if len(raw) > OFFLOAD_READ_BYTES:
-            normalised, spliced = await asyncio.to_thread(door.parse, raw, **state.parse_options)
+            normalised, spliced = await asyncio.to_thread(door.parse, raw, state.parse_options)
         else:
-            normalised, spliced = door.parse(raw, **state.parse_options)
+            normalised, spliced = door.parse(raw, state.parse_options)
         del raw
         body, items = normalised.body, normalised.items
         trace.items = len(items)

@@ -15,7 +15,7 @@ import orjson
 
 from epd_proxy.errors import ErrorAnswer, ProxyError
 from epd_proxy.fleet.backends import CHAT_PATH
-from epd_proxy.journey.extract import MediaItem, NormalisedRequest, parse_request
+from epd_proxy.journey.extract import MediaItem, NormalisedRequest, ReadOptions, parse_request
 from epd_proxy.journey.match import Matches
 from epd_proxy.journey.prefill import prefill_request
 from epd_proxy.journey.rewrite import ec_item_list, rewrite_request, transfer_params
@@ -28,8 +28,8 @@ ConsumerBody = Callable[..., dict[str, Any]]
 class Door:
     name: str
     path: str
-    # (raw body, **the proxy's parse options) -> (the request, the splice its media point into).
-    parse: Callable[..., tuple[NormalisedRequest, Spliced | None]]
+    # (raw body, the proxy's read options) -> (the request, the splice its media point into).
+    parse: Callable[[bytes | bytearray, ReadOptions], tuple[NormalisedRequest, Spliced | None]]
     # (body, items, matches, rewrite=, push_mode=) -> the body prefill (E+P+D) or decode gets.
     consumer_body: ConsumerBody
     prefill_body: Callable[[dict[str, Any]], dict[str, Any]]

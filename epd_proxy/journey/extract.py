@@ -106,6 +106,28 @@ def _blake3_hex(data: bytes | memoryview) -> str:
 MEDIA_HASHES: dict[str, Digest] = {"sha256": _sha256_hex, "blake3": _blake3_hex}
 
 
+@dataclass(frozen=True, slots=True)
+class ReadOptions:
+    """How every door reads a client's body (the serve flags of the same names); the server
+    builds one for its life."""
+
+    trust_client_fields: bool = False
+    # 0: no limit.
+    max_media_items: int = 0
+    media_hash: str = "sha256"
+    # Smaller media strings are parsed in place, not lifted out of the body (splice.py).
+    lift_min_bytes: int = LIFT_MIN_BYTES
+
+    @property
+    def digest(self) -> Digest:
+        return MEDIA_HASHES[self.media_hash]
+
+    def check_media_count(self, found: int) -> None:
+        """Before one more media item joins the `found` ones: a 400 past the limit."""
+        if self.max_media_items and found >= self.max_media_items:
+            raise BadRequest(f"the request has more than {self.max_media_items} media items")
+
+
 def media_url(part: dict[str, Any], kind: str) -> str | None:
     value = part.get(kind)
     if isinstance(value, str):
@@ -224,12 +246,7 @@ def refuse_engine_fields(body: dict[str, Any]) -> None:
 
 
 def normalise_request(
-    body: Any,
-    *,
-    trust_client_fields: bool = False,
-    max_media_items: int = 0,
-    media_hash: str = "sha256",
-    lifted: Callable[[str], memoryview | None] | None = None,
+    body: Any, options: ReadOptions = ReadOptions(), lifted: Callable[[str], memoryview | None] | None = None
 ) -> NormalisedRequest:
     """Validate, classify every part, strip client uuids (unless trusted) and collect the media.
 
@@ -238,17 +255,16 @@ def normalise_request(
     Trusted (`--trust-client-fields`, behind a router that sets them): such parts pass through
     untouched and a client uuid becomes the item's identity, as in the reference proxy.
     """
+    trust_client_fields = options.trust_client_fields
     messages = _check_top_level(body, trust_client_fields)
-    digest = MEDIA_HASHES[media_hash]
     items: list[MediaItem] = []
-    cleaned_messages: list[Any] | None = None
+    replaced: dict[tuple[int, int], Any] = {}
     for m, message in enumerate(messages):
         if not isinstance(message, dict):
             raise BadRequest(f"messages[{m}] must be an object")
         content = message.get("content")
         if not isinstance(content, list):
             continue
-        cleaned_content: list[Any] | None = None
         for p, part in enumerate(content):
             if isinstance(part, str):  # vLLM reads a bare string as a text part
                 continue
@@ -271,25 +287,29 @@ def normalise_request(
                 pass
             else:
                 item_kind, forwarded = _forwarded_media_part(forwarded, kind, where)
-                if max_media_items and len(items) >= max_media_items:
-                    raise BadRequest(f"the request has more than {max_media_items} media items")
+                options.check_media_count(len(items))
                 if trust_client_fields and isinstance(client_uuid, str) and client_uuid:
                     uuid = client_uuid
                 else:
-                    uuid = content_uuid(forwarded, item_kind, lifted, digest)
+                    uuid = content_uuid(forwarded, item_kind, lifted, options.digest)
                     if "uuid" in forwarded:  # trusted but unusable: the proxy's identity replaces it
                         forwarded = {key: value for key, value in forwarded.items() if key != "uuid"}
                 items.append(MediaItem(len(items), item_kind, forwarded, uuid, m, p))
             if forwarded is not part:
-                if cleaned_content is None:
-                    cleaned_content = list(content)
-                cleaned_content[p] = forwarded
-        if cleaned_content is not None:
-            if cleaned_messages is None:
-                cleaned_messages = list(messages)
-            cleaned_messages[m] = {**message, "content": cleaned_content}
-    cleaned = body if cleaned_messages is None else {**body, "messages": cleaned_messages}
+                replaced[m, p] = forwarded
+    cleaned = {**body, "messages": with_parts_replaced(messages, replaced)} if replaced else body
     return NormalisedRequest(cleaned, items)
+
+
+def with_parts_replaced(entries: list[Any], replaced: dict[tuple[int, int], Any]) -> list[Any]:
+    """A copy of `entries` (chat messages, Responses input items) with the content part at each
+    (entry, part) index replaced; an entry without a replaced part stays the client's object."""
+    copied = list(entries)
+    for (m, p), part in replaced.items():
+        if copied[m] is entries[m]:
+            copied[m] = {**entries[m], "content": list(entries[m]["content"])}
+        copied[m]["content"][p] = part
+    return copied
 
 
 def parse_json_body(raw: bytes | bytearray) -> Any:
@@ -301,27 +321,19 @@ def parse_json_body(raw: bytes | bytearray) -> Any:
 
 def parse_request(
     raw: bytes | bytearray,
+    options: ReadOptions = ReadOptions(),
     *,
-    trust_client_fields: bool = False,
-    max_media_items: int = 0,
-    media_hash: str = "sha256",
-    lift_min_bytes: int = LIFT_MIN_BYTES,
     normalise: Callable[..., NormalisedRequest] = normalise_request,
 ) -> tuple[NormalisedRequest, Spliced | None]:
     """The normalised request and, when the fast path held, the buffer its tokens point into.
     `normalise` reads one API's body (this module's is the chat completion's)."""
-    options = {
-        "trust_client_fields": trust_client_fields,
-        "max_media_items": max_media_items,
-        "media_hash": media_hash,
-    }
-    lifted = lift(raw, lift_min_bytes)
+    lifted = lift(raw, options.lift_min_bytes)
     if lifted is not None:
         skeleton, spliced = lifted
         try:
-            normalised = normalise(orjson.loads(skeleton), **options, lifted=spliced.bytes_of)
+            normalised = normalise(orjson.loads(skeleton), options, lifted=spliced.bytes_of)
         except (orjson.JSONDecodeError, BadRequest):
             normalised = None  # the full parse gives the exact error
         if normalised is not None and spliced.accounts_for(media_url(i.part, i.kind) for i in normalised.items):
             return normalised, spliced
-    return normalise(parse_json_body(raw), **options), None
+    return normalise(parse_json_body(raw), options), None

@@ -20,15 +20,15 @@ import orjson
 from epd_proxy.errors import BadRequest, ProxyError
 from epd_proxy.journey.doors import Door, error_fields, with_handles
 from epd_proxy.journey.extract import (
-    MEDIA_HASHES,
     MediaItem,
     NormalisedRequest,
+    ReadOptions,
     check_body,
     content_uuid,
     parse_json_body,
 )
 from epd_proxy.journey.prefill import REMOTE_DECODE
-from epd_proxy.journey.splice import LIFT_MIN_BYTES, Spliced, lift_base64_members
+from epd_proxy.journey.splice import Spliced, lift_base64_members
 
 MESSAGES_PATH = "/v1/messages"
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
@@ -70,46 +70,33 @@ def _image_urls(message: dict[str, Any]) -> Iterator[tuple[int, str]]:
 
 
 def normalise_messages(
-    body: Any,
-    *,
-    trust_client_fields: bool = False,
-    max_media_items: int = 0,
-    media_hash: str = "sha256",
-    lifted: Callable[[str], memoryview | None] | None = None,
+    body: Any, options: ReadOptions = ReadOptions(), lifted: Callable[[str], memoryview | None] | None = None
 ) -> NormalisedRequest:
     """The body as the client sent it and its images as media items; the consumer judges the rest."""
-    check_body(body, trust_client_fields)
+    check_body(body, options.trust_client_fields)
     messages = body.get("messages")
     if not isinstance(messages, list):
         return NormalisedRequest(body, [])
-    digest = MEDIA_HASHES[media_hash]
     items: list[MediaItem] = []
     for m, message in enumerate(messages):
         # vLLM keeps only the text of a system message.
         if not isinstance(message, dict) or message.get("role") == "system":
             continue
         for b, url in _image_urls(message):
-            if max_media_items and len(items) >= max_media_items:
-                raise BadRequest(f"the request has more than {max_media_items} media items")
+            options.check_media_count(len(items))
             part = {"type": "image_url", "image_url": {"url": url}}
-            uuid = content_uuid(part, "image_url", lifted, digest)
+            uuid = content_uuid(part, "image_url", lifted, options.digest)
             items.append(MediaItem(len(items), "image_url", part, uuid, m, b, named=False))
     return NormalisedRequest(body, items)
 
 
 def parse_messages(
-    raw: bytes | bytearray,
-    *,
-    trust_client_fields: bool = False,
-    max_media_items: int = 0,
-    media_hash: str = "sha256",
-    lift_min_bytes: int = LIFT_MIN_BYTES,
+    raw: bytes | bytearray, options: ReadOptions = ReadOptions()
 ) -> tuple[NormalisedRequest, Spliced | None]:
     """`extract.parse_request` for this door: every large base64 `data` is lifted out first, and
     the outcome is the full parse's (else the full parse runs): each lifted string must be an
     image source the consumer builds a URL from, `data:<media type>;base64,` and then its bytes."""
-    options = {"trust_client_fields": trust_client_fields, "max_media_items": max_media_items, "media_hash": media_hash}
-    lifted = lift_base64_members(raw, b"data", lift_min_bytes)
+    lifted = lift_base64_members(raw, b"data", options.lift_min_bytes)
     if lifted is not None:
         skeleton, spliced = lifted
         prefix = spliced.prefix
@@ -119,14 +106,14 @@ def parse_messages(
             return None if at < 0 else b"".join((url[:at].encode(), spliced.span(url[at:])))
 
         try:
-            normalised = normalise_messages(orjson.loads(skeleton), **options, lifted=url_bytes)
+            normalised = normalise_messages(orjson.loads(skeleton), options, lifted=url_bytes)
         except (orjson.JSONDecodeError, BadRequest):
             normalised = None  # the full parse gives the exact error
         if normalised is not None:
             used = sum(1 for item in normalised.items if prefix in item.part["image_url"]["url"])
             if used == len(spliced.spans):
                 return normalised, spliced
-    return normalise_messages(parse_json_body(raw), **options), None
+    return normalise_messages(parse_json_body(raw), options), None
 
 
 def messages_prefill_body(prepared: dict[str, Any]) -> dict[str, Any]:

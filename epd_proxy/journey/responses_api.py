@@ -21,13 +21,14 @@ from epd_proxy.errors import BadRequest
 from epd_proxy.journey.dataurl import canonical_media_url
 from epd_proxy.journey.doors import Door, with_handles
 from epd_proxy.journey.extract import (
-    MEDIA_HASHES,
     REFERENCE_KINDS,
     MediaItem,
     NormalisedRequest,
+    ReadOptions,
     check_body,
     content_uuid,
     parse_request,
+    with_parts_replaced,
 )
 from epd_proxy.journey.match import Matches
 from epd_proxy.journey.prefill import REMOTE_DECODE
@@ -54,30 +55,24 @@ def _refuse_unservable(body: dict[str, Any]) -> None:
 
 
 def normalise_responses(
-    body: Any,
-    *,
-    trust_client_fields: bool = False,
-    max_media_items: int = 0,
-    media_hash: str = "sha256",
-    lifted: Callable[[str], memoryview | None] | None = None,
+    body: Any, options: ReadOptions = ReadOptions(), lifted: Callable[[str], memoryview | None] | None = None
 ) -> NormalisedRequest:
     """The body with client uuids removed and its `input_image` parts as media items.
 
     Everything the proxy does not need to find the media is left for the consumer to judge, so a
     bad body gets vLLM's own 400 in vLLM's words."""
+    trust_client_fields = options.trust_client_fields
     check_body(body, trust_client_fields)
     _refuse_unservable(body)
     entries = body.get("input")
     if not isinstance(entries, list):
         return NormalisedRequest(body, [])
-    digest = MEDIA_HASHES[media_hash]
     items: list[MediaItem] = []
-    cleaned_entries: list[Any] | None = None
+    replaced: dict[tuple[int, int], Any] = {}
     for m, entry in enumerate(entries):
         content = entry.get("content") if isinstance(entry, dict) else None
         if not isinstance(content, list):
             continue
-        cleaned: list[Any] | None = None
         for p, part in enumerate(content):
             if not isinstance(part, dict):
                 continue
@@ -94,28 +89,21 @@ def normalise_responses(
                     forwarded = {key: value for key, value in part.items() if key != "uuid"}
             url = part.get("image_url")
             if part.get("type") == "input_image" and isinstance(url, str) and url:
-                if max_media_items and len(items) >= max_media_items:
-                    raise BadRequest(f"the request has more than {max_media_items} media items")
+                options.check_media_count(len(items))
                 canonical = canonical_media_url(url)
                 media = {"type": "image_url", "image_url": {"url": canonical}}
                 client_uuid = part.get("uuid")
                 if trust_client_fields and isinstance(client_uuid, str) and client_uuid:
                     uuid = client_uuid
                 else:
-                    uuid = content_uuid(media, "image_url", lifted, digest)
+                    uuid = content_uuid(media, "image_url", lifted, options.digest)
                     forwarded = {key: value for key, value in part.items() if key != "uuid"}
                 if canonical is not url:
                     forwarded = {**forwarded, "image_url": canonical}
                 items.append(MediaItem(len(items), "image_url", media, uuid, m, p))
             if forwarded is not part:
-                if cleaned is None:
-                    cleaned = list(content)
-                cleaned[p] = forwarded
-        if cleaned is not None:
-            if cleaned_entries is None:
-                cleaned_entries = list(entries)
-            cleaned_entries[m] = {**entry, "content": cleaned}
-    return NormalisedRequest(body if cleaned_entries is None else {**body, "input": cleaned_entries}, items)
+                replaced[m, p] = forwarded
+    return NormalisedRequest({**body, "input": with_parts_replaced(entries, replaced)} if replaced else body, items)
 
 
 def responses_consumer_body(

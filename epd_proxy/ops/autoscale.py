@@ -22,7 +22,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 
 from epd_proxy.fleet.backends import DECODE, ENCODE, PREFILL
 from epd_proxy.fleet.lanes import Lanes
@@ -44,27 +44,20 @@ def recommended(load: float, capacity: float, utilisation: float, members: int) 
     return max(1, math.ceil(load / (capacity * utilisation) - 1e-9))
 
 
+@dataclass(eq=False)
 class Autoscale:
-    def __init__(
-        self,
-        lanes: Lanes,
-        *,
-        window_s: float = 60.0,
-        utilisation: float = 0.7,
-        concurrency: int = 16,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.lanes = lanes
-        self.window_s = window_s
-        self.utilisation = utilisation
-        self.concurrency = concurrency
-        self.clock = clock
-        self.busy_s = {PREFILL: 0.0, DECODE: 0.0}
-        self.arrived = dict.fromkeys(ROLES, 0)
-        # (time, busy seconds per role, arrivals per role, encoder backlog seconds), oldest first.
-        self._samples: deque[tuple[float, dict[str, float], dict[str, int], float]] = deque()
-        # (time, encoder backlog seconds) of every sample in the last minutes, for the status page.
-        self._backlog_history: deque[tuple[float, float]] = deque(maxlen=600)
+    lanes: Lanes
+    _: KW_ONLY
+    window_s: float = 60.0
+    utilisation: float = 0.7
+    concurrency: int = 16
+    clock: Callable[[], float] = time.monotonic
+    busy_s: dict[str, float] = field(init=False, default_factory=lambda: {PREFILL: 0.0, DECODE: 0.0})
+    arrived: dict[str, int] = field(init=False, default_factory=lambda: dict.fromkeys(ROLES, 0))
+    # (time, busy seconds per role, arrivals per role, encoder backlog seconds), oldest first.
+    _samples: deque[tuple[float, dict[str, float], dict[str, int], float]] = field(init=False, default_factory=deque)
+    # (time, encoder backlog seconds) of every sample in the last minutes, for the status page.
+    _backlog_history: deque[tuple[float, float]] = field(init=False, default_factory=lambda: deque(maxlen=600))
 
     def finished(self, trace) -> None:
         """A request's part in each role it reached (routes.py, once per request)."""

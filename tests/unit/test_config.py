@@ -15,9 +15,9 @@ from epd_proxy.config import (
     SERVING_POLICIES,
     Config,
     ConfigError,
-    markdown_table,
     options,
 )
+from epd_proxy.tools.flag_tables import table
 
 
 def parse(*argv, env=None):
@@ -148,7 +148,9 @@ def test_the_docs_table_is_the_declarations():
     text = SERVE_PAGE.read_text()
     start = text.index("| Flag / env | Default | Meaning |")
     end = text.index("<!-- end of the generated table -->")
-    assert text[start:end] == markdown_table(), "regenerate docs/serve.md's table with: python -m epd_proxy.config"
+    assert text[start:end] == table("serve"), (
+        "regenerate docs/serve.md's table with: python -m epd_proxy.tools.flag_tables serve"
+    )
 
 
 def test_every_field_is_an_option_with_a_flag_unless_read_from_the_environment():

@@ -37,7 +37,7 @@ SECTION = "tuning"
 class Made:
     size: int = option(3, Count(1, 9), "how many", flag="--size", env="MADE_SIZE")
     colour: str = option("red", Choice(("red", "blue")), "which `colour`", flag="--colour", group=SECTION)
-    share: float = option(0.5, Real("SHARE", 0, exclusive=True), "a share", flag="--share", group=SECTION)
+    share: float = option(0.5, Real("SHARE", 0, exclusive=True, maximum=1), "a share", flag="--share", group=SECTION)
     wait_s: float | None = option(None, Seconds(), "seconds", flag="--wait", shown="forever")
     loud: bool = option(False, Switch(), "say more", flag="--loud")
     quiet: bool = option(True, Switch(False), "say less", flag="--no-quiet")
@@ -94,6 +94,7 @@ def test_every_kind_parses_its_text():
     [
         (["--size", "0"], "argument --size (or MADE_SIZE): must be within 1..9, got 0"),
         (["--share", "0"], "argument --share: must be > 0, got 0"),
+        (["--share", "1.5"], "argument --share: must be within 0..1, got 1.5"),
         (["--share", "half"], "argument --share: expected a number, got 'half'"),
         (["--colour", "green"], "argument --colour: invalid choice: 'green' (choose from red, blue)"),
         (["--wait", "-1"], "argument --wait: must be >= 0 seconds, got -1"),

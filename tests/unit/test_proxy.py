@@ -8,6 +8,7 @@ from epd_proxy.config import Config
 from epd_proxy.fleet.backends import DECODE, ENCODE, PREFILL
 from epd_proxy.fleet.routing import RoundRobin
 from epd_proxy.fleet.scheduler import ExpectedFinish, Lanes
+from epd_proxy.journey.extract import ReadOptions
 from epd_proxy.proxy import ProxyState, encode_policy
 
 STATIC = {"encode_urls": ("http://e0", "http://e1"), "decode_urls": ("http://pd",)}
@@ -30,7 +31,7 @@ def test_the_state_holds_one_policy_per_stage_and_the_listed_fleet():
     assert type(state.policies[PREFILL]).__name__ != type(state.policies[DECODE]).__name__
     assert sorted(inst.url for inst in state.fleet.all()) == ["http://e0", "http://e1", "http://pd"]
     assert state.roster is None and state.discovery is None and state.admission.inflight == 0
-    assert state.parse_options == {"trust_client_fields": False, "max_media_items": 256, "media_hash": "sha256"}
+    assert state.parse_options == ReadOptions(trust_client_fields=False, max_media_items=256, media_hash="sha256")
 
 
 async def test_start_builds_the_pipeline_and_a_prober_that_close_stops():

@@ -15,6 +15,7 @@ import random
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import orjson
 
@@ -41,6 +42,8 @@ QUESTIONS = (
 
 @dataclass(frozen=True)
 class WorkloadSpec:
+    # Names its cache file, and is part of its key (cache_key).
+    kind: ClassVar[str] = "pool"
     seed: int = 1234
     requests: int = 128
     # JPEG bytes per image; a real multi-image benchmark sends photos of roughly this weight.
@@ -51,20 +54,12 @@ class WorkloadSpec:
     repeat_share: float = 0.2
     model: str = MODEL
 
-    def cache_key(self) -> str:
-        raw = json.dumps(
-            [
-                GENERATOR_VERSION,
-                self.seed,
-                self.requests,
-                self.min_image_bytes,
-                self.max_image_bytes,
-                self.tiny,
-                self.repeat_share,
-                self.model,
-            ]
-        )
-        return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+def cache_key(spec: WorkloadSpec | ChatMixSpec | AgentSpec) -> str:
+    """What a generated workload is cached under: the generator's version, the spec's kind and
+    every field of it, so a changed field never reads another spec's cache."""
+    raw = json.dumps([GENERATOR_VERSION, spec.kind, *spec.__dict__.values()])
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
 @dataclass
@@ -190,7 +185,7 @@ def get_pool(spec: WorkloadSpec, cache_dir: Path, api: str = "chat") -> Pool:
     """The mix for `spec`, written for `api` (API_PATHS): the same requests through any door."""
     cache_dir.mkdir(parents=True, exist_ok=True)
     suffix = "" if api == "chat" else f"-{api}"
-    path = cache_dir / f"pool-seed{spec.seed}-n{spec.requests}-{spec.cache_key()}{suffix}.bin"
+    path = cache_dir / f"{spec.kind}-seed{spec.seed}-n{spec.requests}-{cache_key(spec)}{suffix}.bin"
     if path.exists():
         try:
             return load_pool(path)
@@ -259,6 +254,7 @@ class ChatMixSpec:
       re-sends every earlier image, as chat clients do, up to `max_images` per request.
     """
 
+    kind: ClassVar[str] = "chats"
     seed: int = 1234
     conversations: int = 64
     popular_images: int = 16
@@ -271,10 +267,6 @@ class ChatMixSpec:
     max_image_bytes: int = 40_000
     max_tokens: int = 16
     model: str = MODEL
-
-    def cache_key(self) -> str:
-        raw = json.dumps([GENERATOR_VERSION, "chats", *self.__dict__.values()])
-        return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
 @dataclass
@@ -367,6 +359,7 @@ class AgentSpec:
     agent's earlier replies, as computer-use agents do. 224x224 is 64 image tokens on the tiny
     model, so ten steps stay inside the local stack's --max-model-len."""
 
+    kind: ClassVar[str] = "agent"
     seed: int = 1234
     conversations: int = 32
     min_turns: int = 6
@@ -376,10 +369,6 @@ class AgentSpec:
     max_image_bytes: int = 40_000
     max_tokens: int = 16
     model: str = MODEL
-
-    def cache_key(self) -> str:
-        raw = json.dumps([GENERATOR_VERSION, "agent", *self.__dict__.values()])
-        return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
 def generate_agent_sessions(spec: AgentSpec) -> ChatMix:
@@ -403,8 +392,7 @@ def generate_agent_sessions(spec: AgentSpec) -> ChatMix:
 
 def get_chats(spec: ChatMixSpec | AgentSpec, cache_dir: Path) -> ChatMix:
     cache_dir.mkdir(parents=True, exist_ok=True)
-    kind = "agent" if isinstance(spec, AgentSpec) else "chats"
-    path = cache_dir / f"{kind}-seed{spec.seed}-n{spec.conversations}-{spec.cache_key()}.json"
+    path = cache_dir / f"{spec.kind}-seed{spec.seed}-n{spec.conversations}-{cache_key(spec)}.json"
     try:
         raw = orjson.loads(path.read_bytes())
         return ChatMix([[b.encode() for b in c] for c in raw["conversations"]], raw["images"])

@@ -8,15 +8,16 @@ import blake3
 import pytest
 
 from epd_proxy.errors import BadRequest
-from epd_proxy.journey.extract import canonical_media_url, normalise_request
+from epd_proxy.journey.extract import ReadOptions, canonical_media_url, normalise_request
 from tests.media import audio, chat, image, video
 
 EMBEDS = {"image_grid_thw": [1, 4, 4]}
 URL = {"url": "https://m/a.png"}
+TRUSTED = ReadOptions(trust_client_fields=True)
 
 
 def items_of(body, **options):
-    return normalise_request(body, **options).items
+    return normalise_request(body, ReadOptions(**options)).items
 
 
 def test_items_come_from_every_message_in_order():
@@ -48,7 +49,7 @@ def test_uuid_is_the_reference_proxys_content_hash():
 def test_blake3_names_media_by_the_same_bytes_when_asked():
     part = image("A")
     inline = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
-    items = normalise_request(chat(part, inline), media_hash="blake3").items
+    items = normalise_request(chat(part, inline), ReadOptions(media_hash="blake3")).items
     assert [item.uuid for item in items] == [
         blake3.blake3(part["image_url"]["url"].encode()).hexdigest(),
         blake3.blake3(json.dumps(inline, sort_keys=True).encode()).hexdigest(),
@@ -68,7 +69,7 @@ def test_client_uuids_are_dropped_everywhere_unless_trusted():
     assert "uuid" not in item.part
     assert not any(isinstance(p, dict) and "uuid" in p for p in normalised.body["messages"][0]["content"])
     assert body["messages"][0]["content"][1]["uuid"] == "client-chosen", "the client's body is never mutated"
-    trusted = normalise_request(body, trust_client_fields=True)
+    trusted = normalise_request(body, TRUSTED)
     assert trusted.items[0].uuid == "client-chosen"
     assert trusted.body is body
 
@@ -116,7 +117,7 @@ def test_parts_naming_more_than_one_kind_are_refused(part):
     with pytest.raises(BadRequest, match="more than one kind"):
         normalise_request(chat(part))
     with pytest.raises(BadRequest, match="more than one kind"):
-        normalise_request(chat(part), trust_client_fields=True)
+        normalise_request(chat(part), TRUSTED)
 
 
 @pytest.mark.parametrize(
@@ -164,7 +165,7 @@ def test_bad_requests_are_named(body, complaint):
 def test_trusted_callers_may_send_engine_fields_and_references():
     part = {"type": "image_embeds", "image_embeds": {}, "uuid": "x"}
     body = chat(part, {"image_embeds": EMBEDS, "uuid": "y"}, ec_transfer_params={"h": {}})
-    normalised = normalise_request(body, trust_client_fields=True)
+    normalised = normalise_request(body, TRUSTED)
     assert normalised.body is body and normalised.items == []
 
 
@@ -220,7 +221,7 @@ def test_line_breaks_do_not_change_an_items_identity():
 
 def test_media_item_limit():
     with pytest.raises(BadRequest, match="more than 2 media items"):
-        normalise_request(chat(image("A"), image("B"), image("C")), max_media_items=2)
+        normalise_request(chat(image("A"), image("B"), image("C")), ReadOptions(max_media_items=2))
     assert len(items_of(chat(image("A"), image("B")), max_media_items=2)) == 2
 
 

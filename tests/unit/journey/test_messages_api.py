@@ -9,6 +9,7 @@ import pytest
 
 from epd_proxy.errors import BadRequest
 from epd_proxy.journey.doors import with_handles
+from epd_proxy.journey.extract import ReadOptions
 from epd_proxy.journey.match import ItemMatch, Matches
 from epd_proxy.journey.messages_api import (
     image_source_url,
@@ -80,7 +81,7 @@ def test_messages_guard_and_limits():
     with pytest.raises(BadRequest, match="kv_transfer_params"):
         normalise_messages({**body, "kv_transfer_params": {"do_remote_prefill": True}})
     with pytest.raises(BadRequest, match="more than 1 media items"):
-        normalise_messages(body, max_media_items=1)
+        normalise_messages(body, ReadOptions(max_media_items=1))
     with pytest.raises(BadRequest, match="stream"):
         normalise_messages({**body, "stream": "yes"})
 

@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from epd_proxy.errors import BadRequest
-from epd_proxy.journey.extract import parse_request
+from epd_proxy.journey.extract import ReadOptions, parse_request
 from epd_proxy.journey.match import ItemMatch, Matches
 from epd_proxy.journey.responses_api import (
     normalise_responses,
@@ -65,7 +65,7 @@ def test_responses_client_uuids_are_removed_and_embeddings_refused():
 
 
 def test_trusted_responses_keep_the_clients_uuid():
-    normalised = normalise_responses(responses(image_part(uuid="router-made")), trust_client_fields=True)
+    normalised = normalise_responses(responses(image_part(uuid="router-made")), ReadOptions(trust_client_fields=True))
     assert normalised.items[0].uuid == "router-made"
 
 
@@ -84,7 +84,7 @@ def test_what_vllm_judges_is_left_to_it():
 
 def test_responses_media_limit():
     with pytest.raises(BadRequest, match="more than 1 media items"):
-        normalise_responses(responses(image_part(), image_part()), max_media_items=1)
+        normalise_responses(responses(image_part(), image_part()), ReadOptions(max_media_items=1))
 
 
 def test_responses_consumer_gets_each_image_under_its_uuid_and_the_handles():

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import copy
 
-from epd_proxy.journey.extract import normalise_request
+from epd_proxy.journey.extract import ReadOptions, normalise_request
 from epd_proxy.journey.match import ItemMatch, Matches
 from epd_proxy.journey.prefill import prefill_request
 from epd_proxy.journey.rewrite import flatten_metadata, rewrite_request
@@ -64,7 +64,7 @@ def test_audio_requests_reference_all_or_nothing():
 
 def test_client_transfer_params_are_kept_under_ours_when_trusted():
     body = chat(image("A"), ec_transfer_params={"client": 1})
-    items = normalise_request(body, trust_client_fields=True).items
+    items = normalise_request(body, ReadOptions(trust_client_fields=True)).items
     out = rewrite_request(body, items, matched(items, {0: {"g": [1]}}))
     assert out["ec_transfer_params"]["client"] == 1 and out["ec_transfer_params"]["ec_items"]
 

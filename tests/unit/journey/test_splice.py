@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import json
 
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 from epd_proxy.errors import BadRequest
 from epd_proxy.fleet.backends import Instance
 from epd_proxy.fleet.routing import RoundRobin
-from epd_proxy.journey.extract import MEDIA_HASHES, normalise_request, parse_request
+from epd_proxy.journey.extract import MEDIA_HASHES, ReadOptions, normalise_request, parse_request
 from epd_proxy.journey.match import Matches, match_group
 from epd_proxy.journey.plan import plan_groups
 from epd_proxy.journey.prefill import prefill_request
@@ -110,16 +111,12 @@ def encodings(body: dict) -> list[bytes]:
 
 def outcome(raw: bytes, trust: bool, lift_min_bytes: int | None, media_hash: str = "sha256"):
     """Everything later steps see, as bytes, from the fast path or (lift_min_bytes None) the full one."""
+    options = ReadOptions(trust_client_fields=trust, media_hash=media_hash)
     try:
         if lift_min_bytes is None:
-            normalised, spliced = (
-                normalise_request(orjson.loads(raw), trust_client_fields=trust, media_hash=media_hash),
-                None,
-            )
+            normalised, spliced = normalise_request(orjson.loads(raw), options), None
         else:
-            normalised, spliced = parse_request(
-                raw, trust_client_fields=trust, media_hash=media_hash, lift_min_bytes=lift_min_bytes
-            )
+            normalised, spliced = parse_request(raw, dataclasses.replace(options, lift_min_bytes=lift_min_bytes))
     except BadRequest as exc:
         return ("400", exc.message), None
     dumps = spliced.dumps if spliced is not None else orjson.dumps

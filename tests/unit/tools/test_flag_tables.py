@@ -6,7 +6,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from epd_proxy.config import markdown_table
 from epd_proxy.tools.flag_tables import COMMANDS, commands_page, table
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -16,10 +15,6 @@ def test_docs_commands_page_is_the_declarations():
     assert (ROOT / "docs" / "commands.md").read_text() == commands_page(), (
         "regenerate it with: python -m epd_proxy.tools.flag_tables > docs/commands.md"
     )
-
-
-def test_serve_table_is_the_one_config_prints():
-    assert table("serve") == markdown_table()
 
 
 def test_each_table_has_a_row_per_flag():
