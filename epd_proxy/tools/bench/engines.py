@@ -32,6 +32,9 @@ COUNTERS = {
     "prefix_queries": "vllm:prefix_cache_queries",
     "prefix_hits": "vllm:prefix_cache_hits",
 }
+# Counters read from one label set: the prompt tokens an engine prefilled itself, not those its
+# prefix cache or a KV transfer supplied (vllm/v1/metrics/stats.py, PromptTokenStats).
+LABELLED_COUNTERS = {"prompt_computed": ("vllm:prompt_tokens_by_source", "source", "local_compute")}
 # Histograms: their sum and count give a mean per request over a block.
 HISTOGRAMS = {
     "queue": "vllm:request_queue_time_seconds",
@@ -110,13 +113,19 @@ def listening_pid(url: str) -> int | None:
 def parse_metrics(text: str) -> dict[str, float]:
     wanted_counters = {name: key for key, name in COUNTERS.items()}
     wanted_histograms = {name: key for key, name in HISTOGRAMS.items()}
-    out = {key: 0.0 for key in COUNTERS}
+    wanted_labelled = {name: (key, label, value) for key, (name, label, value) in LABELLED_COUNTERS.items()}
+    out = {key: 0.0 for key in (*COUNTERS, *LABELLED_COUNTERS)}
     for key in HISTOGRAMS:
         out[key + "_sum"] = out[key + "_count"] = 0.0
     for family in text_string_to_metric_families(text):
         if family.name in wanted_counters:
             key = wanted_counters[family.name]
             out[key] += sum(s.value for s in family.samples if s.name.endswith("_total"))
+        elif family.name in wanted_labelled:
+            key, label, value = wanted_labelled[family.name]
+            out[key] += sum(
+                s.value for s in family.samples if s.name.endswith("_total") and s.labels.get(label) == value
+            )
         elif family.name in wanted_histograms:
             key = wanted_histograms[family.name]
             for s in family.samples:
@@ -182,6 +191,10 @@ def summarise(engines: list[Engine], deltas: dict[str, dict[str, float]], reques
     out["encoder_queue_ms"] = mean_ms((ENCODE,), "queue")
     # Engines count their own request attempts: more than one per client request means retries.
     out["consumer_requests_per_request"] = total(first[0], "requests") / n
+    out["prompt_tokens_per_request"] = total(first[0], "prompt_tokens") / n
+    out["prompt_tokens_computed_per_request"] = total(first[0], "prompt_computed") / n
+    queried = total(first[0], "prefix_queries")
+    out["prefix_cache_hit_share"] = total(first[0], "prefix_hits") / queried if queried else None
     for role in (ENCODE, PD, PREFILL, DECODE):
         members = [e for e in engines if e.role == role and "cpu_s" in deltas[e.name]]
         if members:

@@ -45,6 +45,10 @@ ENGINE_KEYS = (
     "prefill_ms",
     "decode_ms",
     "consumer_requests_per_request",
+    "encoder_images_per_request",
+    "prompt_tokens_per_request",
+    "prompt_tokens_computed_per_request",
+    "prefix_cache_hit_share",
     "encode_cpu_ms_per_request",
     "pd_cpu_ms_per_request",
     "prefill_cpu_ms_per_request",
@@ -81,6 +85,20 @@ def summarise_arm(blocks: list[dict[str, Any]]) -> dict[str, Any]:
     return row
 
 
+# Engine figures compared with the first arm's, by the name the comparison table gives them.
+RATIOS = {
+    "encoder_cpu": "encode_cpu_ms_per_request",
+    "engine_cpu": "engine_cpu_ms_per_request",
+    "encoder_images": "encoder_images_per_request",
+    "prompt_tokens_computed": "prompt_tokens_computed_per_request",
+    "proxy_cpu": "proxy_cpu_ms_per_request",
+}
+
+
+def _median_of(row: dict[str, Any], key: str) -> float | None:
+    return (row.get(key) or {}).get("median")
+
+
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else 1000 * seconds
 
@@ -115,14 +133,8 @@ def build(bench, arms: list, levels: list[tuple[str, float]], mix) -> dict[str, 
                     "arm": first,
                     "req_per_s": _ratio(row["req_per_s"]["median"], base["req_per_s"]["median"]),
                     "latency_p99": _ratio(row["latency_p99_ms"], base["latency_p99_ms"]),
-                    "encoder_cpu": _ratio(
-                        (row.get("encode_cpu_ms_per_request") or {}).get("median"),
-                        (base.get("encode_cpu_ms_per_request") or {}).get("median"),
-                    ),
-                    "engine_cpu": _ratio(
-                        (row.get("engine_cpu_ms_per_request") or {}).get("median"),
-                        (base.get("engine_cpu_ms_per_request") or {}).get("median"),
-                    ),
+                    "ttft_p50": _ratio(row["ttft_p50_ms"], base["ttft_p50_ms"]),
+                    **{name: _ratio(_median_of(row, key), _median_of(base, key)) for name, key in RATIOS.items()},
                     "req_per_s_ranges_separate": _separate(row["req_per_s"], base["req_per_s"]),
                 }
             reasons = []
@@ -215,14 +227,31 @@ def table(result: dict[str, Any]) -> str:
             f"| {_med(r, 'proxy_cpu_ms_per_request', '{:.2f}')} | {_med(r, 'harness_core_share', '{:.0%}')} "
             f"| {_range(r.get('other_load_cores'))} |"
         )
+    lines += [
+        "",
+        "Work done per request: images sent to the encoders, the first language-model stage's prompt tokens "
+        "and those it computed (not from its prefix cache or a KV transfer), its prefix-cache hit share:",
+        "",
+        "| level | arm | images to encoders / req | prompt tokens / req | computed / req | prefix-cache hits |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        level = f"{'c' if r['level'][0] == 'concurrency' else 'rate'} {r['level'][1]:g}"
+        lines.append(
+            f"| {level} | {r['arm']} | {_med(r, 'encoder_images_per_request', '{:.2f}')} "
+            f"| {_med(r, 'prompt_tokens_per_request', '{:.0f}')} "
+            f"| {_med(r, 'prompt_tokens_computed_per_request', '{:.0f}')} "
+            f"| {_med(r, 'prefix_cache_hit_share', '{:.0%}')} |"
+        )
     compared = [r for r in result["rows"] if r.get("vs_first")]
     if compared:
         lines += [
             "",
             "Against the first arm at the same level (ratios of medians):",
             "",
-            "| level | arm | vs | req/s | p99 | encoder CPU / req | all engines CPU / req | req/s ranges |",
-            "|---|---|---|---|---|---|---|---|",
+            "| level | arm | vs | req/s | p99 | TTFT p50 | images to encoders | prompt tokens computed "
+            "| encoder CPU / req | all engines CPU / req | proxy CPU / req | req/s ranges |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in compared:
             v = r["vs_first"]
@@ -230,8 +259,10 @@ def table(result: dict[str, Any]) -> str:
             sep = {True: "separate", False: "overlap", None: "-"}[v["req_per_s_ranges_separate"]]
             lines.append(
                 f"| {level} | {r['arm']} | {v['arm']} | {_f(v['req_per_s'], '{:.2f}x')} "
-                f"| {_f(v['latency_p99'], '{:.2f}x')} | {_f(v['encoder_cpu'], '{:.2f}x')} "
-                f"| {_f(v['engine_cpu'], '{:.2f}x')} | {sep} |"
+                f"| {_f(v['latency_p99'], '{:.2f}x')} | {_f(v['ttft_p50'], '{:.2f}x')} "
+                f"| {_f(v['encoder_images'], '{:.2f}x')} | {_f(v['prompt_tokens_computed'], '{:.2f}x')} "
+                f"| {_f(v['encoder_cpu'], '{:.2f}x')} | {_f(v['engine_cpu'], '{:.2f}x')} "
+                f"| {_f(v['proxy_cpu'], '{:.2f}x')} | {sep} |"
             )
     for note in result["notes"]:
         lines.append(f"\nNote: {note}")

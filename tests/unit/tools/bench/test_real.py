@@ -41,6 +41,11 @@ vllm:request_queue_time_seconds_sum{engine="0",model_name="tiny-vlm"} 1.5
 vllm:request_queue_time_seconds_bucket{engine="0",le="0.3",model_name="tiny-vlm"} 2.0
 vllm:request_queue_time_seconds_bucket{engine="0",le="+Inf",model_name="tiny-vlm"} 7.0
 vllm:request_queue_time_seconds_count{engine="0",model_name="tiny-vlm"} 7.0
+# HELP vllm:prompt_tokens_by_source_total Number of prompt tokens by source.
+# TYPE vllm:prompt_tokens_by_source_total counter
+vllm:prompt_tokens_by_source_total{engine="0",model_name="tiny-vlm",source="local_compute"} 30.0
+vllm:prompt_tokens_by_source_total{engine="0",model_name="tiny-vlm",source="local_cache_hit"} 64.0
+vllm:prompt_tokens_by_source_total{engine="0",model_name="tiny-vlm",source="external_kv_transfer"} 0.0
 # HELP vllm:request_success_created Count of successfully processed requests.
 # TYPE vllm:request_success_created gauge
 vllm:request_success_created{engine="0",finished_reason="stop",model_name="tiny-vlm"} 1.7e+09
@@ -53,6 +58,7 @@ def test_counters_are_summed_over_label_sets_and_histograms_give_sum_and_count()
     assert (m["mm_items"], m["mm_hits"]) == (20.0, 5.0)
     assert (m["queue_sum"], m["queue_count"]) == (1.5, 7.0)
     assert m["prefill_count"] == 0.0  # absent families read as zero, so deltas stay defined
+    assert m["prompt_computed"] == 30.0  # only the tokens the engine prefilled itself
 
 
 def test_engine_figures_per_request_come_from_counter_deltas():
@@ -61,7 +67,18 @@ def test_engine_figures_per_request_come_from_counter_deltas():
     deltas = {
         "encoder-0": {**zero, "requests": 3, "mm_items": 9, "mm_hits": 3, "cpu_s": 0.6},
         "encoder-1": {**zero, "requests": 1, "mm_items": 3, "cpu_s": 0.2},
-        "pd": {**zero, "requests": 4, "queue_sum": 0.4, "queue_count": 4, "decode_sum": 2.0, "decode_count": 4},
+        "pd": {
+            **zero,
+            "requests": 4,
+            "queue_sum": 0.4,
+            "queue_count": 4,
+            "decode_sum": 2.0,
+            "decode_count": 4,
+            "prompt_tokens": 400,
+            "prompt_computed": 100,
+            "prefix_queries": 400,
+            "prefix_hits": 300,
+        },
     }
     out = engines.summarise(fleet, deltas, requests=4)
     assert out["encoder_subrequests_per_request"] == 1.0
@@ -71,6 +88,9 @@ def test_engine_figures_per_request_come_from_counter_deltas():
     assert out["decode_ms"] == pytest.approx(500.0)
     assert out["encode_cpu_ms_per_request"] == pytest.approx(200.0)
     assert out["consumer_requests_per_request"] == 1.0
+    assert out["encoder_images_per_request"] == 3.0
+    assert (out["prompt_tokens_per_request"], out["prompt_tokens_computed_per_request"]) == (100.0, 25.0)
+    assert out["prefix_cache_hit_share"] == 0.75
     assert "pd_cpu_ms_per_request" not in out  # no process tree known for it: not invented
 
 
