@@ -8,6 +8,7 @@ import gc
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -161,7 +162,19 @@ class _Supervisor:
         self._due[slot] = time.monotonic() + delay
 
 
+def refuse_a_taken_port(host: str, port: int) -> None:
+    """Raise OSError (EADDRINUSE) if anything listens on host:port. Workers listen with
+    SO_REUSEPORT, and the kernel lets any process of the same user that sets it too join a port:
+    a second multi-worker proxy would silently take a share of this one's clients. A plain bind,
+    without SO_REUSEPORT, fails on a port such listeners hold."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server's own bind
+        probe.bind(address)
+
+
 def serve(config: Config, log_level: str, workers: int = 1) -> None:
+    refuse_a_taken_port(config.host, config.port)
     if workers <= 1:
         _run_worker(config, log_level, reuse_port=False)
         return

@@ -6,17 +6,20 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 
 import aiohttp
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from epd_proxy.tools.testing.harness import serve_process
+from epd_proxy.tools.testing.harness import serve_command, serve_process
 from epd_proxy.tools.testing.polling import eventually
 from tests.http.test_slow_clients import read_until_closed
 from tests.media import chat, image
 
 DEADLINE_S = 30.0
+# Backends for a proxy that must not get as far as calling them.
+NOWHERE = ("--encode-servers-urls", "http://127.0.0.1:9", "--decode-servers-urls", "http://127.0.0.1:9")
 HEALTH = b"GET /health HTTP/1.1\r\nHost: proxy\r\n\r\n"
 
 
@@ -274,3 +277,19 @@ async def test_a_killed_workers_connections_stop_counting_before_the_supervisor_
             assert not refused, refused
         finally:
             os.kill(parent, signal.SIGCONT)
+
+
+async def test_a_second_proxy_with_workers_on_a_taken_port_refuses_instead_of_sharing_it():
+    # Workers listen with SO_REUSEPORT, so the kernel would let a second multi-worker proxy (the
+    # same user, any configuration) join the port and take a share of its clients.
+    async with serve_process("--workers", "2") as served:
+        for workers in ("2", "1"):
+            second = await asyncio.to_thread(
+                subprocess.run,
+                serve_command(served.process.port, "--workers", workers, *NOWHERE),
+                capture_output=True,
+                text=True,
+                timeout=DEADLINE_S,
+            )
+            assert second.returncode == 1, (workers, second.stderr)
+            assert f"cannot serve on 127.0.0.1:{served.process.port}" in second.stderr, second.stderr
