@@ -251,7 +251,9 @@ class Pipeline:
             if not (plan.raw_ok and self.consumer_encode and isinstance(exc, BackendUnreachable)):
                 raise
             log.warning("request %s: encoders failed (%s); the consumer encodes", trace.request_id, exc.message[:200])
-            plan, matches = EncodePlan((), raw_ok=True, consumer_encoded=len(job.items)), Matches()
+            # What was planned for the encoders goes raw too; what the consumer holds stays reused.
+            fallback = plan.consumer_encoded + len(plan.encode)
+            plan, matches = EncodePlan((), raw_ok=True, reused=plan.reused, consumer_encoded=fallback), Matches()
         trace.reused += plan.reused
         trace.consumer_encoded += plan.consumer_encoded
         self.metrics.reused.inc(plan.reused)

@@ -142,6 +142,11 @@ def test_with_every_encoder_stopped_a_conversation_over_two_pds_is_still_exact(t
         )
         with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
             families = {family.name: family for family in text_string_to_metric_families(resp.read().decode())}
-    assert sum(s.value for s in families["epd_items_consumer_encoded"].samples if s.name.endswith("_total")) == TURNS
+
+    def total(name: str) -> float:
+        return sum(s.value for s in families[name].samples if s.name.endswith("_total"))
+
+    # Each turn's new image was encoded by its PD; the history it held went raw as reused.
+    assert (total("epd_items_consumer_encoded"), total("epd_items_reused")) == (TURNS, sum(range(TURNS)))
     served = {pd: grew(before, after, pd, "requests") for pd in st.consumer_urls}
     assert sorted(served.values()) == [0.0, TURNS], served
