@@ -174,10 +174,10 @@ def refuse_a_taken_port(host: str, port: int) -> None:
 
 
 def serve(config: Config, log_level: str, workers: int = 1) -> None:
-    refuse_a_taken_port(config.host, config.port)
     if workers <= 1:
-        _run_worker(config, log_level, reuse_port=False)
+        _run_worker(config, log_level, reuse_port=False)  # its plain bind fails on a taken port itself
         return
+    refuse_a_taken_port(config.host, config.port)
     import multiprocessing
     import shutil
     import tempfile

@@ -19,7 +19,7 @@ from tests.media import chat, image
 
 DEADLINE_S = 30.0
 # Backends for a proxy that must not get as far as calling them.
-NOWHERE = ("--encode-servers-urls", "http://127.0.0.1:9", "--decode-servers-urls", "http://127.0.0.1:9")
+NOWHERE = ("--encode-servers-urls", "http://127.0.0.1:9", "--decode-servers-urls", "http://127.0.0.1:10")
 HEALTH = b"GET /health HTTP/1.1\r\nHost: proxy\r\n\r\n"
 
 
