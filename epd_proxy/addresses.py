@@ -111,9 +111,12 @@ def check_topology(config: Topology) -> None:
     """The rules across the instance options: listed, found through DNS or registered, never two
     ways at once, and Mooncake consumer addresses that line up with the decode servers."""
     entries = (*config.encode_urls, *config.prefill_urls, *config.decode_urls)
+    seen: set[str] = set()
+    for entry in entries:
+        if entry in seen:
+            raise ConfigError(f"{entry} is listed twice; each instance has one role")
+        seen.add(entry)
     names = [entry for entry in entries if is_dns(entry)]
-    if len(set(names)) != len(names):
-        raise ConfigError("a DNS name is listed twice; each instance has one role")
     if config.dynamic_registration:
         if len(names) != len(entries) or config.ec_consumer_zmq_addrs:
             # A listed instance could never leave through DELETE /instances: register it instead.

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from epd_proxy.addresses import is_dns
-from epd_proxy.config import Config, ConfigError
+from epd_proxy.config import Config
 from epd_proxy.errors import ProxyError
 from epd_proxy.fleet.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE, ROLES, Instance
 
@@ -136,9 +136,7 @@ class Registry:
                 Instance(url, PREFILL_DECODE, zmq_addrs=tuple(addrs[i * dp : (i + 1) * dp]), dp_size=dp)
                 for i, url in enumerate(decode_urls)
             ]
-        for inst in static:
-            if inst.url in registry._instances:
-                raise ConfigError(f"{inst.url} is listed twice; each instance has one role")
+        for inst in static:  # Config's check_topology refused a URL listed twice
             registry._add(inst, LISTED)
         return registry
 

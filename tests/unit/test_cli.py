@@ -101,6 +101,12 @@ def test_version_matches_the_package():
         (["--decode-servers-urls", "http://d:1,d2:8002"], "'d2:8002' is not an http:// or https:// URL"),
         (["--prefill-servers-urls", "ftp://p:1"], "'ftp://p:1' is not an http:// or https:// URL"),
         (["--decode-servers-urls", "http://d:99999"], "'http://d:99999' has an invalid port"),
+        # One server cannot take two roles; the registry found this only after startup, as a traceback.
+        (
+            ["--encode-servers-urls", "http://x:1", "--decode-servers-urls", "http://x:1/"],
+            "http://x:1 is listed twice; each instance has one role",
+        ),
+        (["--encode-servers-urls", "http://e:1,http://e:1"], "http://e:1 is listed twice"),
     ],
 )
 def test_invalid_values_are_usage_errors(flags, complaint, capsys):

@@ -36,7 +36,7 @@ def test_static_e_p_d_roles():
 
 def test_static_url_listed_twice_is_a_config_error():
     with pytest.raises(ConfigError, match="listed twice"):
-        Registry.from_config(Config(encode_urls=("http://x",), decode_urls=("http://x",)))
+        Config(encode_urls=("http://x",), decode_urls=("http://x",))
 
 
 @pytest.mark.parametrize(
