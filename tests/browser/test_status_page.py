@@ -1,6 +1,6 @@
 """/status rendered by a real headless Chromium over a fleet of 8 fake instances.
 
-Chromium is Debian's package (`make browser` installs it); Playwright only drives it, so nothing is
+Chromium is Debian's package (`make system-packages` installs it); Playwright only drives it, so nothing is
 downloaded at test time. Set EPD_UPDATE_SCREENSHOT=1 to refresh docs/status.png for the docs' status page.
 """
 
@@ -35,7 +35,7 @@ WAIT_S = 30.0
 def chromium_path() -> str:
     path = os.environ.get("EPD_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
     if not path:
-        pytest.fail("no chromium on PATH: `make browser` installs Debian's package (as root)")
+        pytest.fail("no chromium on PATH: `make system-packages` installs Debian's package (as root)")
     return path
 
 

@@ -1,4 +1,4 @@
-"""Instances found through DNS, against a real DNS server: unbound (`make dns`) on a loopback port,
+"""Instances found through DNS, against a real DNS server: unbound (`make system-packages`) on a loopback port,
 serving a zone each test rewrites while traffic flows through a real `epd-proxy serve` process.
 
 The fakes are in-process fake vLLM servers. `dns://` names give every address the same port, so

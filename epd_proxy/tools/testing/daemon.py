@@ -11,10 +11,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 
-def find_binary(name: str, make_target: str, fallback: str | None = None) -> str:
+def find_binary(name: str, package: str, fallback: str | None = None) -> str:
     path = shutil.which(name) or (fallback if fallback and Path(fallback).exists() else None)
     if path is None:
-        raise RuntimeError(f"{name} is not installed: `make {make_target}` installs it (Debian package, as root)")
+        raise RuntimeError(
+            f"{name} is not installed: `sudo apt-get install {package}` (or `make system-packages` as root)"
+        )
     return path
 
 

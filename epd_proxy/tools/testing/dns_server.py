@@ -1,4 +1,4 @@
-"""A real DNS server for the discovery tests: Debian's unbound (installed by `make dns`) on a
+"""A real DNS server for the discovery tests: Debian's unbound (installed by `make system-packages`) on a
 loopback port, authoritative for one zone that the test rewrites while the proxy resolves it."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ ZONE = "epd.test."
 
 
 def unbound_binary() -> str:
-    return find_binary("unbound", "dns", fallback="/usr/sbin/unbound")
+    return find_binary("unbound", "unbound", fallback="/usr/sbin/unbound")
 
 
 def _config(port: int, work_dir: Path) -> str:

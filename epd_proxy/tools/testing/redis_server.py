@@ -1,4 +1,4 @@
-"""A real redis-server process for tests of the shared roster (installed by `make store`)."""
+"""A real redis-server process for tests of the shared roster (installed by `make system-packages`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from epd_proxy.tools.testing.daemon import find_binary, kill_daemon, start_daemo
 
 
 def redis_server_binary() -> str:
-    return find_binary("redis-server", "store")
+    return find_binary("redis-server", "redis-server")
 
 
 class RedisServer:

@@ -12,10 +12,10 @@ from epd_proxy.tools.testing.daemon import find_binary, kill_daemon, start_daemo
 SLEEPER = [sys.executable, "-c", "import sys, time; print('up', flush=True); time.sleep(60)"]
 
 
-def test_a_missing_binary_names_the_make_target_and_a_fallback_that_exists_is_taken():
-    with pytest.raises(RuntimeError, match="make store"):
-        find_binary("no-such-daemon-here", "store")
-    assert find_binary("no-such-daemon-here", "store", fallback=sys.executable) == sys.executable
+def test_a_missing_binary_names_its_package_and_a_fallback_that_exists_is_taken():
+    with pytest.raises(RuntimeError, match="apt-get install some-package"):
+        find_binary("no-such-daemon-here", "some-package")
+    assert find_binary("no-such-daemon-here", "some-package", fallback=sys.executable) == sys.executable
 
 
 def test_a_daemon_is_returned_once_it_answers_and_killed_outright(tmp_path):
