@@ -20,7 +20,7 @@ from epd_proxy.config import Config
 from epd_proxy.errors import ErrorAnswer, InternalError, ProxyError
 from epd_proxy.fleet.backends import DECODE
 from epd_proxy.fleet.registry import normalize_url, parse_registration
-from epd_proxy.http.auth import CHANGE_FLEET, PROFILE, READ_FLEET, check_client_key, guard_admin
+from epd_proxy.http.auth import CHANGE_FLEET, PROFILE, READ_FLEET, check_client_key, guard_admin, may
 from epd_proxy.journey.doors import CHAT, Door
 from epd_proxy.journey.extract import NormalisedRequest, ReadOptions, parse_json_body
 from epd_proxy.journey.pipeline import ClientBody
@@ -240,7 +240,8 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    status, body = request.app[STATE].report.answer()
+    state = request.app[STATE]
+    status, body = state.report.answer(may(state.config, READ_FLEET, request.headers.get("X-API-Key")))
     return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
 
 
