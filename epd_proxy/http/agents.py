@@ -5,11 +5,9 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from epd_proxy.calls.upstream import NoAnswer, Timeouts
+from epd_proxy.calls.upstream import Timeouts
 from epd_proxy.errors import ProxyError
-from epd_proxy.fleet.backends import DECODE
-from epd_proxy.http.routes import error_response, read_body, serve
-from epd_proxy.journey.extract import check_body, parse_json_body
+from epd_proxy.http.routes import DecoderCall, ask_a_decoder, error_response, parse_body, read_body, serve
 from epd_proxy.journey.messages_api import COUNT_TOKENS_PATH, MESSAGES, MESSAGES_PATH
 from epd_proxy.journey.responses_api import RESPONSES, RESPONSES_PATH
 from epd_proxy.proxy import STATE
@@ -24,35 +22,21 @@ async def create_message(request: web.Request) -> web.StreamResponse:
 
 
 # Counting renders the prompt (images through the processor, not the encoder) and runs nothing.
-COUNT_TIMEOUTS = Timeouts(total=60)
+COUNT_TOKENS = DecoderCall("POST", COUNT_TOKENS_PATH, Timeouts(total=60), "token count")
 
 
 async def count_tokens(request: web.Request) -> web.Response:
-    """Claude Code asks before each turn; any decoder renders the prompt as every other would."""
+    """Claude Code asks before each turn; any decoder renders the prompt as every other would.
+    Every image costs that decoder's processor, so the call keeps /v1/messages' limits: its reading
+    (the same checks, the same media count), off the loop when large, and a slot of --max-inflight."""
     state = request.app[STATE]
     try:
         raw = await read_body(request, state.config.max_body_bytes)
-        check_body(parse_json_body(raw), state.config.trust_client_fields)
-        candidates = state.pipeline.decoders()
-        if not candidates:
-            raise ProxyError(503, "no live decode instance", stage="route", error_type="service_unavailable")
-        decoder = state.policies[DECODE].choose(candidates, ("count_tokens",))[0]
-        try:
-            answer = await state.upstream.call(
-                decoder,
-                "POST",
-                COUNT_TOKENS_PATH,
-                body=bytes(raw),
-                headers={"Content-Type": "application/json"},
-                timeouts=COUNT_TIMEOUTS,
-                stage="decode",
-                what=f"token count from {decoder.url}",
-            )
-        except NoAnswer as exc:
-            raise ProxyError(502, exc.message, stage="decode", backend=decoder.url) from None
+        await parse_body(MESSAGES, raw, state.parse_options)
+        with state.admission.admit():
+            return await ask_a_decoder(state, COUNT_TOKENS, bytes(raw))
     except ProxyError as exc:
         return error_response(exc, door=MESSAGES)
-    return web.Response(status=answer.status, body=answer.body, headers={"Content-Type": answer.content_type})
 
 
 def add_agent_routes(app: web.Application) -> None:

@@ -67,8 +67,9 @@ class AdminAction:
     closed_from: int
 
 
-# The reference guards only changes to the fleet; profiling slows every engine, and the roster
-# names every backend (which an open proxy's /health shows anyway).
+# The reference guards only changes to the fleet; profiling slows every engine; reading the fleet
+# (the roster, /status.json, /health's instances) names every backend and the requests in flight,
+# which a proxy that answers anyone shows anyway.
 CHANGE_FLEET = AdminAction("change the fleet", "registry", OPEN)
 PROFILE = AdminAction("profile", "profile", OPERATED)
 READ_FLEET = AdminAction("read the fleet", "registry", AUTHENTICATED)
@@ -80,19 +81,23 @@ def closure(config: Config) -> int:
     return OPERATED if config.admin_api_key else OPEN
 
 
-def guard_admin(config: Config, action: AdminAction, presented: str | None) -> None:
+def may(config: Config, action: AdminAction, presented: str | None) -> bool:
     """The one rule of every admin route: it needs `X-API-Key: $ADMIN_API_KEY` once the proxy's
-    keys close it as far as the action; 403 otherwise, and always 403 on a proxy without an
-    ADMIN_API_KEY, which can name no admin."""
+    keys close it as far as the action, and a proxy without an ADMIN_API_KEY can name no admin."""
     if closure(config) < action.closed_from:
-        return
+        return True
     expected = config.admin_api_key
-    if (
-        not expected
-        or presented is None
-        or not hmac.compare_digest(expected.encode(), presented.encode("utf-8", "surrogateescape"))
-    ):
-        hint = "" if expected else " (the proxy has no ADMIN_API_KEY set)"
+    return bool(
+        expected
+        and presented is not None
+        and hmac.compare_digest(expected.encode(), presented.encode("utf-8", "surrogateescape"))
+    )
+
+
+def guard_admin(config: Config, action: AdminAction, presented: str | None) -> None:
+    """`may`, as a 403 that names the action."""
+    if not may(config, action, presented):
+        hint = "" if config.admin_api_key else " (the proxy has no ADMIN_API_KEY set)"
         raise ProxyError(
             403, f"a valid X-API-Key is required to {action.words}{hint}", stage=action.stage, error_type="forbidden"
         )

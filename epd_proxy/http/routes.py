@@ -10,6 +10,7 @@ import asyncio
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 
 import orjson
 from aiohttp import web
@@ -19,14 +20,15 @@ from epd_proxy.config import Config
 from epd_proxy.errors import ErrorAnswer, InternalError, ProxyError
 from epd_proxy.fleet.backends import DECODE
 from epd_proxy.fleet.registry import normalize_url, parse_registration
-from epd_proxy.http.auth import CHANGE_FLEET, PROFILE, READ_FLEET, check_client_key, guard_admin
+from epd_proxy.http.auth import CHANGE_FLEET, PROFILE, READ_FLEET, check_client_key, guard_admin, may
 from epd_proxy.journey.doors import CHAT, Door
-from epd_proxy.journey.extract import parse_json_body
+from epd_proxy.journey.extract import NormalisedRequest, ReadOptions, parse_json_body
 from epd_proxy.journey.pipeline import ClientBody
 from epd_proxy.journey.relay import ABORTED, CLIENT_GONE, relay
+from epd_proxy.journey.splice import Spliced
 from epd_proxy.journey.trace import Trace, account
 from epd_proxy.ops import tracing
-from epd_proxy.proxy import STATE
+from epd_proxy.proxy import STATE, ProxyState
 
 # The name operators' log filters know; logs.py turns it up for --log-requests.
 log = logging.getLogger("epd_proxy.app")
@@ -36,7 +38,6 @@ log = logging.getLogger("epd_proxy.app")
 # multi-image request cost 4-16% more CPU per request and 6% less throughput, pinned to one core
 # or not, because the worker and the loop take turns on the GIL for everything but the hashing.
 OFFLOAD_READ_BYTES = 4 * 1024 * 1024
-MODELS_TIMEOUTS = Timeouts(total=10)
 
 
 def error_response(exc: ProxyError, request_id: str | None = None, door: Door = CHAT) -> web.Response:
@@ -72,6 +73,13 @@ async def read_body(request: web.Request, limit: int) -> bytearray:
         if len(body) > limit:
             raise _too_large(limit)
     return body
+
+
+async def parse_body(door: Door, raw: bytearray, options: ReadOptions) -> tuple[NormalisedRequest, Spliced | None]:
+    """`door.parse`, in a worker thread for a body above OFFLOAD_READ_BYTES."""
+    if len(raw) > OFFLOAD_READ_BYTES:
+        return await asyncio.to_thread(door.parse, raw, options)
+    return door.parse(raw, options)
 
 
 def _too_large(limit: int) -> ProxyError:
@@ -146,10 +154,7 @@ async def serve(request: web.Request, door: Door) -> web.StreamResponse:
             tracing.lap(trace.spans, "read_body", trace.started, **{"http.request.body.size": len(raw)})
         # With splice, `raw` lives on in `spliced` (the media are slices of it) and the parsed
         # body holds only the skeleton; otherwise the parsed body holds the media and raw goes.
-        if len(raw) > OFFLOAD_READ_BYTES:
-            normalised, spliced = await asyncio.to_thread(door.parse, raw, state.parse_options)
-        else:
-            normalised, spliced = door.parse(raw, state.parse_options)
+        normalised, spliced = await parse_body(door, raw, state.parse_options)
         del raw
         body, items = normalised.body, normalised.items
         trace.items = len(items)
@@ -189,29 +194,54 @@ async def serve(request: web.Request, door: Door) -> web.StreamResponse:
         account(state.metrics, trace, status)
 
 
-async def list_models(request: web.Request) -> web.Response:
-    state = request.app[STATE]
+@dataclass(frozen=True, slots=True)
+class DecoderCall:
+    """A call any decoder answers as every other would, relayed as it answers it."""
+
+    method: str
+    path: str
+    timeouts: Timeouts
+    what: str
+    # None: the call counts towards the decoder's in-flight figures like any other.
+    count_inflight: bool | None = None
+
+
+MODELS = DecoderCall("GET", "/v1/models", Timeouts(total=10), "model list", count_inflight=False)
+
+
+async def ask_a_decoder(state: ProxyState, call: DecoderCall, body: bytes | None = None) -> web.Response:
+    """`call` on one live decoder, its answer as it gave it; a ProxyError if there is none to ask."""
     candidates = state.pipeline.decoders()
     if not candidates:
-        return error_response(ProxyError(503, "no live decode instance", stage="route"))
-    decoder = state.policies[DECODE].choose(candidates, ("models",))[0]
+        raise ProxyError(503, "no live decode instance", stage="route")
+    decoder = state.policies[DECODE].choose(candidates, (call.path,))[0]
     try:
         answer = await state.upstream.call(
             decoder,
-            "GET",
-            "/v1/models",
-            timeouts=MODELS_TIMEOUTS,
+            call.method,
+            call.path,
+            body=body,
+            headers=None if body is None else {"Content-Type": "application/json"},
+            timeouts=call.timeouts,
             stage="decode",
-            what=f"model list from {decoder.url}",
-            count_inflight=False,
+            what=f"{call.what} from {decoder.url}",
+            count_inflight=call.count_inflight,
         )
     except NoAnswer as exc:
-        return error_response(ProxyError(502, exc.message, stage="decode", backend=decoder.url))
+        raise ProxyError(502, exc.message, stage="decode", backend=decoder.url) from None
     return web.Response(status=answer.status, body=answer.body, headers={"Content-Type": answer.content_type})
 
 
+async def list_models(request: web.Request) -> web.Response:
+    try:
+        return await ask_a_decoder(request.app[STATE], MODELS)
+    except ProxyError as exc:
+        return error_response(exc)
+
+
 async def health(request: web.Request) -> web.Response:
-    status, body = request.app[STATE].report.answer()
+    state = request.app[STATE]
+    status, body = state.report.answer(may(state.config, READ_FLEET, request.headers.get("X-API-Key")))
     return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
 
 

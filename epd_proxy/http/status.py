@@ -19,9 +19,12 @@ import orjson
 from aiohttp import web
 
 from epd_proxy import __version__
+from epd_proxy.errors import ProxyError
 from epd_proxy.fleet.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE
 from epd_proxy.fleet.health import DOWN, EJECTED, HALF_OPEN, HEALTHY
 from epd_proxy.fleet.scheduler import ExpectedFinish
+from epd_proxy.http.auth import READ_FLEET, guard_admin
+from epd_proxy.http.routes import error_response
 from epd_proxy.proxy import ProxyState
 
 if TYPE_CHECKING:
@@ -170,7 +173,9 @@ def _load_page() -> tuple[bytes, str]:
 
 
 def add_status_routes(app: web.Application, state: ProxyState) -> None:
-    """Open like /metrics: the page shows the fleet's URLs and counts, never request content."""
+    """The data names every backend and the requests in flight, so it is read as the roster is
+    (auth.READ_FLEET); the page itself holds none, only the code that asks for it, and asks the
+    viewer for the admin key when the data is refused."""
     page, csp = _load_page()
     page_headers = {
         "Content-Type": "text/html; charset=utf-8",
@@ -183,6 +188,10 @@ def add_status_routes(app: web.Application, state: ProxyState) -> None:
         return web.Response(body=page, headers=page_headers)
 
     async def status_json(request: web.Request) -> web.Response:
+        try:
+            guard_admin(state.config, READ_FLEET, request.headers.get("X-API-Key"))
+        except ProxyError as exc:
+            return error_response(exc)
         return web.Response(
             body=orjson.dumps(snapshot(state)),
             headers={"Content-Type": "application/json", "Cache-Control": "no-store"},

@@ -148,3 +148,30 @@ async def test_status_page_in_chromium(make_stack, tmp_path):
     finally:
         stop.set()
         await asyncio.gather(*load)
+
+
+async def test_status_page_asks_for_the_admin_key_behind_a_client_key(make_stack):
+    stack = await make_stack(encoders=1, api_key="client-secret", admin_api_key="admin-secret")
+    async with async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=chromium_path(), args=CHROMIUM_FLAGS)
+        try:
+            page = await browser.new_page(viewport=VIEWPORT)
+            script_errors: list[str] = []
+            page.on("pageerror", lambda exc: script_errors.append(str(exc)))
+            await page.goto(f"{stack.url}/status")
+            asking = "() => getComputedStyle(document.getElementById('key')).display === 'block'"
+            await wait_until(page, asking)
+            assert await page.locator("#roster tbody tr").count() == 0
+            # A wrong key is asked for again; the right one shows the fleet.
+            await page.fill("#key-input", "guess")
+            await page.press("#key-input", "Enter")
+            await wait_until(page, "() => document.getElementById('key-input').value === ''")
+            await wait_until(page, asking)
+            await page.fill("#key-input", "admin-secret")
+            await page.click("#key-go")
+            await wait_until(page, "() => Number(document.body.dataset.refreshes || 0) >= 2")
+            assert await page.locator("#roster tbody tr").count() == 2
+            assert await page.evaluate("getComputedStyle(document.getElementById('key')).display") == "none"
+            assert script_errors == []
+        finally:
+            await browser.close()

@@ -3,10 +3,17 @@ consumer answers when it gets the same request itself."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import dataclasses
+import threading
 
 import orjson
 import pytest
+
+from epd_proxy.http import agents as agents_module
+from epd_proxy.tools.testing.polling import eventually
+from tests.media import chat, image
 
 BIG = "A" * 4096  # large enough for the splice fast path
 
@@ -271,3 +278,61 @@ async def test_count_tokens_is_answered_by_a_decoder_and_takes_x_api_key(make_st
     assert (await post(stack, stack.url, "messages/count_tokens", body))[0] == 401
     forged = await post(stack, stack.url, "messages/count_tokens", {**body, "ec_transfer_params": {}}, headers=headers)
     assert forged[0] == 400 and orjson.loads(forged[2])["type"] == "error"
+
+
+async def test_count_tokens_keeps_the_media_limit_of_the_door_it_counts_for(make_stack):
+    stack = await make_stack(encoders=1, max_media_items=2)
+    status, _, raw = await post(stack, stack.url, "messages/count_tokens", messages_body("A", "B", "C"))
+    error = orjson.loads(raw)
+    assert status == 400 and error["type"] == "error" and "more than 2 media items" in error["error"]["message"]
+    assert stack.pd.token_counts == 0
+    # The same images in a tool result count alike, as /v1/messages counts them.
+    blocks = messages_body("A", "B", "C")["messages"][0]["content"][1:]
+    nested = {
+        **messages_body(),
+        "messages": [{"role": "user", "content": [{"type": "tool_result", "content": blocks}]}],
+    }
+    assert (await post(stack, stack.url, "messages/count_tokens", nested))[0] == 400
+    assert stack.pd.token_counts == 0
+    assert (await post(stack, stack.url, "messages/count_tokens", messages_body("A", "B")))[0] == 200
+    assert stack.pd.token_counts == 1
+
+
+async def test_count_tokens_is_refused_fast_while_max_inflight_is_taken(make_stack):
+    stack = await make_stack(encoders=1, max_inflight=1)
+    stack.encoders[0].faults.delay_s = 2
+    slow = asyncio.create_task(stack.chat(chat(image("slow"))))
+    await eventually(lambda: stack.state.admission.inflight == 1, timeout=20, what="the slow request holds the slot")
+    calls = [post(stack, stack.url, "messages/count_tokens", messages_body("A")) for _ in range(5)]
+    for status, _, raw in await asyncio.gather(*calls):
+        assert status == 503 and orjson.loads(raw) == {
+            "type": "error",
+            "error": {
+                "type": "overloaded",
+                "message": "the proxy is at its limit of 1 requests in flight; retry shortly",
+            },
+        }
+    async with stack.client.post("/v1/messages/count_tokens", json=messages_body("A")) as resp:
+        assert resp.status == 503 and resp.headers["Retry-After"] == "1"
+    assert stack.pd.token_counts == 0
+    async with await slow as resp:
+        assert resp.status == 200
+    assert (await post(stack, stack.url, "messages/count_tokens", messages_body("A")))[0] == 200
+
+
+@pytest.mark.parametrize("size, off_loop", [(4096, False), (5 * 1024 * 1024, True)])
+async def test_large_count_tokens_bodies_are_read_off_the_loop(make_stack, monkeypatch, size, off_loop):
+    on_main_thread = []
+    real = agents_module.MESSAGES.parse
+
+    def recording(*args, **kwargs):
+        on_main_thread.append(threading.current_thread() is threading.main_thread())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(agents_module, "MESSAGES", dataclasses.replace(agents_module.MESSAGES, parse=recording))
+    stack = await make_stack(encoders=1)
+    body = messages_body("A")
+    body["messages"][0]["content"][1]["source"]["data"] = b64("A", pad="x" * size)
+    status, _, raw = await post(stack, stack.url, "messages/count_tokens", body)
+    assert status == 200 and orjson.loads(raw)["input_tokens"] > 0
+    assert on_main_thread == [not off_loop] and stack.pd.token_counts == 1

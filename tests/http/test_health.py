@@ -261,6 +261,51 @@ async def test_concurrent_health_calls_cause_no_probe_traffic(make_stack):
     assert all(view["last_check"] == "ok" and view["last_check_age_s"] >= 0 for view in body["instances"].values())
 
 
+async def test_behind_a_client_key_health_names_no_backend_but_keeps_its_verdict(make_stack):
+    stack = await make_stack(
+        encoders=2, api_key="client-secret", admin_api_key=KEY["X-API-Key"], probe_interval_s=0.05, fail_threshold=1
+    )
+    urls = [*stack.backend_urls["e"], *stack.backend_urls["d"]]
+    async with stack.client.get(stack.url + "/health") as resp:
+        assert resp.status == 200
+        text = await resp.text()
+    assert not any(url in text for url in urls) and "127.0.0.1" not in text
+    assert await resp.json() == {
+        "proxy": "healthy",
+        "encode_cluster": "healthy",
+        "prefill_cluster": "empty",
+        "decode_cluster": "healthy",
+        "roles": {"encode": {"members": 2, "in_rotation": 2}, "prefill_decode": {"members": 1, "in_rotation": 1}},
+    }
+    # An admin sees the instances; a wrong key is no admin.
+    _, full = await get_json_with(stack, "/health", KEY)
+    assert set(full["instances"]) == set(urls)
+    _, wrong = await get_json_with(stack, "/health", {"X-API-Key": "guess"})
+    assert "instances" not in wrong
+    stack.consumers[0].healthy = False
+
+    async def decode_down():
+        async with stack.client.get(stack.url + "/health") as resp:
+            return resp.status == 503 and (await resp.json())["decode_cluster"] == "unhealthy"
+
+    await eventually(decode_down, what="/health says 503 once the decoder is down, still naming no one")
+
+
+async def test_behind_a_client_key_dynamic_health_names_no_backend(make_stack):
+    stack = await make_stack(dynamic=True, api_key="client-secret")
+    _, url = await stack.join("prefill_decode")
+    async with stack.client.get(stack.url + "/health") as resp:
+        assert resp.status == 200 and url not in await resp.text()
+        assert (await resp.json())["roles"] == {"prefill_decode": {"members": 1, "in_rotation": 1}}
+    _, full = await get_json_with(stack, "/health", KEY)
+    assert full["instances"]["prefill_decode"]["live"] == [url]
+
+
+async def get_json_with(stack, path: str, headers: dict):
+    async with stack.client.get(stack.url + path, headers=headers) as resp:
+        return resp.status, await resp.json()
+
+
 @pytest.fixture
 async def dynamic_fleet(make_stack):
     async def build(**overrides):

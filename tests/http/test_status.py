@@ -140,13 +140,30 @@ async def test_status_page_is_self_contained_and_locked_down(make_stack):
     assert "unsafe-inline" not in csp
 
 
-async def test_status_is_open_like_metrics_when_clients_need_an_api_key(make_stack):
-    stack = await make_stack(encoders=1, api_key="client-secret")
+@pytest.mark.parametrize("admin_api_key", ["admin-secret", ""])
+async def test_behind_a_client_key_status_json_is_for_admins(make_stack, admin_api_key):
+    stack = await make_stack(encoders=1, api_key="client-secret", admin_api_key=admin_api_key)
     async with stack.client.get(f"{stack.url}/v1/models") as resp:
         assert resp.status == 401
-    for path in ("/metrics", "/status", "/status.json"):
+    for headers in ({}, {"X-API-Key": "guess"}, {"Authorization": "Bearer client-secret"}):
+        async with stack.client.get(f"{stack.url}/status.json", headers=headers) as resp:
+            assert resp.status == 403
+            error = (await resp.json())["error"]
+            assert error["type"] == "forbidden" and "read the fleet" in error["message"]
+            assert stack.backend_urls["e"][0] not in await resp.text()
+    async with stack.client.get(f"{stack.url}/status.json", headers={"X-API-Key": "admin-secret"}) as resp:
+        assert resp.status == (200 if admin_api_key else 403)
+        if admin_api_key:
+            assert {row["url"] for row in (await resp.json())["roster"]} >= set(stack.backend_urls["e"])
+    # The page holds no data, only the code that asks for it; Prometheus scrapes without a key.
+    for path in ("/status", "/metrics"):
         async with stack.client.get(f"{stack.url}{path}") as resp:
             assert resp.status == 200, path
+
+
+async def test_status_json_stays_open_without_a_client_key(make_stack):
+    stack = await make_stack(encoders=1, admin_api_key="admin-secret")
+    await status_json(stack)
 
 
 async def test_a_stream_aborted_after_its_200_is_not_a_success(make_stack):

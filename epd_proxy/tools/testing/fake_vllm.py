@@ -450,6 +450,8 @@ class FakeVLLM:
     healthy: bool = field(default=True, init=False)
     # GET /health calls answered, so tests can tell how often the proxy checks.
     health_checks: int = field(default=0, init=False)
+    # POST /v1/messages/count_tokens calls answered, so tests can tell whether one got through.
+    token_counts: int = field(default=0, init=False)
     requests: list[Seen] = field(default_factory=list, init=False, repr=False)
     loaded_from_cache: int = field(default=0, init=False)
     encoded_locally: int = field(default=0, init=False)
@@ -519,6 +521,7 @@ class FakeVLLM:
 
     async def count_tokens(self, exchange: Exchange) -> Answer:
         """The prompt's length, as vLLM renders it (the fakes count a token per message and per item)."""
+        self.token_counts += 1
         try:
             view = fake_doors.chat_view(fake_doors.MESSAGES, {"max_tokens": 1, **orjson.loads(exchange.body)})
         except ValueError as exc:

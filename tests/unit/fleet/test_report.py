@@ -82,3 +82,25 @@ def test_dynamic_mode_is_always_200_with_the_roster_and_the_stores_state():
     status, body = report.answer()
     assert status == 200 and body["instances"][ENCODE] == {"live": [], "evicted": ["http://e"]}
     assert body["health"]["http://e"]["in_rotation"] is False
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_the_answer_that_names_no_backend_keeps_the_status_and_counts_per_role(dynamic):
+    static = {"encode_urls": ("dns://encoders.local:8000", "http://e2"), "decode_urls": ("http://pd",)}
+    config = Config(**({"dynamic_registration": True, "admin_api_key": "adm"} if dynamic else static))
+    fleet, health = parts(config)
+    if dynamic:
+        fleet.register({"role": ENCODE, "url": "http://e2"})
+        fleet.register({"role": PREFILL_DECODE, "url": "http://pd"})
+    dns = {"encoders.local": {"status": "failing", "addresses": ["http://10.0.0.1:8000"], "error": "refused"}}
+    report = HealthReport(config, fleet, health, StatusOf({"store": "redis://store"}), StatusOf(dns))
+    down(fleet, health, "http://pd")
+    status, body = report.answer(names_backends=False)
+    assert status == report.answer()[0] == (200 if dynamic else 503)
+    assert body == {
+        "proxy": "healthy",
+        "encode_cluster": "healthy",
+        "prefill_cluster": "empty",
+        "decode_cluster": "unhealthy",
+        "roles": {ENCODE: {"members": 1, "in_rotation": 1}, PREFILL_DECODE: {"members": 1, "in_rotation": 0}},
+    }

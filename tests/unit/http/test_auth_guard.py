@@ -6,7 +6,7 @@ import pytest
 
 from epd_proxy.config import Config
 from epd_proxy.errors import ProxyError
-from epd_proxy.http.auth import CHANGE_FLEET, PROFILE, READ_FLEET, check_client_key, guard_admin
+from epd_proxy.http.auth import CHANGE_FLEET, PROFILE, READ_FLEET, check_client_key, guard_admin, may
 
 STATIC = {"encode_urls": ("http://e",), "decode_urls": ("http://d",)}
 
@@ -44,11 +44,10 @@ def test_an_admin_action_needs_the_admin_key_once_the_keys_close_the_proxy_that_
     keys, presented, change_fleet, profile, read_fleet
 ):
     cfg = config(**keys)
-    assert [allowed(cfg, action, presented) for action in (CHANGE_FLEET, PROFILE, READ_FLEET)] == [
-        change_fleet,
-        profile,
-        read_fleet,
-    ]
+    expected = [change_fleet, profile, read_fleet]
+    assert [allowed(cfg, action, presented) for action in (CHANGE_FLEET, PROFILE, READ_FLEET)] == expected
+    # What /health asks before it names the backends: the same rule as a yes or no.
+    assert [may(cfg, action, presented) for action in (CHANGE_FLEET, PROFILE, READ_FLEET)] == expected
 
 
 def test_the_refusal_says_what_was_refused_and_why_no_key_can_pass():
