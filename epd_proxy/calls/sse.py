@@ -178,13 +178,17 @@ class Head:
         return Verdict.HOLD, None
 
 
-def _judge_event(event: bytes) -> tuple[Verdict, dict[str, Any] | None]:
-    # The spec's reading of a field: one space after the colon is dropped, data lines join with LF.
-    data = b"\n".join(
+def event_data(event: bytes) -> bytes:
+    """An event's data as the spec reads it: one space after the colon dropped, lines joined with LF."""
+    return b"\n".join(
         line[6:] if line.startswith(b"data: ") else line[5:]
         for line in event.splitlines()
         if line.startswith(b"data:") or line == b"data"
     )
+
+
+def _judge_event(event: bytes) -> tuple[Verdict, dict[str, Any] | None]:
+    data = event_data(event)
     if not data:
         return Verdict.HOLD, None  # a comment or an event without data
     if data.strip() == DONE:
@@ -219,8 +223,14 @@ def _judge_event(event: bytes) -> tuple[Verdict, dict[str, Any] | None]:
     return Verdict.HOLD, None
 
 
+def named_event(name: str, data: bytes) -> bytes:
+    """One event (its JSON `data` on one line) of the Messages and Responses streams, which name
+    each event by its type."""
+    return b"event: " + name.encode() + b"\ndata: " + data + EVENT_END
+
+
 def error_event(message: str, *, error_type: str, code: int, stage: str, backend: str | None = None) -> bytes:
-    """An in-band error in vLLM's shape, then [DONE], for a stream whose 200 is already sent."""
+    """An in-band error in vLLM's chat shape, then [DONE], for a stream whose 200 is already sent."""
     error: dict[str, Any] = {"message": message, "type": error_type, "param": None, "code": code, "stage": stage}
     if backend:
         error["backend"] = backend

@@ -171,7 +171,7 @@ async def serve(request: web.Request, door: Door) -> web.StreamResponse:
                 answer = await state.pipeline.open(job, route, trace, door)
                 try:
                     with trace.stage("relay"):
-                        response, trace.outcome = await relay(request, answer, {"x-request-id": request_id})
+                        response, trace.outcome = await relay(request, answer, {"x-request-id": request_id}, door)
                     status = {ABORTED: "aborted", CLIENT_GONE: 499}.get(trace.outcome, answer.status)
                     if trace.outcome == CLIENT_GONE:
                         log.info("request %s: the client disconnected during the answer", request_id)

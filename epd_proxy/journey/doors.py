@@ -2,7 +2,8 @@
 
 Every door runs the same journey (encode, prefill, decode, retries); a door decides how the
 client's body is read for media (`parse`), what the consumer is sent (`consumer_body`,
-`prefill_body`) on which path, and the shape of the errors the proxy itself makes.
+`prefill_body`) on which path, and the shape of the errors the proxy itself makes: as an HTTP
+answer, and in-band when a stream breaks after its 200 (`stream_error`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 import orjson
 
+from epd_proxy.calls.sse import error_event
 from epd_proxy.errors import ErrorAnswer, ProxyError
 from epd_proxy.fleet.backends import CHAT_PATH
 from epd_proxy.journey.extract import MediaItem, NormalisedRequest, ReadOptions, parse_request
@@ -22,6 +24,26 @@ from epd_proxy.journey.rewrite import ec_item_list, rewrite_request, transfer_pa
 from epd_proxy.journey.splice import Spliced
 
 ConsumerBody = Callable[..., dict[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class Relayed:
+    """What a stream had sent its client when it broke: the head held until decode committed (the
+    stream's opening events) and the last whole events passed on; both as they went out, unread."""
+
+    head: bytes
+    last: bytes
+
+
+def chat_stream_error(failure: ProxyError, relayed: Relayed) -> bytes:
+    """vLLM's own in-band error of a chat stream, then [DONE]."""
+    return error_event(
+        failure.message,
+        error_type=failure.error_type,
+        code=failure.status,
+        stage=failure.stage,
+        backend=failure.backend,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +57,9 @@ class Door:
     prefill_body: Callable[[dict[str, Any]], dict[str, Any]]
     # The proxy's own error in this API's shape; None keeps the proxy's (OpenAI's) shape.
     error_body: Callable[[ProxyError], bytes] | None = None
+    # The events that end a stream broken after its 200, in this API's stream shape, so the
+    # client's SDK sees a failure rather than an answer cut short.
+    stream_error: Callable[[ProxyError, Relayed], bytes] = chat_stream_error
 
     def error(self, exc: ProxyError) -> bytes | None:
         """The body of an error answer, or None to answer in the proxy's own shape.

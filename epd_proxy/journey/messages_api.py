@@ -17,8 +17,9 @@ from typing import Any
 
 import orjson
 
+from epd_proxy.calls.sse import named_event
 from epd_proxy.errors import BadRequest, ProxyError
-from epd_proxy.journey.doors import Door, error_fields, with_handles
+from epd_proxy.journey.doors import Door, Relayed, error_fields, with_handles
 from epd_proxy.journey.extract import (
     MediaItem,
     NormalisedRequest,
@@ -127,5 +128,19 @@ def anthropic_error(exc: ProxyError) -> bytes:
     return orjson.dumps({"type": "error", "error": {"type": kind, "message": message}})
 
 
+def anthropic_stream_error(failure: ProxyError, relayed: Relayed) -> bytes:
+    """How vLLM's Messages stream ends on a failure (`message_stream_converter`): an `error` event
+    holding Anthropic's error object, and nothing after it; the Anthropic SDK raises on it."""
+    return named_event("error", anthropic_error(failure))
+
+
 # The consumer gets the client's body as sent, with the EC handles.
-MESSAGES = Door("messages", MESSAGES_PATH, parse_messages, with_handles, messages_prefill_body, anthropic_error)
+MESSAGES = Door(
+    "messages",
+    MESSAGES_PATH,
+    parse_messages,
+    with_handles,
+    messages_prefill_body,
+    anthropic_error,
+    anthropic_stream_error,
+)

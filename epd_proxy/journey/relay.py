@@ -6,9 +6,10 @@ import logging
 
 from aiohttp import web
 
-from epd_proxy.calls.sse import EventTooLarge, Framer, error_event
+from epd_proxy.calls.sse import EventTooLarge, Framer
 from epd_proxy.errors import BackendUnreachable, ProxyError
 from epd_proxy.journey.decode import DecodeAnswer
+from epd_proxy.journey.doors import Door, Relayed
 
 log = logging.getLogger("epd_proxy.relay")
 
@@ -26,11 +27,12 @@ def _has_error(ready: bytes) -> bool:
 
 
 async def relay(
-    request: web.Request, answer: DecodeAnswer, extra_headers: dict[str, str]
+    request: web.Request, answer: DecodeAnswer, extra_headers: dict[str, str], door: Door
 ) -> tuple[web.StreamResponse, str]:
     """Chunks are forwarded as they arrive, never decoded, so multibyte characters and SSE framing
     reach the client exactly as vLLM wrote them. A JSON answer is read whole first, so one that
-    breaks off is still a real HTTP error (BackendUnreachable, raised to the caller)."""
+    breaks off is still a real HTTP error (BackendUnreachable, raised to the caller). A stream
+    that breaks ends with `door`'s in-band error."""
     headers = {"Content-Type": answer.content_type, **extra_headers}
     if not answer.streaming:
         body = answer.held + b"".join([chunk async for chunk in answer.chunks])
@@ -40,24 +42,31 @@ async def relay(
     # not be glued to half an event the client could not parse.
     framer = Framer()
     errored = False
+    # The last whole events passed on, kept unread: a door may continue the stream from them when
+    # it breaks (a Responses stream numbers its events).
+    last = b""
     try:
         await response.prepare(request)
         try:
             ready = framer.feed(answer.held)
             if ready:
+                last = ready
                 errored = _has_error(ready)
                 await response.write(ready)
             async for chunk in answer.chunks:
                 ready = framer.feed(chunk)
                 if ready:
+                    last = ready
                     errored = errored or _has_error(ready)
                     await response.write(ready)
         except BackendUnreachable as exc:
-            return await _end_in_band(response, exc, extra_headers), ABORTED
+            return await _end_in_band(response, door, exc, Relayed(answer.held, last), extra_headers), ABORTED
         except EventTooLarge as exc:
             if exc.ready:
+                last = exc.ready
                 await response.write(exc.ready)
-            return await _end_in_band(response, _too_large(exc, answer.backend), extra_headers), ABORTED
+            failure = _too_large(exc, answer.backend)
+            return await _end_in_band(response, door, failure, Relayed(answer.held, last), extra_headers), ABORTED
         pending = framer.pending
         if pending:
             errored = errored or _has_error(pending)
@@ -71,19 +80,11 @@ async def relay(
 
 
 async def _end_in_band(
-    response: web.StreamResponse, failure: ProxyError, extra_headers: dict[str, str]
+    response: web.StreamResponse, door: Door, failure: ProxyError, relayed: Relayed, extra_headers: dict[str, str]
 ) -> web.StreamResponse:
-    """Status 200 is on the wire: the error can only travel in-band, as vLLM sends its own."""
+    """Status 200 is on the wire: the error can only travel in-band, in the door's stream shape."""
     log.warning("request %s: %s", extra_headers.get("x-request-id"), failure.message)
-    await response.write(
-        error_event(
-            failure.message,
-            error_type=failure.error_type,
-            code=failure.status,
-            stage=failure.stage,
-            backend=failure.backend,
-        )
-    )
+    await response.write(door.stream_error(failure, relayed))
     await response.write_eof()
     return response
 

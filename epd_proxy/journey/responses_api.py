@@ -13,13 +13,18 @@ vision encoder.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Any
 
-from epd_proxy.errors import BadRequest
+import orjson
+
+from epd_proxy.calls.sse import event_data, events, named_event
+from epd_proxy.errors import BadRequest, ProxyError
 from epd_proxy.journey.dataurl import canonical_media_url
-from epd_proxy.journey.doors import Door, with_handles
+from epd_proxy.journey.doors import Door, Relayed, with_handles
 from epd_proxy.journey.extract import (
     REFERENCE_KINDS,
     MediaItem,
@@ -129,10 +134,59 @@ def responses_prefill_body(prepared: dict[str, Any]) -> dict[str, Any]:
     return {**prepared, "kv_transfer_params": dict(REMOTE_DECODE), "stream": False, "max_output_tokens": 1}
 
 
+def _payloads(stream: bytes) -> Iterable[dict[str, Any]]:
+    for event in events(stream):
+        try:
+            payload = orjson.loads(event_data(event))
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(payload, dict):
+            yield payload
+
+
+def _opened_response(head: bytes) -> dict[str, Any] | None:
+    """The response object the stream opened with (`response.created`): the failed one is the
+    same response, or the OpenAI SDK's stream helper refuses it."""
+    for payload in _payloads(head):
+        response = payload.get("response")
+        if isinstance(response, dict) and isinstance(response.get("id"), str):
+            return response
+    return None
+
+
+def _last_sequence_number(relayed: Relayed) -> int:
+    for stream in (relayed.last, relayed.head):
+        numbers = [p["sequence_number"] for p in _payloads(stream) if isinstance(p.get("sequence_number"), int)]
+        if numbers:
+            return numbers[-1]
+    return -1
+
+
+def responses_stream_error(failure: ProxyError, relayed: Relayed) -> bytes:
+    """`response.failed`, the Responses API's end of a failed stream, numbered after the last event
+    sent and carrying the opened response with status `failed` and the error. vLLM 0.32 has no
+    in-band error here (its stream generator cannot serialise one and its connection breaks)."""
+    opened = _opened_response(relayed.head)
+    if opened is None:  # not a stream as vLLM opens one: the fields the SDK's Response requires
+        opened = {
+            "id": f"resp_{uuid.uuid4().hex}",
+            "object": "response",
+            "created_at": int(time.time()),
+            "parallel_tool_calls": True,
+            "tool_choice": "auto",
+            "tools": [],
+        }
+    error = {"code": "server_error", "message": failure.message, "type": failure.error_type}
+    response = {**opened, "status": "failed", "error": error, "output": [], "usage": None}
+    failed = {"type": "response.failed", "sequence_number": _last_sequence_number(relayed) + 1, "response": response}
+    return named_event("response.failed", orjson.dumps(failed))
+
+
 RESPONSES = Door(
     "responses",
     RESPONSES_PATH,
     partial(parse_request, normalise=normalise_responses),
     responses_consumer_body,
     responses_prefill_body,
+    stream_error=responses_stream_error,
 )

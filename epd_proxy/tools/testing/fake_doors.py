@@ -203,50 +203,32 @@ def stream_frames(api: str, answer_id: str, model: Any, pieces: list[str], usage
         frames.append(_event("message_stop", {"type": "message_stop"}))
         return frames
     response = {"id": f"resp_{answer_id}", "object": "response", "model": model, "status": "in_progress", "output": []}
-    message = _output_message(answer_id, "")
-    sequence = iter(range(1 << 30))
-    frames = [
-        _event(
-            "response.created", {"type": "response.created", "sequence_number": next(sequence), "response": response}
-        ),
-        _event(
-            "response.in_progress",
-            {"type": "response.in_progress", "sequence_number": next(sequence), "response": response},
-        ),
-        _event(
+    item_id = f"msg_{answer_id}"
+    at = {"output_index": 0, "item_id": item_id, "content_index": 0}
+    part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+    # What `streaming_events.py` emits for plain text: the item and its part open, the deltas, then
+    # the text, the part and the item done.
+    events: list[tuple[str, dict[str, Any]]] = [
+        ("response.created", {"response": response}),
+        ("response.in_progress", {"response": response}),
+        (
             "response.output_item.added",
-            {
-                "type": "response.output_item.added",
-                "sequence_number": next(sequence),
-                "output_index": 0,
-                "item": message,
-            },
+            {"output_index": 0, "item": {**_output_message(answer_id, ""), "content": [], "status": "in_progress"}},
+        ),
+        ("response.content_part.added", {**at, "part": part}),
+    ]
+    events += [("response.output_text.delta", {**at, "delta": piece, "logprobs": []}) for piece in pieces]
+    done = _output_message(answer_id, text)
+    events += [
+        ("response.output_text.done", {**at, "text": text, "logprobs": []}),
+        ("response.content_part.done", {**at, "part": done["content"][0]}),
+        ("response.output_item.done", {"output_index": 0, "item": done}),
+        (
+            "response.completed",
+            {"response": {**response, "status": "completed", "output": [done], "usage": _usage(api, usage)}},
         ),
     ]
-    frames += [
-        _event(
-            "response.output_text.delta",
-            {
-                "type": "response.output_text.delta",
-                "sequence_number": next(sequence),
-                "delta": piece,
-                "output_index": 0,
-            },
-        )
-        for piece in pieces
-    ]
-    done = {
-        **response,
-        "status": "completed",
-        "output": [_output_message(answer_id, text)],
-        "usage": _usage(api, usage),
-    }
-    frames.append(
-        _event(
-            "response.completed", {"type": "response.completed", "sequence_number": next(sequence), "response": done}
-        )
-    )
-    return frames
+    return [_event(name, {"type": name, "sequence_number": n, **data}) for n, (name, data) in enumerate(events)]
 
 
 def stream_error(api: str, answer_id: str, model: Any) -> bytes:

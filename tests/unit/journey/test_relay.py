@@ -9,7 +9,10 @@ from aiohttp.test_utils import make_mocked_request
 from epd_proxy.calls.sse import MAX_EVENT_BYTES
 from epd_proxy.calls.upstream import BROKEN, IDLE_TIMEOUT, NoAnswer
 from epd_proxy.journey.decode import DecodeAnswer
+from epd_proxy.journey.doors import CHAT, Door
+from epd_proxy.journey.messages_api import MESSAGES
 from epd_proxy.journey.relay import ABORTED, CLIENT_GONE, COMPLETE, relay
+from epd_proxy.journey.responses_api import RESPONSES
 from tests.unit.scripted_upstream import Reply, ScriptedAnswer, json_reply, stream_reply
 
 PD = "http://pd"
@@ -64,10 +67,10 @@ def decode_answer(reply: Reply, held: bytes = b"") -> DecodeAnswer:
     return DecodeAnswer(answer, answer.chunks(), PD, held)
 
 
-async def relayed(answer: DecodeAnswer, wire: Wire | None = None):
+async def relayed(answer: DecodeAnswer, wire: Wire | None = None, door: Door = CHAT):
     wire = wire or Wire()
-    request = make_mocked_request("POST", "/v1/chat/completions", writer=wire)
-    response, outcome = await relay(request, answer, EXTRA)
+    request = make_mocked_request("POST", door.path, writer=wire)
+    response, outcome = await relay(request, answer, EXTRA, door)
     return response, outcome, wire
 
 
@@ -148,6 +151,35 @@ async def test_an_event_over_the_cap_is_dropped_and_ends_the_stream_in_band():
     error = in_band_error(wire.sent)
     assert (error["code"], error["stage"], error["backend"]) == (502, "decode", PD)
     assert f"larger than {MAX_EVENT_BYTES} bytes" in error["message"]
+
+
+def named(name: str, data: dict) -> bytes:
+    return f"event: {name}\ndata: ".encode() + orjson.dumps(data) + b"\n\n"
+
+
+async def test_a_broken_messages_stream_ends_with_the_doors_own_error_event():
+    delta = named("content_block_delta", {"type": "content_block_delta", "delta": {"text": "Hi"}})
+    _, outcome, wire = await relayed(decode_answer(stream_reply(delta, breaks=BROKEN)), door=MESSAGES)
+    assert outcome == ABORTED and wire.eof
+    assert wire.sent.startswith(delta) and b"[DONE]" not in wire.sent
+    name, data = wire.sent[len(delta) :].split(b"\n", 1)
+    assert name == b"event: error" and orjson.loads(data.removeprefix(b"data: "))["error"]["type"] == "upstream_error"
+
+
+async def test_a_responses_stream_over_the_event_cap_fails_after_the_last_event_it_sent():
+    opened = {"id": "resp_9", "object": "response", "model": "m", "status": "in_progress", "output": []}
+    head = named("response.created", {"type": "response.created", "sequence_number": 0, "response": opened})
+    delta = named("response.output_text.delta", {"type": "response.output_text.delta", "sequence_number": 5})
+    huge = b"data: " + b"x" * MAX_EVENT_BYTES
+    answer = decode_answer(stream_reply(delta + huge[:1000], huge[1000:]), held=head)
+    _, outcome, wire = await relayed(answer, door=RESPONSES)
+    assert outcome == ABORTED and wire.sent.startswith(head + delta) and b"xxxx" not in wire.sent
+    failed = orjson.loads(wire.sent[len(head + delta) :].split(b"\n")[1].removeprefix(b"data: "))
+    assert failed["type"] == "response.failed" and failed["sequence_number"] == 6
+    assert (
+        failed["response"]["id"] == "resp_9"
+        and f"larger than {MAX_EVENT_BYTES}" in failed["response"]["error"]["message"]
+    )
 
 
 async def test_a_client_that_goes_away_mid_stream_is_a_client_disconnect():
