@@ -39,8 +39,8 @@ class Trace:
     shared: list[str] = field(default_factory=list)
     affinity_hits: int = 0
     encoder_failovers: int = 0
-    # Items sent raw to the consumer instead of to an encoder: it holds them from earlier turns
-    # (reused), or no encoder could take them in time (consumer_encoded).
+    # Items the latest attempt sent raw to the consumer instead of to an encoder: it holds them
+    # from earlier turns (reused), or no encoder could take them in time (consumer_encoded).
     reused: int = 0
     consumer_encoded: int = 0
     encode_s: float = 0.0
