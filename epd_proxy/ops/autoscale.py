@@ -13,9 +13,10 @@ Nothing here runs per request but adding to three floats: busy time and arrivals
 the finished request's record and from the scheduler's lanes when sampled (once a second, and
 at every scrape). Samples sit on a fixed time grid (`keep_on_grid`): each slot keeps its first
 sample and only the newest beyond it, so a scrape costs no memory however often scrapes come
-(an unauthenticated `/metrics` or `/status.json` would otherwise add a sample each). Every worker's load is its own work, so loads, rates and backlogs add up over
-workers and proxy replicas; the recommendation is made from the sum (metrics.py, and in PromQL
-for several replicas: deploy/).
+(an unauthenticated `/metrics` or `/status.json` would otherwise add a sample each). Every
+worker's load is its own work, so loads, rates and backlogs add up over workers and proxy
+replicas; the recommendation is made from the sum (metrics.py, and in PromQL for several
+replicas: deploy/).
 """
 
 from __future__ import annotations
