@@ -396,10 +396,17 @@ class Config:
     otlp_traces_sample_ratio: float | None = option(
         None,
         Real("RATIO", 0, maximum=1),
-        "share of new traces sampled; a client's `traceparent` decides for its own; unset = the SDK's sampler; "
-        "see [Observability](observability.md)",
+        "share of new traces sampled; a client's `traceparent` decides for its own (unless "
+        "`--otlp-traces-client-context ignore`); unset = the SDK's sampler; see [Observability](observability.md)",
         flag="--otlp-traces-sample-ratio",
         shown="unset",
+    )
+    otlp_traces_client_context: str = option(
+        "follow",
+        Choice(("follow", "ignore")),
+        "`ignore`: a client's `traceparent` neither starts a trace nor becomes a parent, and engines never get it; "
+        "see [Observability](observability.md)",
+        flag="--otlp-traces-client-context",
     )
     autoscale_utilisation: float = option(
         0.7,
@@ -440,9 +447,7 @@ class Config:
     @property
     def pool_keep_alive_s(self) -> float | None:
         """How long an idle backend connection may stay pooled; None means never reuse."""
-        if self.backend_keep_alive_s <= 0:
-            return None
-        return self.backend_keep_alive_s / 2
+        return self.backend_keep_alive_s / 2 if self.backend_keep_alive_s > 0 else None
 
 
 def options() -> list[tuple[str, Any, Option]]:

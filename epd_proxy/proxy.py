@@ -146,7 +146,11 @@ class ProxyState:
     async def start(self) -> None:
         config = self.config
         if config.otlp_traces_endpoint:
-            tracing.setup(config.otlp_traces_endpoint, config.otlp_traces_sample_ratio)
+            tracing.setup(
+                config.otlp_traces_endpoint,
+                config.otlp_traces_sample_ratio,
+                follow_client=config.otlp_traces_client_context == "follow",
+            )
         headers = bearer(config.backend_api_key)
         self.upstream = Upstream(
             keep_alive_s=config.pool_keep_alive_s,

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from dataclasses import dataclass
 
 import orjson
@@ -21,6 +20,7 @@ from epd_proxy.errors import ErrorAnswer, InternalError, ProxyError
 from epd_proxy.fleet.backends import DECODE
 from epd_proxy.fleet.registry import normalize_url, parse_registration
 from epd_proxy.http.auth import CHANGE_FLEET, PROFILE, READ_FLEET, check_client_key, guard_admin, may
+from epd_proxy.http.request_id import request_id
 from epd_proxy.journey.doors import CHAT, Door
 from epd_proxy.journey.extract import NormalisedRequest, ReadOptions, parse_json_body
 from epd_proxy.journey.pipeline import ClientBody
@@ -119,9 +119,9 @@ def client_manners(api_key: str):
         except Exception:
             if request.writer.output_size > 0:
                 raise  # the answer has begun: aiohttp closes the connection, nothing else can be said
-            request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-            log.exception("request %s: unexpected failure in %s %s", request_id, request.method, request.path)
-            return error_response(InternalError(request_id), request_id)
+            rid = request_id(request.headers)
+            log.exception("request %s: unexpected failure in %s %s", rid, request.method, request.path)
+            return error_response(InternalError(rid.value), rid.value)
 
     return middleware
 
@@ -142,9 +142,9 @@ async def serve(request: web.Request, door: Door) -> web.StreamResponse:
     """One request through `door`: read, admitted, run through the pipeline, relayed, logged."""
     state = request.app[STATE]
     config = state.config
-    request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-    trace = Trace(request_id)
-    trace.spans = tracing.begin(request.headers, request_id, trace.started)
+    rid = request_id(request.headers)
+    trace = Trace(rid.value, client_request_id=rid.refused)
+    trace.spans = tracing.begin(request.headers, rid.value, trace.started)
     trace.endpoint = door.name
     status = 500
     try:
@@ -166,30 +166,30 @@ async def serve(request: web.Request, door: Door) -> web.StreamResponse:
             # From here on only the pipeline holds the body, and it lets go once decode commits.
             job = ClientBody(body, items, spliced)
             del normalised, body, items, spliced
-            route = state.pipeline.choose_route(request_id, job)
+            route = state.pipeline.choose_route(rid.value, job)
             with route.decoder.busy():
                 answer = await state.pipeline.open(job, route, trace, door)
                 try:
                     with trace.stage("relay"):
-                        response, trace.outcome = await relay(request, answer, {"x-request-id": request_id}, door)
+                        response, trace.outcome = await relay(request, answer, {"x-request-id": rid.value}, door)
                     status = {ABORTED: "aborted", CLIENT_GONE: 499}.get(trace.outcome, answer.status)
                     if trace.outcome == CLIENT_GONE:
-                        log.info("request %s: the client disconnected during the answer", request_id)
+                        log.info("request %s: the client disconnected during the answer", rid)
                     return response
                 finally:
                     answer.release()
     except ProxyError as exc:
         status = exc.status
         trace.error = exc
-        return error_response(exc, request_id, door)
+        return error_response(exc, rid.value, door)
     except asyncio.CancelledError:
         status = 499
         trace.outcome = CLIENT_GONE
         raise
     except Exception:  # the client must get JSON, whatever broke inside the proxy
-        log.exception("request %s: unexpected proxy failure", request_id)
+        log.exception("request %s: unexpected proxy failure", rid)
         status = 500
-        return error_response(InternalError(request_id), request_id, door)
+        return error_response(InternalError(rid.value), rid.value, door)
     finally:
         account(state.metrics, trace, status)
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import uuid
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -29,6 +28,7 @@ from epd_proxy.config import Config
 from epd_proxy.errors import InternalError, ProxyError
 from epd_proxy.http.heap import HeapTrimmer
 from epd_proxy.http.limits import ConnectionGate, GateCollector, GateCounters, PortConnections, raise_fd_limit
+from epd_proxy.http.request_id import request_id
 from epd_proxy.proxy import STATE
 
 log = logging.getLogger("epd_proxy.server")
@@ -235,9 +235,9 @@ class GuardedRequestHandler(RequestHandler):
             super().handle_error(request, status, exc, message)
             error = ProxyError(status, message or HTTPStatus(status).phrase, stage="request")
         else:
-            request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-            log.error("request %s: unexpected failure in %s %s", request_id, request.method, request.path, exc_info=exc)
-            error = InternalError(request_id, status)
+            rid = request_id(request.headers)
+            log.error("request %s: unexpected failure in %s %s", rid, request.method, request.path, exc_info=exc)
+            error = InternalError(rid.value, status)
         resp = web.Response(status=error.status, body=error.body(), content_type="application/json")
         resp.force_close()
         return resp

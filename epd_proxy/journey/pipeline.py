@@ -229,6 +229,9 @@ class Pipeline:
                     self._note_retry(trace, "decode", "reported an error in its stream", in_band.get("message"))
                     continue
                 job.release()
+                # A refused or retried attempt's raw media reached no answer: only this one counts.
+                self.metrics.reused.inc(trace.reused)
+                self.metrics.consumer_encoded.inc(trace.consumer_encoded)
                 return answer
             except ErrorAnswer as exc:
                 if self._refused_raw_media(exc, plan, route):
@@ -254,10 +257,9 @@ class Pipeline:
             # What was planned for the encoders goes raw too; what the consumer holds stays reused.
             fallback = plan.consumer_encoded + len(plan.encode)
             plan, matches = EncodePlan((), raw_ok=True, reused=plan.reused, consumer_encoded=fallback), Matches()
-        trace.reused += plan.reused
-        trace.consumer_encoded += plan.consumer_encoded
-        self.metrics.reused.inc(plan.reused)
-        self.metrics.consumer_encoded.inc(plan.consumer_encoded)
+        # The attempt's own figures: counted in /metrics only if its answer goes to the client.
+        trace.reused = plan.reused
+        trace.consumer_encoded = plan.consumer_encoded
         return plan, matches
 
     def _plan_encode(self, job: ClientBody, route: Route) -> EncodePlan:

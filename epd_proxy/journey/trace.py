@@ -23,6 +23,8 @@ TIMED = {"encode": "encode_s", "prefill": "prefill_s", "decode": "decode_ttfb_s"
 @dataclass(slots=True)
 class Trace:
     request_id: str
+    # The client's x-request-id when the proxy refused it (http/request_id.py), escaped for the log.
+    client_request_id: str | None = None
     # The API the request came in by (doors.py), for the request log and /metrics.
     endpoint: str = "chat"
     items: int = 0
@@ -37,8 +39,8 @@ class Trace:
     shared: list[str] = field(default_factory=list)
     affinity_hits: int = 0
     encoder_failovers: int = 0
-    # Items sent raw to the consumer instead of to an encoder: it holds them from earlier turns
-    # (reused), or no encoder could take them in time (consumer_encoded).
+    # Items the latest attempt sent raw to the consumer instead of to an encoder: it holds them
+    # from earlier turns (reused), or no encoder could take them in time (consumer_encoded).
     reused: int = 0
     consumer_encoded: int = 0
     encode_s: float = 0.0
@@ -151,5 +153,6 @@ def account(metrics: Metrics, trace: Trace, status: int | str) -> None:
         "decode_ttfb_ms": round(trace.decode_ttfb_s * 1000, 2),
         "total_ms": round(total_s * 1000, 2),
         "endpoint": trace.endpoint,
+        "client_request_id": trace.client_request_id,
     }
     access_log.info(" ".join(f"{k}={'-' if v is None else v}" for k, v in fields.items()), extra={"fields": fields})

@@ -11,9 +11,12 @@ replica x target utilisation)), at least one while the role has members.
 
 Nothing here runs per request but adding to three floats: busy time and arrivals are read from
 the finished request's record and from the scheduler's lanes when sampled (once a second, and
-at every scrape). Every worker's load is its own work, so loads, rates and backlogs add up over
-workers and proxy replicas; the recommendation is made from the sum (metrics.py, and in PromQL
-for several replicas: deploy/).
+at every scrape). Samples sit on a fixed time grid (`keep_on_grid`): each slot keeps its first
+sample and only the newest beyond it, so a scrape costs no memory however often scrapes come
+(an unauthenticated `/metrics` or `/status.json` would otherwise add a sample each). Every
+worker's load is its own work, so loads, rates and backlogs add up over workers and proxy
+replicas; the recommendation is made from the sum (metrics.py, and in PromQL for several
+replicas: deploy/).
 """
 
 from __future__ import annotations
@@ -28,6 +31,11 @@ from epd_proxy.fleet.backends import DECODE, ENCODE, PREFILL
 from epd_proxy.fleet.lanes import Lanes
 
 ROLES = (ENCODE, PREFILL, DECODE)
+# The window's samples: one per 1/60 of the window, plus the newest.
+WINDOW_SLOTS = 60
+# The status page's backlog timeline: a point per second over the last ten minutes at most.
+HISTORY_STEP_S = 1.0
+HISTORY_POINTS = 600
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +52,15 @@ def recommended(load: float, capacity: float, utilisation: float, members: int) 
     return max(1, math.ceil(load / (capacity * utilisation) - 1e-9))
 
 
+def keep_on_grid(samples: deque, sample: tuple, step: float) -> None:
+    """Add `sample` (its time first) to time-ordered `samples`, keeping the first sample of each
+    `step`-long slot and the newest: when the last two share a slot, the newest replaces the last."""
+    if len(samples) >= 2 and samples[-2][0] // step == samples[-1][0] // step:
+        samples[-1] = sample
+    else:
+        samples.append(sample)
+
+
 @dataclass(eq=False)
 class Autoscale:
     lanes: Lanes
@@ -56,8 +73,19 @@ class Autoscale:
     arrived: dict[str, int] = field(init=False, default_factory=lambda: dict.fromkeys(ROLES, 0))
     # (time, busy seconds per role, arrivals per role, encoder backlog seconds), oldest first.
     _samples: deque[tuple[float, dict[str, float], dict[str, int], float]] = field(init=False, default_factory=deque)
-    # (time, encoder backlog seconds) of every sample in the last minutes, for the status page.
-    _backlog_history: deque[tuple[float, float]] = field(init=False, default_factory=lambda: deque(maxlen=600))
+    # (time, encoder backlog seconds) over the last minutes, for the status page.
+    _backlog_history: deque[tuple[float, float]] = field(
+        init=False, default_factory=lambda: deque(maxlen=HISTORY_POINTS)
+    )
+
+    @property
+    def max_kept(self) -> int:
+        """The most samples both stores hold together, whatever the rate of scrapes: the window's
+        slots, the one before the window and the newest; the history's fixed length."""
+        return WINDOW_SLOTS + 3 + HISTORY_POINTS
+
+    def kept(self) -> int:
+        return len(self._samples) + len(self._backlog_history)
 
     def finished(self, trace) -> None:
         """A request's part in each role it reached (routes.py, once per request)."""
@@ -85,8 +113,10 @@ class Autoscale:
     def sample(self) -> None:
         now = self.clock()
         backlog = sum(self.backlog().values())
-        self._samples.append((now, self.busy_totals(), dict(self.arrived), backlog))
-        self._backlog_history.append((now, backlog))
+        keep_on_grid(
+            self._samples, (now, self.busy_totals(), dict(self.arrived), backlog), self.window_s / WINDOW_SLOTS
+        )
+        keep_on_grid(self._backlog_history, (now, backlog), HISTORY_STEP_S)
         while len(self._samples) > 2 and now - self._samples[1][0] >= self.window_s:
             self._samples.popleft()
 

@@ -127,12 +127,14 @@ class Metrics:
         )
         self.reused = Counter(
             "epd_items_reused",
-            "Media items sent raw to a consumer that holds them from an earlier turn, instead of to an encoder",
+            "Media items sent raw to a consumer that holds them from an earlier turn, instead of to an encoder; "
+            "counted once per request, for the attempt whose answer went to the client",
             registry=r,
         )
         self.consumer_encoded = Counter(
             "epd_items_consumer_encoded",
-            "Media items sent raw for the consumer to encode: no encoder in rotation, or all queued past the bound",
+            "Media items sent raw for the consumer to encode: no encoder in rotation, or all queued past the bound; "
+            "counted once per request, for the attempt whose answer went to the client",
             registry=r,
         )
         self.retries = Counter(

@@ -6,7 +6,11 @@ costs an `is None` test per stage. The exporter is chosen as vLLM chooses it (gR
 `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf`); the SDK reads its own `OTEL_*` variables
 (service name, resource attributes, batch sizes, sampler, propagators).
 
-A request's spans hang under one root span (SERVER, continuing the client's `traceparent`).
+A request's spans hang under one root span (SERVER), which continues the client's `traceparent`
+unless the operator told the proxy to ignore it (`--otlp-traces-client-context ignore`): then a
+client's context neither starts a trace nor becomes a parent, and engines never see it. A
+client's `tracestate`, which every engine call would carry on, is cut to what W3C Trace Context
+lets a vendor keep (`bounded_tracestate`).
 Stages open their spans through journey/trace.py's `Trace.stage`; while one is open, every
 backend call its task makes carries that span's context (calls/upstream.CONTEXT_HEADERS), so
 vLLM's own `llm_request` spans join the trace under the stage that called them. A sub-request
@@ -18,8 +22,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -33,6 +38,20 @@ ROOT_SPAN = "POST /v1/chat/completions"
 _tracer: Any = None
 _provider: Any = None
 _api: Any = None  # what setup() imported of opentelemetry
+_follow_client = True
+
+# W3C Trace Context's tracestate: at most 32 `key=value` members; a vendor may cut a list longer
+# than 512 characters, dropping members over 128 characters first, then members from the end.
+TRACESTATE_MAX_MEMBERS = 32
+TRACESTATE_MAX_CHARS = 512
+TRACESTATE_LONG_MEMBER = 128
+# Longer than this is not read at all (the OpenTelemetry SDK's own limit).
+TRACESTATE_READ_MAX = 8192
+_KEY_TAIL = r"[a-z0-9_\-*/]"
+_TRACESTATE_MEMBER = re.compile(
+    rf"(?:[a-z]{_KEY_TAIL}{{0,255}}|[a-z0-9]{_KEY_TAIL}{{0,240}}@[a-z]{_KEY_TAIL}{{0,13}})"
+    r"=[\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e]"
+)
 
 
 class _Api:
@@ -61,12 +80,13 @@ def require_sdk() -> None:
             raise ConfigError(f"--otlp-traces-endpoint needs {name}: pip install 'epd-proxy[otel]'")
 
 
-def setup(endpoint: str, sample_ratio: float | None = None) -> None:
+def setup(endpoint: str, sample_ratio: float | None = None, follow_client: bool = True) -> None:
     """Start exporting this process's spans to `endpoint`.
 
     `sample_ratio` None leaves sampling to the SDK's OTEL_TRACES_SAMPLER (parent-based, always on
-    by default); a ratio samples new traces by trace id and follows the client's decision."""
-    global _tracer, _provider, _api
+    by default); a ratio samples new traces by trace id and follows the client's decision.
+    Without `follow_client` every request is a new trace, whatever the client sent."""
+    global _tracer, _provider, _api, _follow_client
     try:
         from opentelemetry import propagate, trace
         from opentelemetry.sdk.resources import SERVICE_NAME as SERVICE_KEY
@@ -88,6 +108,7 @@ def setup(endpoint: str, sample_ratio: float | None = None) -> None:
     _api = _Api(trace, propagate, Link, SpanKind, lambda message: Status(StatusCode.ERROR, message))
     _provider = provider
     _tracer = provider.get_tracer("epd_proxy")
+    _follow_client = follow_client
 
 
 def span_exporter(endpoint: str) -> Any:
@@ -124,18 +145,67 @@ class RequestSpans:
 
 
 def begin(headers: Mapping[str, str], request_id: str, started: float) -> RequestSpans | None:
-    """The root span of a chat request, continuing the client's trace context if it sent one;
-    None while tracing is off. `started` is the request's perf_counter start."""
+    """The root span of a chat request, continuing the client's trace context if it sent one and
+    the proxy follows clients; None while tracing is off. `started` is the request's perf_counter
+    start."""
     if _tracer is None:
         return None
+    if _follow_client:
+        parent = _api.propagate.extract(_client_carrier(headers))
+    else:
+        parent = _api.trace.set_span_in_context(_api.trace.INVALID_SPAN)
     root = _tracer.start_span(
         ROOT_SPAN,
-        context=_api.propagate.extract(headers),
+        context=parent,
         kind=_api.kind.SERVER,
         start_time=_ns(started),
         attributes={"http.request.method": "POST", "url.path": "/v1/chat/completions", "epd.request_id": request_id},
     )
     return RequestSpans(root)
+
+
+def _client_carrier(headers: Mapping[str, str]) -> dict[str, str]:
+    """The request's headers as the propagators read them, its tracestate bounded."""
+    carrier = {key.lower(): value for key, value in headers.items()}
+    getall = getattr(headers, "getall", None)
+    fields = getall("tracestate", []) if getall is not None else [carrier.get("tracestate")]
+    bounded = bounded_tracestate([field for field in fields if field is not None])
+    if bounded is None:
+        carrier.pop("tracestate", None)
+    else:
+        carrier["tracestate"] = bounded
+    return carrier
+
+
+def bounded_tracestate(fields: Sequence[str]) -> str | None:
+    """A client's tracestate (all its header fields, one list) as engines may get it: None if it
+    is not a valid list (a malformed member, a key twice, more than 32 members), else at most 512
+    characters of it, members over 128 characters dropped first, then members from the end."""
+    if sum(len(field) + 1 for field in fields) > TRACESTATE_READ_MAX:
+        return None
+    members: list[str] = []
+    keys: set[str] = set()
+    for field in fields:
+        for member in field.split(","):
+            member = member.strip(" \t")
+            if not member:
+                continue
+            key = member.partition("=")[0]
+            if key in keys or not _TRACESTATE_MEMBER.fullmatch(member):
+                return None
+            keys.add(key)
+            members.append(member)
+    if len(members) > TRACESTATE_MAX_MEMBERS:
+        return None
+    if _joined(members) > TRACESTATE_MAX_CHARS:
+        members = [member for member in members if len(member) <= TRACESTATE_LONG_MEMBER]
+        while _joined(members) > TRACESTATE_MAX_CHARS:
+            members.pop()
+    return ",".join(members) or None
+
+
+def _joined(members: Sequence[str]) -> int:
+    return sum(map(len, members)) + max(0, len(members) - 1)
 
 
 def lap(spans: RequestSpans, name: str, since: float, **attributes: Any) -> None:

@@ -1,5 +1,6 @@
 """The autoscaling figures in /metrics under a fakes load that steps up and down: the encoders'
-offered load and recommended count follow what the load needs, within a stated tolerance."""
+offered load and recommended count follow what the load needs, within a stated tolerance; and
+however often they are scraped, their samples take a fixed amount of memory."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import re
 
 import pytest
 
+from epd_proxy.proxy import STATE
 from epd_proxy.tools.testing.fake_vllm import Costs
 from epd_proxy.tools.testing.polling import eventually
 from tests.media import chat, image
@@ -88,3 +90,21 @@ async def follows_within_tolerance(stack, per_second: int, seen: list) -> None:
         return streak >= 5
 
     await eventually(follows, timeout=8 * WINDOW_S, interval=0.25, what=lambda: f"{want} encoders: {seen[-6:]}")
+
+
+async def test_3000_scrapes_leave_the_sample_store_at_its_fixed_bound(make_stack):
+    stack = await make_stack(encoders=1)
+    autoscale = stack.runner.app[STATE].metrics.autoscale
+    async with await stack.chat(chat(image("A"))) as resp:
+        assert resp.status == 200
+
+    async def scrape(path: str) -> None:
+        async with stack.client.get(stack.url + path) as resp:
+            assert resp.status == 200
+            await resp.read()
+
+    # 3,000 unauthenticated scrapes, 20 at a time; /metrics costs five times /status.json to render.
+    for _ in range(150):
+        await asyncio.gather(*(scrape(path) for path in ("/metrics",) * 2 + ("/status.json",) * 18))
+    assert autoscale.kept() <= autoscale.max_kept
+    assert autoscale.figures()["decode"].arrival_rate > 0

@@ -4,6 +4,8 @@ or its own cache lost what it had, when it has no vision tower, and when every e
 
 from __future__ import annotations
 
+import logging
+
 import aiohttp
 import orjson
 import pytest
@@ -61,6 +63,23 @@ async def test_each_turn_goes_to_its_conversations_pd_and_only_the_new_image_is_
     assert f"epd_items_reused_total {4.0 * sum(range(TURNS))}" in text
 
 
+async def totals(stack) -> dict:
+    async with stack.client.get(f"{stack.url}/status.json") as resp:
+        return (await resp.json())["totals"]
+
+
+async def test_items_reused_by_a_retried_attempt_count_once(make_stack, caplog):
+    stack = await make_stack(encoders=1, decoders=1)
+    await content_of(stack, turn_body(0, 0))
+    stack.pd.faults.fail_next(1, status=500)  # turn 1's first attempt, its history sent raw
+    with caplog.at_level(logging.INFO, logger="epd_proxy.request"):
+        await content_of(stack, turn_body(0, 1))
+    assert sum(stack.pd.counts.requests.values()) == 3, "the 500 was retried"
+    assert (await totals(stack))["items_reused"] == 1
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "epd_proxy.request"]
+    assert " reused=1 " in line and " attempts=2 " in line
+
+
 async def test_a_conversation_stays_on_one_pd(make_stack):
     stack = await make_stack(encoders=1, decoders=2)
     for n in range(TURNS):
@@ -103,6 +122,8 @@ async def test_a_text_only_pd_is_learnt_from_its_refusal_and_answered_through_re
     assert len(refusals) == 1  # one refusal taught the proxy; later turns send references only
     # Turn 2's new image was encoded for the refused attempt, then with the history for the next.
     assert total(stack.encoders, "images") == 1 + (1 + 2) + 3
+    # The history the refused attempt sent raw was never reused: nothing counts it.
+    assert (await totals(stack))["items_reused"] == 0
 
 
 @pytest.mark.parametrize("allowed", [True, False])

@@ -156,3 +156,45 @@ async def test_sampling_is_parent_based_and_off_means_no_context_sent(make_stack
         assert resp.status == 200
         assert orjson.loads(await resp.read())["choices"]
     assert all("traceparent" not in seen.headers for seen in untraced.pd.requests + untraced.encoders[0].requests)
+
+
+def tracestate_member(key: str, size: int) -> str:
+    return f"{key}={'v' * (size - len(key) - 1)}"
+
+
+async def test_a_clients_long_tracestate_reaches_no_engine_whole(make_stack, receiver):
+    stack = await make_stack(encoders=1, **traced(receiver))
+    # 6.5 KB of well-formed members (the SDK alone passes all of it on), and two short ones.
+    state = ",".join(["rojo=1", *(tracestate_member(f"v{i}", 256) for i in range(25)), "congo=2"])
+    headers = {"x-request-id": "ts", "traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01", "tracestate": state}
+    async with await stack.chat(chat(image("A")), headers=headers) as resp:
+        assert resp.status == 200
+    calls = stack.pd.requests + stack.encoders[0].requests
+    assert {seen.headers.get("tracestate") for seen in calls} == {"rojo=1,congo=2"}
+    assert {traceparent_of(seen)[0] for seen in calls} == {CLIENT_TRACE}
+
+
+async def test_ignoring_client_context_a_sampled_traceparent_starts_no_trace(make_stack, receiver):
+    stack = await make_stack(
+        encoders=1, **traced(receiver, otlp_traces_sample_ratio=0.0, otlp_traces_client_context="ignore")
+    )
+    headers = {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01", "tracestate": "rojo=1"}
+    async with await stack.chat(chat(image("A")), headers=headers) as resp:
+        assert resp.status == 200
+    calls = stack.pd.requests + stack.encoders[0].requests
+    # Engines get the proxy's own unsampled context, never the client's: vLLM would sample by it.
+    for seen in calls:
+        trace_id, _, flags = traceparent_of(seen)
+        assert trace_id != CLIENT_TRACE and int(flags, 16) & 1 == 0 and "tracestate" not in seen.headers
+    tracing.shutdown()  # exports whatever was recorded, synchronously
+    assert receiver.spans() == []
+
+
+async def test_ignoring_client_context_a_sampled_request_is_a_trace_of_its_own(make_stack, receiver):
+    stack = await make_stack(encoders=1, **traced(receiver, otlp_traces_client_context="ignore"))
+    headers = {"x-request-id": "own", "traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"}
+    async with await stack.chat(chat(image("A")), headers=headers) as resp:
+        assert resp.status == 200
+    root, _ = await tree(receiver, "own", expect=7)
+    assert root.trace_id != CLIENT_TRACE and root.parent_id == ""
+    assert {traceparent_of(seen)[0] for seen in stack.pd.requests} == {root.trace_id}

@@ -92,3 +92,41 @@ def test_encoder_busy_time_and_backlog_growth_come_from_the_lanes():
 )
 def test_recommended_rounds_up_to_whole_replicas(load, capacity, utilisation, members, want):
     assert recommended(load, capacity, utilisation, members) == want
+
+
+def test_scrapes_cost_no_memory_that_grows_with_their_rate():
+    clock = Clock()
+    autoscale = Autoscale(Lanes(), window_s=60, clock=clock)
+    autoscale.sample()
+    for _ in range(20):
+        autoscale.finished(request(ttfb_s=3.0))
+    for _ in range(3000):  # 3,000 scrapes in 3 s
+        clock.now += 0.001
+        autoscale.figures()
+    assert autoscale.kept() <= autoscale.max_kept
+    for _ in range(3000):  # and ten minutes of a scrape every 0.2 s
+        clock.now += 0.2
+        autoscale.figures()
+    assert autoscale.kept() <= autoscale.max_kept
+    assert autoscale.max_kept < 1000
+
+
+def test_frequent_scrapes_keep_the_window_and_the_timeline_what_they_mean():
+    clock = Clock()
+    autoscale = Autoscale(Lanes(), window_s=10, clock=clock)
+    autoscale.sample()
+    for _ in range(20):  # 20 requests holding decode 1.5 s each, then scrapes every 10 ms for 10 s
+        autoscale.finished(request(ttfb_s=1.5))
+    for _ in range(1000):
+        clock.now += 0.01
+        autoscale.figures()
+    figures = autoscale.figures()["decode"]
+    assert figures.offered_load == pytest.approx(3.0) and figures.arrival_rate == pytest.approx(2.0)
+    # Once they are a window old, the window forgets them, however many scrapes came between.
+    for _ in range(1100):
+        clock.now += 0.01
+        autoscale.figures()
+    assert autoscale.figures()["decode"].offered_load == 0.0
+    # The status page's timeline still reaches back its whole span, not the last few scrapes.
+    timeline = autoscale.backlog_timeline(span_s=300.0)
+    assert timeline[0]["ago_s"] >= 20.0 and len(timeline) <= 25

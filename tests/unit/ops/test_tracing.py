@@ -68,3 +68,49 @@ def test_a_failed_stage_says_why(traced):
         raise TimeoutError("no answer")
     assert stage.span.attributes["error.type"] == "TimeoutError"
     assert not stage.span.status.is_ok
+
+
+def member(key: str, size: int) -> str:
+    """A tracestate list member `key=...` of exactly `size` characters."""
+    return f"{key}={'v' * (size - len(key) - 1)}"
+
+
+def test_a_short_tracestate_passes_as_it_came():
+    header = "rojo=00f067aa0ba902b7,congo=t61rcWkgMzE"
+    assert tracing.bounded_tracestate([header]) == header
+    # Several header fields are one list; empty members and blanks around them are nothing.
+    assert tracing.bounded_tracestate(["rojo=1", " , congo=2 "]) == "rojo=1,congo=2"
+    assert tracing.bounded_tracestate([]) is None and tracing.bounded_tracestate([" , "]) is None
+
+
+def test_past_512_characters_the_long_members_go_first_then_the_last():
+    small = [member(f"k{i}", 60) for i in range(10)]  # 10 x 60 + 9 commas = 609 characters
+    big = member("big", 200)
+    bounded = tracing.bounded_tracestate([",".join([small[0], big, *small[1:]])])
+    # The member over 128 characters goes first, then members from the end until it fits.
+    assert bounded == ",".join(small[:8]) and len(bounded) <= tracing.TRACESTATE_MAX_CHARS
+    # A client's 6.5 KB of well-formed members: only its short ones are passed on.
+    huge = ",".join([member(f"v{i}", 256) for i in range(25)] + ["rojo=1", "congo=2"])
+    assert len(huge) > 6400 and tracing.bounded_tracestate([huge]) == "rojo=1,congo=2"
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        ",".join(f"k{i}=v" for i in range(33)),  # more than 32 members
+        "rojo=1,rojo=2",  # a key twice
+        "Rojo=1",  # keys are lower case
+        "rojo=a b=c",
+        "rojo=1,=2",
+        "rojo=caf\u00e9",
+        "rojo=" + "v" * 257,  # a value is at most 256 characters
+        "x" * 9000,
+    ],
+)
+def test_an_invalid_tracestate_is_dropped_whole(header):
+    assert tracing.bounded_tracestate([header]) is None
+
+
+def test_multi_tenant_keys_and_32_members_are_valid():
+    header = ",".join([f"k{i}=v" for i in range(31)] + ["tenant@vendor=x"])
+    assert tracing.bounded_tracestate([header]) == header
