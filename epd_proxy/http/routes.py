@@ -144,7 +144,7 @@ async def serve(request: web.Request, door: Door) -> web.StreamResponse:
     config = state.config
     rid = request_id(request.headers)
     trace = Trace(rid.value, client_request_id=rid.refused)
-    trace.spans = tracing.begin(request.headers, rid.value, trace.started)
+    trace.spans = tracing.begin(request.headers, rid.value, trace.started, door.path)
     trace.endpoint = door.name
     status = 500
     try:

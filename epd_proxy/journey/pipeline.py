@@ -213,17 +213,22 @@ class Pipeline:
                     if kv:
                         decode_body = {**prepared, "kv_transfer_params": kv}
                 decode = partial(open_decode, path=door.path)
-                with trace.stage("decode", route.decoder, attempt=attempt):
+                with trace.stage("decode", route.decoder, attempt=attempt) as decoding:
                     answer = await self._stage(
                         decode, route.decoder, decode_body, decode_headers, self.decode_timeouts, job, trace
                     )
                     in_band = None
                     if answer.streaming:
+                        # vLLM answers a stream's headers before its engine runs: the first token
+                        # is a later moment of its own.
+                        decoding.event("headers")
                         try:
                             in_band = await self._call(route.decoder, hold_head(answer), trace)
                         except BaseException:
                             answer.release()
                             raise
+                        if in_band is None:
+                            decoding.event("first_token")
                 if in_band is not None and attempt < attempts:
                     answer.release()
                     self._note_retry(trace, "decode", "reported an error in its stream", in_band.get("message"))

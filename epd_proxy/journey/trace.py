@@ -104,6 +104,11 @@ class Stage:
             self.span, self._token = tracing.open_span(spans, self.name, self.url, self.attributes, self.parent)
         return self
 
+    def event(self, name: str) -> None:
+        """A moment inside the step worth seeing on its span (decode's headers, its first token)."""
+        if self.span is not None:
+            self.span.add_event(name)
+
     def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
         attribute = TIMED.get(self.name)
         if attribute is not None:

@@ -33,7 +33,6 @@ from epd_proxy.config import ConfigError
 
 PROTOCOL_VARIABLE = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
 SERVICE_NAME = "epd-proxy"
-ROOT_SPAN = "POST /v1/chat/completions"
 
 _tracer: Any = None
 _provider: Any = None
@@ -144,10 +143,15 @@ class RequestSpans:
         self.encode: Any = None
 
 
-def begin(headers: Mapping[str, str], request_id: str, started: float) -> RequestSpans | None:
-    """The root span of a chat request, continuing the client's trace context if it sent one and
-    the proxy follows clients; None while tracing is off. `started` is the request's perf_counter
-    start."""
+def root_name(path: str) -> str:
+    """A request's root span is named after the route it came in by (the door's path)."""
+    return f"POST {path}"
+
+
+def begin(headers: Mapping[str, str], request_id: str, started: float, path: str) -> RequestSpans | None:
+    """The root span of a request to `path`, continuing the client's trace context if it sent one
+    and the proxy follows clients; None while tracing is off. `started` is the request's
+    perf_counter start."""
     if _tracer is None:
         return None
     if _follow_client:
@@ -155,11 +159,11 @@ def begin(headers: Mapping[str, str], request_id: str, started: float) -> Reques
     else:
         parent = _api.trace.set_span_in_context(_api.trace.INVALID_SPAN)
     root = _tracer.start_span(
-        ROOT_SPAN,
+        root_name(path),
         context=parent,
         kind=_api.kind.SERVER,
         start_time=_ns(started),
-        attributes={"http.request.method": "POST", "url.path": "/v1/chat/completions", "epd.request_id": request_id},
+        attributes={"http.request.method": "POST", "url.path": path, "epd.request_id": request_id},
     )
     return RequestSpans(root)
 

@@ -17,13 +17,15 @@ import urllib.request
 
 import pytest
 
-from epd_proxy.ops.tracing import ROOT_SPAN
+from epd_proxy.fleet.backends import CHAT_PATH
+from epd_proxy.ops.tracing import root_name
 from epd_proxy.tools.testing.polling import eventually_sync
 
 from .conftest import TRACES
 from .e2e_helpers import chat_body, image_source
 
 pytestmark = pytest.mark.e2e
+ROOT_SPAN = root_name(CHAT_PATH)
 
 fresh = image_source(range(40_000, 41_000))
 SERVER = 2

@@ -9,9 +9,12 @@ import asyncio
 import orjson
 import pytest
 
+from epd_proxy.fleet.backends import CHAT_PATH
 from epd_proxy.ops import tracing
+from epd_proxy.tools.testing.fake_vllm import Costs
 from epd_proxy.tools.testing.otlp_receiver import Receiver
 from epd_proxy.tools.testing.polling import eventually
+from tests.http.test_agent_doors import BODIES
 from tests.http.test_coalescing import busy_encoder, queue_behind, shared_subrequests
 from tests.media import chat, image
 
@@ -38,10 +41,12 @@ def traced(receiver: Receiver, protocol: str = "http/protobuf", **overrides):
     return {"otlp_traces_endpoint": endpoint, **overrides}
 
 
-async def root_of(receiver: Receiver, request_id: str):
+async def root_of(receiver: Receiver, request_id: str, path: str = CHAT_PATH):
     def find():
         return [
-            s for s in receiver.spans() if s.name == tracing.ROOT_SPAN and s.attributes["epd.request_id"] == request_id
+            s
+            for s in receiver.spans()
+            if s.name == tracing.root_name(path) and s.attributes["epd.request_id"] == request_id
         ]
 
     (root,) = await eventually(find, what=f"the root span of {request_id}")
@@ -198,3 +203,25 @@ async def test_ignoring_client_context_a_sampled_request_is_a_trace_of_its_own(m
     root, _ = await tree(receiver, "own", expect=7)
     assert root.trace_id != CLIENT_TRACE and root.parent_id == ""
     assert {traceparent_of(seen)[0] for seen in stack.pd.requests} == {root.trace_id}
+
+
+async def test_a_streams_decode_span_marks_its_headers_and_first_token(make_stack, receiver):
+    # vLLM sends a stream's headers before its engine runs: the first token comes later.
+    stack = await make_stack(encoders=1, consumer_options={"costs": Costs(first_token_s=0.4)}, **traced(receiver))
+    async with await stack.chat({**chat(image("A")), "stream": True}, headers={"x-request-id": "s"}) as resp:
+        assert resp.status == 200
+        await resp.read()
+    root, spans = await tree(receiver, "s", expect=7)
+    (decode,) = [s for s in children(spans, root) if s.name == "decode"]
+    assert decode.events == ("headers", "first_token")
+    headers_ns, first_token_ns = decode.event_ns
+    assert decode.start_ns <= headers_ns and first_token_ns - headers_ns >= 0.4e9 and first_token_ns <= decode.end_ns
+
+
+@pytest.mark.parametrize("api", ["responses", "messages"])
+async def test_an_agent_doors_root_span_is_named_after_its_route(make_stack, receiver, api):
+    stack = await make_stack(encoders=1, **traced(receiver))
+    async with stack.client.post(f"/v1/{api}", json=BODIES[api]("A"), headers={"x-request-id": api}) as resp:
+        assert resp.status == 200
+    root = await root_of(receiver, api, f"/v1/{api}")
+    assert root.attributes["url.path"] == f"/v1/{api}"

@@ -296,11 +296,13 @@ class Costs:
     among the last `cache_items` this encoder saw costs `repeat_factor` of a fresh one (vLLM's
     processor and encoder caches: about 0.4x, see docs/scheduling.md); another
     encoder has not seen it and pays in full. A consumer answers after `answer_s`; a stream sends
-    its role event and first token at once and the rest then."""
+    its role event at once, its first token `first_token_s` later (the engine's prefill), and the
+    rest `answer_s` after that."""
 
     request_s: float = 0.0
     image_s: float = 0.0
     answer_s: float = 0.0
+    first_token_s: float = 0.0
     slowdown: float = 1.0
     repeat_factor: float = 1.0
     cache_items: int = 0
@@ -904,21 +906,20 @@ class FakeVLLM:
         )
         frames = [b"data: " + orjson.dumps(e) + b"\n\n" for e in events]
         payload = b"".join(frames) + b"data: [DONE]\n\n"
-        # Generating takes `answer_s` after the first token (the role event, then that token).
-        first_token_end = len(frames[0]) + len(frames[1])
-        await self._write_paced(
-            exchange, payload, self.faults.break_stream(), self.faults.stall_stream(), first_token_end
-        )
+        # The first token comes `first_token_s` after the role event, the rest `answer_s` after it.
+        role_end = len(frames[0])
+        pauses = {role_end: self.costs.first_token_s, role_end + len(frames[1]): self.costs.answer_s}
+        await self._write_paced(exchange, payload, self.faults.break_stream(), self.faults.stall_stream(), pauses)
 
     async def _write_paced(
-        self, exchange: Exchange, payload: bytes, cut: bool, stall: bool, first_token_end: int = 0
+        self, exchange: Exchange, payload: bytes, cut: bool, stall: bool, pauses: dict[int, float] | None = None
     ) -> None:
         """Odd-sized writes cut through multibyte characters and SSE frames on purpose. A cut
         resets the connection at the first piece past halfway; a stall goes silent there until the
-        caller goes away. The bytes after `first_token_end` wait for the answer's cost."""
+        caller goes away. At each offset of `pauses` the writing waits that many seconds."""
         halfway = len(payload) // 2
         step = self.piece_bytes or len(payload)
-        hold = first_token_end if self.costs.answer_s else len(payload)
+        holds = sorted(offset for offset, seconds in (pauses or {}).items() if seconds)
         start = 0
         while start < len(payload):
             if start >= halfway and cut:
@@ -929,9 +930,9 @@ class FakeVLLM:
                     await asyncio.sleep(0.02)
                 self.cancelled += 1
                 raise InjectedDrop("fault injected: stalled stream abandoned by the caller")
-            if start == hold:
-                await asyncio.sleep(self.costs.answer_s)
-            end = min(start + step, hold if start < hold else len(payload))
+            if start in holds:
+                await asyncio.sleep(pauses[start])
+            end = min([start + step, len(payload), *(hold for hold in holds if hold > start)])
             await exchange.write(payload[start:end])
             await asyncio.sleep(self.stream_pause_s)
             start = end

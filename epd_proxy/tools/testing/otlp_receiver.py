@@ -31,6 +31,8 @@ class ReceivedSpan:
     start_ns: int
     end_ns: int
     resource: dict[str, Any] = field(default_factory=dict)
+    # When each of `events` happened, in the same order.
+    event_ns: tuple[int, ...] = ()
 
 
 def _value(any_value: Any) -> Any:
@@ -71,6 +73,7 @@ class Receiver:
                             attributes=_attributes(span.attributes),
                             links=tuple((link.trace_id.hex(), link.span_id.hex()) for link in span.links),
                             events=tuple(event.name for event in span.events),
+                            event_ns=tuple(event.time_unix_nano for event in span.events),
                             status_code=span.status.code,
                             start_ns=span.start_time_unix_nano,
                             end_ns=span.end_time_unix_nano,

@@ -8,6 +8,7 @@ import pytest
 
 from epd_proxy.calls.upstream import CONTEXT_HEADERS
 from epd_proxy.config import ConfigError
+from epd_proxy.fleet.backends import CHAT_PATH
 from epd_proxy.journey.trace import Trace
 from epd_proxy.ops import tracing
 
@@ -24,7 +25,7 @@ def traced(monkeypatch):
 
 
 def test_off_there_are_no_spans_and_no_context_headers():
-    assert tracing.begin({"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}, "r", 0.0) is None
+    assert tracing.begin({"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}, "r", 0.0, CHAT_PATH) is None
     trace = Trace("r")
     with trace.stage("decode") as stage:
         assert stage.span is None and CONTEXT_HEADERS.get() is None
@@ -51,7 +52,7 @@ def test_an_unknown_protocol_is_refused_at_startup(monkeypatch):
 def test_a_stage_span_continues_the_client_and_its_calls_carry_it(traced):
     client = "00-" + "a" * 32 + "-" + "b" * 16 + "-01"
     trace = Trace("r")
-    trace.spans = tracing.begin({"traceparent": client}, "r", trace.started)
+    trace.spans = tracing.begin({"traceparent": client}, "r", trace.started, CHAT_PATH)
     root = trace.spans.root.get_span_context()
     assert format(root.trace_id, "032x") == "a" * 32
     with trace.stage("decode") as stage:
@@ -63,7 +64,7 @@ def test_a_stage_span_continues_the_client_and_its_calls_carry_it(traced):
 
 def test_a_failed_stage_says_why(traced):
     trace = Trace("r")
-    trace.spans = tracing.begin({}, "r", trace.started)
+    trace.spans = tracing.begin({}, "r", trace.started, CHAT_PATH)
     with pytest.raises(TimeoutError), trace.stage("prefill") as stage:
         raise TimeoutError("no answer")
     assert stage.span.attributes["error.type"] == "TimeoutError"
