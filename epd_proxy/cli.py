@@ -15,13 +15,14 @@ from epd_proxy.http.workers import serve
 
 DESCRIPTION = """\
 epd-proxy: an OpenAI-compatible front door for encoder-disaggregated (EPD) multimodal serving on
-vLLM. It takes /v1/chat/completions requests, sends their images, audio and video to encoder
-instances (batched per encoder), then drives prefill and decode with the encoders' cache handles,
-streaming the answer back. A drop-in for vLLM's reference disagg_epd_proxy.py, with health
+vLLM. It takes OpenAI chat completions and Responses and Anthropic Messages requests, sends their
+images, audio and video to encoder instances (batched per encoder), then drives prefill and decode
+with the encoders' cache handles, streaming the answer back. A drop-in for vLLM's reference disagg_epd_proxy.py, with health
 probing, failover, retries, limits, Prometheus /metrics and a live /status page."""
 
 ENDPOINTS = """\
-endpoints: /v1/chat/completions, /v1/models, /health, /metrics, /status (live page), /status.json,
+endpoints: /v1/chat/completions, /v1/responses, /v1/messages (and /v1/messages/count_tokens),
+/v1/models, /health, /metrics, /status (live page), /status.json,
 /start_profile, /stop_profile, /instances (dynamic registration)"""
 
 # The optional extras `up` and `bench` need, as import names (checked without importing them).
