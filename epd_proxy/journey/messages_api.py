@@ -22,6 +22,7 @@ from epd_proxy.journey.doors import Door, error_fields, with_handles
 from epd_proxy.journey.extract import (
     MediaItem,
     NormalisedRequest,
+    Place,
     ReadOptions,
     check_body,
     content_uuid,
@@ -86,7 +87,7 @@ def normalise_messages(
             options.check_media_count(len(items))
             part = {"type": "image_url", "image_url": {"url": url}}
             uuid = content_uuid(part, "image_url", lifted, options.digest)
-            items.append(MediaItem(len(items), "image_url", part, uuid, m, b, named=False))
+            items.append(MediaItem(len(items), "image_url", part, uuid, Place(m, "content", b), named=False))
     return NormalisedRequest(body, items)
 
 

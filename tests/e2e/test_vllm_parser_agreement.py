@@ -90,7 +90,7 @@ def test_vllm_reads_every_forwarded_part_as_the_proxy_classified_it(body):
         return
     items = normalised.items
     minted = {item.uuid for item in items}
-    by_position = {(item.message_index, item.part_index): item for item in items}
+    by_position = {(item.place.entry, item.place.part): item for item in items}
     forwarded = {
         "encoder": encoder_body(normalised.body, items, send_uuid=True),
         "encoder, no-rewrite": encoder_body(normalised.body, items, send_uuid=False),
