@@ -280,8 +280,8 @@ class PartReader:
     items: list[MediaItem] = field(default_factory=list)
     replaced: dict[Place, Any] = field(default_factory=dict)
 
-    def read(self, parts: list[Any], entry: int, field: str, where: str) -> None:
-        """Read `parts`, the list at `entries[entry][field]`, named `where` in errors."""
+    def read(self, parts: list[Any], entry: int, name: str, where: str) -> None:
+        """Read `parts`, the list at `entries[entry][name]`, called `where` in errors."""
         trusted = self.options.trust_client_fields
         for p, part in enumerate(parts):
             if isinstance(part, str):  # vLLM reads a bare string as a text part
@@ -297,7 +297,7 @@ class PartReader:
                         "the proxy, not sent by clients"
                     )
                 continue
-            place = Place(entry, field, p)
+            place = Place(entry, name, p)
             forwarded = part if trusted or "uuid" not in part else _without_uuid(part)
             if kind not in TEXT_TYPES and kind != "tool_reference":
                 forwarded = self._media(forwarded, kind, part.get("uuid"), place, at)
