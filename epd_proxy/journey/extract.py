@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import blake3
@@ -65,14 +65,27 @@ ENGINE_ONLY_XARGS = (*ENGINE_ONLY_FIELDS, "kv_cache_report_mode")
 
 
 @dataclass(frozen=True, slots=True)
+class Place:
+    """Where a content part lives: `entries[entry][field][part]`, the entries being a chat body's
+    messages or a Responses body's input items (whose tool outputs keep their parts in `output`)."""
+
+    entry: int
+    field: str
+    part: int
+
+    def of(self, entries: list[Any]) -> Any:
+        return entries[self.entry][self.field][self.part]
+
+
+@dataclass(frozen=True, slots=True)
 class MediaItem:
     index: int
     kind: str
-    # The part as forwarded: the client's part without its uuid (and `input_image` as `image_url`).
+    # The part as an encoder gets it: the client's part without its uuid, as a chat part
+    # (`input_image` as `image_url`).
     part: dict[str, Any]
     uuid: str
-    message_index: int
-    part_index: int
+    place: Place
     # Whether the consumer gets this item under the proxy's uuid. An Anthropic image block has no
     # field for one, so there the encoder must name the item by its content, as the consumer will.
     named: bool = True
@@ -245,70 +258,105 @@ def refuse_engine_fields(body: dict[str, Any]) -> None:
         )
 
 
+def _without_uuid(part: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in part.items() if key != "uuid"}
+
+
+@dataclass(slots=True)
+class PartReader:
+    """One rule set for every list of content parts vLLM parses, whichever door it came by.
+
+    Untrusted (the default): embeddings and PIL parts are a 400 whatever their `type`, a media
+    part without its data is a 400, and no client `uuid` survives, so everything the proxy
+    forwards names only media it hashed itself. Trusted (`--trust-client-fields`, behind a router
+    that sets them): such parts pass through untouched and a client uuid becomes the item's
+    identity, as in the reference proxy. Collects the media items and the parts it changed."""
+
+    options: ReadOptions
+    lifted: Callable[[str], memoryview | None] | None = None
+    # A Responses body keeps an `input_image` part in its own shape (its SDK types take no
+    # `image_url` part); chat forwards it as the `image_url` part vLLM reads it as.
+    keep_input_image: bool = False
+    items: list[MediaItem] = field(default_factory=list)
+    replaced: dict[Place, Any] = field(default_factory=dict)
+
+    def read(self, parts: list[Any], entry: int, name: str, where: str) -> None:
+        """Read `parts`, the list at `entries[entry][name]`, called `where` in errors."""
+        trusted = self.options.trust_client_fields
+        for p, part in enumerate(parts):
+            if isinstance(part, str):  # vLLM reads a bare string as a text part
+                continue
+            at = f"{where}[{p}]"
+            if not isinstance(part, dict):
+                raise BadRequest(f"{at} must be an object or a string")
+            kind = part_kind(part, at)
+            if kind in REFERENCE_KINDS:
+                if not trusted:
+                    raise BadRequest(
+                        f"{at} is read by vLLM as '{kind}': embeddings and cache references are made by "
+                        "the proxy, not sent by clients"
+                    )
+                continue
+            place = Place(entry, name, p)
+            forwarded = part if trusted or "uuid" not in part else _without_uuid(part)
+            if kind not in TEXT_TYPES and kind != "tool_reference":
+                forwarded = self._media(forwarded, kind, part.get("uuid"), place, at)
+            if forwarded is not part:
+                self.replaced[place] = forwarded
+
+    def _media(self, part: dict[str, Any], kind: str, client_uuid: Any, place: Place, at: str) -> dict[str, Any]:
+        """The media part as forwarded, its item added."""
+        item_kind, media = _forwarded_media_part(part, kind, at)
+        self.options.check_media_count(len(self.items))
+        if self.options.trust_client_fields and isinstance(client_uuid, str) and client_uuid:
+            uuid = client_uuid
+        else:
+            uuid = content_uuid(media, item_kind, self.lifted, self.options.digest)
+            if "uuid" in media:  # trusted but unusable: the proxy's identity replaces it
+                media = _without_uuid(media)
+        self.items.append(MediaItem(len(self.items), item_kind, media, uuid, place))
+        if not (self.keep_input_image and kind == "input_image"):
+            return media
+        if "uuid" in part and uuid != client_uuid:
+            part = _without_uuid(part)
+        url = media["image_url"]["url"]
+        return (
+            part if part["image_url"] is url or not isinstance(part["image_url"], str) else {**part, "image_url": url}
+        )
+
+    def normalised(self, body: dict[str, Any], key: str) -> NormalisedRequest:
+        """`body` with the parts read from `body[key]` as forwarded, and the items."""
+        cleaned = {**body, key: with_parts_replaced(body[key], self.replaced)} if self.replaced else body
+        return NormalisedRequest(cleaned, self.items)
+
+
 def normalise_request(
     body: Any, options: ReadOptions = ReadOptions(), lifted: Callable[[str], memoryview | None] | None = None
 ) -> NormalisedRequest:
-    """Validate, classify every part, strip client uuids (unless trusted) and collect the media.
-
-    Untrusted (the default): embeddings and PIL parts are a 400 whatever their `type`, and no
-    client `uuid` survives, so everything the proxy forwards names only media it hashed itself.
-    Trusted (`--trust-client-fields`, behind a router that sets them): such parts pass through
-    untouched and a client uuid becomes the item's identity, as in the reference proxy.
-    """
-    trust_client_fields = options.trust_client_fields
-    messages = _check_top_level(body, trust_client_fields)
-    items: list[MediaItem] = []
-    replaced: dict[tuple[int, int], Any] = {}
+    """Validate the chat body, read every message's content parts (`PartReader`: vLLM parses
+    the content of every role, a tool message's too) and collect the media."""
+    messages = _check_top_level(body, options.trust_client_fields)
+    reader = PartReader(options, lifted)
     for m, message in enumerate(messages):
         if not isinstance(message, dict):
             raise BadRequest(f"messages[{m}] must be an object")
         content = message.get("content")
-        if not isinstance(content, list):
-            continue
-        for p, part in enumerate(content):
-            if isinstance(part, str):  # vLLM reads a bare string as a text part
-                continue
-            where = f"messages[{m}].content[{p}]"
-            if not isinstance(part, dict):
-                raise BadRequest(f"{where} must be an object or a string")
-            kind = part_kind(part, where)
-            client_uuid = part.get("uuid")
-            if kind in REFERENCE_KINDS:
-                if not trust_client_fields:
-                    raise BadRequest(
-                        f"{where} is read by vLLM as '{kind}': embeddings and cache references are made by "
-                        "the proxy, not sent by clients"
-                    )
-                continue
-            forwarded = part
-            if "uuid" in part and not trust_client_fields:
-                forwarded = {key: value for key, value in part.items() if key != "uuid"}
-            if kind in TEXT_TYPES or kind == "tool_reference":
-                pass
-            else:
-                item_kind, forwarded = _forwarded_media_part(forwarded, kind, where)
-                options.check_media_count(len(items))
-                if trust_client_fields and isinstance(client_uuid, str) and client_uuid:
-                    uuid = client_uuid
-                else:
-                    uuid = content_uuid(forwarded, item_kind, lifted, options.digest)
-                    if "uuid" in forwarded:  # trusted but unusable: the proxy's identity replaces it
-                        forwarded = {key: value for key, value in forwarded.items() if key != "uuid"}
-                items.append(MediaItem(len(items), item_kind, forwarded, uuid, m, p))
-            if forwarded is not part:
-                replaced[m, p] = forwarded
-    cleaned = {**body, "messages": with_parts_replaced(messages, replaced)} if replaced else body
-    return NormalisedRequest(cleaned, items)
+        if isinstance(content, list):
+            reader.read(content, m, "content", f"messages[{m}].content")
+    return reader.normalised(body, "messages")
 
 
-def with_parts_replaced(entries: list[Any], replaced: dict[tuple[int, int], Any]) -> list[Any]:
-    """A copy of `entries` (chat messages, Responses input items) with the content part at each
-    (entry, part) index replaced; an entry without a replaced part stays the client's object."""
+def with_parts_replaced(entries: list[Any], replaced: dict[Place, Any]) -> list[Any]:
+    """A copy of `entries` (chat messages, Responses input items) with the part at each place
+    replaced; an entry without a replaced part stays the client's object."""
     copied = list(entries)
-    for (m, p), part in replaced.items():
-        if copied[m] is entries[m]:
-            copied[m] = {**entries[m], "content": list(entries[m]["content"])}
-        copied[m]["content"][p] = part
+    fresh: set[tuple[int, str]] = set()
+    for place, part in replaced.items():
+        m, name = place.entry, place.field
+        if (m, name) not in fresh:
+            copied[m] = {**copied[m], name: list(entries[m][name])}
+            fresh.add((m, name))
+        copied[m][name][place.part] = part
     return copied
 
 

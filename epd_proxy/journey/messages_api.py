@@ -23,6 +23,7 @@ from epd_proxy.journey.doors import Door, Relayed, error_fields, with_handles
 from epd_proxy.journey.extract import (
     MediaItem,
     NormalisedRequest,
+    Place,
     ReadOptions,
     check_body,
     content_uuid,
@@ -87,7 +88,7 @@ def normalise_messages(
             options.check_media_count(len(items))
             part = {"type": "image_url", "image_url": {"url": url}}
             uuid = content_uuid(part, "image_url", lifted, options.digest)
-            items.append(MediaItem(len(items), "image_url", part, uuid, m, b, named=False))
+            items.append(MediaItem(len(items), "image_url", part, uuid, Place(m, "content", b), named=False))
     return NormalisedRequest(body, items)
 
 

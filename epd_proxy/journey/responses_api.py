@@ -2,13 +2,13 @@
 `/v1/responses`, its images encoded first (pure functions; see docs/agent-apis.md for why).
 
 vLLM 0.32 validates `input` against the OpenAI SDK's typed dicts, which keep unknown keys, and
-builds chat messages from the message items as they are (`responses/utils.py`,
-`_construct_message_from_response_item`), so an `input_image` part reaches the shared chat
-parser with whatever else it holds. With a `uuid` that parser reads the part by its first media
-key (`image_url`, a string here), so the consumer names the image by the proxy's uuid, exactly as
-the encoder stored it. An `image_embeds` part is refused by that validation, so the media stay
-raw: the consumer still decodes the image, but loads its embedding instead of running the
-vision encoder.
+turns each item into a chat message (`responses/utils.py`, `_construct_message_from_response_item`)
+whose content list reaches the shared chat parser part by part, with whatever else each part
+holds. So the proxy reads exactly those lists (`part_list`) with the chat path's rules
+(`extract.PartReader`). With a `uuid` that parser reads an `input_image` by its first media key
+(`image_url`, a string here), so the consumer names the image by the proxy's uuid, exactly as the
+encoder stored it. The SDK types have no `image_embeds` part, so the media stay raw: the consumer
+still decodes the image, but loads its embedding instead of running the vision encoder.
 """
 
 from __future__ import annotations
@@ -23,15 +23,13 @@ import orjson
 
 from epd_proxy.calls.sse import event_data, events, named_event
 from epd_proxy.errors import BadRequest, ProxyError
-from epd_proxy.journey.dataurl import canonical_media_url
 from epd_proxy.journey.doors import Door, Relayed, with_handles
 from epd_proxy.journey.extract import (
-    REFERENCE_KINDS,
     MediaItem,
     NormalisedRequest,
+    PartReader,
     ReadOptions,
     check_body,
-    content_uuid,
     parse_request,
     with_parts_replaced,
 )
@@ -45,6 +43,10 @@ RESPONSES_PATH = "/v1/responses"
 STATEFUL_FIELDS = ("previous_response_id", "background")
 # Messages in the harmony format, which the proxy does not read for media.
 UNREAD_FIELDS = ("previous_input_messages",)
+# The input items vLLM 0.32 makes a tool message of, their `output` its content.
+TOOL_OUTPUT_TYPES = frozenset({"function_call_output", "custom_tool_call_output"})
+# Items vLLM turns into an assistant's tool call or reasoning text, whatever else they hold.
+TEXT_ONLY_TYPES = frozenset({"function_call", "custom_tool_call", "reasoning"})
 
 
 def _refuse_unservable(body: dict[str, Any]) -> None:
@@ -59,56 +61,48 @@ def _refuse_unservable(body: dict[str, Any]) -> None:
             raise BadRequest(f"'{name}' is not supported through the proxy; send the conversation in 'input'")
 
 
+def part_list(item: Any) -> str | None:
+    """The field of an input item whose list vLLM 0.32 parses as chat content parts, if any.
+
+    vLLM's order of cases (`_construct_message_from_response_item`): an item typed as a tool call
+    or reasoning becomes a tool call or reasoning text; a tool output becomes a tool message whose
+    content is the item's `output`; an assistant item gives vLLM only its text when its content is
+    a string or its first part has a `text`; any other item with a `role` is a chat message as it
+    stands, `content` and all, whatever its `type`; vLLM refuses the rest.
+    tests/e2e/test_vllm_part_places.py checks this against vLLM for every item type its SDK knows.
+    """
+    if not isinstance(item, dict):
+        return None
+    kind = item.get("type")
+    if kind in TOOL_OUTPUT_TYPES:
+        return "output" if isinstance(item.get("output"), list) else None
+    if kind in TEXT_ONLY_TYPES or "role" not in item or not isinstance(item.get("content"), list):
+        return None
+    content = item["content"]
+    if item["role"] == "assistant" and content and isinstance(content[0], dict) and content[0].get("text") is not None:
+        return None
+    return "content"
+
+
 def normalise_responses(
     body: Any, options: ReadOptions = ReadOptions(), lifted: Callable[[str], memoryview | None] | None = None
 ) -> NormalisedRequest:
-    """The body with client uuids removed and its `input_image` parts as media items.
+    """The body with every part vLLM will parse read by the chat path's rules: client uuids
+    removed, references and data-less media refused, images as media items.
 
-    Everything the proxy does not need to find the media is left for the consumer to judge, so a
-    bad body gets vLLM's own 400 in vLLM's words."""
-    trust_client_fields = options.trust_client_fields
-    check_body(body, trust_client_fields)
+    Everything else is left for the consumer to judge, so a bad item gets vLLM's own 400 in
+    vLLM's words."""
+    check_body(body, options.trust_client_fields)
     _refuse_unservable(body)
     entries = body.get("input")
     if not isinstance(entries, list):
         return NormalisedRequest(body, [])
-    items: list[MediaItem] = []
-    replaced: dict[tuple[int, int], Any] = {}
+    reader = PartReader(options, lifted, keep_input_image=True)
     for m, entry in enumerate(entries):
-        content = entry.get("content") if isinstance(entry, dict) else None
-        if not isinstance(content, list):
-            continue
-        for p, part in enumerate(content):
-            if not isinstance(part, dict):
-                continue
-            where = f"input[{m}].content[{p}]"
-            forwarded = part
-            if not trust_client_fields:
-                reference = next((key for key in REFERENCE_KINDS if key in part), None)
-                if reference is not None:
-                    raise BadRequest(
-                        f"{where} holds '{reference}': embeddings and cache references are made by the proxy, "
-                        "not sent by clients"
-                    )
-                if "uuid" in part:
-                    forwarded = {key: value for key, value in part.items() if key != "uuid"}
-            url = part.get("image_url")
-            if part.get("type") == "input_image" and isinstance(url, str) and url:
-                options.check_media_count(len(items))
-                canonical = canonical_media_url(url)
-                media = {"type": "image_url", "image_url": {"url": canonical}}
-                client_uuid = part.get("uuid")
-                if trust_client_fields and isinstance(client_uuid, str) and client_uuid:
-                    uuid = client_uuid
-                else:
-                    uuid = content_uuid(media, "image_url", lifted, options.digest)
-                    forwarded = {key: value for key, value in part.items() if key != "uuid"}
-                if canonical is not url:
-                    forwarded = {**forwarded, "image_url": canonical}
-                items.append(MediaItem(len(items), "image_url", media, uuid, m, p))
-            if forwarded is not part:
-                replaced[m, p] = forwarded
-    return NormalisedRequest({**body, "input": with_parts_replaced(entries, replaced)} if replaced else body, items)
+        name = part_list(entry)
+        if name is not None:
+            reader.read(entry[name], m, name, f"input[{m}].{name}")
+    return reader.normalised(body, "input")
 
 
 def responses_consumer_body(
@@ -117,16 +111,9 @@ def responses_consumer_body(
     """The client's body with every image under the proxy's uuid (rewrite) and the EC handles."""
     out = body
     if rewrite and items:
-        entries = list(body["input"])
-        copied: set[int] = set()
-        for item in items:
-            m = item.message_index
-            if m not in copied:
-                entries[m] = {**entries[m], "content": list(entries[m]["content"])}
-                copied.add(m)
-            content = entries[m]["content"]
-            content[item.part_index] = {**content[item.part_index], "uuid": item.uuid}
-        out = {**body, "input": entries}
+        entries = body["input"]
+        named = {item.place: {**item.place.of(entries), "uuid": item.uuid} for item in items}
+        out = {**body, "input": with_parts_replaced(entries, named)}
     return with_handles(out, items, matches, rewrite=rewrite, push_mode=push_mode)
 
 

@@ -33,7 +33,7 @@ from typing import Any
 import orjson
 
 from epd_proxy.fleet.lanes import Lane
-from epd_proxy.journey.extract import MediaItem
+from epd_proxy.journey.extract import MediaItem, Place
 
 # How vLLM 0.32 words the 400 of a consumer that takes no raw media of a modality (its limit per
 # prompt is 0, which --language-model-only sets for all).
@@ -45,14 +45,14 @@ def conversation_key(body: dict[str, Any], items: Sequence[MediaItem]) -> str | 
     messages = body.get("messages")
     if not isinstance(messages, list):
         return None
-    media = {(item.message_index, item.part_index): item.uuid for item in items}
+    media = {item.place: item.uuid for item in items}
     digest = hashlib.blake2b(orjson.dumps(body.get("model")), digest_size=16)
     for m, message in enumerate(messages):
         if not isinstance(message, dict):
             return None
         content = message.get("content")
         if isinstance(content, list):
-            content = [media.get((m, p), part) for p, part in enumerate(content)]
+            content = [media.get(Place(m, "content", p), part) for p, part in enumerate(content)]
         try:
             digest.update(orjson.dumps([message.get("role"), content]))
         except orjson.JSONEncodeError:
@@ -121,5 +121,5 @@ def plan_encode(
     if not reuse:
         return EncodePlan(items, raw_ok=True)
     end = history_end(body)
-    fresh = [item for item in items if not (item.is_image and item.message_index < end)]
+    fresh = [item for item in items if not (item.is_image and item.place.entry < end)]
     return EncodePlan(fresh, raw_ok=True, reused=len(items) - len(fresh))

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from epd_proxy.journey.extract import AUDIO_TYPES, EMBEDS_TYPE, MediaItem
+from epd_proxy.journey.extract import AUDIO_TYPES, EMBEDS_TYPE, MediaItem, with_parts_replaced
 from epd_proxy.journey.match import ItemMatch, Matches
 
 
@@ -27,19 +27,6 @@ def flatten_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
 def _embeds_part(item: MediaItem, match: ItemMatch) -> dict[str, Any]:
     kind = EMBEDS_TYPE[item.kind]
     return {"type": kind, kind: flatten_metadata(match.metadata), "uuid": item.uuid}
-
-
-def _with_parts(body: dict[str, Any], items: Sequence[MediaItem], parts: Sequence[dict[str, Any]]) -> list[Any]:
-    """`body["messages"]` with the media parts replaced; untouched messages stay the same objects."""
-    messages = list(body["messages"])
-    copied: set[int] = set()
-    for item, part in zip(items, parts):
-        m = item.message_index
-        if m not in copied:
-            messages[m] = {**messages[m], "content": list(messages[m]["content"])}
-            copied.add(m)
-        messages[m]["content"][item.part_index] = part
-    return messages
 
 
 def transfer_params(
@@ -105,7 +92,7 @@ def rewrite_request(
             for item, ok in zip(items, referenced(items, matches))
         ]
         if parts:
-            out["messages"] = _with_parts(body, items, parts)
+            out["messages"] = with_parts_replaced(body["messages"], {i.place: p for i, p in zip(items, parts)})
     elif not push_mode:
         ec_items = []
     params = transfer_params(body, matches.handles, ec_items)

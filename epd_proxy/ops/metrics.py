@@ -68,7 +68,12 @@ class Metrics:
     def __init__(self, fleet: Registry, health: Health) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter("epd_requests", "Requests through every door (chat completions, Responses, Messages) by final HTTP status", ["status"], registry=r)
+        self.requests = Counter(
+            "epd_requests",
+            "Requests through every door (chat completions, Responses, Messages) by final HTTP status",
+            ["status"],
+            registry=r,
+        )
         self.endpoint_requests = Counter(
             "epd_endpoint_requests",
             "Requests by the API they came in by (chat, responses, messages) and final HTTP status",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import hashlib
 import threading
 
 import orjson
@@ -167,13 +168,62 @@ async def test_client_embeddings_in_responses_input_are_refused(make_stack):
     assert status == 400 and b"image_embeds" in raw
 
 
+def tool_turn(*output, kind: str = "function_call_output"):
+    """A Responses agent's next turn: its tool's output, parts and all, after the call."""
+    body = responses_body()
+    body["input"] += [
+        {"type": "function_call", "call_id": "c1", "name": "screenshot", "arguments": "{}"},
+        {"type": kind, "call_id": "c1", "output": list(output)},
+    ]
+    return body
+
+
+TOOL_OUTPUT_ATTACKS = {
+    # A metadata-only embeddings reference: a PD engine without that cache entry dies on it.
+    "embeddings": {"type": "input_image", "image_embeds": {"image_grid_thw": [1, 4, 4]}, "uuid": "attacker-chosen"},
+    # No data, another tenant's uuid: vLLM would look the image up in the encoder cache.
+    "data-less": {
+        "type": "input_image",
+        "image_url": None,
+        "uuid": hashlib.sha256(b"https://x/theirs.png").hexdigest(),
+    },
+}
+
+
+@pytest.mark.parametrize("kind", ["function_call_output", "custom_tool_call_output"])
+@pytest.mark.parametrize("attack", sorted(TOOL_OUTPUT_ATTACKS))
+async def test_a_tool_outputs_references_are_refused_before_any_backend_sees_them(make_stack, kind, attack):
+    stack = await make_stack(encoders=1)
+    status, _, raw = await post(stack, stack.url, "responses", tool_turn(TOOL_OUTPUT_ATTACKS[attack], kind=kind))
+    assert status == 400, raw
+    assert "input[2].output[0]" in orjson.loads(raw)["error"]["message"]
+    assert not stack.encoders[0].requests and not stack.pd.requests
+
+
+async def test_a_tool_outputs_image_is_encoded_and_reaches_the_consumer_under_the_proxys_uuid(make_stack):
+    stack = await make_stack(encoders=1)
+    url = f"data:image/png;base64,{b64('screen')}"
+    screen = {"type": "input_image", "image_url": url, "uuid": "forged"}
+    status, _, raw = await post(
+        stack, stack.url, "responses", tool_turn({"type": "input_text", "text": "now:"}, screen)
+    )
+    assert status == 200, raw
+    [encoded] = [p for r in stack.encoders[0].requests for p in r.body["messages"][0]["content"]]
+    assert encoded["image_url"]["url"] == url
+    # The consumer's tool message, as vLLM builds it from the item's output.
+    [tool] = [m for m in stack.pd.requests[0].body["messages"] if m["role"] == "tool"]
+    assert tool["content"][1] == {"type": "input_image", "image_url": url, "uuid": encoded["uuid"]}
+    assert encoded["uuid"] != "forged"
+    assert stack.pd.loaded_from_cache == 1 and stack.pd.encoded_locally == 0
+
+
 @pytest.mark.parametrize(
     "api, body",
     [
         ("messages", {"model": "tiny-vlm", "messages": [{"role": "user", "content": "hi"}]}),
         ("messages", {"model": "tiny-vlm", "max_tokens": 0, "messages": []}),
         ("responses", {"model": "tiny-vlm"}),
-        ("responses", {"model": "tiny-vlm", "input": [{"role": "user", "content": [{"type": "bogus"}]}]}),
+        ("responses", {"model": "tiny-vlm", "input": [{"type": "bogus"}]}),
     ],
 )
 async def test_bad_bodies_get_the_consumers_own_4xx_in_its_shape(make_stack, api, body):

@@ -38,6 +38,21 @@ async def test_bypasses_are_refused_before_any_backend_sees_them(make_stack, par
     assert stack.encoder_requests() == [] and stack.pd.requests == []
 
 
+@pytest.mark.parametrize("part", [*BYPASSES[:3], {"type": "image_url", "image_url": None, "uuid": "cached"}])
+async def test_a_tool_messages_parts_are_guarded_like_a_users(make_stack, part):
+    stack = await make_stack(encoders=1)
+    body = chat(image("B"))
+    call = {"id": "c1", "type": "function", "function": {"name": "screenshot", "arguments": "{}"}}
+    body["messages"] += [
+        {"role": "assistant", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "now:"}, part]},
+    ]
+    async with await stack.chat(body) as resp:
+        answer = await resp.json()
+    assert resp.status == 400 and "messages[2].content[1]" in answer["error"]["message"], answer
+    assert stack.encoder_requests() == [] and stack.pd.requests == []
+
+
 def forwarded_uuids(bodies) -> set[str]:
     return {
         part["uuid"]

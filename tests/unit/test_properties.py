@@ -102,7 +102,7 @@ def test_rewriting_never_touches_non_media_content_and_never_mutates_its_input(b
     assert {k: v for k, v in out.items() if k not in ("messages", "ec_transfer_params")} == {
         k: v for k, v in body.items() if k != "messages"
     }
-    media_positions = {(i.message_index, i.part_index) for i in items}
+    media_positions = {(i.place.entry, i.place.part) for i in items}
     assert len(out["messages"]) == len(body["messages"])
     for m, (new, old) in enumerate(zip(out["messages"], body["messages"])):
         assert {k: v for k, v in new.items() if k != "content"} == {k: v for k, v in old.items() if k != "content"}

@@ -82,6 +82,61 @@ def _messages_view(body: dict[str, Any]) -> list[dict[str, Any]]:
     return chat
 
 
+# The part types the OpenAI SDK's input item types take in a message's `content` and in a tool
+# output's `output`, which vLLM validates `input` against.
+CONTENT_PARTS = ("input_text", "input_image", "input_file", "output_text", "refusal")
+OUTPUT_PARTS = ("input_text", "input_image", "input_file")
+
+
+def _check_parts(parts: Any, allowed: tuple[str, ...], where: str) -> None:
+    for part in parts if isinstance(parts, list) else ():
+        if not isinstance(part, dict) or part.get("type") not in allowed:
+            raise Refused(f"{where}: Input should be {', '.join(allowed)}")
+
+
+def _to_assistant(chat: list[dict[str, Any]], key: str, value: Any) -> None:
+    """vLLM's merging of consecutive assistant items: a tool call joins the previous assistant
+    message's calls, reasoning or text fills its field if still empty, else a new message."""
+    previous = chat[-1] if chat and chat[-1]["role"] == "assistant" else None
+    if previous is not None and key == "tool_calls":
+        previous.setdefault("tool_calls", []).append(value)
+    elif previous is not None and previous.get(key) is None:
+        previous[key] = value
+    else:
+        chat.append({"role": "assistant", key: [value] if key == "tool_calls" else value})
+
+
+def _responses_item(chat: list[dict[str, Any]], item: Any) -> None:
+    """One input item as `_construct_message_from_response_item` makes it a chat message."""
+    if not isinstance(item, dict):
+        raise Refused("input: Input should be a valid dictionary")
+    kind = item.get("type")
+    if kind in ("function_call", "custom_tool_call"):
+        arguments = item.get("arguments", "") if kind == "function_call" else item.get("input", "")
+        call = {"name": item.get("name"), "arguments": arguments}
+        _to_assistant(chat, "tool_calls", {"id": item.get("call_id"), "type": "function", "function": call})
+    elif kind == "reasoning":
+        texts = item.get("content") or item.get("summary") or [{}]
+        _to_assistant(chat, "reasoning", texts[0].get("text", ""))
+    elif kind in ("function_call_output", "custom_tool_call_output"):
+        output = item.get("output")
+        if not isinstance(output, (str, list)):
+            raise Refused("input.output: Input should be a valid string or list")
+        _check_parts(output, OUTPUT_PARTS, "input.output")
+        chat.append({"role": "tool", "content": output, "tool_call_id": item.get("call_id")})
+    elif "role" not in item:
+        raise Refused(f"Unsupported input item type: {kind}")
+    else:
+        content = item.get("content")
+        _check_parts(content, CONTENT_PARTS, "input.content")
+        first = content[0] if isinstance(content, list) and content else None
+        text = content if isinstance(content, str) else first.get("text") if isinstance(first, dict) else None
+        if item["role"] == "assistant" and text is not None:
+            _to_assistant(chat, "content", text)
+        else:
+            chat.append(item)
+
+
 def _responses_view(body: dict[str, Any]) -> list[dict[str, Any]]:
     if "input" not in body:
         raise Refused("input: Field required")
@@ -94,13 +149,7 @@ def _responses_view(body: dict[str, Any]) -> list[dict[str, Any]]:
     if not isinstance(entries, list):
         raise Refused("input: Input should be a valid string or list")
     for entry in entries:
-        if not isinstance(entry, dict) or "role" not in entry:
-            raise Refused("input: Input should be a valid message item")
-        content = entry.get("content")
-        for part in content if isinstance(content, list) else ():
-            if not isinstance(part, dict) or part.get("type") not in ("input_text", "input_image", "output_text"):
-                raise Refused("input.content: Input should be input_text, input_image or input_file")
-        chat.append({"role": entry["role"], "content": content})
+        _responses_item(chat, entry)
     return chat
 
 

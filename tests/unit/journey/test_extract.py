@@ -29,7 +29,7 @@ def test_items_come_from_every_message_in_order():
             {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]},
         ]
     }
-    assert [(i.index, i.kind, i.message_index, i.part_index) for i in items_of(body)] == [
+    assert [(i.index, i.kind, i.place.entry, i.place.part) for i in items_of(body)] == [
         (0, "image_url", 1, 0),
         (1, "audio_url", 1, 2),
         (2, "video_url", 2, 0),
@@ -171,7 +171,7 @@ def test_trusted_callers_may_send_engine_fields_and_references():
 
 def test_parts_without_a_type_are_typed_by_their_media_key():
     [item] = items_of(chat({"image_url": {"url": "https://m/a.png"}}))
-    assert item.kind == "image_url" and item.part_index == 1
+    assert item.kind == "image_url" and item.place.part == 1
     # vLLM refuses a type-less part with no media key ("Missing 'type' field"): so do we, earlier.
     with pytest.raises(BadRequest, match="no 'type'"):
         normalise_request(chat({"text": "plain"}))

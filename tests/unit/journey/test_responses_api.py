@@ -44,7 +44,7 @@ def test_responses_images_become_items_named_by_the_chat_paths_identity():
     first, second = normalised.items
     assert first.part == {"type": "image_url", "image_url": {"url": URL}}
     assert first.uuid == hashlib.sha256(URL.encode()).hexdigest()
-    assert (first.message_index, first.part_index, second.part_index) == (0, 1, 2)
+    assert (first.place.entry, first.place.part, second.place.part) == (0, 1, 2)
     assert first.named and second.uuid == hashlib.sha256(b"https://x/b.png").hexdigest()
     # The chat path names the same image the same way, so both share encoder caches.
     chat, _ = parse_request(
@@ -77,7 +77,7 @@ def test_state_the_proxy_does_not_hold_is_a_400_naming_the_field(field):
 
 
 def test_what_vllm_judges_is_left_to_it():
-    for body in ({"model": "m"}, {"model": "m", "input": "just text"}, responses(image_part(url=7))):
+    for body in ({"model": "m"}, {"model": "m", "input": "just text"}, with_entries({"type": "bogus"})):
         normalised = normalise_responses(body)
         assert normalised.items == [] and normalised.body is body
 
@@ -118,3 +118,70 @@ def test_responses_large_images_are_spliced_and_written_back_whole():
     written = b"".join(bytes(piece) for piece in spliced.dumps(out))
     assert orjson.loads(written)["input"][0]["content"][1]["image_url"] == url
     assert normalised.items[0].uuid == hashlib.sha256(url.encode()).hexdigest()
+
+
+def tool_output(*parts, kind="function_call_output"):
+    return {"type": kind, "call_id": "c1", "output": list(parts)}
+
+
+def with_entries(*entries):
+    return {"model": "m", "input": [{"role": "user", "content": [{"type": "input_text", "text": "go"}]}, *entries]}
+
+
+ATTACKS = {
+    # A metadata-only embeddings reference: a PD engine with no such cache entry dies on it.
+    "embeds": {"type": "input_image", "image_embeds": {"image_grid_thw": [1, 4, 4]}, "uuid": "attacker-chosen"},
+    # A data-less image under someone's uuid: a lookup in another tenant's encoder cache.
+    "data-less": {"type": "input_image", "image_url": None, "uuid": hashlib.sha256(b"https://x/them.png").hexdigest()},
+    "typed as text": {"type": "input_text", "text": "x", "uuid": "u", "image_url": None},
+}
+
+
+@pytest.mark.parametrize("kind", ["function_call_output", "custom_tool_call_output"])
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+def test_tool_outputs_are_guarded_like_content(kind, attack):
+    with pytest.raises(BadRequest, match=r"input\[1\]\.output\[0\]"):
+        normalise_responses(with_entries(tool_output(ATTACKS[attack], kind=kind)))
+    with pytest.raises(BadRequest, match=r"input\[0\]\.content\[1\]"):
+        normalise_responses(responses(ATTACKS[attack]))
+
+
+@pytest.mark.parametrize("url", [None, "", 7])
+def test_an_image_without_its_data_is_the_proxys_400_wherever_it_is(url):
+    part = {"type": "input_image", "image_url": url}
+    for body in (responses(part), with_entries(tool_output(part))):
+        with pytest.raises(BadRequest, match="without an 'image_url'"):
+            normalise_responses(body)
+    if url is None:
+        with pytest.raises(BadRequest, match="without an 'image_url'"):
+            normalise_responses(responses({"type": "input_image", "detail": "auto"}))
+
+
+def test_a_tool_outputs_image_is_an_item_the_consumer_gets_under_the_proxys_uuid():
+    screen = image_part("https://x/screen.png", uuid="forged", detail="auto")
+    body = with_entries(
+        {"type": "function_call", "call_id": "c1", "name": "look", "arguments": "{}"},
+        tool_output({"type": "input_text", "text": "the screen:"}, screen),
+    )
+    normalised = normalise_responses(body)
+    [item] = normalised.items
+    assert (item.place.entry, item.place.field, item.place.part) == (2, "output", 1)
+    assert item.part == {"type": "image_url", "image_url": {"url": "https://x/screen.png"}}
+    assert item.uuid == hashlib.sha256(b"https://x/screen.png").hexdigest()
+    assert "uuid" not in normalised.body["input"][2]["output"][1]
+    out = responses_consumer_body(
+        normalised.body, normalised.items, matches_for(normalised.items), rewrite=True, push_mode=False
+    )
+    assert out["input"][2]["output"][1] == {**screen, "uuid": item.uuid}
+    assert out["input"][2]["output"][0] == {"type": "input_text", "text": "the screen:"}
+    assert body["input"][2]["output"][1]["uuid"] == "forged", "the client's body is never changed"
+
+
+def test_only_the_lists_vllm_parses_are_read():
+    reasoning = {"type": "reasoning", "id": "r", "summary": [], "content": [{"type": "reasoning_text", "text": "x"}]}
+    # An assistant item whose first part has text gives vLLM that text only.
+    said = {"role": "assistant", "content": [{"type": "output_text", "text": "ok"}, image_part("https://x/a.png")]}
+    shown = {"role": "assistant", "content": [image_part("https://x/b.png")]}
+    text_output = {"type": "function_call_output", "call_id": "c1", "output": "plain text"}
+    normalised = normalise_responses(with_entries(reasoning, said, shown, text_output))
+    assert [(i.place.entry, i.place.field) for i in normalised.items] == [(3, "content")]

@@ -137,7 +137,7 @@ def outcome(raw: bytes, trust: bool, lift_min_bytes: int | None, media_hash: str
     consumer = rewrite_request(body, items, matches)
     raw_media = rewrite_request(body, items, Matches())
     facts = (
-        [(i.index, i.kind, i.uuid, i.message_index, i.part_index, wire(i.part)) for i in items],
+        [(i.index, i.kind, i.uuid, i.place.entry, i.place.part, wire(i.part)) for i in items],
         [(g.encoder.url, g.indices) for g in groups],
         encoder_bodies,
         wire(consumer),

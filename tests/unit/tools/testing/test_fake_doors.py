@@ -42,3 +42,37 @@ def test_what_vllm_refuses_the_fakes_refuse_in_the_apis_shape(api, body):
         chat_view(api, body)
     shaped = orjson.loads(error_body(api, "bad", 400))
     assert (shaped["type"] == "error") if api == MESSAGES else (shaped["error"]["code"] == 400)
+
+
+def test_responses_items_become_chat_messages_as_vllm_builds_them():
+    screen = {"type": "input_image", "image_url": "https://x/s.png", "uuid": "u"}
+    items = [
+        {"role": "user", "content": [{"type": "input_text", "text": "look"}]},
+        {"type": "reasoning", "id": "r", "summary": [], "content": [{"type": "reasoning_text", "text": "hmm"}]},
+        {"type": "function_call", "call_id": "c1", "name": "look", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "got"}, screen]},
+        {"type": "custom_tool_call_output", "call_id": "c2", "output": "plain"},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "seen"}, screen]},
+        {"role": "assistant", "content": [screen]},
+    ]
+    view = chat_view(RESPONSES, {"model": "m", "input": items})["messages"]
+    assert view[1]["role"] == "assistant" and view[1]["reasoning"] == "hmm"
+    assert view[1]["tool_calls"] == [{"id": "c1", "type": "function", "function": {"name": "look", "arguments": "{}"}}]
+    assert view[2] == {"role": "tool", "content": items[3]["output"], "tool_call_id": "c1"}
+    assert view[3] == {"role": "tool", "content": "plain", "tool_call_id": "c2"}
+    # An assistant item gives only its first part's text, unless that part has none.
+    assert view[4] == {"role": "assistant", "content": "seen"}
+    assert view[5] == items[6]
+
+
+@pytest.mark.parametrize(
+    "item",
+    [
+        {"type": "computer_call_output", "call_id": "c", "output": {"type": "computer_screenshot"}},
+        {"type": "function_call_output", "call_id": "c", "output": [{"type": "image_url", "image_url": "x"}]},
+        {"type": "function_call_output", "call_id": "c", "output": 5},
+    ],
+)
+def test_responses_items_vllm_refuses_are_refused(item):
+    with pytest.raises(Refused):
+        chat_view(RESPONSES, {"model": "m", "input": [item]})
