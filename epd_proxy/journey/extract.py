@@ -23,6 +23,7 @@ import blake3
 import orjson
 
 from epd_proxy.errors import BadRequest
+from epd_proxy.fleet.cost import request_costs
 from epd_proxy.journey.dataurl import canonical_media_url
 from epd_proxy.journey.splice import LIFT_MIN_BYTES, Spliced, lift
 
@@ -76,6 +77,8 @@ class MediaItem:
     # Whether the consumer gets this item under the proxy's uuid. An Anthropic image block has no
     # field for one, so there the encoder must name the item by its content, as the consumer will.
     named: bool = True
+    # What it costs an encoder, in image-equivalents (fleet/cost.py).
+    cost: float = 1.0
 
     @property
     def is_image(self) -> bool:
@@ -259,6 +262,7 @@ def normalise_request(
     messages = _check_top_level(body, trust_client_fields)
     items: list[MediaItem] = []
     replaced: dict[tuple[int, int], Any] = {}
+    costs: dict[str, float] | None = None
     for m, message in enumerate(messages):
         if not isinstance(message, dict):
             raise BadRequest(f"messages[{m}] must be an object")
@@ -294,7 +298,9 @@ def normalise_request(
                     uuid = content_uuid(forwarded, item_kind, lifted, options.digest)
                     if "uuid" in forwarded:  # trusted but unusable: the proxy's identity replaces it
                         forwarded = {key: value for key, value in forwarded.items() if key != "uuid"}
-                items.append(MediaItem(len(items), item_kind, forwarded, uuid, m, p))
+                if costs is None:
+                    costs = request_costs(body)
+                items.append(MediaItem(len(items), item_kind, forwarded, uuid, m, p, cost=costs.get(item_kind, 1.0)))
             if forwarded is not part:
                 replaced[m, p] = forwarded
     cleaned = {**body, "messages": with_parts_replaced(messages, replaced)} if replaced else body

@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 
 from epd_proxy.errors import BadRequest, ProxyError
+from epd_proxy.fleet.cost import request_costs
 from epd_proxy.journey.doors import Door, error_fields, with_handles
 from epd_proxy.journey.extract import (
     MediaItem,
@@ -78,6 +79,7 @@ def normalise_messages(
     if not isinstance(messages, list):
         return NormalisedRequest(body, [])
     items: list[MediaItem] = []
+    cost = request_costs(body)["image_url"]
     for m, message in enumerate(messages):
         # vLLM keeps only the text of a system message.
         if not isinstance(message, dict) or message.get("role") == "system":
@@ -86,7 +88,7 @@ def normalise_messages(
             options.check_media_count(len(items))
             part = {"type": "image_url", "image_url": {"url": url}}
             uuid = content_uuid(part, "image_url", lifted, options.digest)
-            items.append(MediaItem(len(items), "image_url", part, uuid, m, b, named=False))
+            items.append(MediaItem(len(items), "image_url", part, uuid, m, b, named=False, cost=cost))
     return NormalisedRequest(body, items)
 
 

@@ -18,6 +18,7 @@ from functools import partial
 from typing import Any
 
 from epd_proxy.errors import BadRequest
+from epd_proxy.fleet.cost import request_costs
 from epd_proxy.journey.dataurl import canonical_media_url
 from epd_proxy.journey.doors import Door, with_handles
 from epd_proxy.journey.extract import (
@@ -69,6 +70,7 @@ def normalise_responses(
         return NormalisedRequest(body, [])
     items: list[MediaItem] = []
     replaced: dict[tuple[int, int], Any] = {}
+    cost = request_costs(body)["image_url"]
     for m, entry in enumerate(entries):
         content = entry.get("content") if isinstance(entry, dict) else None
         if not isinstance(content, list):
@@ -100,7 +102,7 @@ def normalise_responses(
                     forwarded = {key: value for key, value in part.items() if key != "uuid"}
                 if canonical is not url:
                     forwarded = {**forwarded, "image_url": canonical}
-                items.append(MediaItem(len(items), "image_url", media, uuid, m, p))
+                items.append(MediaItem(len(items), "image_url", media, uuid, m, p, cost=cost))
             if forwarded is not part:
                 replaced[m, p] = forwarded
     return NormalisedRequest({**body, "input": with_parts_replaced(entries, replaced)} if replaced else body, items)

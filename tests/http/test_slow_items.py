@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from epd_proxy.fleet import lanes as lanes_module
+from epd_proxy.fleet import stalls
 from epd_proxy.tools.testing.polling import eventually
 from tests.http.test_coalescing import answer_of
 from tests.http.test_sharing_bounds import first_encoder_warmed
@@ -31,7 +31,7 @@ async def landed(stack, staller, body) -> asyncio.Task:
 
 async def test_an_item_slow_on_every_encoder_moves_at_most_its_failovers_and_ejects_no_one(make_stack, monkeypatch):
     # The mechanism at a 1 s floor (as the stall tests run it): the item takes 1.5 s anywhere.
-    monkeypatch.setattr(lanes_module, "OVERDUE_FLOOR_S", 1.0)
+    monkeypatch.setattr(stalls, "OVERDUE_FLOOR_S", 1.0)
     stack = await make_stack(encoders=2, encoder_failovers=1, consecutive_gateway_failure=2)
     proxy = stack.state
     await first_encoder_warmed(stack, proxy, delay_s=0.05, rounds=3)
@@ -50,7 +50,7 @@ async def test_an_item_slow_on_every_encoder_moves_at_most_its_failovers_and_eje
 async def test_once_its_failovers_are_spent_an_overdue_item_fails_with_a_504_of_the_encode_stage(
     make_stack, monkeypatch
 ):
-    monkeypatch.setattr(lanes_module, "OVERDUE_FLOOR_S", 1.0)
+    monkeypatch.setattr(stalls, "OVERDUE_FLOOR_S", 1.0)
     stack = await make_stack(encoders=2, encoder_failovers=0, consumer_encode=False)
     proxy = stack.state
     await first_encoder_warmed(stack, proxy, delay_s=0.05, rounds=3)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from epd_proxy.fleet.cost import MAX_COST, MIN_COST, VIDEO_DEFAULT_FRAMES, request_costs
-from epd_proxy.fleet.lanes import OVERDUE_FACTOR, Lane
+from epd_proxy.fleet.lanes import Lane
+from epd_proxy.fleet.stalls import OVERDUE_FACTOR, overdue_after
 from epd_proxy.journey.extract import normalise_request
 from tests.media import audio, chat, image, video
 
@@ -68,9 +69,9 @@ def test_a_video_with_many_frames_is_overdue_much_later_than_one_image():
     lane = Lane("e")
     lane.started(1.0, 0.0)
     lane.finished(1.0, 0.0, 2.0)  # slow: 2 s for an image
-    one_image = lane.overdue_after(1.0, None)
+    one_image = overdue_after(lane, 1.0, None)
     lane.started(10.0, 10.0)
-    a_video = lane.overdue_after(costs(media_io_kwargs={"video": {"num_frames": 128}})["video_url"], None)
+    a_video = overdue_after(lane, costs(media_io_kwargs={"video": {"num_frames": 128}})["video_url"], None)
     assert a_video > 10 * one_image
     assert a_video == pytest.approx(OVERDUE_FACTOR * (lane.fixed_s * lane.inflight + lane.item_s * 64.0))
 
@@ -79,7 +80,7 @@ def test_each_move_doubles_an_items_overdue_time_up_to_a_share_of_the_encode_tim
     lane = Lane("e")
     lane.started(1.0, 0.0)
     lane.finished(1.0, 0.0, 0.01)
-    first = lane.overdue_after(1.0, 300.0)
-    assert lane.overdue_after(1.0, 300.0, moves=1) == 2 * first
-    assert lane.overdue_after(1.0, 300.0, moves=2) == 4 * first
-    assert lane.overdue_after(1.0, 300.0, moves=10) == 0.75 * 300.0
+    first = overdue_after(lane, 1.0, 300.0)
+    assert overdue_after(lane, 1.0, 300.0, moves=1) == 2 * first
+    assert overdue_after(lane, 1.0, 300.0, moves=2) == 4 * first
+    assert overdue_after(lane, 1.0, 300.0, moves=10) == 0.75 * 300.0
