@@ -102,8 +102,8 @@ class EncodeStep:
             # or counted against its health, and its next answer clears it.
             if lane.stalled(now):
                 log.warning(
-                    "encoder %s: nothing answered for %.1f s while other encoders answer or idle; no new "
-                    "placements there until it answers",
+                    "encoder %s: nothing answered for %.1f s while another encoder answers or sits idle; no "
+                    "new placements there until it answers",
                     lane.url,
                     now - lane.busy_since,
                 )
