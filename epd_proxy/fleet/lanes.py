@@ -4,9 +4,11 @@ happened and send what it decides, and placement (scheduler.py) reads it.
 
 - **Speed** is learnt per encoder from what this proxy sees: the time each sub-request held the
   encoder (from when it was sent, or from when the previous one finished if that was later, to
-  its answer) against its item count, smoothed over the last few dozen answers, with a
-  sub-request's fixed cost at the measured third of an image. An encoder's backlog is then its
-  outstanding sub-requests and items (in flight and queued here) at that speed, in seconds.
+  its answer) against its cost in image-equivalents (cost.py), smoothed over the last few dozen
+  answers, with a sub-request's fixed cost at the measured third of an image. An encoder's
+  backlog is then its outstanding sub-requests and load (in flight and queued here) at that
+  speed, in seconds. When a sub-request is far overdue, and when an encoder's silence means it
+  stalls, is stalls.py's judgement.
 - **Coalescing** (`take_batch`): with two of this proxy's sub-requests in flight an encoder is
   busy (one computing, one being prepared: vLLM's API server processes media while its engine
   runs the previous request); image groups of different requests that arrive meanwhile wait and
@@ -44,15 +46,6 @@ PAUSE_MAX_S = 30.0
 # A shared sub-request holds at most what the encoder does in this share of the encode timeout,
 # so that behind the one ahead of it in flight it still ends well within each member's own budget.
 SHARE_OF_TIMEOUT = 1 / 3
-# A sub-request still unanswered this many times past what its encoder should take for all it
-# has in flight, and at least OVERDUE_FLOOR_S (so vLLM's slow first requests, and a CPU engine's
-# sub-request that waits behind prefill on shared cores, are not taken for a stall: on real vLLM
-# CPU engines a 1 s floor marked healthy encoders suspect and had outlier detection eject them),
-# marks the encoder suspect; never later than this share of the encode timeout, so the work
-# moves while its requests' budgets still allow.
-OVERDUE_FACTOR = 3.0
-OVERDUE_FLOOR_S = 10.0
-OVERDUE_SHARE_OF_TIMEOUT = 0.75
 # A suspect encoder gets no placements for this long, then some again: how it comes back when
 # nothing of ours is left there to answer.
 SUSPECT_HOLD_S = 5.0
@@ -72,7 +65,9 @@ class Queued(Protocol):
     """What the scheduler reads of a group waiting for a sub-request."""
 
     key: bytes | None
+    # Items (what batch caps count) and their cost in image-equivalents (what time follows).
     size: int
+    cost: float
     # vLLM's `priority`: lower values first, then arrival order.
     priority: int
 
@@ -86,16 +81,17 @@ class Lane:
     __slots__ = (
         "url",
         "inflight",
-        "inflight_items",
+        "inflight_load",
         "suspect",
         "suspect_until",
         "waiting",
         "subs",
-        "items",
+        "load",
         "fixed_s",
         "item_s",
         "samples",
         "last_done",
+        "answered_sent",
         "busy_since",
         "merge_limit",
         "paused_until",
@@ -112,22 +108,25 @@ class Lane:
 
     def __init__(self, url: str) -> None:
         self.url = url
-        # Sub-requests of this proxy in flight to it, and their items.
+        # Sub-requests of this proxy in flight to it, and their cost in image-equivalents.
         self.inflight = 0
-        self.inflight_items = 0
+        self.inflight_load = 0.0
         # A sub-request of ours was far overdue there, and nothing has answered since; it gets
         # no placements until `suspect_until` (on the caller's clock).
         self.suspect = False
         self.suspect_until = 0.0
         self.waiting: deque[Any] = deque()
-        # Outstanding work (in flight and queued): sub-requests and items.
+        # Outstanding work (in flight and queued): sub-requests and their cost.
         self.subs = 0
-        self.items = 0
-        # Estimated seconds per sub-request and per item; None until the first answer.
+        self.load = 0.0
+        # Estimated seconds per sub-request and per image-equivalent; None until the first answer.
         self.fixed_s: float | None = None
         self.item_s: float | None = None
         self.samples = 0
         self.last_done = 0.0
+        # When the latest-sent of its answered sub-requests was sent: how recent the work is
+        # that it is known to turn round (stalls.progressed_elsewhere).
+        self.answered_sent = float("-inf")
         # Since when the encoder has worked on our oldest sub-request in flight (serially).
         self.busy_since = 0.0
         # Items a coalesced sub-request may hold. A refused or unsplittable shared answer that
@@ -151,14 +150,14 @@ class Lane:
         self._k = self._t = 0.0
 
     # -- outstanding work ------------------------------------------------------------------------
-    def started(self, items: int, now: float = 0.0) -> None:
-        """A sub-request of `items` is on its way (not from the queue)."""
+    def started(self, cost: float, now: float = 0.0) -> None:
+        """A sub-request costing `cost` is on its way (not from the queue)."""
         if not self.inflight:
             self.busy_since = now
         self.inflight += 1
-        self.inflight_items += items
+        self.inflight_load += cost
         self.subs += 1
-        self.items += items
+        self.load += cost
 
     def queued(self, work: Queued) -> None:
         """In vLLM's order (`Request.__lt__`): by priority, then arrival; equal priorities, the
@@ -170,14 +169,14 @@ class Lane:
             at = next(n for n, other in enumerate(waiting) if other.priority > work.priority)
             waiting.insert(at, work)
         self.subs += 1
-        self.items += work.size
+        self.load += work.cost
 
     def evict(self) -> None:
         """Its encoder left, was ejected or stalls: every waiting group moves elsewhere now."""
         while self.waiting:
             work = self.waiting.popleft()
             self.subs -= 1
-            self.items -= work.size
+            self.load -= work.cost
             work.move()
 
     def unqueued(self, work: Queued) -> bool:
@@ -187,15 +186,15 @@ class Lane:
         except ValueError:
             return False
         self.subs -= 1
-        self.items -= work.size
+        self.load -= work.cost
         return True
 
-    def patience(self, items: int) -> float:
-        """How long a group of `items` queued now may wait to share before it goes alone:
+    def patience(self, cost: float) -> float:
+        """How long a group costing `cost` queued now may wait to share before it goes alone:
         three times what the backlog ahead of it and its own work should take."""
         if self.item_s is None:
             return PATIENCE_FLOOR_S * 5
-        backlog = self.fixed_s * (self.subs + 1) + self.item_s * (self.items + items)
+        backlog = self.fixed_s * (self.subs + 1) + self.item_s * (self.load + cost)
         return max(PATIENCE_FLOOR_S, 3.0 * backlog)
 
     def next_batch(self, cap: int, now: float = 0.0, timeout_s: float | None = None) -> list[Any]:
@@ -205,7 +204,7 @@ class Lane:
         batch = take_batch(self.waiting, self.share_limit(cap, now, timeout_s))
         self.subs -= len(batch) - 1
         self.inflight += 1
-        self.inflight_items += sum(work.size for work in batch)
+        self.inflight_load += sum(work.cost for work in batch)
         return batch
 
     def stalled(self, now: float) -> bool:
@@ -218,22 +217,13 @@ class Lane:
     def avoid(self, now: float) -> bool:
         return self.suspect and now < self.suspect_until
 
-    def overdue_after(self, items: int, timeout_s: float | None) -> float | None:
-        """Seconds after which a sub-request of `items` just sent is far overdue; None while
-        nothing is known of the encoder's speed."""
-        if self.item_s is None:
-            return None
-        expected = self.fixed_s * self.inflight + self.item_s * max(self.inflight_items, items)
-        after = max(OVERDUE_FLOOR_S, OVERDUE_FACTOR * expected)
-        if timeout_s is not None:
-            after = min(after, OVERDUE_SHARE_OF_TIMEOUT * timeout_s)
-        return after
-
     def share_limit(self, cap: int, now: float, timeout_s: float | None) -> int:
         """Items the next shared sub-request may hold (0: it carries one group only)."""
         if now < self.paused_until:
             return 0
         limit = min(cap, self.merge_limit) if cap else self.merge_limit
+        # Shared groups are images, each at most one image-equivalent (cost.py): counting them
+        # at one each errs on the short side.
         if timeout_s is not None and self.item_s is not None:
             fits = int((SHARE_OF_TIMEOUT * timeout_s - self.fixed_s) / self.item_s)
             limit = min(limit, fits)
@@ -258,25 +248,27 @@ class Lane:
         if items * 2 > self.merge_limit:
             self.merge_limit = min(COALESCE_TARGET_ITEMS, self.merge_limit * 2)
 
-    def finished(self, items: int, sent: float, done: float | None) -> None:
-        """A sub-request of `items` sent at `sent` ended: answered at `done`, or failed (None)."""
+    def finished(self, cost: float, sent: float, done: float | None) -> None:
+        """A sub-request costing `cost` sent at `sent` ended: answered at `done`, or failed (None)."""
         self.inflight -= 1
-        self.inflight_items -= items
+        self.inflight_load -= cost
         self.subs -= 1
-        self.items -= items
+        self.load -= cost
         if done is not None:
             self.suspect = False  # it answers again
             self.suspect_until = 0.0
-            self.observe(items, sent, done)
+            if sent > self.answered_sent:
+                self.answered_sent = sent
+            self.observe(cost, sent, done)
             self.busy_since = done
 
     # -- speed -----------------------------------------------------------------------------------
-    def observe(self, items: int, sent: float, done: float) -> None:
+    def observe(self, cost: float, sent: float, done: float) -> None:
         """One answered sub-request: it held the encoder from when it was sent, or from when the
         previous answer came if that was later (it queued behind it), until its own answer.
 
-        The estimate is one speed per encoder, seconds per item-equivalent (an item, or the
-        fixed part of a sub-request at PRIOR_FIXED_RATIO of one): time held over items held,
+        The estimate is one speed per encoder, seconds per image-equivalent (an item's cost, or
+        the fixed part of a sub-request at PRIOR_FIXED_RATIO of one): time held over cost held,
         each smoothed. Fitting the fixed and per-item parts apart from live samples was tried
         and is unstable: a few milliseconds of jitter in when answers are read move the fit's
         fixed part by tens of times, while the ratio of the sums stays put."""
@@ -292,7 +284,7 @@ class Lane:
         self.worked_s += held
         self.samples += 1
         weight = max(SMOOTHING, 1.0 / self.samples)
-        self._k += weight * (items + PRIOR_FIXED_RATIO - self._k)
+        self._k += weight * (cost + PRIOR_FIXED_RATIO - self._k)
         self._t += weight * (held - self._t)
         self.item_s = self._t / self._k
         self.fixed_s = PRIOR_FIXED_RATIO * self.item_s
@@ -374,7 +366,7 @@ class Lanes:
         return self._departed_worked_s + sum(lane.worked_s for lane in self._lanes.values())
 
     def costs(self, lanes: Sequence[Lane], now: float | None = None) -> tuple[list[float], list[float]]:
-        """Seconds per sub-request and per item of each lane; one without answers yet, or stale
+        """Seconds per sub-request and per image-equivalent of each lane; one without answers yet, or stale
         at `now`, is taken to be as fast as the mean of the others (or 1 unit per item when none
         has answered)."""
         fixed = [lane.fixed_s for lane in lanes]

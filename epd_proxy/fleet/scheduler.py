@@ -57,10 +57,13 @@ class Key:
 
     uuid: str
     is_image: bool = True
+    cost: float = 1.0
 
 
 class Item(Protocol):
     uuid: str
+    # In image-equivalents (cost.py).
+    cost: float
 
     @property
     def is_image(self) -> bool: ...
@@ -102,13 +105,13 @@ class ExpectedFinish:
         for e in range(n):
             lane = lanes[e]
             f = fixed[e]
-            backlog = f * lane.subs + per_item[e] * lane.items
+            backlog = f * lane.subs + per_item[e] * lane.load
             if now is not None and lane.inflight:
                 backlog -= now - lane.busy_since
                 if backlog < 0.0:
                     backlog = 0.0
             finish.append(backlog)
-            opening.append(f + per_item[e])
+            opening.append(f)
             load += lane.subs
         load = load / n if adaptive else 0.0
         penalty = [load * f for f in fixed]
@@ -125,15 +128,16 @@ class ExpectedFinish:
         scores = [0.0] * n
         for item in items:
             image = item.is_image
+            cost = item.cost
             lowest, slack = math.inf, 0.0
             for step in range(n):
                 e = order[step]
                 k = open_items[e]
                 if image and k and (not cap or k < cap):
-                    done = finish[e] + per_item[e]
+                    done = finish[e] + per_item[e] * cost
                     score = done if done > request_finish else request_finish
                 else:
-                    done = finish[e] + opening[e]
+                    done = finish[e] + opening[e] + per_item[e] * cost
                     score = (done if done > request_finish else request_finish) + penalty[e]
                 scores[step] = score
                 if score < lowest:
@@ -147,7 +151,7 @@ class ExpectedFinish:
             best, best_score = order[step], scores[step]
             k = open_items[best]
             best_opens = not image or not k or (cap > 0 and k >= cap)
-            best_finish = finish[best] + (opening[best] if best_opens else per_item[best])
+            best_finish = finish[best] + (opening[best] if best_opens else 0.0) + per_item[best] * cost
             if home is not None:
                 uuid = item.uuid
                 seen = home.get(uuid)
@@ -163,12 +167,13 @@ class ExpectedFinish:
                         if h is not None:
                             k = open_items[h]
                             opens = not image or not k or (cap > 0 and k >= cap)
-                            done = finish[h] + (opening[h] if opens else per_item[h])
+                            done = finish[h] + (opening[h] if opens else 0.0) + per_item[h] * cost
                             score = (done if done > request_finish else request_finish) + (penalty[h] if opens else 0.0)
-                            saving = REPEAT_SAVING * per_item[h] * (1.0 + min(load, REPEAT_SAVING_LOAD_CAP))
+                            saving = REPEAT_SAVING * per_item[h] * cost * (1.0 + min(load, REPEAT_SAVING_LOAD_CAP))
                             if score - saving <= best_score or (
                                 # Costing no more sub-requests than the best: bounded by load alone.
-                                (best_opens or not opens) and done <= HOT_BOUND * sum(finish) / n + opening[h]
+                                (best_opens or not opens)
+                                and done <= HOT_BOUND * sum(finish) / n + opening[h] + per_item[h] * cost
                             ):
                                 best, best_finish, best_opens = h, done, opens
                         home[uuid] = candidates[best]

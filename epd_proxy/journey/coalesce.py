@@ -20,6 +20,7 @@ from epd_proxy.calls.upstream import Upstream
 from epd_proxy.errors import ProxyError
 from epd_proxy.fleet.backends import Instance
 from epd_proxy.fleet.lanes import BUSY_INFLIGHT, Lane
+from epd_proxy.fleet.stalls import overdue_after
 from epd_proxy.journey.extract import MediaItem
 from epd_proxy.journey.match import split_params
 from epd_proxy.journey.subrequest import (
@@ -45,7 +46,7 @@ LOOP_LAG_S = 0.1
 
 
 class Overdue:
-    """Calls `fire` once a sub-request is `after` seconds old (lanes.Lane.overdue_after)."""
+    """Calls `fire` once a sub-request is `after` seconds old (stalls.overdue_after)."""
 
     __slots__ = ("_loop", "_after", "_fire", "_due", "_handle")
 
@@ -72,14 +73,23 @@ class Overdue:
 class SendAlone(Exception):
     """A group that waited to share a sub-request goes out on its own instead: it waited longer
     than its encoder's backlog explains (`cause` None), or the shared sub-request it was in failed
-    (`cause`), so that one request's bad image never fails another's. `moved`: its encoder left,
-    was ejected or stalls, so it goes to another. `verdict` hears how it fared alone."""
+    (`cause`), so that one request's bad image never fails another's. `moved`: it waited for an
+    encoder that left, was ejected or stalls, so it goes to another. `overdue`: the sub-request
+    it was in was cancelled that many seconds after it was sent, far past its expected time
+    (stalls.py): it goes to another encoder as a failover. `verdict` hears how it fared alone."""
 
-    def __init__(self, cause: ProxyError | None = None, verdict: Verdict | None = None, moved: bool = False) -> None:
+    def __init__(
+        self,
+        cause: ProxyError | None = None,
+        verdict: Verdict | None = None,
+        moved: bool = False,
+        overdue: float | None = None,
+    ) -> None:
         super().__init__(cause.message if cause is not None else "sent on its own")
         self.cause = cause
         self.verdict = verdict
         self.moved = moved
+        self.overdue = overdue
 
 
 class Verdict:
@@ -125,6 +135,8 @@ class Work:
     dumps: Dumps
     future: asyncio.Future
     priority: int = 0
+    # Times its group was moved off an encoder where it was far overdue.
+    moves: int = 0
     batch: Batch | None = None
     timer: asyncio.TimerHandle | None = None
     # Its request's span of the wait (tracing on), which the sub-request that carries it links to.
@@ -134,6 +146,10 @@ class Work:
     @property
     def size(self) -> int:
         return len(self.items)
+
+    @property
+    def cost(self) -> float:
+        return sum(item.cost for item in self.items)
 
     def move(self) -> None:
         if self.timer is not None:
@@ -172,7 +188,7 @@ class Coalescer:
     async def wait_to_share(self, lane: Lane, work: Work) -> Encoded:
         # A healthy encoder works off its backlog in about the estimated time; one that stalls
         # (its sub-requests running into the timeout) must not hold queued groups behind it.
-        patience = lane.patience(work.size)
+        patience = lane.patience(work.cost)
         if self.options.timeouts.total is not None:
             patience = min(patience, self.options.timeouts.total / 4)
         lane.queued(work)
@@ -239,9 +255,10 @@ class Coalescer:
         it failed."""
         works = batch.works
         items = [item for work in works for item in work.items]
+        cost = sum(work.cost for work in works)
         if batch.live == 0:
             # Every request in it went away before it left: nothing to send.
-            lane.finished(len(items), 0.0, None)
+            lane.finished(cost, 0.0, None)
             batch.done = True
             return
         batch.sending = True
@@ -252,7 +269,7 @@ class Coalescer:
         for work in works:
             self.metrics.share_wait.observe(sent - work.queued_at)
         done = None
-        watch = self._watch(lane, encoder, batch, len(items), head.consumer_zmq is None)
+        watch = self._watch(lane, encoder, batch, cost, head.consumer_zmq is None)
         try:
             try:
                 if shared:
@@ -325,7 +342,7 @@ class Coalescer:
                 watch.cancel()
             if shared:
                 lane.shared.pop(request_id, None)
-            lane.finished(len(items), sent, done)
+            lane.finished(cost, sent, done)
             batch.done = True
         if shared:
             lane.shared_ok(len(items))
@@ -340,24 +357,26 @@ class Coalescer:
                 work.trace.coalesced += 1
             work.future.set_result(Encoded(encoder, params, ids))
 
-    def _watch(self, lane: Lane, encoder: Instance, batch: Batch, items: int, movable: bool):
-        """A timer for a sub-request far past its expected time (lanes.Lane.overdue_after)."""
-        after = lane.overdue_after(items, self.options.timeouts.total)
+    def _watch(self, lane: Lane, encoder: Instance, batch: Batch, cost: float, movable: bool):
+        """A timer for a sub-request far past its expected time (stalls.overdue_after), by its
+        most moved member's count."""
+        moves = max(work.moves for work in batch.works)
+        after = overdue_after(lane, cost, self.options.timeouts.total, moves)
         if after is None:
             return None
-        return Overdue(after, lambda: self._overdue(lane, encoder, batch, items, movable))
+        return Overdue(after, lambda: self._overdue(lane, encoder, batch, after, movable))
 
-    def _overdue(self, lane: Lane, encoder: Instance, batch: Batch, items: int, movable: bool) -> None:
+    def _overdue(self, lane: Lane, encoder: Instance, batch: Batch, after: float, movable: bool) -> None:
         if batch.done:
             return
-        elsewhere = self.stalled(lane, encoder, items)
+        elsewhere = self.stalled(lane, encoder, sum(work.size for work in batch.works))
         if not (elsewhere and movable):
             return  # a Mooncake push may still arrive under these transfer ids: never sent twice
         # Its members go elsewhere (the same uuids give the same embeddings), before their
         # own budgets run out; the stuck call ends for no one.
         batch.abandoned = True
         for work in batch.works:
-            _settle(work, SendAlone(moved=True))
+            _settle(work, SendAlone(overdue=after))
         if batch.task is not None:
             batch.task.cancel()
 

@@ -21,6 +21,7 @@ from epd_proxy.errors import BackendUnreachable, ProxyError
 from epd_proxy.fleet.backends import Instance
 from epd_proxy.fleet.lanes import BUSY_INFLIGHT, Lane, Lanes, coalesce_key
 from epd_proxy.fleet.routing import RoutingPolicy
+from epd_proxy.fleet.stalls import laggards, overdue_after, progressed_elsewhere
 from epd_proxy.journey.coalesce import Coalescer, Overdue, SendAlone, Work
 from epd_proxy.journey.extract import MediaItem
 from epd_proxy.journey.plan import EncoderGroup
@@ -41,9 +42,10 @@ log = logging.getLogger("epd_proxy.encode")
 
 
 class EncodeStep:
-    """A group that fails with a transport error, timeout or 5xx is sent again to the least busy
-    other encoder (up to `failovers` times); one that still fails cancels the others and fails
-    the attempt.
+    """A group that fails with a transport error, timeout or 5xx, or whose sub-request is far
+    past its expected time (stalls.py), is sent again to another encoder: up to `failovers`
+    times in all. One that still fails, or is overdue with no failover left, cancels the others
+    and fails the attempt.
 
     Where the items go is the policy's (scheduler.ExpectedFinish by default). With `coalesce`, an
     image group bound for a busy encoder (lanes.BUSY_INFLIGHT of this proxy's sub-requests in
@@ -95,6 +97,18 @@ class EncodeStep:
                 503, "the request has media but no encoder is live", stage="route", error_type="service_unavailable"
             )
         now = self.clock()
+        for lane in laggards(self.lanes, [self.lanes.of(e) for e in encoders], now):
+            # Cheap to be wrong about: no placements and its queue moves, nothing is cancelled
+            # or counted against its health, and its next answer clears it.
+            if lane.stalled(now):
+                log.warning(
+                    "encoder %s: nothing answered for %.1f s while another encoder answers or sits idle; no "
+                    "new placements there until it answers",
+                    lane.url,
+                    now - lane.busy_since,
+                )
+            self.metrics.stalls.labels(lane.url).inc()
+            lane.evict()
         if self.lanes.avoided(now):
             encoders = [e for e in encoders if not self.lanes.of(e).avoid(now)] or encoders
         if self._place is None:
@@ -136,6 +150,8 @@ class EncodeStep:
         group_items = [items[i] for i in group.indices]
         encoder = group.encoder
         tried: list[Instance] = []
+        # Times it was moved off an encoder where it was far overdue: each doubles its overdue time.
+        moves = 0
         # Only the first send to an encoder may wait to share; a resend goes out at once, alone.
         shareable = key is not None and all(item.is_image for item in group_items)
         share = shareable
@@ -148,18 +164,27 @@ class EncodeStep:
                     lane = self.lanes.of(encoder)
                     if lane.inflight >= BUSY_INFLIGHT:
                         future = asyncio.get_running_loop().create_future()
-                        work = Work(key, group_items, body, consumer_zmq, trace, dumps, future, _priority(body))
+                        work = Work(key, group_items, body, consumer_zmq, trace, dumps, future, _priority(body), moves)
                         return await self.coalescer.wait_to_share(lane, work)
-                encoded = await self._send_alone(
-                    encoder, group_items, group_items[0].index, body, consumer_zmq, trace, dumps
-                )
+                encoded = await self._send_alone(encoder, group_items, body, consumer_zmq, trace, dumps, moves)
             except SendAlone as alone:
                 if verdict is not None:
                     verdict.heard(alone)
                 verdict = alone.verdict
                 exc = alone.cause
                 tried.pop()
-                if alone.moved or encoder not in self.live():
+                if alone.overdue is not None:
+                    # Cancelled far past its expected time: another encoder, as a failover.
+                    tried.append(encoder)
+                    if len(tried) > self.options.failovers:
+                        raise _overdue_error(encoder, len(group_items), alone.overdue, moves) from None
+                    moves += 1
+                    fallback = self._elsewhere(encoder)
+                    why = f"no answer within {alone.overdue:.1f} s, far past its expected time"
+                    self._note_failover(trace, encoder, why, len(group_items), fallback)
+                    encoder = fallback
+                    share = shareable
+                elif alone.moved or encoder not in self.live():
                     # Its encoder left, was ejected or stalls: elsewhere, sharing there if busy.
                     encoder = self._elsewhere(encoder)
                     share = shareable
@@ -169,7 +194,7 @@ class EncodeStep:
                     tried.append(encoder)
                     fallback = self._failover_target(tried)
                     if fallback is not None:
-                        self._note_failover(trace, encoder, exc, len(group_items), fallback)
+                        self._note_failover(trace, encoder, exc.message, len(group_items), fallback)
                         encoder = fallback
                     else:
                         tried.pop()
@@ -184,7 +209,7 @@ class EncodeStep:
                 fallback = self._failover_target(tried) if worth_retrying else None
                 if fallback is None:
                     raise
-                self._note_failover(trace, encoder, exc, len(group_items), fallback)
+                self._note_failover(trace, encoder, exc.message, len(group_items), fallback)
                 encoder = fallback
             except BaseException as exc:
                 if verdict is not None:
@@ -211,9 +236,11 @@ class EncodeStep:
         return min(trusted, key=lambda e: self.lanes.of(e).subs)
 
     def _stalled(self, lane: Lane, encoder: Instance, items: int) -> bool:
-        """A sub-request there is far overdue: the encoder is suspect until it answers again, its
-        queued groups move, and health counts it as a gateway failure. Whether another encoder
-        is live to move the stuck work to."""
+        """A sub-request there is far overdue: the encoder is suspect until it answers again and
+        its queued groups move. Health counts it as a gateway failure only if another encoder
+        turned round later work meanwhile (an item slow everywhere is no encoder's fault).
+        Whether another encoder is live to move the stuck work to."""
+        live = self.live()
         if lane.stalled(self.clock()):
             log.warning(
                 "encoder %s: a sub-request of %d item(s) is far past its expected time; no new placements "
@@ -222,16 +249,17 @@ class EncodeStep:
                 items,
             )
         self.metrics.stalls.labels(encoder.url).inc()
-        self.health_stalled(encoder)
+        if progressed_elsewhere([self.lanes.of(e) for e in live], lane):
+            self.health_stalled(encoder)
         lane.evict()
-        return any(e is not encoder for e in self.live())
+        return any(e is not encoder for e in live)
 
-    def _note_failover(self, trace: Trace, encoder: Instance, exc: ProxyError, count: int, fallback: Instance) -> None:
+    def _note_failover(self, trace: Trace, encoder: Instance, why: str, count: int, fallback: Instance) -> None:
         log.warning(
             "request %s: encoder %s failed (%s); retrying its %d item(s) on %s",
             trace.request_id,
             encoder.url,
-            exc.message,
+            why,
             count,
             fallback.url,
         )
@@ -242,11 +270,11 @@ class EncodeStep:
         self,
         encoder: Instance,
         group_items: list[MediaItem],
-        first_index: int,
         body: dict[str, Any],
         consumer_zmq: str | None,
         trace: Trace,
         dumps: Dumps,
+        moves: int,
     ) -> Encoded:
         """One group as its own sub-request, from the request's own task (so its cancellation
         cancels the sub-request)."""
@@ -262,10 +290,11 @@ class EncodeStep:
         self.metrics.encoder_subrequests.labels(encoder.url).inc()
         self.metrics.items_per_subrequest.observe(len(group_items))
         lane = self.lanes.of(encoder)
+        cost = sum(item.cost for item in group_items)
         sent = self.clock()
-        lane.started(len(group_items), sent)
+        lane.started(cost, sent)
         done = None
-        after = lane.overdue_after(len(group_items), self.options.timeouts.total)
+        after = overdue_after(lane, cost, self.options.timeouts.total, moves)
         task = asyncio.current_task()
         moving: list[bool] = []
 
@@ -286,7 +315,7 @@ class EncodeStep:
                         self.upstream,
                         encoder,
                         payload,
-                        self.ids.child_request_id(trace.request_id, first_index),
+                        self.ids.child_request_id(trace.request_id, group_items[0].index),
                         self.options.timeouts,
                     ),
                     trace,
@@ -294,12 +323,12 @@ class EncodeStep:
             done = self.clock()
         except asyncio.CancelledError:
             if moving and task.uncancel() == 0:
-                raise SendAlone(moved=True) from None
+                raise SendAlone(overdue=after) from None
             raise
         finally:
             if watch is not None:
                 watch.cancel()
-            lane.finished(len(group_items), sent, done)
+            lane.finished(cost, sent, done)
             if lane.waiting:
                 self.coalescer.drain(lane, encoder)
         trace.subrequest_share += 1.0
@@ -312,6 +341,16 @@ class EncodeStep:
         if not others:
             return None
         return min(others, key=lambda e: e.inflight)
+
+
+def _overdue_error(encoder: Instance, items: int, after: float, moves: int) -> BackendUnreachable:
+    return BackendUnreachable(
+        f"encoder sub-request of {items} item(s) unanswered after {after:.1f} s, far past its expected time, "
+        f"with no failover left ({moves} move(s) to other encoders; --encoder-failovers)",
+        stage="encode",
+        backend=encoder.url,
+        timed_out=True,
+    )
 
 
 async def _all_or_first_failure(coros: list) -> list:

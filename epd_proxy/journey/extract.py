@@ -23,6 +23,7 @@ import blake3
 import orjson
 
 from epd_proxy.errors import BadRequest
+from epd_proxy.fleet.cost import request_costs
 from epd_proxy.journey.dataurl import canonical_media_url
 from epd_proxy.journey.splice import LIFT_MIN_BYTES, Spliced, lift
 
@@ -89,6 +90,8 @@ class MediaItem:
     # Whether the consumer gets this item under the proxy's uuid. An Anthropic image block has no
     # field for one, so there the encoder must name the item by its content, as the consumer will.
     named: bool = True
+    # What it costs an encoder, in image-equivalents (fleet/cost.py).
+    cost: float = 1.0
 
     @property
     def is_image(self) -> bool:
@@ -277,8 +280,11 @@ class PartReader:
     # A Responses body keeps an `input_image` part in its own shape (its SDK types take no
     # `image_url` part); chat forwards it as the `image_url` part vLLM reads it as.
     keep_input_image: bool = False
+    # The body whose options price its media (fleet/cost.py), read at its first media item.
+    body: dict[str, Any] | None = None
     items: list[MediaItem] = field(default_factory=list)
     replaced: dict[Place, Any] = field(default_factory=dict)
+    _costs: dict[str, float] | None = None
 
     def read(self, parts: list[Any], entry: int, name: str, where: str) -> None:
         """Read `parts`, the list at `entries[entry][name]`, called `where` in errors."""
@@ -314,7 +320,11 @@ class PartReader:
             uuid = content_uuid(media, item_kind, self.lifted, self.options.digest)
             if "uuid" in media:  # trusted but unusable: the proxy's identity replaces it
                 media = _without_uuid(media)
-        self.items.append(MediaItem(len(self.items), item_kind, media, uuid, place))
+        if self._costs is None:
+            self._costs = request_costs(self.body or {})
+        self.items.append(
+            MediaItem(len(self.items), item_kind, media, uuid, place, cost=self._costs.get(item_kind, 1.0))
+        )
         if not (self.keep_input_image and kind == "input_image"):
             return media
         if "uuid" in part and uuid != client_uuid:
@@ -336,7 +346,7 @@ def normalise_request(
     """Validate the chat body, read every message's content parts (`PartReader`: vLLM parses
     the content of every role, a tool message's too) and collect the media."""
     messages = _check_top_level(body, options.trust_client_fields)
-    reader = PartReader(options, lifted)
+    reader = PartReader(options, lifted, body=body)
     for m, message in enumerate(messages):
         if not isinstance(message, dict):
             raise BadRequest(f"messages[{m}] must be an object")

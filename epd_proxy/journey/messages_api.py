@@ -19,6 +19,7 @@ import orjson
 
 from epd_proxy.calls.sse import named_event
 from epd_proxy.errors import BadRequest, ProxyError
+from epd_proxy.fleet.cost import request_costs
 from epd_proxy.journey.doors import Door, Relayed, error_fields, with_handles
 from epd_proxy.journey.extract import (
     MediaItem,
@@ -80,6 +81,7 @@ def normalise_messages(
     if not isinstance(messages, list):
         return NormalisedRequest(body, [])
     items: list[MediaItem] = []
+    cost = request_costs(body)["image_url"]
     for m, message in enumerate(messages):
         # vLLM keeps only the text of a system message.
         if not isinstance(message, dict) or message.get("role") == "system":
@@ -88,7 +90,7 @@ def normalise_messages(
             options.check_media_count(len(items))
             part = {"type": "image_url", "image_url": {"url": url}}
             uuid = content_uuid(part, "image_url", lifted, options.digest)
-            items.append(MediaItem(len(items), "image_url", part, uuid, Place(m, "content", b), named=False))
+            items.append(MediaItem(len(items), "image_url", part, uuid, Place(m, "content", b), named=False, cost=cost))
     return NormalisedRequest(body, items)
 
 

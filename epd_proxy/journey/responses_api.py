@@ -97,7 +97,7 @@ def normalise_responses(
     entries = body.get("input")
     if not isinstance(entries, list):
         return NormalisedRequest(body, [])
-    reader = PartReader(options, lifted, keep_input_image=True)
+    reader = PartReader(options, lifted, keep_input_image=True, body=body)
     for m, entry in enumerate(entries):
         name = part_list(entry)
         if name is not None:

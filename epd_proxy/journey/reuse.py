@@ -79,7 +79,7 @@ def backlog_s(lane: Lane, now: float) -> float:
     until measured): what a new item would wait behind."""
     if lane.item_s is None:
         return 0.0
-    backlog = lane.fixed_s * lane.subs + lane.item_s * lane.items
+    backlog = lane.fixed_s * lane.subs + lane.item_s * lane.load
     if lane.inflight:
         backlog -= now - lane.busy_since
     return max(0.0, backlog)

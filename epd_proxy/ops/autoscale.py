@@ -108,7 +108,7 @@ class Autoscale:
             return {}
         # At the learnt speeds, stale or not: an encoder is stale only while it has nothing outstanding.
         fixed, per_item = self.lanes.costs(lanes)
-        return {lane.url: f * lane.subs + i * lane.items for lane, f, i in zip(lanes, fixed, per_item)}
+        return {lane.url: f * lane.subs + i * lane.load for lane, f, i in zip(lanes, fixed, per_item)}
 
     def sample(self) -> None:
         now = self.clock()

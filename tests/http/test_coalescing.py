@@ -213,7 +213,7 @@ async def test_a_client_leaving_while_queued_sends_nothing_and_alone_cancels_its
     await leaving.close()
     await eventually(lambda: fake.cancelled == 1, what="its sub-request cancelled")
     await asyncio.gather(*blockers)
-    await eventually(lambda: (lane.inflight, lane.subs, lane.items) == (0, 0, 0), what="nothing left counted")
+    await eventually(lambda: (lane.inflight, lane.subs, lane.load) == (0, 0, 0), what="nothing left counted")
 
 
 async def test_the_batch_cap_bounds_shared_sub_requests(make_stack):

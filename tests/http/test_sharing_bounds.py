@@ -10,6 +10,7 @@ import logging
 import pytest
 
 from epd_proxy.fleet import lanes as lanes_module
+from epd_proxy.fleet import stalls
 from epd_proxy.tools.testing.fake_vllm import Costs
 from epd_proxy.tools.testing.polling import eventually
 from tests.http.test_coalescing import answer_of, busy_encoder, lanes, queue_behind, shared_subrequests, uuids_of
@@ -170,7 +171,7 @@ async def first_encoder_warmed(stack, proxy, *, delay_s, rounds):
 @pytest.mark.parametrize("how", ["left", "ejected"])
 async def test_groups_queued_for_an_encoder_that_goes_move_at_once(make_stack, how, monkeypatch):
     # Its stuck calls move at the overdue floor, well before a health check could bring it back.
-    monkeypatch.setattr(lanes_module, "OVERDUE_FLOOR_S", 1.0)
+    monkeypatch.setattr(stalls, "OVERDUE_FLOOR_S", 1.0)
     stack = await make_stack(encoders=2, max_ejection_percent=50)
     gone, other = stack.encoders
     proxy = stack.state
@@ -198,7 +199,7 @@ async def test_groups_queued_for_an_encoder_that_goes_move_at_once(make_stack, h
 async def test_a_stalled_encoder_turns_suspect_its_work_moves_and_it_comes_back(make_stack, monkeypatch):
     monkeypatch.setattr(lanes_module, "SUSPECT_HOLD_S", 0.5)
     # The floor is sized for real CPU engines; the mechanism is the same at 1 s.
-    monkeypatch.setattr(lanes_module, "OVERDUE_FLOOR_S", 1.0)
+    monkeypatch.setattr(stalls, "OVERDUE_FLOOR_S", 1.0)
     stack = await make_stack(encoders=2, encode_timeout_s=30.0)
     stuck, healthy = stack.encoders
     proxy = stack.state

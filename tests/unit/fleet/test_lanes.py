@@ -13,8 +13,6 @@ from hypothesis import strategies as st
 
 from epd_proxy.fleet.lanes import (
     COALESCE_TARGET_ITEMS,
-    OVERDUE_FACTOR,
-    OVERDUE_FLOOR_S,
     PAUSE_FLOOR_S,
     PAUSE_MAX_S,
     PRIOR_FIXED_RATIO,
@@ -27,6 +25,7 @@ from epd_proxy.fleet.lanes import (
     take_batch,
 )
 from epd_proxy.fleet.scheduler import ExpectedFinish, Key
+from epd_proxy.fleet.stalls import OVERDUE_FACTOR, OVERDUE_FLOOR_S, overdue_after
 from epd_proxy.journey.subrequest import FORWARDED_FIELDS
 from tests.unit.fleet.test_scheduler import fleet, serve
 
@@ -36,7 +35,7 @@ def test_a_serial_encoder_is_measured_by_the_time_between_its_answers():
     serve(lane, [1, 4, 2, 8, 3] * 10, per_item_s=0.010)
     assert lane.item_s == pytest.approx(0.010, rel=1e-6)
     assert lane.fixed_s == pytest.approx(PRIOR_FIXED_RATIO * 0.010, rel=1e-6)
-    assert (lane.inflight, lane.subs, lane.items) == (0, 0, 0)
+    assert (lane.inflight, lane.subs, lane.load) == (0, 0, 0)
 
 
 def test_a_three_times_slower_encoder_is_estimated_three_times_slower():
@@ -59,7 +58,7 @@ def test_a_failed_sub_request_teaches_nothing_but_is_counted_out():
     lane = Lane("e")
     lane.started(3)
     lane.finished(3, 0.0, None)
-    assert (lane.item_s, lane.samples, lane.inflight, lane.subs, lane.items) == (None, 0, 0, 0, 0)
+    assert (lane.item_s, lane.samples, lane.inflight, lane.subs, lane.load) == (None, 0, 0, 0, 0)
 
 
 def test_an_encoder_slow_once_and_left_idle_gets_work_again_and_is_measured_afresh():
@@ -123,6 +122,10 @@ class W:
     priority: int = 0
     moved: bool = False
 
+    @property
+    def cost(self) -> float:
+        return float(self.size)
+
     def move(self) -> None:
         self.moved = True
 
@@ -158,11 +161,11 @@ def test_lane_batches_count_one_sub_request_and_the_cap_wins():
     lane = Lane("e")
     for size in (2, 2, 2, 2, 2):
         lane.queued(W(b"k", size))
-    assert (lane.subs, lane.items) == (5, 10)
+    assert (lane.subs, lane.load) == (5, 10)
     batch = lane.next_batch(0)
-    assert len(batch) == 4 and (lane.subs, lane.items, lane.inflight, lane.inflight_items) == (2, 10, 1, 8)
+    assert len(batch) == 4 and (lane.subs, lane.load, lane.inflight, lane.inflight_load) == (2, 10, 1, 8)
     lane.finished(8, 0.0, 1.0)
-    assert (lane.subs, lane.items, lane.inflight, lane.inflight_items) == (1, 2, 0, 0)
+    assert (lane.subs, lane.load, lane.inflight, lane.inflight_load) == (1, 2, 0, 0)
     assert len(lane.next_batch(1)) == 1, "the batch cap wins"
 
 
@@ -216,7 +219,7 @@ def test_an_encoder_that_goes_hands_every_waiting_group_on():
     for work in works:
         lane.queued(work)
     lanes.ejected(encoder.url)
-    assert all(work.moved for work in works) and not lane.waiting and (lane.subs, lane.items) == (0, 0)
+    assert all(work.moved for work in works) and not lane.waiting and (lane.subs, lane.load) == (0, 0)
     lane.queued(W(b"k", 1))
     lanes.left(encoder)
     assert lane.gone and not lane.waiting
@@ -225,13 +228,13 @@ def test_an_encoder_that_goes_hands_every_waiting_group_on():
 def test_a_sub_request_far_past_its_expected_time_is_overdue_but_never_during_a_cold_start():
     lane = Lane("e")
     lane.started(1, 0.0)
-    assert lane.overdue_after(1, 300.0) is None, "nothing known of its speed yet"
+    assert overdue_after(lane, 1, 300.0) is None, "nothing known of its speed yet"
     lane.finished(1, 0.0, 0.010)
     lane.started(4, 1.0)
     lane.started(4, 1.0)
     expected = lane.fixed_s * 2 + lane.item_s * 8
-    assert lane.overdue_after(4, 300.0) == max(OVERDUE_FLOOR_S, OVERDUE_FACTOR * expected) == OVERDUE_FLOOR_S
-    assert lane.overdue_after(4, 1.0) == 0.75, "always before the encode timeout"
+    assert overdue_after(lane, 4, 300.0) == max(OVERDUE_FLOOR_S, OVERDUE_FACTOR * expected) == OVERDUE_FLOOR_S
+    assert overdue_after(lane, 4, 1.0) == 0.75, "always before the encode timeout"
     due = 1.0 + OVERDUE_FLOOR_S
     assert lane.stalled(due) and not lane.stalled(due + 0.5), "suspect once"
     assert lane.avoid(due + 0.5 + SUSPECT_HOLD_S - 0.01) and not lane.avoid(due + 0.5 + SUSPECT_HOLD_S)

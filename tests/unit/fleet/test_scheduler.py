@@ -115,6 +115,7 @@ def test_audio_and_video_cost_a_sub_request_wherever_they_go():
     class Item:
         uuid: str
         is_image: bool
+        cost: float = 1.0
 
     encoders = fleet(2)
     policy = loaded_without_affinity(encoders)
@@ -163,7 +164,7 @@ def test_a_hot_image_cannot_overload_its_home():
         policy.lanes.of(pick).started(1)  # nothing finishes: the backlog only grows
         homes[pick.url] += 1
     assert len(homes) == 4
-    load = [policy.lanes.of(e).items for e in encoders]
+    load = [policy.lanes.of(e).load for e in encoders]
     assert max(load) <= 1.25 * sum(load) / 4 + 2, load
 
 

@@ -109,7 +109,7 @@ def test_as_last_resort_nothing_is_encoded():
 def measured_lane(item_s: float, items: int, *, inflight: int = 0, busy_since: float = 0.0) -> Lane:
     lane = Lane("http://e")
     lane.item_s, lane.fixed_s = item_s, item_s * 0.35
-    lane.subs, lane.items, lane.inflight, lane.busy_since = 1, items, inflight, busy_since
+    lane.subs, lane.load, lane.inflight, lane.busy_since = 1, items, inflight, busy_since
     return lane
 
 
@@ -231,7 +231,7 @@ async def test_with_every_encoder_swamped_the_consumer_encodes_and_a_flag_turns_
         journey = Journey(encode_urls=(E1, E2), consumer_encode=allowed, consumer_encode_after_s=1.0)
         for encoder in journey.fleet.members(ENCODE):
             lane = journey.pipeline.encode.lanes.of(encoder)
-            lane.item_s, lane.fixed_s, lane.subs, lane.items = 0.1, 0.035, 2, 20
+            lane.item_s, lane.fixed_s, lane.subs, lane.load = 0.1, 0.035, 2, 20
         journey.script(PD, STREAM)
         if not allowed:
             journey.script(E1, json_reply({"ec_transfer_params": {}}))
