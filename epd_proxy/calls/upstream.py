@@ -28,6 +28,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from epd_proxy.calls.answer import (
+    BEFORE_SENDING,
     BROKEN,
     CONNECT_TIMEOUT,
     HEADERS_TIMEOUT,
@@ -53,6 +54,7 @@ CONTEXT_HEADERS: ContextVar[Mapping[str, str] | None] = ContextVar("context_head
 
 # The layer's whole vocabulary, so a caller imports the backend calls from one place.
 __all__ = [
+    "BEFORE_SENDING",
     "BODY_TOO_LARGE",
     "BROKEN",
     "CONNECT_TIMEOUT",
@@ -247,8 +249,15 @@ class Upstream:
         head.append(b"\r\n")
         request = [b"".join(head), *parts]
         fresh = False
+        # Whether any try wrote a byte: a request resent on a fresh connection may already have
+        # been read on the one that closed.
+        sent = False
         while True:
-            conn = await self._connection(call, origin, fresh)
+            try:
+                conn = await self._connection(call, origin, fresh)
+            except NoAnswer as failure:
+                failure.sent = sent
+                raise
             self._in_use += 1
             conn.begin(call.stage, max_body)
             limit, reported = call.budget(call.timeouts.headers)
@@ -266,13 +275,14 @@ class Upstream:
                 return conn
             except Closed as closed:
                 self.give_back(url, conn, False)
+                sent = sent or conn.wrote
                 if conn.reused and not closed.answered and not fresh and (idempotent or not conn.wrote):
                     fresh = True  # the backend dropped an idle connection just as we took it
                     continue
-                raise call.failure(kind_of(closed), closed.detail) from None
+                raise call.failure(kind_of(closed), closed.detail, sent=sent) from None
             except TimeoutError:
                 self.give_back(url, conn, False)
-                raise call.failure(HEADERS_TIMEOUT, "", reported) from None
+                raise call.failure(HEADERS_TIMEOUT, "", reported, sent=sent or conn.wrote) from None
             except BaseException:
                 self.give_back(url, conn, False)
                 raise
