@@ -73,13 +73,21 @@ class SendAlone(Exception):
     """A group that waited to share a sub-request goes out on its own instead: it waited longer
     than its encoder's backlog explains (`cause` None), or the shared sub-request it was in failed
     (`cause`), so that one request's bad image never fails another's. `moved`: its encoder left,
-    was ejected or stalls, so it goes to another. `verdict` hears how it fared alone."""
+    was ejected or stalls, so it goes to another; `stalled`: the encoder had its media and let the
+    sub-request run far past its expected time. `verdict` hears how it fared alone."""
 
-    def __init__(self, cause: ProxyError | None = None, verdict: Verdict | None = None, moved: bool = False) -> None:
+    def __init__(
+        self,
+        cause: ProxyError | None = None,
+        verdict: Verdict | None = None,
+        moved: bool = False,
+        stalled: bool = False,
+    ) -> None:
         super().__init__(cause.message if cause is not None else "sent on its own")
         self.cause = cause
         self.verdict = verdict
         self.moved = moved
+        self.stalled = stalled
 
 
 class Verdict:
@@ -357,7 +365,7 @@ class Coalescer:
         # own budgets run out; the stuck call ends for no one.
         batch.abandoned = True
         for work in batch.works:
-            _settle(work, SendAlone(moved=True))
+            _settle(work, SendAlone(moved=True, stalled=True))
         if batch.task is not None:
             batch.task.cancel()
 

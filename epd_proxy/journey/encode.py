@@ -24,6 +24,7 @@ from epd_proxy.fleet.routing import RoutingPolicy
 from epd_proxy.journey.coalesce import Coalescer, Overdue, SendAlone, Work
 from epd_proxy.journey.extract import MediaItem
 from epd_proxy.journey.plan import EncoderGroup
+from epd_proxy.journey.reuse import failed_holding_media
 from epd_proxy.journey.subrequest import (
     FORWARDED_FIELDS,
     Dumps,
@@ -158,6 +159,8 @@ class EncodeStep:
                     verdict.heard(alone)
                 verdict = alone.verdict
                 exc = alone.cause
+                if alone.stalled or failed_holding_media(exc):
+                    _failed_holding_media(trace, encoder)
                 tried.pop()
                 if alone.moved or encoder not in self.live():
                     # Its encoder left, was ejected or stalls: elsewhere, sharing there if busy.
@@ -180,6 +183,8 @@ class EncodeStep:
                 if verdict is not None:
                     verdict.heard(exc)
                     verdict = None
+                if failed_holding_media(exc):
+                    _failed_holding_media(trace, encoder)
                 worth_retrying = isinstance(exc, BackendUnreachable) or exc.status >= 500
                 fallback = self._failover_target(tried) if worth_retrying else None
                 if fallback is None:
@@ -294,7 +299,7 @@ class EncodeStep:
             done = self.clock()
         except asyncio.CancelledError:
             if moving and task.uncancel() == 0:
-                raise SendAlone(moved=True) from None
+                raise SendAlone(moved=True, stalled=True) from None
             raise
         finally:
             if watch is not None:
@@ -312,6 +317,12 @@ class EncodeStep:
         if not others:
             return None
         return min(others, key=lambda e: e.inflight)
+
+
+def _failed_holding_media(trace: Trace, encoder: Instance) -> None:
+    """Remembered for the rest of the request: its media are not handed to a consumer."""
+    if trace.media_failed_on is None:
+        trace.media_failed_on = encoder.url
 
 
 async def _all_or_first_failure(coros: list) -> list:
