@@ -10,8 +10,10 @@ import base64
 
 import pytest
 
+from epd_proxy.fleet import lanes as lanes_module
 from epd_proxy.fleet.backends import PREFILL_DECODE
 from epd_proxy.tools.testing.polling import eventually
+from tests.http.test_sharing_bounds import first_encoder_warmed
 from tests.media import chat, conversation, image, video
 
 HOSTILE_TYPE = "At most 0 x"
@@ -148,3 +150,18 @@ async def test_encoders_refusing_connections_leave_the_media_to_the_pd(make_stac
     status, answer = await status_of(stack, chat(image("fine")))
     assert status == 200, answer
     assert raw_media(stack.pd) == 1 and stack.pd.encoded_locally == 1
+
+
+async def test_media_moved_off_a_stalled_encoder_never_reach_the_pd(make_stack, monkeypatch):
+    # The overdue floor is sized for real CPU engines; the mechanism is the same at 1 s.
+    monkeypatch.setattr(lanes_module, "OVERDUE_FLOOR_S", 1.0)
+    stack = await make_stack(encoders=2, decoders=1, encode_timeout_s=30.0)
+    await first_encoder_warmed(stack, stack.state, delay_s=0.05, rounds=4)
+    stuck, _ = stack.encoders
+    stuck.faults.delay_s = 60.0  # reads the media and never answers in time
+    await stack.servers[1].close()  # the other encoder refuses connections
+    before = len(stack.pd.requests)
+    status, answer = await status_of(stack, chat(image("hangs")))
+    assert status in (502, 504), answer
+    assert answer["error"]["stage"] == "encode"
+    assert len(stack.pd.requests) == before
