@@ -253,11 +253,7 @@ class Upstream:
         # been read on the one that closed.
         sent = False
         while True:
-            try:
-                conn = await self._connection(call, origin, fresh)
-            except NoAnswer as failure:
-                failure.sent = sent
-                raise
+            conn = await self._connection(call, origin, fresh, sent)
             self._in_use += 1
             conn.begin(call.stage, max_body)
             limit, reported = call.budget(call.timeouts.headers)
@@ -287,7 +283,9 @@ class Upstream:
                 self.give_back(url, conn, False)
                 raise
 
-    async def _connection(self, call: Call, origin: _Origin, fresh: bool) -> Connection:
+    async def _connection(self, call: Call, origin: _Origin, fresh: bool, sent: bool) -> Connection:
+        """A pooled connection unless `fresh`, else a new one; `sent`: an earlier try of this call
+        already wrote its request, which a failure to connect now does not undo."""
         idle = origin.idle
         if idle and not fresh:
             oldest_allowed = time.monotonic() - (self.keep_alive_s or 0)
@@ -311,9 +309,9 @@ class Upstream:
                     server_hostname=origin.host if origin.ssl else None,
                 )
         except TimeoutError:
-            raise call.failure(CONNECT_TIMEOUT, "", reported) from None
+            raise call.failure(CONNECT_TIMEOUT, "", reported, sent=sent) from None
         except OSError as exc:
-            raise call.failure(REFUSED, _describe(exc)) from None
+            raise call.failure(REFUSED, _describe(exc), sent=sent) from None
         return conn
 
     def give_back(self, url: str, conn: Connection, reuse: bool) -> None:

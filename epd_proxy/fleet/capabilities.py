@@ -14,9 +14,9 @@ decode, no processor and no generation.
 The probe's body is the proxy's own, so no client can put words in its answer: only these probes
 and the operator's flags (`--no-raw-media`, `--text-only-consumers`) decide what a consumer is sent
 raw. Until its probe has answered, a consumer is taken to accept every modality (vLLM's default).
-A verdict is asked again every `recheck_s`, and at once when the instance registers again; an
-answer that is neither reading (unreachable, a 5xx, something in front of vLLM) leaves the last
-verdict standing and is asked again on the next round.
+A verdict is asked again every `recheck_s`, and on the next round when the instance registers
+again; an answer that is neither reading (unreachable, a 5xx, something in front of vLLM) leaves
+the last verdict standing and is asked again on the next round.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ PROBES = {modality: orjson.dumps(probe_body(modality)) for modality in MODALITIE
 class MediaProbe:
     """Probes the consumers that are due (never answered, or answered `recheck_s` ago) and keeps
     each one's `Instance.raw_refused`. Its rounds run with the active health checks (prober.py);
-    as a registry watcher it asks an instance that registers again at once."""
+    as a registry watcher it asks an instance that registers again on the next round."""
 
     pool: Upstream
     members: Callable[[], Iterable[Instance]]
