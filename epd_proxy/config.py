@@ -9,7 +9,7 @@ from typing import Any
 
 from epd_proxy import options as options_module
 from epd_proxy.addresses import CommaList, Server, check_topology
-from epd_proxy.options import Choice, ConfigError, Count, Kind, Number, Option, Real, Seconds, Switch, Text  # noqa: F401 (ConfigError: callers catch it from here)
+from epd_proxy.options import Choice, Choices, ConfigError, Count, Kind, Number, Option, Real, Seconds, Switch, Text  # noqa: F401 (ConfigError: callers catch it from here)
 
 # Names a user may pick, here so that the configuration needs no component (which keys them by these).
 MEDIA_HASH_NAMES = ("sha256", "blake3")
@@ -18,6 +18,7 @@ SERVING_POLICIES = ("prefix_affinity", "least_loaded", "power_of_two", "round_ro
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 ROSTER_SCHEMES = ("redis", "rediss", "unix")
+MODALITIES = ("image", "audio", "video")  # vLLM's names, as in --limit-mm-per-prompt
 REFERENCE = "reference proxy flags (same meaning as vLLM's disagg_epd_proxy.py)"
 OURS = "epd-proxy flags"
 CLIENTS = "client side (slow and greedy clients)"
@@ -229,9 +230,17 @@ class Config:
     text_only_consumers: bool = option(
         False,
         Switch(True),
-        "the prefill / PD instances run with vLLM's `--language-model-only`: never send them raw media (see "
-        "[Conversations](prefix-routing.md))",
+        "the prefill / PD instances run with vLLM's `--language-model-only`: never send them raw media, as "
+        "`--no-raw-media` with every modality",
         flag="--text-only-consumers",
+    )
+    no_raw_media: tuple[str, ...] = option(
+        (),
+        Choices(MODALITIES),
+        "modalities the prefill / PD instances take no raw media of (vLLM's `--limit-mm-per-prompt` 0); the checks "
+        "also ask them, see [Conversations](prefix-routing.md#what-a-consumer-takes-raw)",
+        flag="--no-raw-media",
+        shown="none",
     )
     encoder_failovers: int = option(
         1,

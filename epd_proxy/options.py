@@ -198,6 +198,26 @@ class Choice(Kind):
         return None
 
 
+@dataclass(frozen=True)
+class Choices(Kind):
+    """A comma list of some of `choices`; empty is none."""
+
+    choices: tuple[str, ...]
+
+    @property
+    def metavar(self) -> str:
+        return "{" + ",".join(self.choices) + "},..."
+
+    def parse(self, text: str) -> tuple[str, ...]:
+        return tuple(word for word in (w.strip() for w in text.split(",")) if word)
+
+    def problem(self, value: tuple[str, ...]) -> str | None:
+        unknown = [word for word in value if word not in self.choices]
+        if unknown:
+            return f"invalid choice: {unknown[0]!r} (choose from {', '.join(self.choices)})"
+        return None
+
+
 @dataclass(frozen=True, slots=True)
 class Option:
     kind: Kind

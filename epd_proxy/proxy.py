@@ -12,8 +12,9 @@ import asyncio
 from aiohttp import web
 
 from epd_proxy.calls.upstream import Timeouts, Upstream, bearer
-from epd_proxy.config import Config
+from epd_proxy.config import MODALITIES, Config
 from epd_proxy.fleet.backends import DECODE, ENCODE, PREFILL
+from epd_proxy.fleet.capabilities import MediaProbe
 from epd_proxy.fleet.discovery import Discovery
 from epd_proxy.fleet.health import Health
 from epd_proxy.fleet.lanes import Lanes
@@ -73,7 +74,7 @@ def build_pipeline(
         reuse=config.reuse,
         consumer_encode=config.consumer_encode,
         consumer_encode_after_s=config.consumer_encode_after_s,
-        text_only_consumers=config.text_only_consumers,
+        no_raw_media=frozenset(MODALITIES if config.text_only_consumers else config.no_raw_media),
     )
 
 
@@ -179,12 +180,15 @@ class ProxyState:
         if config.probe_interval_s > 0:
             self.probes = check_pool(headers)
             self.fleet.watch(self.probes)
+            media = MediaProbe(self.probes, self.fleet.all, timeout_s=config.probe_timeout_s)
+            self.fleet.watch(media)
             self.prober = Prober(
                 self.probes,
                 self.health,
                 self.fleet.all,
                 interval_s=config.probe_interval_s,
                 timeout_s=config.probe_timeout_s,
+                media=media,
             )
             self._background.append(asyncio.create_task(self.prober.run_forever(self.forget_expired)))
         elif config.dynamic_registration and config.evicted_ttl_s > 0:

@@ -25,6 +25,8 @@ CONNECT_TIMEOUT = "connect_timeout"  # opening the connection
 HEADERS_TIMEOUT = "headers_timeout"  # waiting for the status line and headers
 IDLE_TIMEOUT = "idle_timeout"  # waiting for the next chunk of the body
 TIMEOUTS = frozenset({POOL_TIMEOUT, CONNECT_TIMEOUT, HEADERS_TIMEOUT, IDLE_TIMEOUT})
+# Kinds that end a call before any byte of its request could be written.
+BEFORE_SENDING = frozenset({REFUSED, POOL_TIMEOUT, CONNECT_TIMEOUT})
 
 _WAITING_FOR = {
     POOL_TIMEOUT: "waiting for a free connection",
@@ -35,12 +37,28 @@ _WAITING_FOR = {
 
 
 class NoAnswer(BackendUnreachable):
-    """No complete answer from a backend: 504 for a timeout, 502 otherwise, naming the stage."""
+    """No complete answer from a backend: 504 for a timeout, 502 otherwise, naming the stage.
 
-    def __init__(self, kind: str, detail: str, *, what: str, stage: str, backend: str, limit_s: float | None = None):
+    `sent`: whether any byte of the request was written, so the backend may have read it all. A
+    request never sent is safe to send anywhere else (as aiohttp and httpcore retry only those);
+    one that was sent may be what broke the backend. Unless told, it follows from the kind, and a
+    reset counts as sent."""
+
+    def __init__(
+        self,
+        kind: str,
+        detail: str,
+        *,
+        what: str,
+        stage: str,
+        backend: str,
+        limit_s: float | None = None,
+        sent: bool | None = None,
+    ):
         self.kind = kind
         self.detail = detail
         self.limit_s = limit_s
+        self.sent = kind not in BEFORE_SENDING if sent is None else sent
         timed_out = kind in TIMEOUTS
         if timed_out:
             after = f"after {limit_s:g}s " if limit_s is not None else ""
@@ -221,8 +239,10 @@ class Call:
             self.slot.release()
             self.slot = None
 
-    def failure(self, kind: str, detail: str, limit_s: float | None = None) -> NoAnswer:
-        return NoAnswer(kind, detail, what=self.what, stage=self.stage, backend=self.target.url, limit_s=limit_s)
+    def failure(self, kind: str, detail: str, limit_s: float | None = None, *, sent: bool | None = None) -> NoAnswer:
+        return NoAnswer(
+            kind, detail, what=self.what, stage=self.stage, backend=self.target.url, limit_s=limit_s, sent=sent
+        )
 
 
 def smaller(a: float | None, b: float | None) -> float | None:

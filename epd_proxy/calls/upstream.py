@@ -28,6 +28,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from epd_proxy.calls.answer import (
+    BEFORE_SENDING,
     BROKEN,
     CONNECT_TIMEOUT,
     HEADERS_TIMEOUT,
@@ -53,6 +54,7 @@ CONTEXT_HEADERS: ContextVar[Mapping[str, str] | None] = ContextVar("context_head
 
 # The layer's whole vocabulary, so a caller imports the backend calls from one place.
 __all__ = [
+    "BEFORE_SENDING",
     "BODY_TOO_LARGE",
     "BROKEN",
     "CONNECT_TIMEOUT",
@@ -247,8 +249,11 @@ class Upstream:
         head.append(b"\r\n")
         request = [b"".join(head), *parts]
         fresh = False
+        # Whether any try wrote a byte: a request resent on a fresh connection may already have
+        # been read on the one that closed.
+        sent = False
         while True:
-            conn = await self._connection(call, origin, fresh)
+            conn = await self._connection(call, origin, fresh, sent)
             self._in_use += 1
             conn.begin(call.stage, max_body)
             limit, reported = call.budget(call.timeouts.headers)
@@ -266,18 +271,21 @@ class Upstream:
                 return conn
             except Closed as closed:
                 self.give_back(url, conn, False)
+                sent = sent or conn.wrote
                 if conn.reused and not closed.answered and not fresh and (idempotent or not conn.wrote):
                     fresh = True  # the backend dropped an idle connection just as we took it
                     continue
-                raise call.failure(kind_of(closed), closed.detail) from None
+                raise call.failure(kind_of(closed), closed.detail, sent=sent) from None
             except TimeoutError:
                 self.give_back(url, conn, False)
-                raise call.failure(HEADERS_TIMEOUT, "", reported) from None
+                raise call.failure(HEADERS_TIMEOUT, "", reported, sent=sent or conn.wrote) from None
             except BaseException:
                 self.give_back(url, conn, False)
                 raise
 
-    async def _connection(self, call: Call, origin: _Origin, fresh: bool) -> Connection:
+    async def _connection(self, call: Call, origin: _Origin, fresh: bool, sent: bool) -> Connection:
+        """A pooled connection unless `fresh`, else a new one; `sent`: an earlier try of this call
+        already wrote its request, which a failure to connect now does not undo."""
         idle = origin.idle
         if idle and not fresh:
             oldest_allowed = time.monotonic() - (self.keep_alive_s or 0)
@@ -301,9 +309,9 @@ class Upstream:
                     server_hostname=origin.host if origin.ssl else None,
                 )
         except TimeoutError:
-            raise call.failure(CONNECT_TIMEOUT, "", reported) from None
+            raise call.failure(CONNECT_TIMEOUT, "", reported, sent=sent) from None
         except OSError as exc:
-            raise call.failure(REFUSED, _describe(exc)) from None
+            raise call.failure(REFUSED, _describe(exc), sent=sent) from None
         return conn
 
     def give_back(self, url: str, conn: Connection, reuse: bool) -> None:

@@ -21,9 +21,10 @@ class Instance:
     zmq_addrs: tuple[str, ...] = ()
     dp_size: int = 1
     inflight: int = 0
-    # A consumer without a vision tower (vLLM's --language-model-only): it refuses raw media, so
-    # every item reaches it as an embeddings reference (journey/reuse.py).
-    text_only: bool = False
+    # Modalities a consumer takes no raw media of (vLLM's limit per prompt 0 for them, all under
+    # --language-model-only), as its probe found (capabilities.py): such items reach it only as
+    # embeddings references (journey/reuse.py).
+    raw_refused: frozenset[str] = frozenset()
     _dp_cursor: int = field(default=0, repr=False)
 
     def next_dp_rank(self) -> int:

@@ -1,4 +1,5 @@
-"""Active health checks: `GET /health` on every member, through a pool of their own.
+"""Active health checks: `GET /health` on every member, through a pool of their own, and with
+them the consumers' media probes (capabilities.py).
 
 Checks never share the request pool: behind `--max-connections-per-backend` they would queue
 behind long streams, time out, and take a busy but healthy instance out of rotation. The check
@@ -15,6 +16,7 @@ from dataclasses import KW_ONLY, dataclass, field
 
 from epd_proxy.calls.upstream import NoAnswer, Timeouts, Upstream
 from epd_proxy.fleet.backends import Instance
+from epd_proxy.fleet.capabilities import MediaProbe
 from epd_proxy.fleet.health import Health
 
 log = logging.getLogger("epd_proxy.prober")
@@ -52,11 +54,17 @@ class Prober:
     _: KW_ONLY
     interval_s: float
     timeout_s: float
+    # What raw media each consumer takes, asked alongside the checks.
+    media: MediaProbe | None = None
     rounds: int = field(default=0, init=False)
 
     async def round(self) -> None:
         instances = list(self.members())
-        results = await asyncio.gather(*(check(self.pool, inst, self.timeout_s) for inst in instances))
+        checks = [check(self.pool, inst, self.timeout_s) for inst in instances]
+        if self.media is not None:
+            *results, _ = await asyncio.gather(*checks, self.media.round())
+        else:
+            results = await asyncio.gather(*checks)
         for inst, problem in zip(instances, results):
             # Health ignores instances that left the fleet while their check was under way.
             self.health.checked(inst, problem)

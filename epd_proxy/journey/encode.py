@@ -25,6 +25,7 @@ from epd_proxy.fleet.stalls import laggards, overdue_after, progressed_elsewhere
 from epd_proxy.journey.coalesce import Coalescer, Overdue, SendAlone, Work
 from epd_proxy.journey.extract import MediaItem
 from epd_proxy.journey.plan import EncoderGroup
+from epd_proxy.journey.reuse import failed_holding_media
 from epd_proxy.journey.subrequest import (
     FORWARDED_FIELDS,
     Dumps,
@@ -172,6 +173,8 @@ class EncodeStep:
                     verdict.heard(alone)
                 verdict = alone.verdict
                 exc = alone.cause
+                if alone.overdue is not None or failed_holding_media(exc):
+                    _failed_holding_media(trace, encoder)
                 tried.pop()
                 if alone.overdue is not None:
                     # Cancelled far past its expected time: another encoder, as a failover.
@@ -205,6 +208,8 @@ class EncodeStep:
                 if verdict is not None:
                     verdict.heard(exc)
                     verdict = None
+                if failed_holding_media(exc):
+                    _failed_holding_media(trace, encoder)
                 worth_retrying = isinstance(exc, BackendUnreachable) or exc.status >= 500
                 fallback = self._failover_target(tried) if worth_retrying else None
                 if fallback is None:
@@ -351,6 +356,12 @@ def _overdue_error(encoder: Instance, items: int, after: float, moves: int) -> B
         backend=encoder.url,
         timed_out=True,
     )
+
+
+def _failed_holding_media(trace: Trace, encoder: Instance) -> None:
+    """Remembered for the rest of the request: its media are not handed to a consumer."""
+    if trace.media_failed_on is None:
+        trace.media_failed_on = encoder.url
 
 
 async def _all_or_first_failure(coros: list) -> list:

@@ -36,6 +36,8 @@ EMBEDS_TYPE = {
     "video_url": "video_embeds",
 }
 AUDIO_TYPES = ("audio_url", "input_audio")
+# The modality vLLM counts each media kind under (its `--limit-mm-per-prompt` keys).
+MODALITY = {"image_url": "image", "audio_url": "audio", "input_audio": "audio", "video_url": "video"}
 # vLLM's key-based reading tries these keys in this order (a part with no `type`, or with a uuid).
 KEY_ORDER = (
     "image_url",
@@ -96,6 +98,10 @@ class MediaItem:
     @property
     def is_image(self) -> bool:
         return self.kind == "image_url"
+
+    @property
+    def modality(self) -> str:
+        return MODALITY[self.kind]
 
 
 @dataclass(frozen=True, slots=True)

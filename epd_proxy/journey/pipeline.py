@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 
 from epd_proxy.calls.upstream import REFUSED_ANSWER, NoAnswer, Payload, Timeouts, Upstream
-from epd_proxy.errors import BackendUnreachable, BadRequest, ErrorAnswer, ProxyError
+from epd_proxy.errors import BadRequest, ErrorAnswer, ProxyError
 from epd_proxy.fleet.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE, Instance
 from epd_proxy.fleet.health import Health, counts_against_instance
 from epd_proxy.fleet.lanes import Lanes
@@ -31,7 +31,14 @@ from epd_proxy.journey.extract import MediaItem
 from epd_proxy.journey.match import Matches, match_groups
 from epd_proxy.journey.plan import plan_groups
 from epd_proxy.journey.prefill import run_prefill
-from epd_proxy.journey.reuse import NO_RAW_MEDIA, EncodePlan, conversation_key, plan_encode, swamped
+from epd_proxy.journey.reuse import (
+    EncodePlan,
+    consumer_may_encode,
+    conversation_key,
+    plan_encode,
+    raw_modalities,
+    swamped,
+)
 from epd_proxy.journey.splice import Spliced
 from epd_proxy.journey.subrequest import EncodeOptions
 from epd_proxy.journey.trace import Trace
@@ -98,7 +105,9 @@ class Pipeline:
     reuse: bool = True
     consumer_encode: bool = True
     consumer_encode_after_s: float = 10.0
-    text_only_consumers: bool = False
+    # Modalities no consumer is sent raw (--no-raw-media, --text-only-consumers); a consumer's own
+    # probe adds its own (Instance.raw_refused).
+    no_raw_media: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         self.encode = EncodeStep(
@@ -199,7 +208,7 @@ class Pipeline:
         while True:
             attempt += 1
             trace.attempts = attempt
-            plan, matches = await self._encode(job, route, trace)
+            matches = await self._encode(job, route, trace)
             with trace.stage("rewrite"):
                 prepared = door.consumer_body(job.body, job.items, matches, rewrite=self.rewrite, push_mode=push_mode)
             try:
@@ -239,65 +248,58 @@ class Pipeline:
                 self.metrics.consumer_encoded.inc(trace.consumer_encoded)
                 return answer
             except ErrorAnswer as exc:
-                if self._refused_raw_media(exc, plan, route):
-                    continue
                 # A consumer answers 500 when an embedding it was promised never arrived:
                 # re-encoding republishes it, so 500 (and only 500) is worth another attempt.
                 if exc.status != 500 or attempt == attempts:
                     raise
                 self._note_retry(trace, exc.stage, "answered 500", exc.message)
 
-    async def _encode(self, job: ClientBody, route: Route, trace: Trace) -> tuple[EncodePlan, Matches]:
-        """Encode what the consumer cannot reuse. When no encoder answers (after failover) the
-        consumer that may take raw media encodes instead: a request is not lost to a stopped
-        encoder tier. An answered error is not handed on: input that makes an encoder fail with
-        a 5xx could take the consumer down with it."""
-        plan = self._plan_encode(job, route)
+    async def _encode(self, job: ClientBody, route: Route, trace: Trace) -> Matches:
+        """Encode what the consumer cannot reuse. When the encoders fail (after failover), the
+        consumer that may take the media raw encodes them instead, but only media no encoder
+        received: a request is not lost to a stopped encoder tier, and input that broke an
+        encoder (an answered 5xx, a drop or a timeout after it was sent) never reaches the
+        consumer, which it could take down as well."""
+        plan = self._plan_encode(job, route, trace)
         try:
             matches = await self._encode_items(job, plan.encode, route.consumer_zmq, trace)
         except ProxyError as exc:
-            if not (plan.raw_ok and self.consumer_encode and isinstance(exc, BackendUnreachable)):
+            if not (self.consumer_encode and plan.raw):
                 raise
-            log.warning("request %s: encoders failed (%s); the consumer encodes", trace.request_id, exc.message[:200])
+            if not consumer_may_encode(plan, exc, trace.media_failed_on):
+                if trace.media_failed_on is not None:
+                    log.warning(
+                        "request %s: encoder %s received its media and failed them; they are not handed to the "
+                        "consumer (%s)",
+                        trace.request_id,
+                        trace.media_failed_on,
+                        exc.message[:200],
+                    )
+                raise
+            log.warning(
+                "request %s: no encoder took its media (%s); the consumer encodes", trace.request_id, exc.message[:200]
+            )
             # What was planned for the encoders goes raw too; what the consumer holds stays reused.
             fallback = plan.consumer_encoded + len(plan.encode)
-            plan, matches = EncodePlan((), raw_ok=True, reused=plan.reused, consumer_encoded=fallback), Matches()
+            plan, matches = EncodePlan((), plan.raw, reused=plan.reused, consumer_encoded=fallback), Matches()
         # The attempt's own figures: counted in /metrics only if its answer goes to the client.
         trace.reused = plan.reused
         trace.consumer_encoded = plan.consumer_encoded
-        return plan, matches
+        return matches
 
-    def _plan_encode(self, job: ClientBody, route: Route) -> EncodePlan:
-        consumers = (route.decoder,) if route.prefill is None else (route.prefill, route.decoder)
-        raw_ok = (
-            self.rewrite
-            and not self.text_only_consumers
-            and route.consumer_zmq is None
-            and not any(c.text_only for c in consumers)
-        )
+    def _plan_encode(self, job: ClientBody, route: Route, trace: Trace) -> EncodePlan:
+        raw: frozenset[str] = frozenset()
+        if self.rewrite and route.consumer_zmq is None:
+            consumers = (route.decoder,) if route.prefill is None else (route.prefill, route.decoder)
+            refused = self.no_raw_media.union(*(consumer.raw_refused for consumer in consumers))
+            raw = raw_modalities(job.items, refused)
         last_resort = False
-        if raw_ok and self.consumer_encode and job.items:
+        # Media an encoder failed on an earlier attempt never go raw.
+        if raw and self.consumer_encode and job.items and trace.media_failed_on is None:
             encoders = self.candidates(ENCODE)
             lanes = [self.encode.lanes.of(encoder) for encoder in encoders]
             last_resort = swamped(lanes, self.consumer_encode_after_s, self.encode.clock())
-        return plan_encode(job.body, job.items, raw_ok=raw_ok, reuse=self.reuse, last_resort=last_resort)
-
-    def _refused_raw_media(self, exc: ErrorAnswer, plan: EncodePlan, route: Route) -> bool:
-        """A consumer without a vision tower (--language-model-only) refuses raw media with a
-        400 before anything runs: it takes only references from now on, and this attempt is
-        made again with every item encoded."""
-        if exc.status != 400 or NO_RAW_MEDIA not in exc.message or not (plan.reused or plan.consumer_encoded):
-            return False
-        for consumer in (route.prefill, route.decoder):
-            if consumer is not None and consumer.url == exc.backend:
-                consumer.text_only = True
-                log.warning(
-                    "%s refused raw media (%s); it gets only embeddings references from now on",
-                    consumer.url,
-                    exc.message[:200],
-                )
-                return True
-        return False
+        return plan_encode(job.body, job.items, raw=raw, reuse=self.reuse, last_resort=last_resort)
 
     async def _encode_items(
         self, job: ClientBody, items: Sequence[MediaItem], consumer_zmq: str | None, trace: Trace

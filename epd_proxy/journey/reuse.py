@@ -16,28 +16,31 @@ Three decisions per attempt, all from the request and the fleet's counters, none
   encoded first, and the consumer loads them from the EC store by uuid.
 - **The consumer as encoder of last resort**: when no encoder is in rotation, or every one is
   queued beyond a bound (its backlog at its measured speed, lanes.Lane), every item goes raw
-  and the consumer encodes what it has not seen.
+  and the consumer encodes what it has not seen. When the encoders fail an attempt, the consumer
+  takes over only media no encoder has received (`consumer_may_encode`): input that broke one
+  encoder must not reach the consumer next.
 
-Neither applies to a consumer that runs with `--language-model-only` (vLLM refuses its raw media
-with a 400, `multimodal/processing/context.py` `validate_num_items`), nor in Mooncake push mode,
-where every item the consumer reads must arrive by a push of this attempt.
+What a consumer takes raw is per modality (`raw_modalities`): vLLM refuses raw items of a modality
+whose limit per prompt is 0 with a 400 (`multimodal/processing/context.py` `validate_num_items`),
+which `--language-model-only` sets for all. Those modalities are the operator's flags or the
+fleet's probe (fleet/capabilities.py), never a consumer's answer to a client's request. Nothing
+goes raw in Mooncake push mode, where every item the consumer reads must arrive by a push of this
+attempt.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
+from epd_proxy.calls.upstream import NoAnswer
+from epd_proxy.errors import ProxyError
 from epd_proxy.fleet.lanes import Lane
 from epd_proxy.journey.extract import MediaItem, Place
-
-# How vLLM 0.32 words the 400 of a consumer that takes no raw media of a modality (its limit per
-# prompt is 0, which --language-model-only sets for all).
-NO_RAW_MEDIA = "At most 0 "
 
 
 def conversation_key(body: dict[str, Any], items: Sequence[MediaItem]) -> str | None:
@@ -90,36 +93,69 @@ def swamped(lanes: Sequence[Lane], bound_s: float, now: float) -> bool:
     return all(backlog_s(lane, now) > bound_s for lane in lanes)
 
 
+def raw_modalities(items: Sequence[MediaItem], refused: Collection[str]) -> frozenset[str]:
+    """The modalities of `items` the consumer may get raw, given those it `refused`. With audio in
+    the request the rewrite references every item or none (rewrite.referenced), so there one
+    refused modality keeps every item encoded."""
+    present = {item.modality for item in items}
+    if "audio" in present and not present.isdisjoint(refused):
+        return frozenset()
+    return frozenset(present.difference(refused))
+
+
+def failed_holding_media(failure: BaseException | None) -> bool:
+    """Whether an encoder received a sub-request's media and failed them: it answered a 5xx, or the
+    exchange broke or timed out after the request was written. A connection refused, a wait for
+    one, or an answered 4xx (the input refused cleanly) says nothing against the media."""
+    if isinstance(failure, NoAnswer):
+        return failure.sent
+    return isinstance(failure, ProxyError) and failure.answered is not None and failure.answered >= 500
+
+
 @dataclass(frozen=True, slots=True)
 class EncodePlan:
     """What one attempt sends to encoders; the rest goes raw to the consumer under its uuid."""
 
     encode: Sequence[MediaItem]
-    # Whether the consumer may be sent raw media at all.
-    raw_ok: bool = False
+    # The modalities the consumer may be sent raw.
+    raw: frozenset[str] = frozenset()
     # Items the consumer gets raw because it has them (earlier turns), and because no encoder can
     # take them in time (last resort).
     reused: int = 0
     consumer_encoded: int = 0
 
 
+def consumer_may_encode(plan: EncodePlan, failure: ProxyError, failed_on: str | None) -> bool:
+    """Whether the items the encoders failed go raw to the consumer instead: only when it takes
+    raw media of each of their modalities, and no encoder has received them. A refused connection
+    hands nothing on; an answered error, a reset or a timeout after the media were sent (now, or
+    earlier in the request: `failed_on`) is the request's answer."""
+    return (
+        failed_on is None
+        and isinstance(failure, NoAnswer)
+        and not failure.sent
+        and all(item.modality in plan.raw for item in plan.encode)
+    )
+
+
 def plan_encode(
     body: dict[str, Any],
     items: Sequence[MediaItem],
     *,
-    raw_ok: bool,
+    raw: frozenset[str],
     reuse: bool,
     last_resort: bool,
 ) -> EncodePlan:
-    """`raw_ok`: the consumer may be sent raw media (it has a vision tower, and no push mode);
+    """`raw`: the modalities the consumer may be sent raw (`raw_modalities`; none in push mode);
     `reuse`: history images are not encoded again; `last_resort`: no encoder can take the items
-    (see `swamped`) and the consumer encodes them itself."""
-    if not items or not raw_ok:
+    (see `swamped`) and the consumer encodes those it may get raw."""
+    if not items or not raw:
         return EncodePlan(items)
     if last_resort:
-        return EncodePlan((), raw_ok=True, consumer_encoded=len(items))
-    if not reuse:
-        return EncodePlan(items, raw_ok=True)
+        encode = [item for item in items if item.modality not in raw]
+        return EncodePlan(encode, raw=raw, consumer_encoded=len(items) - len(encode))
+    if not reuse or "image" not in raw:
+        return EncodePlan(items, raw=raw)
     end = history_end(body)
     fresh = [item for item in items if not (item.is_image and item.place.entry < end)]
-    return EncodePlan(fresh, raw_ok=True, reused=len(items) - len(fresh))
+    return EncodePlan(fresh, raw=raw, reused=len(items) - len(fresh))

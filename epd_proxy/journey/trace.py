@@ -43,6 +43,9 @@ class Trace:
     # from earlier turns (reused), or no encoder could take them in time (consumer_encoded).
     reused: int = 0
     consumer_encoded: int = 0
+    # An encoder that received this request's media and failed them (answered 5xx, dropped or
+    # stalled): from then on none of its media go raw to a consumer (reuse.consumer_may_encode).
+    media_failed_on: str | None = None
     encode_s: float = 0.0
     prefill_s: float = 0.0
     decode_ttfb_s: float = 0.0

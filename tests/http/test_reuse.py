@@ -1,6 +1,7 @@
 """Conversations through the proxy against fake vLLM servers: every turn goes where its prefix is,
 only each turn's new image is encoded, and the consumer still answers exactly when the EC store
-or its own cache lost what it had, when it has no vision tower, and when every encoder is gone."""
+or its own cache lost what it had, when it has no vision tower (known from the proxy's probe), and
+when every encoder is gone."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import aiohttp
 import orjson
 import pytest
 
+from epd_proxy.fleet.backends import PREFILL_DECODE
 from epd_proxy.journey.extract import normalise_request
 from epd_proxy.tools.testing.harness import Fakes, serve_process
+from epd_proxy.tools.testing.polling import eventually
 from tests.media import conversation, image
 
 TURNS = 4
@@ -103,26 +106,24 @@ async def test_with_the_ec_store_emptied_and_the_prefix_lost_between_turns_the_a
     assert stack.pd.encoded_locally == 3  # the history, encoded by the PD itself
 
 
-async def test_a_text_only_pd_is_learnt_from_its_refusal_and_answered_through_references(make_stack):
+async def test_a_text_only_pd_is_known_from_its_probe_and_answered_through_references(make_stack):
     stack = await make_stack(encoders=1, decoders=1, consumer_options={"text_only": True})
     reference = await make_stack(encoders=1, decoders=1)
+    pd = stack.state.fleet.members(PREFILL_DECODE)[0]
+    await eventually(lambda: pd.raw_refused == {"image", "audio", "video"}, what="the PD's probe answered")
     for n in range(3):
         body = turn_body(0, n)
         assert await content_of(stack, body) == await direct(reference.pd_url, reference, body)
-    refusals = [
-        seen
+    raw = [
+        p
         for seen in stack.pd.requests
-        if any(
-            p.get("type") == "image_url"
-            for m in seen.body["messages"]
-            if isinstance(m["content"], list)
-            for p in m["content"]
-        )
+        for m in seen.body["messages"]
+        if isinstance(m["content"], list)
+        for p in m["content"]
+        if p.get("type") == "image_url"
     ]
-    assert len(refusals) == 1  # one refusal taught the proxy; later turns send references only
-    # Turn 2's new image was encoded for the refused attempt, then with the history for the next.
-    assert total(stack.encoders, "images") == 1 + (1 + 2) + 3
-    # The history the refused attempt sent raw was never reused: nothing counts it.
+    assert raw == []  # never refused: every turn's images, history included, went as references
+    assert total(stack.encoders, "images") == 1 + 2 + 3
     assert (await totals(stack))["items_reused"] == 0
 
 

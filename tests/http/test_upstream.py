@@ -303,3 +303,74 @@ async def test_the_headers_limit_holds_for_a_head_that_trickles_in(peer, upstrea
     inst = Instance((await peer(trickle)).url, "decode")
     failure = await failure_of(call(upstream(), inst, Timeouts(headers=0.3)))
     assert failure.kind == HEADERS_TIMEOUT
+
+
+# -- whether the request was sent: what may go elsewhere without risk ------------------------------
+
+
+async def test_a_refused_connection_sent_nothing_and_a_drop_after_reading_sent_it(peer, upstream):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    refused = await failure_of(call(upstream(), Instance(f"http://127.0.0.1:{port}", "encode")))
+    assert refused.kind == REFUSED and not refused.sent
+
+    async def hang_up(reader, writer):
+        await read_request(reader)
+        writer.close()
+
+    dropped = await failure_of(call(upstream(), Instance((await peer(hang_up)).url, "encode")))
+    assert dropped.kind == RESET and dropped.sent
+
+
+async def test_a_timeout_after_sending_is_sent_and_one_while_connecting_is_not(peer, upstream):
+    async def silent(reader, writer):
+        await read_request(reader)
+
+    waited = await failure_of(call(upstream(), Instance((await peer(silent)).url, "encode"), Timeouts(headers=0.2)))
+    assert waited.kind == HEADERS_TIMEOUT and waited.sent
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []
+    for _ in range(3):
+        filler = socket.socket()
+        filler.setblocking(False)
+        try:
+            filler.connect(("127.0.0.1", port))
+        except BlockingIOError:
+            pass
+        fillers.append(filler)
+    try:
+        inst = Instance(f"http://127.0.0.1:{port}", "encode")
+        connecting = await failure_of(call(upstream(), inst, Timeouts(connect=0.3)))
+        assert connecting.kind == CONNECT_TIMEOUT and not connecting.sent
+    finally:
+        for sock in (*fillers, listener):
+            sock.close()
+
+
+async def test_a_request_read_on_a_pooled_connection_stays_sent_when_its_resend_is_refused(upstream):
+    servers: list[asyncio.Server] = []
+
+    async def answer_then_read_and_die(reader, writer):
+        await read_request(reader)
+        writer.write(OK)
+        await writer.drain()
+        await read_request(reader)
+        servers[0].close()  # no longer listening: the resend on a fresh connection is refused
+        writer.close()
+
+    servers.append(await asyncio.start_server(answer_then_read_and_die, "127.0.0.1", 0))
+    try:
+        inst = Instance(f"http://127.0.0.1:{servers[0].sockets[0].getsockname()[1]}", "encode")
+        pool = upstream()
+        assert (await call(pool, inst)).status == 200
+        failure = await failure_of(
+            pool.call(inst, "POST", "/x", body=b"{}", timeouts=Timeouts(), stage="encode", what="E", idempotent=True)
+        )
+        assert failure.kind == REFUSED and failure.sent
+    finally:
+        servers[0].close()

@@ -10,6 +10,7 @@ import pytest
 
 from epd_proxy.options import (
     Choice,
+    Choices,
     ConfigError,
     Count,
     Folder,
@@ -37,6 +38,7 @@ SECTION = "tuning"
 class Made:
     size: int = option(3, Count(1, 9), "how many", flag="--size", env="MADE_SIZE")
     colour: str = option("red", Choice(("red", "blue")), "which `colour`", flag="--colour", group=SECTION)
+    shades: tuple[str, ...] = option((), Choices(("red", "blue")), "some colours", flag="--shades")
     share: float = option(0.5, Real("SHARE", 0, exclusive=True, maximum=1), "a share", flag="--share", group=SECTION)
     wait_s: float | None = option(None, Seconds(), "seconds", flag="--wait", shown="forever")
     loud: bool = option(False, Switch(), "say more", flag="--loud")
@@ -64,7 +66,7 @@ def parse(*argv: str, env: dict[str, str] | None = None) -> Made:
 
 def test_only_declared_fields_are_options_in_field_order():
     names = [name for name, _, _ in options(Made)]
-    assert names == ["size", "colour", "share", "wait_s", "loud", "quiet", "tags", "words", "home", "secret"]
+    assert names == ["size", "colour", "shades", "share", "wait_s", "loud", "quiet", "tags", "words", "home", "secret"]
 
 
 def test_nothing_given_is_every_default():
@@ -82,10 +84,11 @@ def test_flag_wins_over_env_which_wins_over_default():
 
 def test_every_kind_parses_its_text():
     made = parse(
-        "--colour", "blue", "--share", "0.25", "--wait", "1.5", "--loud", "--no-quiet",
+        "--colour", "blue", "--shades", "blue, red", "--share", "0.25", "--wait", "1.5", "--loud", "--no-quiet",
         "--tag", "a", "--tag", "b", "--words", "-x 'two words'", "--home", "/tmp/h",
     )  # fmt: skip
     assert (made.colour, made.share, made.wait_s, made.loud, made.quiet) == ("blue", 0.25, 1.5, True, False)
+    assert made.shades == ("blue", "red") and parse("--shades", "").shades == ()
     assert made.tags == ["a", "b"] and made.words == ("-x", "two words") and made.home == Path("/tmp/h")
 
 
@@ -97,6 +100,7 @@ def test_every_kind_parses_its_text():
         (["--share", "1.5"], "argument --share: must be within 0..1, got 1.5"),
         (["--share", "half"], "argument --share: expected a number, got 'half'"),
         (["--colour", "green"], "argument --colour: invalid choice: 'green' (choose from red, blue)"),
+        (["--shades", "red,green"], "argument --shades: invalid choice: 'green' (choose from red, blue)"),
         (["--wait", "-1"], "argument --wait: must be >= 0 seconds, got -1"),
     ],
 )

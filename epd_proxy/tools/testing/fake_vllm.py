@@ -8,7 +8,8 @@ that store and fails the way vLLM does on a missing entry or a placeholder/token
 consumer keeps a prefix cache keyed as vLLM's block hashes are (media by identifier, not pixels):
 raw media inside the cached prefix needs nothing, outside it is loaded from the store, and only
 what neither holds is encoded locally; one without a vision tower (`text_only`, vLLM's
---language-model-only) refuses raw media with vLLM's 400.
+--language-model-only) or with a modality's limit at 0 (`no_raw`) refuses such raw media with
+vLLM's 400, before it loads any item (which is what the proxy's media probe reads).
 
 Failures during generation take vLLM's shape (vllm/entrypoints/openai/chat_completion/serving.py):
 a streaming request has already answered 200 and sent its first (role) chunk when the engine
@@ -39,6 +40,7 @@ import blake3
 import orjson
 from aiohttp import web
 
+from epd_proxy.fleet.capabilities import PROBE_REQUEST_ID
 from epd_proxy.tools.testing import bare_server, fake_doors
 
 MEDIA_KEYS = {"image_url": "image", "audio_url": "audio", "input_audio": "audio", "video_url": "video"}
@@ -443,6 +445,9 @@ class FakeVLLM:
     # (PlaceholderMetadataResolver), or for an item whose processed data it no longer holds.
     no_metadata: frozenset[str] = frozenset()
     text_only: bool = False
+    # Modalities started with a limit per prompt of 0 (`--limit-mm-per-prompt '{"video": 0}'`);
+    # `text_only` is all of them.
+    no_raw: frozenset[str] = frozenset()
     prefix: PrefixCache = field(default_factory=PrefixCache, init=False)
     # When the encoder's GPU is free again. An exact clock rather than lock + sleep, so timer
     # rounding (1 ms in the event loop) does not add up across queued sub-requests.
@@ -454,6 +459,8 @@ class FakeVLLM:
     health_checks: int = field(default=0, init=False)
     # POST /v1/messages/count_tokens calls answered, so tests can tell whether one got through.
     token_counts: int = field(default=0, init=False)
+    # The proxy's media probes answered (fleet/capabilities.py).
+    media_probes: int = field(default=0, init=False)
     requests: list[Seen] = field(default_factory=list, init=False, repr=False)
     loaded_from_cache: int = field(default=0, init=False)
     encoded_locally: int = field(default=0, init=False)
@@ -554,6 +561,13 @@ class FakeVLLM:
         return answer
 
     async def _chat(self, exchange: Exchange, raw: bytes, body: dict[str, Any], api: str) -> Answer | None:
+        if self.role != "encode" and (exchange.headers.get("x-request-id") or "").startswith(PROBE_REQUEST_ID):
+            # The proxy's media probe, answered as vLLM answers it but, like the health checks,
+            # kept out of what the tests count and of the faults they inject.
+            self.media_probes += 1
+            refused = self._resolve_media(body)
+            if isinstance(refused, Answer):
+                return refused
         if self.record:
             self.requests.append(Seen({k.lower(): v for k, v in exchange.headers.items()}, body))
         tag = (exchange.headers.get("x-request-id") or "?")[:1]
@@ -650,7 +664,8 @@ class FakeVLLM:
         # The prompt as the prefix cache chains it, and the piece of each raw media item.
         pieces: list[tuple[str, int]] = []
         raw: list[int] = []
-        if problem := _mixed_modality(body):
+        refused = frozenset(EMBEDS_KEYS.values()) if self.text_only else self.no_raw
+        if problem := _over_limit(body, refused) or _mixed_modality(body):
             return _engine_error(problem, 400)
         for message in body["messages"]:
             pieces.append((f"<{message.get('role')}>", 1))
@@ -691,11 +706,10 @@ class FakeVLLM:
                     pieces.append((key, tokens_of(modality, shape)))
                 elif kind in MEDIA_KEYS:
                     modality = MEDIA_KEYS[kind]
-                    if self.text_only:
-                        # --language-model-only sets every modality's limit to 0, and the chat
-                        # parser refuses the first item (multimodal/processing/context.py).
-                        return _engine_error(f"At most 0 {modality}(s) may be provided in one prompt.", 400)
                     media = media_source(part, kind)
+                    if media.startswith("data:") and "," not in media:
+                        # Loaded only once every item was counted (multimodal/media/connector.py).
+                        return _engine_error(f"Invalid data URL {media[:32]!r}: missing ',' separator.", 400)
                     factors = hash_factors(modality, body)
                     identity = media_id(media)
                     shape = placeholder_shape(modality, identity, factors)
@@ -937,6 +951,19 @@ class FakeVLLM:
             await asyncio.sleep(self.stream_pause_s)
             start = end
         await exchange.end()
+
+
+def _over_limit(body: dict[str, Any], refused: frozenset[str]) -> str | None:
+    """vLLM's count of raw items against the limits per prompt (renderers/chat_utils.py, the item
+    tracker's `add`): while the messages are read, before any item is loaded, the first raw item of
+    a modality whose limit is 0 is a 400."""
+    for message in body["messages"]:
+        content = message.get("content")
+        for part in content if isinstance(content, list) else ():
+            modality = MEDIA_KEYS.get(vllm_part_kind(part))
+            if modality in refused:
+                return f"At most 0 {modality}(s) may be provided in one prompt."
+    return None
 
 
 def _mixed_modality(body: dict[str, Any]) -> str | None:

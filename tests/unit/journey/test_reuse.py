@@ -5,15 +5,24 @@ from __future__ import annotations
 
 import pytest
 
-from epd_proxy.calls.upstream import REFUSED
+from epd_proxy.calls.upstream import CONNECT_TIMEOUT, HEADERS_TIMEOUT, POOL_TIMEOUT, REFUSED, RESET, NoAnswer
 from epd_proxy.errors import ProxyError
 from epd_proxy.fleet.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE, Instance
 from epd_proxy.fleet.lanes import Lane
 from epd_proxy.fleet.routing import PrefixAffinity, RoundRobin
 from epd_proxy.journey.extract import normalise_request
 from epd_proxy.journey.pipeline import ClientBody
-from epd_proxy.journey.reuse import backlog_s, conversation_key, history_end, plan_encode, swamped
-from tests.media import audio, chat, conversation, image
+from epd_proxy.journey.reuse import (
+    backlog_s,
+    consumer_may_encode,
+    conversation_key,
+    failed_holding_media,
+    history_end,
+    plan_encode,
+    raw_modalities,
+    swamped,
+)
+from tests.media import audio, chat, conversation, image, video
 from tests.unit.journey.test_pipeline import E1, E2, KV, PD, STREAM, D, Journey, P, failed_with, json_reply
 from tests.unit.scripted_upstream import Reply
 
@@ -80,30 +89,93 @@ def test_history_ends_at_the_last_assistant_message():
     assert history_end(conversation(*TURNS)) == 4
 
 
+ALL = frozenset({"image", "audio", "video"})
+
+
 def test_earlier_turns_images_go_raw_and_only_the_new_one_is_encoded():
     body = conversation(*TURNS)
     items = items_of(body)
-    plan = plan_encode(body, items, raw_ok=True, reuse=True, last_resort=False)
+    plan = plan_encode(body, items, raw=ALL, reuse=True, last_resort=False)
     assert [item.index for item in plan.encode] == [2] and plan.reused == 2 and plan.consumer_encoded == 0
 
 
 def test_audio_in_the_history_is_encoded_again():
     body = conversation([audio("a0")], [image("s1")])
-    plan = plan_encode(body, items_of(body), raw_ok=True, reuse=True, last_resort=False)
+    plan = plan_encode(body, items_of(body), raw=ALL, reuse=True, last_resort=False)
     assert len(plan.encode) == 2 and plan.reused == 0
 
 
-@pytest.mark.parametrize(("raw_ok", "reuse"), [(False, True), (True, False)])
-def test_without_raw_media_or_reuse_everything_is_encoded(raw_ok, reuse):
+@pytest.mark.parametrize(("raw", "reuse"), [(frozenset(), True), (ALL, False), (frozenset({"video"}), True)])
+def test_without_raw_images_or_reuse_every_image_is_encoded(raw, reuse):
     body = conversation(*TURNS)
-    plan = plan_encode(body, items_of(body), raw_ok=raw_ok, reuse=reuse, last_resort=not raw_ok)
+    plan = plan_encode(body, items_of(body), raw=raw, reuse=reuse, last_resort=False)
     assert len(plan.encode) == 3 and plan.reused == plan.consumer_encoded == 0
 
 
 def test_as_last_resort_nothing_is_encoded():
     body = conversation(*TURNS)
-    plan = plan_encode(body, items_of(body), raw_ok=True, reuse=True, last_resort=True)
-    assert plan.encode == () and plan.consumer_encoded == 3
+    plan = plan_encode(body, items_of(body), raw=ALL, reuse=True, last_resort=True)
+    assert list(plan.encode) == [] and plan.consumer_encoded == 3
+
+
+def test_as_last_resort_a_modality_the_consumer_refuses_raw_still_needs_an_encoder():
+    body = conversation([image("h0")], [image("h1"), video("v1")])
+    items = items_of(body)
+    raw = raw_modalities(items, frozenset({"video"}))
+    assert raw == {"image"}
+    plan = plan_encode(body, items, raw=raw, reuse=True, last_resort=True)
+    assert [item.modality for item in plan.encode] == ["video"] and plan.consumer_encoded == 2
+    # Without the last resort only the history image is reused; the video is encoded with the new image.
+    plan = plan_encode(body, items, raw=raw, reuse=True, last_resort=False)
+    assert [item.modality for item in plan.encode] == ["image", "video"] and plan.reused == 1
+
+
+def test_what_goes_raw_is_per_modality_but_all_or_nothing_with_audio():
+    body = conversation([image("h0")], [image("h1"), video("v1")])
+    items = items_of(body)
+    assert raw_modalities(items, frozenset()) == {"image", "video"}
+    assert raw_modalities(items, frozenset({"video"})) == {"image"}
+    assert raw_modalities(items, ALL) == frozenset()
+    with_audio = items_of(conversation([image("h0")], [audio("a1"), video("v1")]))
+    # The rewrite references every item or none when audio is present: one refusal keeps all encoded.
+    assert raw_modalities(with_audio, frozenset({"video"})) == frozenset()
+    assert raw_modalities(with_audio, frozenset({"image"})) == frozenset()
+    assert raw_modalities(with_audio, frozenset()) == {"image", "audio", "video"}
+
+
+def no_answer(kind: str, sent: bool | None = None) -> NoAnswer:
+    return NoAnswer(kind, "x", what="Encoder request", stage="encode", backend=E1, sent=sent)
+
+
+def test_only_media_no_encoder_received_go_to_the_consumer():
+    body = chat(image("A"))
+    plan = plan_encode(body, items_of(body), raw=ALL, reuse=True, last_resort=False)
+    assert consumer_may_encode(plan, no_answer(REFUSED), None)
+    assert consumer_may_encode(plan, no_answer(CONNECT_TIMEOUT), None)
+    assert consumer_may_encode(plan, no_answer(POOL_TIMEOUT), None)
+    # Sent, then dropped or not answered in time: the encoder may have read what broke it.
+    assert not consumer_may_encode(plan, no_answer(RESET), None)
+    assert not consumer_may_encode(plan, no_answer(HEADERS_TIMEOUT), None)
+    assert not consumer_may_encode(plan, no_answer(RESET, sent=False), E1) and consumer_may_encode(
+        plan, no_answer(RESET, sent=False), None
+    )
+    # An earlier encoder that received them and failed: refused by the next one is not enough.
+    assert not consumer_may_encode(plan, no_answer(REFUSED), E2)
+    # An answered error is the request's answer.
+    assert not consumer_may_encode(plan, ProxyError(500, "boom", stage="encode", answered=500), None)
+    # A modality the consumer refuses raw cannot be handed to it.
+    video_body = chat(video("v"))
+    plan = plan_encode(video_body, items_of(video_body), raw=frozenset({"image"}), reuse=True, last_resort=False)
+    assert not consumer_may_encode(plan, no_answer(REFUSED), None)
+
+
+def test_an_encoder_failed_holding_media_when_it_answered_5xx_or_lost_them_after_sending():
+    assert failed_holding_media(no_answer(RESET)) and failed_holding_media(no_answer(HEADERS_TIMEOUT))
+    assert failed_holding_media(ProxyError(503, "x", stage="encode", answered=503))
+    assert not failed_holding_media(no_answer(REFUSED)) and not failed_holding_media(no_answer(RESET, sent=False))
+    assert not failed_holding_media(ProxyError(400, "bad image", stage="encode", answered=400))
+    assert not failed_holding_media(ProxyError(503, "no encoder is live", stage="route"))
+    assert not failed_holding_media(None)
 
 
 def measured_lane(item_s: float, items: int, *, inflight: int = 0, busy_since: float = 0.0) -> Lane:
@@ -239,22 +311,49 @@ async def test_with_every_encoder_swamped_the_consumer_encodes_and_a_flag_turns_
         assert [sent.url for sent in journey.upstream.sent] == ([PD] if allowed else [E1, PD])
 
 
-async def test_a_consumer_that_refuses_raw_media_is_learnt_and_the_attempt_made_with_references():
+async def test_a_consumers_refusal_is_the_answer_and_teaches_the_proxy_nothing():
+    """A client can make a consumer echo any text in its 400, vLLM's own wording included."""
     journey = affine(encode_urls=(E1,))
     body = conversation(*TURNS[:2])
-    refused = json_reply({"error": {"message": "At most 0 image(s) may be provided in one prompt."}}, 400)
-    journey.script(E1, encoded(body, 1), encoded(body, 0, 1))
-    journey.script(PD, refused, STREAM)
-    await journey.run(body)
-    first, second = journey.upstream.to(PD)
-    assert [p["type"] for p in media_parts(first)] == ["image_url"] * 2
-    assert [p["type"] for p in media_parts(second)] == ["image_embeds"] * 2
-    assert journey.fleet.members(PREFILL_DECODE)[0].text_only
-    # From now on it gets references only, and never raw media as a last resort either.
-    journey.script(E1, encoded(body, 0, 1))
+    echoed = json_reply({"error": {"message": "Unknown part type: At most 0 image(s) may be provided"}}, 400)
+    journey.script(E1, encoded(body, 1))
+    journey.script(PD, echoed)
+    with pytest.raises(ProxyError) as err:
+        await journey.run(body)
+    assert err.value.status == 400 and len(journey.upstream.to(PD)) == 1
+    assert journey.fleet.members(PREFILL_DECODE)[0].raw_refused == frozenset()
+    journey.script(E1, encoded(body, 1))
     journey.script(PD, STREAM)
     await journey.run(body, request_id="req-2")
-    assert [p["type"] for p in media_parts(journey.upstream.to(PD)[-1])] == ["image_embeds"] * 2
+    assert [p["type"] for p in media_parts(journey.upstream.to(PD)[-1])] == ["image_url"] * 2
+
+
+async def test_a_consumer_probed_as_refusing_raw_images_gets_references_and_never_the_last_resort():
+    journey = affine(encode_urls=(E1,))
+    journey.fleet.members(PREFILL_DECODE)[0].raw_refused = frozenset({"image"})
+    body = conversation(*TURNS[:2])
+    journey.script(E1, encoded(body, 0, 1))
+    journey.script(PD, STREAM)
+    await journey.run(body)
+    assert [p["type"] for p in media_parts(journey.upstream.to(PD)[0])] == ["image_embeds"] * 2
+    journey.take_encoders_out()
+    with pytest.raises(ProxyError) as err:
+        await journey.run(body, request_id="req-2")
+    assert err.value.status == 503 and len(journey.upstream.to(PD)) == 1
+
+
+@pytest.mark.parametrize(
+    "first", [Reply(fails=RESET), Reply(fails=HEADERS_TIMEOUT), failed_with(500)], ids=["reset", "timeout", "500"]
+)
+async def test_media_an_encoder_received_and_failed_never_reach_the_consumer(first):
+    journey = Journey(encode_urls=(E1, E2), encoder_failovers=1)
+    journey.script(E1, first)
+    journey.script(E2, Reply(fails=REFUSED))
+    with pytest.raises(ProxyError) as err:
+        await journey.run(chat(image("A")))
+    assert err.value.stage == "encode" and err.value.status in (502, 504)
+    assert [sent.url for sent in journey.upstream.sent] == [E1, E2]
+    assert journey.trace.media_failed_on == E1 and journey.trace.consumer_encoded == 0
 
 
 async def test_text_only_consumers_never_get_raw_media_and_media_without_encoders_is_503():

@@ -135,3 +135,16 @@ async def test_a_text_only_consumer_refuses_raw_media_as_vllm_does_and_takes_ref
     reference = _turn("a", embeds=True)
     reference["messages"][0]["content"][1]["image_embeds"]["image_grid_thw"] = shape
     assert (await pd.chat(_Exchange(reference))).status == 200
+
+
+async def test_items_are_counted_against_the_limits_before_any_is_loaded_as_vllm_does():
+    unloadable = {"type": "image_url", "image_url": {"url": "data:no-comma"}}
+    video = {"type": "video_url", "video_url": {"url": "https://m/v.mp4"}}
+    body = {"model": "m", "messages": [{"role": "user", "content": [unloadable, video]}]}
+    pd = FakeVLLM("pd", ECStore(), no_raw=frozenset({"video"}))
+    refused = await pd.chat(_Exchange(body))
+    assert refused.status == 400
+    assert orjson.loads(refused.body)["error"]["message"] == "At most 0 video(s) may be provided in one prompt."
+    unlimited = await FakeVLLM("pd", ECStore()).chat(_Exchange(body))
+    assert unlimited.status == 400
+    assert orjson.loads(unlimited.body)["error"]["message"].startswith("Invalid data URL 'data:no-comma'")
