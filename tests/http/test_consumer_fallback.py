@@ -10,7 +10,7 @@ import base64
 
 import pytest
 
-from epd_proxy.fleet import lanes as lanes_module
+from epd_proxy.fleet import stalls
 from epd_proxy.fleet.backends import PREFILL_DECODE
 from epd_proxy.tools.testing.polling import eventually
 from tests.http.test_sharing_bounds import first_encoder_warmed
@@ -154,7 +154,7 @@ async def test_encoders_refusing_connections_leave_the_media_to_the_pd(make_stac
 
 async def test_media_moved_off_a_stalled_encoder_never_reach_the_pd(make_stack, monkeypatch):
     # The overdue floor is sized for real CPU engines; the mechanism is the same at 1 s.
-    monkeypatch.setattr(lanes_module, "OVERDUE_FLOOR_S", 1.0)
+    monkeypatch.setattr(stalls, "OVERDUE_FLOOR_S", 1.0)
     stack = await make_stack(encoders=2, decoders=1, encode_timeout_s=30.0)
     await first_encoder_warmed(stack, stack.state, delay_s=0.05, rounds=4)
     stuck, _ = stack.encoders
@@ -163,5 +163,19 @@ async def test_media_moved_off_a_stalled_encoder_never_reach_the_pd(make_stack, 
     before = len(stack.pd.requests)
     status, answer = await status_of(stack, chat(image("hangs")))
     assert status in (502, 504), answer
+    assert answer["error"]["stage"] == "encode"
+    assert len(stack.pd.requests) == before
+
+
+async def test_an_item_overdue_with_no_failover_left_is_not_handed_to_the_pd(make_stack, monkeypatch):
+    # An encoder had the media: past the move budget the request fails, the consumer encode or not.
+    monkeypatch.setattr(stalls, "OVERDUE_FLOOR_S", 1.0)
+    stack = await make_stack(encoders=2, decoders=1, encode_timeout_s=30.0, encoder_failovers=0)
+    await first_encoder_warmed(stack, stack.state, delay_s=0.05, rounds=4)
+    for encoder in stack.encoders:
+        encoder.faults.delay_s = 60.0
+    before = len(stack.pd.requests)
+    status, answer = await status_of(stack, chat(image("slow-everywhere")))
+    assert status == 504, answer
     assert answer["error"]["stage"] == "encode"
     assert len(stack.pd.requests) == before
