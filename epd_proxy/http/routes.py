@@ -149,8 +149,9 @@ async def serve(request: web.Request, door: Door) -> web.StreamResponse:
     status = 500
     try:
         raw = await read_body(request, config.max_body_bytes)
+        read = time.perf_counter()
+        trace.read_s = read - trace.started
         if trace.spans is not None:
-            read = time.perf_counter()
             tracing.lap(trace.spans, "read_body", trace.started, **{"http.request.body.size": len(raw)})
         # With splice, `raw` lives on in `spliced` (the media are slices of it) and the parsed
         # body holds only the skeleton; otherwise the parsed body holds the media and raw goes.

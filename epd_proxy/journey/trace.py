@@ -18,6 +18,9 @@ if TYPE_CHECKING:
 access_log = logging.getLogger("epd_proxy.request")
 # The stages whose time the log reports, and the field each adds to, whether it succeeded or not.
 TIMED = {"encode": "encode_s", "prefill": "prefill_s", "decode": "decode_ttfb_s", "relay": "relay_s"}
+# Steps that run side by side within a stage (a request's groups wait for several encoders at once):
+# the longest one is what the request waited.
+LONGEST = {"encode.wait_to_share": "share_wait_s"}
 
 
 @dataclass(slots=True)
@@ -47,6 +50,10 @@ class Trace:
     # stalled): from then on none of its media go raw to a consumer (reuse.consumer_may_encode).
     media_failed_on: str | None = None
     encode_s: float = 0.0
+    # The longest any of its groups waited in the proxy's queue for a busy encoder (inside encode_s).
+    share_wait_s: float = 0.0
+    # Reading the client's body (a slow upload).
+    read_s: float = 0.0
     prefill_s: float = 0.0
     decode_ttfb_s: float = 0.0
     # From decode's first token (or whole answer) to the last byte relayed to the client.
@@ -75,6 +82,23 @@ class Trace:
             self.decode_url = url
         return Stage(self, name, url, attributes, parent)
 
+    def waits(self) -> dict[str, float]:
+        """Where the request's time went, stage by stage: the proxy's encoder queue apart from
+        the encoders' own time, so a slow request names what held it."""
+        return {
+            "read": self.read_s,
+            "encode_queue": self.share_wait_s,
+            "encoders": max(0.0, self.encode_s - self.share_wait_s),
+            "prefill": self.prefill_s,
+            "decode": self.decode_ttfb_s,
+            "relay": self.relay_s,
+        }
+
+    def waited_in(self) -> str | None:
+        """The stage the request spent longest in, or None if it reached none."""
+        stage, seconds = max(self.waits().items(), key=lambda pair: pair[1])
+        return stage if seconds > 0 else None
+
     def span_attributes(self) -> dict[str, Any]:
         """What an operator filters a request's root span by."""
         return {
@@ -86,6 +110,7 @@ class Trace:
             "epd.affinity_hits": self.affinity_hits,
             "epd.encoder_failovers": self.encoder_failovers,
             "epd.outcome": self.outcome,
+            "epd.waited_in": self.waited_in() or "",
         }
 
 
@@ -117,6 +142,11 @@ class Stage:
         if attribute is not None:
             trace = self.trace
             setattr(trace, attribute, getattr(trace, attribute) + time.perf_counter() - self.started)
+        else:
+            attribute = LONGEST.get(self.name)
+            if attribute is not None:
+                trace = self.trace
+                setattr(trace, attribute, max(getattr(trace, attribute), time.perf_counter() - self.started))
         if self.span is not None:
             tracing.close_span(self.trace.spans, self.span, self._token, exc)
 
@@ -160,6 +190,7 @@ def account(metrics: Metrics, trace: Trace, status: int | str) -> None:
         "prefill_ms": round(trace.prefill_s * 1000, 2),
         "decode_ttfb_ms": round(trace.decode_ttfb_s * 1000, 2),
         "total_ms": round(total_s * 1000, 2),
+        "waited_in": trace.waited_in(),
         "endpoint": trace.endpoint,
         "client_request_id": trace.client_request_id,
     }

@@ -7,6 +7,7 @@ bounded deque; everything else happens when someone asks for a summary.
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections import deque
@@ -29,7 +30,12 @@ STAGES = ("encode", "prefill", "decode_ttfb", "total")
     _SHARE,
     _COALESCED,
     _HITS,
-) = range(13)
+    _REQUEST_ID,
+    _ENDPOINT,
+    _WAITS,
+) = range(16)
+# The slowest requests of the window the summary names, with the stage each waited in.
+SLOWEST = 5
 _STAGE_FIELD = {"encode": _ENCODE, "prefill": _PREFILL, "decode_ttfb": _TTFB, "total": _TOTAL}
 
 
@@ -71,6 +77,9 @@ class RecentRequests:
                 trace.subrequest_share,
                 trace.coalesced,
                 trace.affinity_hits,
+                trace.request_id,
+                trace.endpoint,
+                trace.waits(),
             )
         )
 
@@ -122,7 +131,22 @@ class RecentRequests:
             "images_per_subrequest": round(images_sent / subrequests, 2) if subrequests else None,
             "retries": sum(max(0, r[_ATTEMPTS] - 1) for r in recent),
             "failovers": sum(r[_FAILOVERS] for r in recent),
+            "slowest": [_slow(r) for r in heapq.nlargest(SLOWEST, recent, key=lambda r: r[_TOTAL])],
         }
+
+
+def _slow(r: tuple) -> dict[str, Any]:
+    """One slow request: its id, and the stage it spent longest in (trace.Trace.waits)."""
+    waits = r[_WAITS]
+    stage, seconds = max(waits.items(), key=lambda pair: pair[1])
+    return {
+        "request_id": r[_REQUEST_ID],
+        "endpoint": r[_ENDPOINT],
+        "status": r[_STATUS],
+        "total_ms": _ms(r[_TOTAL]),
+        "waited_in": stage if seconds > 0 else None,
+        "stages_ms": {name: _ms(value) for name, value in waits.items()},
+    }
 
 
 def timeline(ring: Sequence[tuple], now: float, bucket_s: float, buckets: int, since: float) -> list[dict[str, Any]]:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 
 import pytest
 
 from epd_proxy.tools.testing.polling import eventually
+from tests.http.test_coalescing import SLOW_S, busy_encoder, queue_behind
 from tests.media import chat, image
 
 
@@ -191,3 +193,20 @@ async def test_the_scheduler_section_says_which_parts_are_on(make_stack, overrid
     scheduler = (await status_json(stack))["scheduler"]
     assert (scheduler["affinity"], scheduler["adaptive_fan_out"], scheduler["coalescing"]) == expected
     assert scheduler["policy"] == overrides.get("encode_policy", "expected_finish")
+
+
+async def test_the_slowest_requests_name_the_stage_they_waited_in(make_stack, caplog):
+    # Queued behind a busy encoder's two slow sub-requests, a request's time goes to the proxy's
+    # queue: the request log and /status.json both say so.
+    stack = await make_stack(encoders=1)
+    blockers = await busy_encoder(stack)
+    with caplog.at_level(logging.INFO, logger="epd_proxy.request"):
+        (queued,) = await queue_behind(stack, [chat(image("queued"))])
+        results = await asyncio.gather(queued, *blockers)
+    assert all(status == 200 for status, _ in results), results
+    slowest = (await status_json(stack))["window"]["slowest"]
+    (waited,) = [s for s in slowest if s["waited_in"] == "encode_queue"]
+    assert waited["stages_ms"]["encode_queue"] >= SLOW_S * 1000 / 2
+    lines = [r.getMessage() for r in caplog.records if r.name == "epd_proxy.request"]
+    (line,) = [line for line in lines if f"request_id={waited['request_id']} " in line]
+    assert "waited_in=encode_queue" in line

@@ -117,3 +117,30 @@ def test_the_timeline_buckets_rate_and_latency_and_starts_with_the_process():
     assert [b["ago_s"] for b in line] == [20.0, 10.0, 0.0], "nothing from before the process started"
     assert [b["rate_per_s"] for b in line] == [0.0, 0.0, 2.0]
     assert line[-1]["p50_ms"] == 1000.0 and line[-1]["p99_ms"] == 2000.0
+
+
+def test_the_slowest_requests_name_the_stage_they_waited_in():
+    clock = Clock()
+    recent = RecentRequests(window_s=60, clock=clock)
+    for n in range(8):
+        t = trace(items=1, subrequests=1, encode=0.02, ttfb=0.01)
+        t.request_id = f"r{n}"
+        recent.record(clock.now, 200, 0.05, t)
+    queued = trace(items=1, subrequests=1, encode=2.5, ttfb=0.01)
+    queued.request_id, queued.share_wait_s = "queued", 2.4
+    recent.record(clock.now, 200, 2.6, queued)
+    slow_pd = trace(items=1, subrequests=1, encode=0.02, ttfb=1.5)
+    slow_pd.request_id, slow_pd.endpoint = "slow-pd", "responses"
+    recent.record(clock.now, 200, 1.6, slow_pd)
+    slowest = recent.summary()["slowest"]
+    assert [s["request_id"] for s in slowest][:2] == ["queued", "slow-pd"] and len(slowest) == 5
+    assert slowest[0]["waited_in"] == "encode_queue"
+    assert slowest[0]["stages_ms"]["encode_queue"] == 2400.0 and slowest[0]["stages_ms"]["encoders"] == 100.0
+    assert (slowest[1]["waited_in"], slowest[1]["endpoint"]) == ("decode", "responses")
+
+
+def test_a_request_that_reached_no_stage_waited_nowhere():
+    assert Trace("r").waited_in() is None
+    t = Trace("r")
+    t.read_s = 3.0  # a slow upload
+    assert t.waited_in() == "read"
