@@ -102,6 +102,9 @@ async def test_status_page_in_chromium(make_stack, tmp_path):
                 assert (await page.text_content("#latency tr[data-stage='encode'] td:nth-child(2)")).endswith("ms")
                 assert await page.locator("#mix tbody tr[data-status='200']").count() == 1
                 assert float(await page.text_content("#images")) > 0
+                # The window's slowest requests, each with the stage it waited in longest.
+                assert await page.locator("#slowest tbody tr[data-waited-in]").count() == 5
+                assert (await page.text_content("#slowest tbody tr:first-child td:nth-child(3)")).endswith("ms")
                 # 4xx apart from failures: the bad JSON does not lower the success rate.
                 assert await page.text_content("#success") == "100.0%"
                 assert await page.get_attribute("#success-sub", "data-client-errors") == "1"
