@@ -167,7 +167,7 @@ async def serve(request: web.Request, door: Door) -> web.StreamResponse:
             # From here on only the pipeline holds the body, and it lets go once decode commits.
             job = ClientBody(body, items, spliced)
             del normalised, body, items, spliced
-            route = state.pipeline.choose_route(rid.value, job)
+            route = state.pipeline.choose_route(rid.value, job, door)
             with route.decoder.busy():
                 answer = await state.pipeline.open(job, route, trace, door)
                 try:

@@ -13,6 +13,7 @@ URL the consumer will build, without the proxy's uuid, so both derive one identi
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -20,7 +21,7 @@ import orjson
 from epd_proxy.calls.sse import named_event
 from epd_proxy.errors import BadRequest, ProxyError
 from epd_proxy.fleet.cost import request_costs
-from epd_proxy.journey.doors import Door, Relayed, error_fields, with_handles
+from epd_proxy.journey.doors import Conversation, Door, Relayed, chat_conversation, error_fields, with_handles
 from epd_proxy.journey.extract import (
     MediaItem,
     NormalisedRequest,
@@ -35,6 +36,9 @@ from epd_proxy.journey.splice import Spliced, lift_base64_members
 
 MESSAGES_PATH = "/v1/messages"
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
+# vLLM leaves system text that starts so out of the prompt (`_convert_system_message`): Claude
+# Code's attribution, different on every request.
+BILLING_HEADER = "x-anthropic-billing-header"
 
 
 def image_source_url(source: Any) -> str | None:
@@ -120,6 +124,26 @@ def parse_messages(
     return normalise_messages(parse_json_body(raw), options), None
 
 
+def system_text(system: Any) -> str | None:
+    """The system prompt the consumer's prompt opens with: the top-level `system` (a string, or its
+    text blocks joined), without the billing headers vLLM drops; None where there is none."""
+    if isinstance(system, str):
+        texts = [system]
+    elif isinstance(system, list):
+        texts = [b["text"] for b in system if isinstance(b, dict) and b.get("type") == "text" and b.get("text")]
+    else:
+        return None
+    text = "".join(t for t in texts if isinstance(t, str) and not t.startswith(BILLING_HEADER))
+    return text or None
+
+
+def messages_conversation(body: dict[str, Any]) -> Conversation:
+    """The Anthropic messages, told apart by role as a chat's, opened by the system prompt as the
+    consumer reads it. A history image goes raw as the client sent it: the consumer names it by
+    its content, as it did on the turn that brought it."""
+    return replace(chat_conversation(body), preamble=system_text(body.get("system")))
+
+
 def messages_prefill_body(prepared: dict[str, Any]) -> dict[str, Any]:
     # vLLM skips the thinking budget's check on a leg with do_remote_decode, for this max_tokens.
     return {**prepared, "kv_transfer_params": dict(REMOTE_DECODE), "stream": False, "max_tokens": 1}
@@ -144,6 +168,7 @@ MESSAGES = Door(
     parse_messages,
     with_handles,
     messages_prefill_body,
-    anthropic_error,
-    anthropic_stream_error,
+    messages_conversation,
+    error_body=anthropic_error,
+    stream_error=anthropic_stream_error,
 )

@@ -131,12 +131,13 @@ class Pipeline:
         """Where a request's answer comes from: combined PD instances first, else split decoders."""
         return self.candidates(PREFILL_DECODE) or self.candidates(DECODE)
 
-    def choose_route(self, request_id: str, job: ClientBody | None = None) -> Route:
+    def choose_route(self, request_id: str, job: ClientBody | None = None, door: Door = CHAT) -> Route:
         """The consumer that holds the conversation's prefix (prefix_affinity), or by load; in
-        E+P+D the prefix is prefill's, and a split decode instance goes by load."""
+        E+P+D the prefix is prefill's, and a split decode instance goes by load. Where the
+        conversation lies in the body is the `door`'s to say."""
         keys: tuple[str | None, ...] = (request_id,)
         if self._keyed and job is not None and job.body is not None:
-            keys = (conversation_key(job.body, job.items),)
+            keys = (conversation_key(job.body.get("model"), door.conversation(job.body), job.items),)
         candidates = self.decoders()
         if not candidates:
             raise _unavailable("no live decode instance")
@@ -208,7 +209,7 @@ class Pipeline:
         while True:
             attempt += 1
             trace.attempts = attempt
-            matches = await self._encode(job, route, trace)
+            matches = await self._encode(job, route, trace, door)
             with trace.stage("rewrite"):
                 prepared = door.consumer_body(job.body, job.items, matches, rewrite=self.rewrite, push_mode=push_mode)
             try:
@@ -254,13 +255,13 @@ class Pipeline:
                     raise
                 self._note_retry(trace, exc.stage, "answered 500", exc.message)
 
-    async def _encode(self, job: ClientBody, route: Route, trace: Trace) -> Matches:
+    async def _encode(self, job: ClientBody, route: Route, trace: Trace, door: Door) -> Matches:
         """Encode what the consumer cannot reuse. When the encoders fail (after failover), the
         consumer that may take the media raw encodes them instead, but only media no encoder
         received: a request is not lost to a stopped encoder tier, and input that broke an
         encoder (an answered 5xx, a drop or a timeout after it was sent) never reaches the
         consumer, which it could take down as well."""
-        plan = self._plan_encode(job, route, trace)
+        plan = self._plan_encode(job, route, trace, door)
         try:
             matches = await self._encode_items(job, plan.encode, route.consumer_zmq, trace)
         except ProxyError as exc:
@@ -287,7 +288,7 @@ class Pipeline:
         trace.consumer_encoded = plan.consumer_encoded
         return matches
 
-    def _plan_encode(self, job: ClientBody, route: Route, trace: Trace) -> EncodePlan:
+    def _plan_encode(self, job: ClientBody, route: Route, trace: Trace, door: Door) -> EncodePlan:
         raw: frozenset[str] = frozenset()
         if self.rewrite and route.consumer_zmq is None:
             consumers = (route.decoder,) if route.prefill is None else (route.prefill, route.decoder)
@@ -299,7 +300,8 @@ class Pipeline:
             encoders = self.candidates(ENCODE)
             lanes = [self.encode.lanes.of(encoder) for encoder in encoders]
             last_resort = swamped(lanes, self.consumer_encode_after_s, self.encode.clock())
-        return plan_encode(job.body, job.items, raw=raw, reuse=self.reuse, last_resort=last_resort)
+        history_end = door.conversation(job.body).history_end
+        return plan_encode(job.items, history_end=history_end, raw=raw, reuse=self.reuse, last_resort=last_resort)
 
     async def _encode_items(
         self, job: ClientBody, items: Sequence[MediaItem], consumer_zmq: str | None, trace: Trace

@@ -23,7 +23,7 @@ import orjson
 
 from epd_proxy.calls.sse import event_data, events, named_event
 from epd_proxy.errors import BadRequest, ProxyError
-from epd_proxy.journey.doors import Door, Relayed, with_handles
+from epd_proxy.journey.doors import Conversation, Door, Relayed, conversation_of, with_handles
 from epd_proxy.journey.extract import (
     MediaItem,
     NormalisedRequest,
@@ -47,6 +47,7 @@ UNREAD_FIELDS = ("previous_input_messages",)
 TOOL_OUTPUT_TYPES = frozenset({"function_call_output", "custom_tool_call_output"})
 # Items vLLM turns into an assistant's tool call or reasoning text, whatever else they hold.
 TEXT_ONLY_TYPES = frozenset({"function_call", "custom_tool_call", "reasoning"})
+TYPED_ITEMS = TOOL_OUTPUT_TYPES | TEXT_ONLY_TYPES
 
 
 def _refuse_unservable(body: dict[str, Any]) -> None:
@@ -103,6 +104,26 @@ def normalise_responses(
         if name is not None:
             reader.read(entry[name], m, name, f"input[{m}].{name}")
     return reader.normalised(body, "input")
+
+
+def _has_role(role: str) -> Callable[[Any], bool]:
+    return lambda item: isinstance(item, dict) and item.get("type") not in TYPED_ITEMS and item.get("role") == role
+
+
+def _reply(item: Any) -> bool:
+    """Whether vLLM makes (part of) an assistant message of the item: a tool call, reasoning, or
+    an item with the assistant's role (an output message the client sent back, say)."""
+    return isinstance(item, dict) and (item.get("type") in TEXT_ONLY_TYPES or _has_role("assistant")(item))
+
+
+def responses_conversation(body: dict[str, Any]) -> Conversation:
+    """The input items, opened by `instructions` (vLLM's leading system message). A tool's output
+    after the model's last call is this turn's. A history image goes raw under the proxy's uuid
+    (`responses_consumer_body`), the name the consumer gave it on the turn that brought it."""
+    entries, instructions = body.get("input"), body.get("instructions") or None
+    if isinstance(entries, str):  # one user message
+        return Conversation((entries,), opening=1, preamble=instructions)
+    return conversation_of(entries, user=_has_role("user"), reply=_reply, preamble=instructions)
 
 
 def responses_consumer_body(
@@ -175,5 +196,6 @@ RESPONSES = Door(
     partial(parse_request, normalise=normalise_responses),
     responses_consumer_body,
     responses_prefill_body,
+    responses_conversation,
     stream_error=responses_stream_error,
 )

@@ -1,19 +1,23 @@
 """What the consumer can reuse, so the fleet does not do it again (pure).
 
-Three decisions per attempt, all from the request and the fleet's counters, none from a store:
+Three decisions per attempt, all from the request and the fleet's counters, none from a store.
+Where a conversation lies is its door's to say (doors.Conversation, over chat messages, Responses
+input items or Anthropic messages); these functions read only that.
 
-- **The conversation key** (`conversation_key`): the conversation's opening (every message up to
-  and including the first user message, media as their uuids), identical on every turn. The
-  `prefix_affinity` policy hashes it, so every turn goes where its prefix KV already is.
-- **Reuse** (`plan_encode`): an image in the history (before the last assistant message) was sent
-  on an earlier turn; the consumer gets it raw under the same uuid instead of having it encoded
-  again. vLLM's scheduler (v1/core/sched/scheduler.py `_try_schedule_encoder_inputs`) then needs
-  no encoder output for it when it lies inside the prefix-cached tokens, loads it when the EC
-  connector has it (`has_cache_item`, keyed by the uuid), and only otherwise encodes it locally:
-  raw media under a uuid can cost the consumer work, never a failure, where a `*_embeds`
-  reference nobody backed in this attempt can kill the engine. vLLM refuses raw and embedded
-  items of one modality in one request, so the turn's new images go raw too; they are still
-  encoded first, and the consumer loads them from the EC store by uuid.
+- **The conversation key** (`conversation_key`): the conversation's opening (the system prompt,
+  and every entry up to and including the first user entry, media as their uuids), identical on
+  every turn. The `prefix_affinity` policy hashes it, so every turn goes where its prefix KV
+  already is.
+- **Reuse** (`plan_encode`): an image in the history (before the last assistant turn) was sent
+  on an earlier turn; the consumer gets it raw, under the name it gave it then (each door's
+  consumer body sends it so), instead of having it encoded again. vLLM's scheduler
+  (v1/core/sched/scheduler.py `_try_schedule_encoder_inputs`) then needs no encoder output for it
+  when it lies inside the prefix-cached tokens, loads it when the EC connector has it
+  (`has_cache_item`, keyed by that name), and only otherwise encodes it locally: raw media under
+  a known name can cost the consumer work, never a failure, where a `*_embeds` reference nobody
+  backed in this attempt can kill the engine. vLLM refuses raw and embedded items of one
+  modality in one request, so the turn's new images go raw too; they are still encoded first,
+  and the consumer loads them from the EC store by name.
 - **The consumer as encoder of last resort**: when no encoder is in rotation, or every one is
   queued beyond a bound (its backlog at its measured speed, lanes.Lane), every item goes raw
   and the consumer encodes what it has not seen. When the encoders fail an attempt, the consumer
@@ -40,41 +44,24 @@ import orjson
 from epd_proxy.calls.upstream import NoAnswer
 from epd_proxy.errors import ProxyError
 from epd_proxy.fleet.lanes import Lane
-from epd_proxy.journey.extract import MediaItem, Place
+from epd_proxy.journey.doors import Conversation
+from epd_proxy.journey.extract import MediaItem, with_parts_replaced
 
 
-def conversation_key(body: dict[str, Any], items: Sequence[MediaItem]) -> str | None:
-    """A digest of the conversation's opening, or None for a body with no user message."""
-    messages = body.get("messages")
-    if not isinstance(messages, list):
+def conversation_key(model: Any, conversation: Conversation, items: Sequence[MediaItem]) -> str | None:
+    """A digest of the conversation's opening (its door's `Conversation`), its media as their
+    uuids, or None when it has no user entry."""
+    n = conversation.opening
+    if not n:
         return None
-    media = {item.place: item.uuid for item in items}
-    digest = hashlib.blake2b(orjson.dumps(body.get("model")), digest_size=16)
-    for m, message in enumerate(messages):
-        if not isinstance(message, dict):
-            return None
-        content = message.get("content")
-        if isinstance(content, list):
-            content = [media.get(Place(m, "content", p), part) for p, part in enumerate(content)]
-        try:
-            digest.update(orjson.dumps([message.get("role"), content]))
-        except orjson.JSONEncodeError:
-            return None
-        if message.get("role") == "user":
-            return digest.hexdigest()
-    return None
-
-
-def history_end(body: dict[str, Any]) -> int:
-    """Index of the last assistant message: messages before it were sent on earlier turns."""
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        return 0
-    for m in range(len(messages) - 1, -1, -1):
-        message = messages[m]
-        if isinstance(message, dict) and message.get("role") == "assistant":
-            return m
-    return 0
+    # Media by name: the same on every turn, however a body's media were lifted out (splice.py).
+    named = {item.place: item.uuid for item in items if item.place.entry < n}
+    opening = with_parts_replaced(list(conversation.entries[:n]), named)
+    try:
+        text = orjson.dumps([model, conversation.preamble, opening])
+    except orjson.JSONEncodeError:
+        return None
+    return hashlib.blake2b(text, digest_size=16).hexdigest()
 
 
 def backlog_s(lane: Lane, now: float) -> float:
@@ -139,14 +126,16 @@ def consumer_may_encode(plan: EncodePlan, failure: ProxyError, failed_on: str | 
 
 
 def plan_encode(
-    body: dict[str, Any],
     items: Sequence[MediaItem],
     *,
+    history_end: int,
     raw: frozenset[str],
     reuse: bool,
     last_resort: bool,
 ) -> EncodePlan:
-    """`raw`: the modalities the consumer may be sent raw (`raw_modalities`; none in push mode);
+    """`history_end`: items of earlier entries were sent on earlier turns (the door's
+    `Conversation.history_end`); `raw`: the modalities the consumer may be sent raw
+    (`raw_modalities`; none in push mode);
     `reuse`: history images are not encoded again; `last_resort`: no encoder can take the items
     (see `swamped`) and the consumer encodes those it may get raw."""
     if not items or not raw:
@@ -156,6 +145,5 @@ def plan_encode(
         return EncodePlan(encode, raw=raw, consumer_encoded=len(items) - len(encode))
     if not reuse or "image" not in raw:
         return EncodePlan(items, raw=raw)
-    end = history_end(body)
-    fresh = [item for item in items if not (item.is_image and item.place.entry < end)]
+    fresh = [item for item in items if not (item.is_image and item.place.entry < history_end)]
     return EncodePlan(fresh, raw=raw, reused=len(items) - len(fresh))

@@ -11,7 +11,16 @@ import pytest
 
 from epd_proxy.tools.testing.polling import eventually_sync
 
-from .e2e_helpers import EPD, MODEL, PREFILL, image_source, kv_loads, loaded_hashes, store_entries
+from .e2e_helpers import (
+    EPD,
+    MODEL,
+    PREFILL,
+    image_source,
+    kv_loads,
+    loaded_hashes,
+    settled_encoder_total,
+    store_entries,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -45,12 +54,22 @@ def messages_input(images: list[str], text: str = "Describe the picture.") -> li
     return [{"role": "user", "content": blocks}]
 
 
-def respond(url: str, images: list[str], stream: bool) -> tuple[str, dict, str]:
-    """(text, usage, status) of one Responses call."""
+def turn_after_turn(first_turn, images: list[str]) -> list[dict]:
+    """A conversation's last turn: one image per turn, each earlier turn answered "noted"."""
+    entries: list[dict] = []
+    for n, url in enumerate(images):
+        if n:
+            entries.append({"role": "assistant", "content": "noted"})
+        entries += first_turn([url], text=f"Step {n}: describe it.")
+    return entries
+
+
+def respond(url: str, images: list[str], stream: bool, turns: bool = False) -> tuple[str, dict, str]:
+    """(text, usage, status) of one Responses call; `turns`: one image per turn, not all in one."""
     client = openai_client(url)
     args = dict(
         model=MODEL,
-        input=responses_input(images),
+        input=turn_after_turn(responses_input, images) if turns else responses_input(images),
         instructions="Answer briefly.",
         max_output_tokens=MAX_TOKENS,
         temperature=0,
@@ -69,13 +88,13 @@ def respond(url: str, images: list[str], stream: bool) -> tuple[str, dict, str]:
     return "".join(pieces), final.usage.model_dump(), final.status
 
 
-def message(url: str, images: list[str], stream: bool) -> tuple[str, dict, str]:
-    """(text, usage, stop_reason) of one Messages call."""
+def message(url: str, images: list[str], stream: bool, turns: bool = False) -> tuple[str, dict, str]:
+    """(text, usage, stop_reason) of one Messages call; `turns` as for `respond`."""
     client = anthropic_client(url)
     args = dict(
         model=MODEL,
         system="Answer briefly.",
-        messages=messages_input(images),
+        messages=turn_after_turn(messages_input, images) if turns else messages_input(images),
         max_tokens=MAX_TOKENS,
         stop_sequences=["zzz"],
         # This SDK's signature has no temperature; vLLM reads it from the body all the same.
@@ -153,6 +172,18 @@ def test_e_pd_consumer_loads_the_encoders_embeddings(stack, api):
     new = {h: ok for h, ok in store_entries(stack.ec_store).items() if h not in before}
     assert len(new) == 2 and all(new.values()), f"expected one EC entry per distinct image: {new}"
     assert set(new) <= set(loaded_hashes(stack.log_path("pd"))), "PD encoded by itself"
+
+
+@pytest.mark.parametrize("api", ["responses", "messages"])
+def test_e_pd_a_conversation_sends_the_encoders_only_each_turns_new_image(stack, api):
+    """Each turn re-sends the history: its images go raw to the PD that holds them, and only the
+    new one is encoded (with 2 images or more, re-encoding would take both encoders)."""
+    images, turns = fresh(3), 3
+    encoded = settled_encoder_total(stack.encoder_urls)
+    for n in range(1, turns + 1):
+        got = CALLS[api](stack.proxy_url, images[:n], False, turns=True)
+        assert got == CALLS[api](stack.baseline_url, images[:n], False, turns=True), f"/v1/{api} turn {n}"
+    assert settled_encoder_total(stack.encoder_urls, encoded + turns) == encoded + turns
 
 
 def raw_post(url: str, path: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, dict]:

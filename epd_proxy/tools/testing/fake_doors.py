@@ -10,6 +10,7 @@ consumer would run, and the answer is written in the API's own shapes, errors in
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -31,6 +32,31 @@ def _image_url(source: Any) -> str:
     return f"data:{source.get('media_type', 'image/jpeg')};base64,{source.get('data', '')}"
 
 
+# vLLM drops system text that starts so: Claude Code's per-request attribution, which would defeat
+# prefix caching.
+BILLING_HEADER = "x-anthropic-billing-header"
+
+
+def _system_text(content: Any) -> str:
+    """`_extract_system_text`: a system's text blocks, joined, billing headers left out."""
+    if isinstance(content, str):
+        return "" if content.startswith(BILLING_HEADER) else content
+    texts = [b.get("text") or "" for b in content if isinstance(b, dict) and b.get("type") == "text"]
+    return "".join(t for t in texts if not t.startswith(BILLING_HEADER))
+
+
+def _tool_result(chat: list[dict[str, Any]], block: dict[str, Any]) -> None:
+    """A user's `tool_result` as `_convert_user_tool_result` makes it: a tool message of its text,
+    then a user message of its images, both before the message that holds it."""
+    inner = block.get("content")
+    entries = [i for i in (inner if isinstance(inner, list) else ()) if isinstance(i, dict)]
+    text = inner if isinstance(inner, str) else "\n".join(i.get("text", "") for i in entries if i.get("type") == "text")
+    chat.append({"role": "tool", "tool_call_id": block.get("tool_use_id") or "", "content": text})
+    urls = [_image_url(i.get("source", {})) for i in entries if i.get("type") == "image"]
+    if urls:
+        chat.append({"role": "user", "content": [{"type": "image_url", "image_url": {"url": u}} for u in urls]})
+
+
 def _messages_view(body: dict[str, Any]) -> list[dict[str, Any]]:
     for name in ("model", "messages", "max_tokens"):
         if name not in body:
@@ -40,45 +66,55 @@ def _messages_view(body: dict[str, Any]) -> list[dict[str, Any]]:
     if not isinstance(body["messages"], list):
         raise Refused("messages: Input should be a valid list")
     chat: list[dict[str, Any]] = []
-    system = body.get("system")
-    if isinstance(system, str) and system:
+    system = _system_text(body.get("system") or "")
+    if system:
         chat.append({"role": "system", "content": system})
-    elif isinstance(system, list):
-        text = "".join(b.get("text") or "" for b in system if b.get("type") == "text")
-        if text:
-            chat.append({"role": "system", "content": text})
     for message in body["messages"]:
         if not isinstance(message, dict) or message.get("role") not in ("user", "assistant", "system"):
             raise Refused("messages: each needs a role of user, assistant or system")
         content = message.get("content")
+        if not isinstance(content, (str, list)):
+            raise Refused("messages.content: Input should be a valid string or list")
+        if message["role"] == "system":
+            if text := _system_text(content):
+                chat.append({"role": "system", "content": text})
+            continue
         if isinstance(content, str):
             chat.append({"role": message["role"], "content": content})
             continue
-        if not isinstance(content, list):
-            raise Refused("messages.content: Input should be a valid string or list")
+        out: dict[str, Any] = {"role": message["role"]}
         parts: list[dict[str, Any]] = []
+        calls: list[dict[str, Any]] = []
+        reasoning: list[str] = []
         for block in content:
             kind = block.get("type") if isinstance(block, dict) else None
             if kind == "text" and block.get("text"):
                 parts.append({"type": "text", "text": block["text"]})
             elif kind == "image" and block.get("source"):
                 parts.append({"type": "image_url", "image_url": {"url": _image_url(block["source"])}})
+            elif kind == "thinking" and block.get("thinking") is not None:
+                reasoning.append(block["thinking"])
+            elif kind == "tool_use":
+                function = {"name": block.get("name") or "", "arguments": json.dumps(block.get("input") or {})}
+                calls.append({"id": block.get("id"), "type": "function", "function": function})
             elif kind == "tool_result" and message["role"] == "user":
+                _tool_result(chat, block)
+            elif kind == "tool_result":
                 inner = block.get("content")
-                urls = [
-                    _image_url(i.get("source", {}))
-                    for i in (inner if isinstance(inner, list) else ())
-                    if isinstance(i, dict) and i.get("type") == "image"
-                ]
-                chat.append({"role": "tool", "content": str(inner) if isinstance(inner, str) else ""})
-                if urls:
-                    chat.append(
-                        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": u}} for u in urls]}
-                    )
-            elif kind not in ("text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking"):
+                parts.append({"type": "text", "text": f"Tool result: {inner if inner else ''}"})
+            elif kind not in ("text", "image", "thinking", "redacted_thinking"):
                 raise Refused(f"messages.content.type: Input should be a known block type, got {kind!r}")
-        if message["role"] != "system" and parts:
-            chat.append({"role": message["role"], "content": parts})
+        if reasoning:
+            out["reasoning"] = "".join(reasoning)
+        if calls:
+            out["tool_calls"] = calls
+        if len(parts) == 1 and parts[0]["type"] == "text":
+            out["content"] = parts[0]["text"]
+        elif parts:
+            out["content"] = parts
+        # A user message left with nothing (its tool results went before it) is dropped.
+        if message["role"] != "user" or "content" in out:
+            chat.append(out)
     return chat
 
 

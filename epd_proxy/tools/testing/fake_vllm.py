@@ -535,7 +535,7 @@ class FakeVLLM:
             view = fake_doors.chat_view(fake_doors.MESSAGES, {"max_tokens": 1, **orjson.loads(exchange.body)})
         except ValueError as exc:
             return Answer(400, fake_doors.error_body(fake_doors.MESSAGES, str(exc), 400), "application/json")
-        tokens = sum(1 + len(m["content"] if isinstance(m["content"], list) else ()) for m in view["messages"])
+        tokens = sum(1 + len(m["content"] if isinstance(m.get("content"), list) else ()) for m in view["messages"])
         return _json({"input_tokens": tokens, "context_management": {"original_input_tokens": tokens}})
 
     async def chat(self, exchange: Exchange, api: str = "chat") -> Answer | None:

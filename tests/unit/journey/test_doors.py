@@ -1,4 +1,4 @@
-"""Each door's error shape."""
+"""Each door's error shape, and where its conversation lies."""
 
 from __future__ import annotations
 
@@ -6,13 +6,14 @@ import orjson
 from openai.types.responses import ResponseFailedEvent
 
 from epd_proxy.errors import BackendUnreachable, ErrorAnswer, ProxyError
-from epd_proxy.journey.doors import CHAT, Relayed
+from epd_proxy.journey.doors import CHAT, Conversation, Relayed, chat_conversation
 from epd_proxy.journey.messages_api import (
     MESSAGES,
 )
 from epd_proxy.journey.responses_api import (
     RESPONSES,
 )
+from tests.media import chat, conversation, image
 
 
 def test_errors_take_each_doors_shape():
@@ -117,3 +118,22 @@ def test_a_responses_stream_that_did_not_open_as_vllm_does_still_fails_a_respons
     assert data["sequence_number"] == 0 and response["id"].startswith("resp_") and "model" not in response
     assert response["status"] == "failed" and response["error"]["message"] == BROKEN.message
     assert {"created_at", "object", "output", "parallel_tool_calls", "tool_choice", "tools"} <= response.keys()
+
+
+# -- where each door's conversation lies -------------------------------------------------------------
+
+
+def test_a_chat_opens_through_its_first_user_message_and_its_history_ends_at_the_last_reply():
+    body = conversation([image("a")], [image("b")], [image("c")])
+    seen = chat_conversation(body)
+    assert seen.entries is body["messages"] and seen.preamble is None
+    # system, user; then assistant, user, assistant, user: the history is all before the last reply.
+    assert (seen.opening, seen.history_end) == (2, 4)
+    first = chat_conversation(chat(image("a")))
+    assert (first.opening, first.history_end) == (1, 0)
+
+
+def test_a_chat_without_a_user_message_has_no_opening():
+    assert chat_conversation({"messages": [{"role": "system", "content": "x"}]}).opening == 0
+    assert chat_conversation({"messages": "not a list"}) == Conversation()
+    assert chat_conversation({}) == Conversation()

@@ -8,16 +8,18 @@ import orjson
 import pytest
 
 from epd_proxy.errors import BadRequest
-from epd_proxy.journey.doors import with_handles
+from epd_proxy.journey.doors import Conversation, with_handles
 from epd_proxy.journey.extract import ReadOptions
 from epd_proxy.journey.match import ItemMatch, Matches
 from epd_proxy.journey.messages_api import (
     image_source_url,
+    messages_conversation,
     messages_prefill_body,
     normalise_messages,
     parse_messages,
 )
 from epd_proxy.journey.subrequest import encoder_parts
+from tests.media import agent_messages
 
 URL = "data:image/png;base64,aW1hZ2UtQQ=="
 
@@ -124,3 +126,38 @@ def test_a_lifted_string_that_is_no_image_source_falls_back_to_the_full_parse():
     body = {"model": "m", "max_tokens": 4, "metadata": {"data": data}, "messages": [{"role": "user", "content": "hi"}]}
     normalised, spliced = parse_messages(orjson.dumps(body))
     assert spliced is None and normalised.body == body
+
+
+# -- where its conversation lies ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tools", [False, True])
+def test_the_history_ends_at_the_last_assistant_message(tools):
+    body = agent_messages("a", "b", "c", tools=tools)
+    seen = messages_conversation(body)
+    assert seen.entries is body["messages"] and seen.opening == 1 and seen.history_end == 3
+    places = [item.place.entry for item in normalise_messages(body).items]
+    assert [entry < seen.history_end for entry in places] == [True, True, False]
+    assert messages_conversation({"messages": "x"}) == Conversation()
+
+
+@pytest.mark.parametrize(
+    ("system", "read"),
+    [
+        ("brief", "brief"),
+        (
+            [
+                {"type": "text", "text": "be "},
+                {"type": "text", "text": "brief", "cache_control": {"type": "ephemeral"}},
+            ],
+            "be brief",
+        ),
+        # Claude Code's attribution changes on every request; vLLM leaves it out of the prompt.
+        ([{"type": "text", "text": "x-anthropic-billing-header: cch=1;"}, {"type": "text", "text": "brief"}], "brief"),
+        ("x-anthropic-billing-header: cch=1;", None),
+        (None, None),
+    ],
+)
+def test_the_preamble_is_the_system_prompt_as_vllm_reads_it(system, read):
+    body = agent_messages("a", system=system)
+    assert messages_conversation(body).preamble == read

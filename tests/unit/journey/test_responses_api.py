@@ -8,13 +8,16 @@ import orjson
 import pytest
 
 from epd_proxy.errors import BadRequest
+from epd_proxy.journey.doors import Conversation
 from epd_proxy.journey.extract import ReadOptions, parse_request
 from epd_proxy.journey.match import ItemMatch, Matches
 from epd_proxy.journey.responses_api import (
     normalise_responses,
     responses_consumer_body,
+    responses_conversation,
     responses_prefill_body,
 )
+from tests.media import agent_responses
 
 URL = "data:image/png;base64,aW1hZ2UtQQ=="
 
@@ -185,3 +188,56 @@ def test_only_the_lists_vllm_parses_are_read():
     text_output = {"type": "function_call_output", "call_id": "c1", "output": "plain text"}
     normalised = normalise_responses(with_entries(reasoning, said, shown, text_output))
     assert [(i.place.entry, i.place.field) for i in normalised.items] == [(3, "content")]
+
+
+# -- where its conversation lies ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tools", [False, True])
+def test_the_history_ends_at_the_last_item_vllm_makes_an_assistant_turn_of(tools):
+    body = agent_responses("a", "b", "c", tools=tools)
+    seen = responses_conversation(body)
+    assert seen.entries is body["input"] and seen.preamble == "You operate a browser." and seen.opening == 1
+    # Replies: [user a, reply, user b, reply, user c]; tools: the last call comes before its output.
+    assert seen.history_end == (5 if tools else 3)
+    places = [item.place.entry for item in normalise_responses(body).items]
+    assert [entry < seen.history_end for entry in places] == [True, True, False]
+
+
+@pytest.mark.parametrize(
+    "item",
+    [
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+        {"type": "custom_tool_call", "call_id": "c", "name": "f", "input": ""},
+        {"type": "reasoning", "id": "r", "summary": []},
+        {"role": "assistant", "content": "done"},
+        # vLLM keeps an assistant item without a leading text as the message it is: a reply still.
+        {"role": "assistant", "content": [image_part()]},
+    ],
+)
+def test_every_item_vllm_makes_an_assistant_turn_of_ends_the_history(item):
+    entries = [{"role": "user", "content": "go"}, item, {"type": "function_call_output", "call_id": "c", "output": "x"}]
+    assert responses_conversation({"input": entries}).history_end == 1
+
+
+@pytest.mark.parametrize(
+    "item",
+    [
+        {"type": "function_call_output", "call_id": "c", "output": "x"},
+        {"type": "custom_tool_call_output", "call_id": "c", "output": "x"},
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": "more"},
+    ],
+)
+def test_tool_outputs_and_other_roles_are_not_replies(item):
+    assert responses_conversation({"input": [{"role": "user", "content": "go"}, item]}).history_end == 0
+
+
+def test_the_opening_runs_through_the_first_user_item():
+    entries = [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "go"}]
+    assert responses_conversation({"input": entries}).opening == 2
+    assert responses_conversation({"input": [{"role": "developer", "content": "x"}]}).opening == 0
+    # A string input is one user message; vLLM adds no system message for empty instructions.
+    text = responses_conversation({"input": "hello", "instructions": ""})
+    assert (text.entries, text.opening, text.history_end, text.preamble) == (("hello",), 1, 0, None)
+    assert responses_conversation({"input": 5}) == Conversation()

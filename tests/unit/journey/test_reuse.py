@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import orjson
 import pytest
 
 from epd_proxy.calls.upstream import CONNECT_TIMEOUT, HEADERS_TIMEOUT, POOL_TIMEOUT, REFUSED, RESET, NoAnswer
@@ -10,19 +11,22 @@ from epd_proxy.errors import ProxyError
 from epd_proxy.fleet.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE, Instance
 from epd_proxy.fleet.lanes import Lane
 from epd_proxy.fleet.routing import PrefixAffinity, RoundRobin
-from epd_proxy.journey.extract import normalise_request
+from epd_proxy.journey.doors import CHAT, chat_conversation
+from epd_proxy.journey.extract import ReadOptions, normalise_request
+from epd_proxy.journey.match import ItemMatch, Matches
+from epd_proxy.journey.messages_api import MESSAGES
 from epd_proxy.journey.pipeline import ClientBody
+from epd_proxy.journey.responses_api import RESPONSES
 from epd_proxy.journey.reuse import (
     backlog_s,
     consumer_may_encode,
     conversation_key,
     failed_holding_media,
-    history_end,
     plan_encode,
     raw_modalities,
     swamped,
 )
-from tests.media import audio, chat, conversation, image, video
+from tests.media import agent_messages, agent_responses, audio, chat, conversation, image, video
 from tests.unit.journey.test_pipeline import E1, E2, KV, PD, STREAM, D, Journey, P, failed_with, json_reply
 from tests.unit.scripted_upstream import Reply
 
@@ -39,7 +43,11 @@ def job_of(body) -> ClientBody:
 
 
 def key_of(body):
-    return conversation_key(body, items_of(body))
+    return conversation_key(body.get("model"), chat_conversation(body), items_of(body))
+
+
+def history_of(body) -> int:
+    return chat_conversation(body).history_end
 
 
 def encoded(body, *indices):
@@ -77,16 +85,11 @@ def test_conversations_that_open_differently_have_different_keys():
 
 
 def test_a_body_without_a_user_message_has_no_key():
-    assert conversation_key({"messages": [{"role": "system", "content": "x"}]}, []) is None
-    assert conversation_key({"messages": "not a list"}, []) is None
+    assert key_of({"messages": [{"role": "system", "content": "x"}]}) is None
+    assert conversation_key("m", chat_conversation({"messages": "not a list"}), []) is None
 
 
 # -- which items are encoded ------------------------------------------------------------------------
-
-
-def test_history_ends_at_the_last_assistant_message():
-    assert history_end(chat(image("a"))) == 0
-    assert history_end(conversation(*TURNS)) == 4
 
 
 ALL = frozenset({"image", "audio", "video"})
@@ -95,26 +98,26 @@ ALL = frozenset({"image", "audio", "video"})
 def test_earlier_turns_images_go_raw_and_only_the_new_one_is_encoded():
     body = conversation(*TURNS)
     items = items_of(body)
-    plan = plan_encode(body, items, raw=ALL, reuse=True, last_resort=False)
+    plan = plan_encode(items, history_end=history_of(body), raw=ALL, reuse=True, last_resort=False)
     assert [item.index for item in plan.encode] == [2] and plan.reused == 2 and plan.consumer_encoded == 0
 
 
 def test_audio_in_the_history_is_encoded_again():
     body = conversation([audio("a0")], [image("s1")])
-    plan = plan_encode(body, items_of(body), raw=ALL, reuse=True, last_resort=False)
+    plan = plan_encode(items_of(body), history_end=history_of(body), raw=ALL, reuse=True, last_resort=False)
     assert len(plan.encode) == 2 and plan.reused == 0
 
 
 @pytest.mark.parametrize(("raw", "reuse"), [(frozenset(), True), (ALL, False), (frozenset({"video"}), True)])
 def test_without_raw_images_or_reuse_every_image_is_encoded(raw, reuse):
     body = conversation(*TURNS)
-    plan = plan_encode(body, items_of(body), raw=raw, reuse=reuse, last_resort=False)
+    plan = plan_encode(items_of(body), history_end=history_of(body), raw=raw, reuse=reuse, last_resort=False)
     assert len(plan.encode) == 3 and plan.reused == plan.consumer_encoded == 0
 
 
 def test_as_last_resort_nothing_is_encoded():
     body = conversation(*TURNS)
-    plan = plan_encode(body, items_of(body), raw=ALL, reuse=True, last_resort=True)
+    plan = plan_encode(items_of(body), history_end=history_of(body), raw=ALL, reuse=True, last_resort=True)
     assert list(plan.encode) == [] and plan.consumer_encoded == 3
 
 
@@ -123,10 +126,10 @@ def test_as_last_resort_a_modality_the_consumer_refuses_raw_still_needs_an_encod
     items = items_of(body)
     raw = raw_modalities(items, frozenset({"video"}))
     assert raw == {"image"}
-    plan = plan_encode(body, items, raw=raw, reuse=True, last_resort=True)
+    plan = plan_encode(items, history_end=history_of(body), raw=raw, reuse=True, last_resort=True)
     assert [item.modality for item in plan.encode] == ["video"] and plan.consumer_encoded == 2
     # Without the last resort only the history image is reused; the video is encoded with the new image.
-    plan = plan_encode(body, items, raw=raw, reuse=True, last_resort=False)
+    plan = plan_encode(items, history_end=history_of(body), raw=raw, reuse=True, last_resort=False)
     assert [item.modality for item in plan.encode] == ["image", "video"] and plan.reused == 1
 
 
@@ -149,7 +152,7 @@ def no_answer(kind: str, sent: bool | None = None) -> NoAnswer:
 
 def test_only_media_no_encoder_received_go_to_the_consumer():
     body = chat(image("A"))
-    plan = plan_encode(body, items_of(body), raw=ALL, reuse=True, last_resort=False)
+    plan = plan_encode(items_of(body), history_end=history_of(body), raw=ALL, reuse=True, last_resort=False)
     assert consumer_may_encode(plan, no_answer(REFUSED), None)
     assert consumer_may_encode(plan, no_answer(CONNECT_TIMEOUT), None)
     assert consumer_may_encode(plan, no_answer(POOL_TIMEOUT), None)
@@ -165,7 +168,13 @@ def test_only_media_no_encoder_received_go_to_the_consumer():
     assert not consumer_may_encode(plan, ProxyError(500, "boom", stage="encode", answered=500), None)
     # A modality the consumer refuses raw cannot be handed to it.
     video_body = chat(video("v"))
-    plan = plan_encode(video_body, items_of(video_body), raw=frozenset({"image"}), reuse=True, last_resort=False)
+    plan = plan_encode(
+        items_of(video_body),
+        history_end=history_of(video_body),
+        raw=frozenset({"image"}),
+        reuse=True,
+        last_resort=False,
+    )
     assert not consumer_may_encode(plan, no_answer(REFUSED), None)
 
 
@@ -382,3 +391,71 @@ async def test_in_epd_decode_gets_the_same_raw_body_as_prefill():
     await journey.run(body)
     assert media_parts(journey.upstream.to(P)[0]) == media_parts(journey.upstream.to(D)[0])
     assert journey.trace.reused == 1
+
+
+# -- every door ----------------------------------------------------------------------------------------
+
+AGENTS = {"chat": None, "responses": agent_responses, "messages": agent_messages}
+DOORS = {"chat": CHAT, "responses": RESPONSES, "messages": MESSAGES}
+BIG = "x" * 4000  # a screenshot's worth: its media are lifted out of the body (splice.py)
+
+
+def agent_turn(door: str, n: int, tools: bool = True, tag: str = "", **fields) -> dict:
+    shots = [f"{tag}{BIG}-s{k}" for k in range(n)]
+    if door == "chat":
+        return conversation(*([image(shot)] for shot in shots), **fields)
+    return AGENTS[door](*shots, tools=tools, **fields)
+
+
+def door_key(door: str, body: dict) -> str | None:
+    normalised, spliced = DOORS[door].parse(orjson.dumps(body), ReadOptions())
+    assert spliced is not None
+    return conversation_key(body.get("model"), DOORS[door].conversation(normalised.body), normalised.items)
+
+
+@pytest.mark.parametrize("tools", [False, True])
+@pytest.mark.parametrize("door", ["chat", "responses", "messages"])
+def test_every_turn_through_a_door_has_the_key_of_its_opening(door, tools):
+    keys = {door_key(door, agent_turn(door, n, tools)) for n in (1, 2, 3)}
+    assert len(keys) == 1 and None not in keys
+    assert door_key(door, agent_turn(door, 2, tools, tag="other")) not in keys
+
+
+@pytest.mark.parametrize(("door", "preamble"), [("responses", "instructions"), ("messages", "system")])
+def test_the_system_prompt_opens_the_conversation(door, preamble):
+    keys = {door_key(door, agent_turn(door, 2, **{preamble: text})) for text in ("one", "two", None)}
+    assert len(keys) == 3
+
+
+def test_a_per_request_billing_header_leaves_an_anthropic_conversation_its_key():
+    def turn(n: int) -> dict:
+        billing = {"type": "text", "text": f"x-anthropic-billing-header: cch={n};"}
+        return agent_turn("messages", n, system=[billing, {"type": "text", "text": "brief"}])
+
+    assert len({door_key("messages", turn(n)) for n in (1, 2, 3)}) == 1
+
+
+@pytest.mark.parametrize("tools", [False, True])
+@pytest.mark.parametrize("door", ["responses", "messages"])
+def test_only_a_turns_new_image_is_encoded_whichever_door(door, tools):
+    body = agent_turn(door, 3, tools)
+    normalised, _ = DOORS[door].parse(orjson.dumps(body), ReadOptions())
+    history_end = DOORS[door].conversation(normalised.body).history_end
+    plan = plan_encode(normalised.items, history_end=history_end, raw=ALL, reuse=True, last_resort=False)
+    assert [item.index for item in plan.encode] == [2] and plan.reused == 2
+
+
+def test_a_responses_turn_after_a_tool_call_sends_its_history_raw_under_the_proxys_uuids():
+    body = agent_turn("responses", 3)
+    normalised, _ = RESPONSES.parse(orjson.dumps(body), ReadOptions())
+    items = normalised.items
+    plan = plan_encode(
+        items, history_end=RESPONSES.conversation(normalised.body).history_end, raw=ALL, reuse=True, last_resort=False
+    )
+    (new,) = plan.encode
+    matches = Matches()
+    matches.items[new.index] = ItemMatch({"image_grid_thw": [1, 4, 4]}, new.uuid, "t0")
+    sent = RESPONSES.consumer_body(normalised.body, items, matches, rewrite=True, push_mode=False)
+    parts = [item.place.of(sent["input"]) for item in items]
+    assert [part["uuid"] for part in parts] == [item.uuid for item in items]
+    assert all(part["type"] == "input_image" for part in parts)

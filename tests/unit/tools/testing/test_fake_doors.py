@@ -76,3 +76,35 @@ def test_responses_items_become_chat_messages_as_vllm_builds_them():
 def test_responses_items_vllm_refuses_are_refused(item):
     with pytest.raises(Refused):
         chat_view(RESPONSES, {"model": "m", "input": [item]})
+
+
+def test_messages_keep_assistant_tool_calls_inline_system_and_tool_text_as_vllm_does():
+    screen = {"type": "image", "source": {"type": "url", "url": "https://x/s.png"}}
+    result = [{"type": "text", "text": "took"}, {"type": "text", "text": "it"}, screen]
+    body = {
+        "model": "m",
+        "max_tokens": 4,
+        "messages": [
+            {"role": "user", "content": "go"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "hmm", "signature": "s"},
+                    {"type": "tool_use", "id": "t", "name": "shot", "input": {"x": 1}},
+                ],
+            },
+            {"role": "system", "content": [{"type": "text", "text": "reminder"}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": result}]},
+            {"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "odd"}]},
+        ],
+    }
+    view = chat_view(MESSAGES, body)["messages"]
+    call = {"id": "t", "type": "function", "function": {"name": "shot", "arguments": '{"x": 1}'}}
+    assert view == [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "reasoning": "hmm", "tool_calls": [call]},
+        {"role": "system", "content": "reminder"},
+        {"role": "tool", "tool_call_id": "t", "content": "took\nit"},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/s.png"}}]},
+        {"role": "assistant", "content": "Tool result: odd"},
+    ]
