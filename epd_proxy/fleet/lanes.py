@@ -53,9 +53,9 @@ SUSPECT_HOLD_S = 5.0
 PATIENCE_FLOOR_S = 0.02
 # Weight of the newest sample in the speed fit: about the last 30 sub-requests count.
 SMOOTHING = 0.03
-# An encoder idle and unheard from this long is taken at the fleet's mean speed again, and its
-# next answer starts a new estimate: otherwise one slow spell (vLLM's first requests, a pause, a
-# test's injected delay) would leave it idle for as long as the others keep up.
+# An encoder idle and unheard from this long is taken at the fleet's mean speed again, and what
+# it is sent next starts a new estimate: otherwise one slow spell (vLLM's first requests, a pause,
+# a test's injected delay) would leave it idle for as long as the others keep up.
 STALE_S = 5.0
 # Encoders that left, remembered so a call still finishing there does not bring a lane back.
 DEPARTED_ENTRIES = 4096
@@ -153,6 +153,7 @@ class Lane:
     def started(self, cost: float, now: float = 0.0) -> None:
         """A sub-request costing `cost` is on its way (not from the queue)."""
         if not self.inflight:
+            self._afresh_if_stale(now)
             self.busy_since = now
         self.inflight += 1
         self.inflight_load += cost
@@ -200,6 +201,7 @@ class Lane:
     def next_batch(self, cap: int, now: float = 0.0, timeout_s: float | None = None) -> list[Any]:
         """The waiting groups the next sub-request carries, now counted in flight."""
         if not self.inflight:
+            self._afresh_if_stale(now)
             self.busy_since = now
         batch = take_batch(self.waiting, self.share_limit(cap, now, timeout_s))
         self.subs -= len(batch) - 1
@@ -272,9 +274,6 @@ class Lane:
         each smoothed. Fitting the fixed and per-item parts apart from live samples was tried
         and is unstable: a few milliseconds of jitter in when answers are read move the fit's
         fixed part by tens of times, while the ratio of the sums stays put."""
-        if self.samples and sent - self.last_done > STALE_S and self.inflight == 0:
-            self.samples = 0
-            self._k = self._t = 0.0
         start = sent if sent > self.last_done else self.last_done
         if done > self.last_done:
             self.last_done = done
@@ -294,7 +293,14 @@ class Lane:
         return sum(work.size for work in self.waiting)
 
     def stale(self, now: float) -> bool:
-        return self.samples > 0 and self.inflight == 0 and now - self.last_done > STALE_S
+        return self.item_s is not None and self.inflight == 0 and now - self.last_done > STALE_S
+
+    def _afresh_if_stale(self, now: float) -> None:
+        """Decided as work starts, not at its answer: more may start before that answer (a
+        request's groups start after placement, so another request can be placed between)."""
+        if self.stale(now):
+            self.samples = 0
+            self._k = self._t = 0.0
 
     def view(self) -> dict[str, Any]:
         return {

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -106,15 +105,16 @@ class Proxy(ProxyProcess):
 
 
 class Traffic:
-    """Chat requests with an image at a fixed concurrency until stopped (bounded in count and time)."""
+    """Chat requests with an image at a fixed concurrency until the test stops it, which every test
+    does in a `finally`. No deadline or budget of its own: one that runs out before the test's
+    waits do (each may take its DEADLINE_S on a loaded machine) would end it mid-step, and that
+    step would fail as if the proxy had stopped sending there."""
 
-    def __init__(self, proxy: Proxy, max_requests: int = 20000, max_seconds: float = 120.0) -> None:
+    def __init__(self, proxy: Proxy) -> None:
         self.proxy = proxy
         self.statuses: Counter[int] = Counter()
         self.failures: list[str] = []
         self._stop = asyncio.Event()
-        self._budget = max_requests
-        self._until = time.monotonic() + max_seconds
         self.answered = [0] * CONCURRENCY  # per worker
         self._tasks = [asyncio.create_task(self._loop(n)) for n in range(CONCURRENCY)]
 
@@ -124,8 +124,7 @@ class Traffic:
 
     async def _loop(self, worker: int) -> None:
         n = 0
-        while not self._stop.is_set() and self._budget > 0 and time.monotonic() < self._until:
-            self._budget -= 1
+        while not self._stop.is_set():
             n += 1
             try:
                 async with self.proxy.client.post(
@@ -199,9 +198,21 @@ async def _status_is(proxy: Proxy, status: int) -> bool:
     return (await proxy.get("/health"))[0] == status
 
 
-async def _gets_traffic(fake: FakeVLLM, traffic: Traffic, what: str) -> None:
-    seen = len(fake.requests)
-    await eventually(lambda: len(fake.requests) > seen, what=f"{what} gets requests", timeout=DEADLINE_S)
+async def _gets_traffic(fleet: Fleet, address: str, traffic: Traffic, what: str) -> None:
+    """Until the instance at `address` has a request it did not have before. An encoder the
+    scheduler measured slow (one that joined while `_leave_with_notice` slowed them all) waits
+    for lanes.STALE_S after its last answer at most (tests/unit/fleet/test_scale_up.py)."""
+    fake = fleet.servers[address][0]
+    seen, answered = len(fake.requests), traffic.sent
+    try:
+        await eventually(lambda: len(fake.requests) > seen, what=f"{what} gets requests", timeout=DEADLINE_S)
+    except AssertionError as failure:
+        # What the proxy made of it meanwhile: in rotation or not, and its scheduler lane.
+        health = (await traffic.proxy.health())["instances"].get(address)
+        lanes = (await traffic.proxy.get("/status.json"))[1]["scheduler"]["encoders"]
+        lane = next((lane for lane in lanes if lane["url"] == address), None)
+        meanwhile = f"{traffic.sent - answered} requests answered meanwhile; health {health}; lane {lane}"
+        raise AssertionError(f"{failure}; {meanwhile}") from None
 
 
 async def _leave_with_notice(proxy: Proxy, fleet: Fleet, address: str, unbound: UnboundServer, records: list[str]):
@@ -252,8 +263,8 @@ async def test_instances_join_leave_and_move_while_traffic_flows(unbound, fleet,
         srv = unbound.records[1:]
         unbound.publish(["enc A 127.0.0.2", "enc A 127.0.0.3", "enc AAAA ::1", *srv])
         await eventually(lambda: proxy.has(e2_url, e6_url), what="the proxy adds the new encoders", **POLL)
-        await _gets_traffic(e2, traffic, "the A-record encoder")
-        await _gets_traffic(e6, traffic, "the AAAA-record encoder")
+        await _gets_traffic(fleet, e2_url, traffic, "the A-record encoder")
+        await _gets_traffic(fleet, e6_url, traffic, "the AAAA-record encoder")
 
         # Leave with notice: out of DNS first, stopped once the proxy let go of it.
         await _leave_with_notice(proxy, fleet, e1_url, unbound, ["enc A 127.0.0.3", "enc AAAA ::1", *srv])
@@ -264,7 +275,7 @@ async def test_instances_join_leave_and_move_while_traffic_flows(unbound, fleet,
         unbound.publish(["enc A 127.0.0.3", "enc A 127.0.0.4", "enc AAAA ::1", *srv])
         await eventually(lambda: proxy.has(e3_url), what="the proxy adds the moved encoder", **POLL)
         await _leave_with_notice(proxy, fleet, e2_url, unbound, ["enc A 127.0.0.4", "enc AAAA ::1", *srv])
-        await _gets_traffic(e3, traffic, "the moved encoder")
+        await _gets_traffic(fleet, e3_url, traffic, "the moved encoder")
 
         # PD moves to another port: SRV carries it.
         pd2, pd2_url = await fleet.start("pd", "127.0.0.1")
@@ -272,7 +283,7 @@ async def test_instances_join_leave_and_move_while_traffic_flows(unbound, fleet,
         unbound.publish([*moved, *srv, "pd2 A 127.0.0.1"])
         await eventually(lambda: proxy.has(pd2_url), what="the proxy adds the moved PD", **POLL)
         await _leave_with_notice(proxy, fleet, pd1_url, unbound, [*moved, "pd2 A 127.0.0.1"])
-        await _gets_traffic(pd2, traffic, "the moved PD")
+        await _gets_traffic(fleet, pd2_url, traffic, "the moved PD")
         await traffic.more(20)
     finally:
         statuses = await traffic.stop()
@@ -300,7 +311,7 @@ async def test_an_instance_that_dies_without_notice_fails_a_bounded_number_of_re
     assert await proxy.members() == {e_url, a_url, b_url}
     traffic = Traffic(proxy)
     try:
-        await _gets_traffic(pd_b, traffic, "the PD that will die")
+        await _gets_traffic(fleet, b_url, traffic, "the PD that will die")
         await fleet.die(b_url)  # still in DNS: nobody told the proxy
 
         async def out_of_rotation() -> bool:

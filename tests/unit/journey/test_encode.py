@@ -3,14 +3,19 @@ one answer per group in the plan's order, and which failures fail over to anothe
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from epd_proxy.errors import ProxyError
-from epd_proxy.fleet.backends import ENCODE
+from epd_proxy.fleet.backends import DECODE, ENCODE, PREFILL
+from epd_proxy.fleet.routing import LeastLoaded
+from epd_proxy.fleet.scheduler import ExpectedFinish
 from epd_proxy.journey.encode import _priority
 from epd_proxy.journey.extract import normalise_request
 from epd_proxy.journey.plan import plan_groups
 from epd_proxy.journey.trace import Trace
+from epd_proxy.tools.testing.polling import eventually
 from tests.media import chat, image
 from tests.unit.journey.test_pipeline import E1, E2, Journey, failed_with
 from tests.unit.scripted_upstream import json_reply
@@ -67,3 +72,50 @@ async def test_a_5xx_fails_over_to_the_other_encoder_and_a_4xx_does_not():
 def test_a_groups_queue_priority_is_vllms_integer_priority_or_zero(given, waits_as):
     body = {} if given is None else {"priority": given}
     assert _priority(body) == waits_as
+
+
+DNS_NAME = "dns://enc.test:8000"
+A, B = "http://10.0.0.2:8000", "http://10.0.0.3:8000"
+
+
+def held_at(upstream, url: str) -> asyncio.Event:
+    """Calls to `url` wait until the returned event is set (an encoder still working on them)."""
+    release = asyncio.Event()
+    open_call = upstream.open
+
+    async def gated(target, *args, **options):
+        if target.url == url:
+            await release.wait()
+        return await open_call(target, *args, **options)
+
+    upstream.open = gated
+    return release
+
+
+@pytest.mark.parametrize("first_answer", ["ok", "500"])
+async def test_an_encoder_leaving_with_work_in_flight_and_queued_leaves_no_count_behind(first_answer):
+    """Two sub-requests in flight on an encoder and a third group queued behind them; the encoder
+    leaves the fleet, one request goes away, and the one left answers or fails: whatever became of
+    them, no lane keeps a count that would make its encoder look busy (or never idle, so never
+    stale) from then on, and the one that left keeps no lane."""
+    policy = ExpectedFinish(affinity=False)
+    journey = Journey({ENCODE: policy, PREFILL: LeastLoaded(), DECODE: LeastLoaded()}, encode_urls=(DNS_NAME,))
+    journey.fleet.watch(policy.lanes)
+    journey.fleet.discovered(DNS_NAME, ENCODE, [A])
+    release = held_at(journey.upstream, A)
+    journey.script(A, encoded("a1") if first_answer == "ok" else failed_with(500), encoded("a2"))
+    journey.script(B, encoded("b1"), encoded("b2"))
+    leaving = policy.lanes.of(journey.fleet.members(ENCODE)[0])
+    requests = [asyncio.create_task(encode(journey, chat(image(name)))) for name in "xyz"]
+    await eventually(lambda: (leaving.inflight, len(leaving.waiting)) == (2, 1), what="two in flight, one queued")
+
+    journey.fleet.discovered(DNS_NAME, ENCODE, [B])  # A leaves with notice, B joins
+    requests[1].cancel()  # its client went away
+    release.set()
+    async with asyncio.timeout(10):
+        first, gone, moved = await asyncio.gather(*requests, return_exceptions=True)
+    assert isinstance(gone, asyncio.CancelledError)
+    assert [answer.encoder.url for answer in first[1] + moved[1]] == [A if first_answer == "ok" else B, B]
+    (staying,) = policy.lanes.all()
+    assert staying.url == B and staying.samples == (1 if first_answer == "ok" else 2)
+    assert (staying.inflight, staying.inflight_load, staying.subs, staying.load, len(staying.waiting)) == (0,) * 5
