@@ -45,7 +45,9 @@ STACK_FIXTURES = {"stack": EPD, "prefill_stack": PREFILL, "audio_stack": AUDIO, 
 
 def pytest_collection_modifyitems(items):
     """Group the e2e tests by the stack they use (a stable sort: file and definition order stay
-    within a group), so each stack starts once however many files use it."""
+    within a group), so each stack starts once however many files use it, and run them after every
+    other test: the last stack's vLLM servers live until the session ends, and the fake-backend
+    tests' timing must not share the cores and memory with them."""
 
     def group(item) -> int:
         names = getattr(item, "fixturenames", ())
@@ -55,9 +57,8 @@ def pytest_collection_modifyitems(items):
     here = Path(__file__).parent
     e2e = [i for i in items if Path(i.path).parent == here]
     if e2e:
-        # The folder's tests are contiguous; sort them in place.
-        first = items.index(e2e[0])
-        items[first : first + len(e2e)] = sorted(e2e, key=group)
+        chosen = set(e2e)
+        items[:] = [i for i in items if i not in chosen] + sorted(e2e, key=group)
 
 
 # Every stack's servers export their spans to this receiver (test_e2e_tracing.py). Sampling is
