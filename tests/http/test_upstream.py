@@ -4,7 +4,9 @@ answer" is classified, nothing is left in flight, and a cancelled call closes it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
+from collections.abc import Iterator
 
 import pytest
 
@@ -149,8 +151,9 @@ async def test_a_separate_pool_is_not_limited_by_the_request_pool(peer, upstream
     held.release()
 
 
-async def test_connect_timeout(upstream):
-    # A listener that never accepts, with its accept queue full: the kernel drops further SYNs.
+@contextlib.contextmanager
+def never_accepting() -> Iterator[int]:
+    """The port of a listener that never accepts, its accept queue full: the kernel drops further SYNs."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(0)
@@ -165,14 +168,19 @@ async def test_connect_timeout(upstream):
             pass
         fillers.append(filler)
     try:
-        failure = await failure_of(
-            call(upstream(), Instance(f"http://127.0.0.1:{port}", "encode"), Timeouts(connect=0.3))
-        )
-        assert failure.kind == CONNECT_TIMEOUT and failure.limit_s == 0.3 and failure.status == 504
-        assert failure.message == "Encoder request timed out after 0.3s while connecting"
+        yield port
     finally:
         for sock in (*fillers, listener):
             sock.close()
+
+
+async def test_connect_timeout(upstream):
+    with never_accepting() as port:
+        failure = await failure_of(
+            call(upstream(), Instance(f"http://127.0.0.1:{port}", "encode"), Timeouts(connect=0.3))
+        )
+    assert failure.kind == CONNECT_TIMEOUT and failure.limit_s == 0.3 and failure.status == 504
+    assert failure.message == "Encoder request timed out after 0.3s while connecting"
 
 
 async def test_cancelling_a_call_closes_its_connection(peer, upstream):
@@ -330,26 +338,10 @@ async def test_a_timeout_after_sending_is_sent_and_one_while_connecting_is_not(p
 
     waited = await failure_of(call(upstream(), Instance((await peer(silent)).url, "encode"), Timeouts(headers=0.2)))
     assert waited.kind == HEADERS_TIMEOUT and waited.sent
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(0)
-    port = listener.getsockname()[1]
-    fillers = []
-    for _ in range(3):
-        filler = socket.socket()
-        filler.setblocking(False)
-        try:
-            filler.connect(("127.0.0.1", port))
-        except BlockingIOError:
-            pass
-        fillers.append(filler)
-    try:
+    with never_accepting() as port:
         inst = Instance(f"http://127.0.0.1:{port}", "encode")
         connecting = await failure_of(call(upstream(), inst, Timeouts(connect=0.3)))
-        assert connecting.kind == CONNECT_TIMEOUT and not connecting.sent
-    finally:
-        for sock in (*fillers, listener):
-            sock.close()
+    assert connecting.kind == CONNECT_TIMEOUT and not connecting.sent
 
 
 async def test_a_request_read_on_a_pooled_connection_stays_sent_when_its_resend_is_refused(upstream):
