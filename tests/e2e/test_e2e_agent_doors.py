@@ -202,7 +202,9 @@ BAD_BODIES = [
     ("/v1/messages", {"model": MODEL, "max_tokens": 0, "messages": [{"role": "user", "content": "hi"}]}),
     ("/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": [{"role": "robot", "content": "hi"}]}),
     ("/v1/responses", {"model": MODEL}),
-    ("/v1/responses", {"model": MODEL, "input": [{"role": "user", "content": [{"type": "bogus"}]}]}),
+    # An unknown item type: vLLM's own 400. (An unknown part type in a list vLLM parses as content is
+    # the proxy's own 400, in the same shape: the next test.)
+    ("/v1/responses", {"model": MODEL, "input": [{"type": "bogus"}]}),
 ]
 
 
@@ -213,6 +215,18 @@ def test_bad_bodies_get_the_single_instances_4xx_in_its_shape(stack, path, body)
     want_status, want = raw_post(stack.baseline_url, path, raw)
     assert 400 <= want_status < 500 and got_status == want_status
     assert got == want
+
+
+def test_a_part_of_no_known_type_is_a_400_in_the_single_instances_shape(stack):
+    # The proxy reads content parts as vLLM's chat parser does and refuses one of no known type
+    # itself (it could not tell what vLLM would make of it): the status and error shape are vLLM's.
+    body = {"model": MODEL, "input": [{"role": "user", "content": [{"type": "bogus"}]}]}
+    raw = json.dumps(body).encode()
+    got_status, got = raw_post(stack.proxy_url, "/v1/responses", raw)
+    want_status, want = raw_post(stack.baseline_url, "/v1/responses", raw)
+    assert got_status == want_status == 400
+    assert set(got) == set(want) == {"error"} and {"message", "type", "code"} <= set(got["error"]) & set(want["error"])
+    assert got["error"]["code"] == want["error"]["code"] == 400 and "bogus" in got["error"]["message"]
 
 
 @pytest.mark.parametrize("api", ["responses", "messages"])
