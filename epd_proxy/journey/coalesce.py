@@ -188,11 +188,11 @@ class Coalescer:
     async def wait_to_share(self, lane: Lane, work: Work) -> Encoded:
         # A healthy encoder works off its backlog in about the estimated time; one that stalls
         # (its sub-requests running into the timeout) must not hold queued groups behind it.
-        patience = lane.patience(work.cost)
+        work.queued_at = self.clock()
+        patience = lane.patience(work.cost, work.queued_at)
         if self.options.timeouts.total is not None:
             patience = min(patience, self.options.timeouts.total / 4)
         lane.queued(work)
-        work.queued_at = self.clock()
         work.timer = asyncio.get_running_loop().call_later(patience, self._impatient, lane, work)
         try:
             with work.trace.stage("encode.wait_to_share", **{"epd.items": work.size}) as waiting:

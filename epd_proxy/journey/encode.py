@@ -19,7 +19,7 @@ import orjson
 from epd_proxy.calls.upstream import Upstream
 from epd_proxy.errors import BackendUnreachable, ProxyError
 from epd_proxy.fleet.backends import Instance
-from epd_proxy.fleet.lanes import BUSY_INFLIGHT, Lane, Lanes, coalesce_key
+from epd_proxy.fleet.lanes import BUSY_INFLIGHT, Lane, Lanes
 from epd_proxy.fleet.routing import RoutingPolicy
 from epd_proxy.fleet.stalls import laggards, overdue_after, progressed_elsewhere
 from epd_proxy.journey.coalesce import Coalescer, Overdue, SendAlone, Work
@@ -33,6 +33,7 @@ from epd_proxy.journey.subrequest import (
     EncodeOptions,
     IdMint,
     Observed,
+    coalesce_key,
     encoder_body,
     post_encoder,
 )

@@ -34,6 +34,32 @@ FORWARDED_FIELDS = ("mm_processor_kwargs", "media_io_kwargs", "priority", "sessi
 MAX_ENCODER_ANSWER_BYTES = 1 << 20
 
 
+def coalesce_key(body: dict[str, Any], forwarded: Sequence[str], consumer_zmq: str | None) -> bytes | None:
+    """What must be identical for two requests' images to share an encoder sub-request: every
+    byte of the encoder body except its media (`encoder_body` builds it from the model,
+    the `forwarded` fields and the Mooncake consumer address, which also names the consumer's
+    data-parallel rank). Compared as written, not as parsed: key order reaches vLLM's hashes.
+
+    What else an encoder-only vLLM 0.32 instance reads of a chat request, and why it is not
+    here: the proxy sends it none of it. Sampling fields, `max_tokens`, `tools` and
+    `structured_outputs` shape generation, which an encoder never runs
+    (`Scheduler.update_from_output` stops it once the prompt is consumed); `chat_template`,
+    `chat_template_kwargs` and `add_generation_prompt` change only the text tokens around the
+    placeholders; `cache_salt` salts prefix-cache block hashes, and an encoder-only instance
+    runs with prefix caching off (`VllmConfig`) while media hashes never include it
+    (`ProcessorInputs.get_mm_hashes` folds in only `mm_processor_kwargs` and that modality's
+    `media_io_kwargs`); `vllm_xargs` and `kv_transfer_params` are refused from clients or not
+    forwarded. LoRA is chosen by `model`, which is in the key (tower and connector LoRA change
+    the embeddings), and so are `priority` (the encoder's scheduling order) and `session_id`
+    (kept on the engine's request, in its KV events).
+    """
+    fields = {name: body[name] for name in forwarded if name in body}
+    try:
+        return orjson.dumps([body.get("model"), fields, consumer_zmq])
+    except orjson.JSONEncodeError:
+        return None  # nested too deeply to write: its own sub-request says so (a 400)
+
+
 @dataclass(frozen=True, slots=True)
 class EncodeOptions:
     """How an attempt's groups go to encoders, from `serve`'s options: read by the encode step and
