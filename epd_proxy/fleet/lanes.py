@@ -6,14 +6,15 @@ happened and send what it decides, and placement (scheduler.py) reads it.
   encoder (from when it was sent, or from when the previous one finished if that was later, to
   its answer) against its cost in image-equivalents (cost.py), smoothed over the last few dozen
   answers, with a sub-request's fixed cost at the measured third of an image. An encoder's
-  backlog is then its outstanding sub-requests and load (in flight and queued here) at that
-  speed, in seconds. When a sub-request is far overdue, and when an encoder's silence means it
+  backlog (`Lane.backlog_s`, the one definition placement, the consumer's last resort and the
+  autoscaling gauge share) is then its outstanding sub-requests and load (in flight and queued
+  here) at that speed, in seconds, less what it worked off since. When a sub-request is far overdue, and when an encoder's silence means it
   stalls, is stalls.py's judgement.
 - **Coalescing** (`take_batch`): with two of this proxy's sub-requests in flight an encoder is
   busy (one computing, one being prepared: vLLM's API server processes media while its engine
   runs the previous request); image groups of different requests that arrive meanwhile wait and
   go together when one finishes. Only groups whose encoder bodies would be identical apart from
-  their media share a sub-request (`coalesce_key`).
+  their media share a sub-request (`subrequest.coalesce_key` in journey/).
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import Any, Protocol
-
-import orjson
 
 from epd_proxy.fleet.backends import Instance
 
@@ -190,13 +189,28 @@ class Lane:
         self.load -= work.cost
         return True
 
-    def patience(self, cost: float) -> float:
-        """How long a group costing `cost` queued now may wait to share before it goes alone:
-        three times what the backlog ahead of it and its own work should take."""
+    def backlog_s(self, now: float | None, fixed_s: float, item_s: float) -> float:
+        """Seconds of our work outstanding there (in flight and queued) at `now`, at the speed
+        `Lanes.costs` gives it, less what it worked off since our oldest sub-request there began
+        (nothing without a clock): what placement, the consumer's last resort and
+        `epd_encoder_backlog_seconds` read. One never measured is at least as far behind as
+        that sub-request is old, or one hung on its first request would soon look idle."""
+        backlog = fixed_s * self.subs + item_s * self.load
+        if now is None or not self.inflight:
+            return backlog
+        silent = now - self.busy_since
+        backlog -= silent
+        if self.item_s is None and silent > backlog:
+            return silent
+        return backlog if backlog > 0.0 else 0.0
+
+    def patience(self, cost: float, now: float) -> float:
+        """How long a group costing `cost` queued at `now` may wait to share before it goes
+        alone: three times what the backlog ahead of it and its own work should take."""
         if self.item_s is None:
             return PATIENCE_FLOOR_S * 5
-        backlog = self.fixed_s * (self.subs + 1) + self.item_s * (self.load + cost)
-        return max(PATIENCE_FLOOR_S, 3.0 * backlog)
+        finish = self.backlog_s(now, self.fixed_s, self.item_s) + self.fixed_s + self.item_s * cost
+        return max(PATIENCE_FLOOR_S, 3.0 * finish)
 
     def next_batch(self, cap: int, now: float = 0.0, timeout_s: float | None = None) -> list[Any]:
         """The waiting groups the next sub-request carries, now counted in flight."""
@@ -371,6 +385,11 @@ class Lanes:
         """Seconds every encoder spent on this proxy's sub-requests, those that left included."""
         return self._departed_worked_s + sum(lane.worked_s for lane in self._lanes.values())
 
+    def backlogs(self, lanes: Sequence[Lane], now: float) -> list[float]:
+        """Each lane's `Lane.backlog_s` at `now`, at the speeds `costs` gives it."""
+        fixed, per_item = self.costs(lanes, now)
+        return [lane.backlog_s(now, f, i) for lane, f, i in zip(lanes, fixed, per_item)]
+
     def costs(self, lanes: Sequence[Lane], now: float | None = None) -> tuple[list[float], list[float]]:
         """Seconds per sub-request and per image-equivalent of each lane; one without answers yet, or stale
         at `now`, is taken to be as fast as the mean of the others (or 1 unit per item when none
@@ -390,32 +409,6 @@ class Lanes:
             [lane.fixed_s if ok else fixed for lane, ok in zip(lanes, fresh)],
             [lane.item_s if ok else item for lane, ok in zip(lanes, fresh)],
         )
-
-
-def coalesce_key(body: dict[str, Any], forwarded: Sequence[str], consumer_zmq: str | None) -> bytes | None:
-    """What must be identical for two requests' images to share an encoder sub-request: every
-    byte of the encoder body except its media (`subrequest.encoder_body` builds it from the model,
-    the `forwarded` fields and the Mooncake consumer address, which also names the consumer's
-    data-parallel rank). Compared as written, not as parsed: key order reaches vLLM's hashes.
-
-    What else an encoder-only vLLM 0.32 instance reads of a chat request, and why it is not
-    here: the proxy sends it none of it. Sampling fields, `max_tokens`, `tools` and
-    `structured_outputs` shape generation, which an encoder never runs
-    (`Scheduler.update_from_output` stops it once the prompt is consumed); `chat_template`,
-    `chat_template_kwargs` and `add_generation_prompt` change only the text tokens around the
-    placeholders; `cache_salt` salts prefix-cache block hashes, and an encoder-only instance
-    runs with prefix caching off (`VllmConfig`) while media hashes never include it
-    (`ProcessorInputs.get_mm_hashes` folds in only `mm_processor_kwargs` and that modality's
-    `media_io_kwargs`); `vllm_xargs` and `kv_transfer_params` are refused from clients or not
-    forwarded. LoRA is chosen by `model`, which is in the key (tower and connector LoRA change
-    the embeddings), and so are `priority` (the encoder's scheduling order) and `session_id`
-    (kept on the engine's request, in its KV events).
-    """
-    fields = {name: body[name] for name in forwarded if name in body}
-    try:
-        return orjson.dumps([body.get("model"), fields, consumer_zmq])
-    except orjson.JSONEncodeError:
-        return None  # nested too deeply to write: its own sub-request says so (a 400)
 
 
 def take_batch(waiting: deque[Any], limit: int) -> list[Any]:

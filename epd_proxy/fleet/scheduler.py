@@ -5,8 +5,8 @@ sub-request has a fixed cost of about a third of one image's, and an image the e
 before under the same uuid costs about 0.4x a fresh one, but only on that encoder. So:
 
 - **Placement by expected finish** (`ExpectedFinish.place`): item by item, the encoder where the
-  request's encoding would finish first, a new sub-request paying the fixed cost; what an
-  encoder has worked off since our oldest sub-request there began counts as done. A slow or busy
+  request's encoding would finish first: its backlog (lanes.Lane.backlog_s) plus this request's
+  items placed there so far, a new sub-request paying the fixed cost. A slow or busy
   encoder gets less because its finish lies later. Finishes within a quarter of an image's time
   of the earliest are ties, broken by a rotation like round robin's cursor.
 - **Load-adaptive fan-out**: opening one more sub-request for a request also costs everyone
@@ -97,23 +97,12 @@ class ExpectedFinish:
         lanes = [self.lanes.of(encoder) for encoder in candidates]
         fixed, per_item = self.lanes.costs(lanes, now)
         adaptive = self.adaptive
-        load = 0.0
-        finish = []
+        # Each encoder's expected finish: its backlog, then this request's items as they are placed.
+        finish = [lane.backlog_s(now, f, i) for lane, f, i in zip(lanes, fixed, per_item)]
         # An item that opens a sub-request pays the fixed cost in time, and the load-weighted
         # fixed cost in what it does to everyone else.
-        opening = []
-        for e in range(n):
-            lane = lanes[e]
-            f = fixed[e]
-            backlog = f * lane.subs + per_item[e] * lane.load
-            if now is not None and lane.inflight:
-                backlog -= now - lane.busy_since
-                if backlog < 0.0:
-                    backlog = 0.0
-            finish.append(backlog)
-            opening.append(f)
-            load += lane.subs
-        load = load / n if adaptive else 0.0
+        opening = fixed
+        load = sum(lane.subs for lane in lanes) / n if adaptive else 0.0
         penalty = [load * f for f in fixed]
         # Images in this request's open sub-request on each encoder (0: none open).
         open_items = [0] * n

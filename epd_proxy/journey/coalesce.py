@@ -16,58 +16,27 @@ from typing import Any
 
 import orjson
 
-from epd_proxy.calls.upstream import Upstream
+from epd_proxy.calls.upstream import Payload
 from epd_proxy.errors import ProxyError
 from epd_proxy.fleet.backends import Instance
 from epd_proxy.fleet.lanes import BUSY_INFLIGHT, Lane
-from epd_proxy.fleet.stalls import overdue_after
 from epd_proxy.journey.extract import MediaItem
 from epd_proxy.journey.match import split_params
 from epd_proxy.journey.subrequest import (
     Dumps,
     Encoded,
-    EncodeOptions,
+    EncoderReply,
     IdMint,
-    Observed,
+    Outgoing,
+    Sender,
     encoder_body,
     encoder_parts,
-    post_encoder,
 )
 from epd_proxy.journey.trace import Trace
 from epd_proxy.ops import tracing
 from epd_proxy.ops.metrics import Metrics
 
 log = logging.getLogger("epd_proxy.encode")
-
-
-# A watchdog that fires this late says the proxy's own event loop was held up (a CPU-starved
-# host), not the encoder: it waits once more instead.
-LOOP_LAG_S = 0.1
-
-
-class Overdue:
-    """Calls `fire` once a sub-request is `after` seconds old (stalls.overdue_after)."""
-
-    __slots__ = ("_loop", "_after", "_fire", "_due", "_handle")
-
-    def __init__(self, after: float, fire: Callable[[], None]) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._after = after
-        self._fire = fire
-        self._arm()
-
-    def _arm(self) -> None:
-        self._due = self._loop.time() + self._after
-        self._handle = self._loop.call_at(self._due, self._check)
-
-    def _check(self) -> None:
-        if self._loop.time() - self._due > LOOP_LAG_S:
-            self._arm()
-        else:
-            self._fire()
-
-    def cancel(self) -> None:
-        self._handle.cancel()
 
 
 class SendAlone(Exception):
@@ -174,13 +143,10 @@ class Batch:
 class Coalescer:
     """The waiting groups of every lane and the tasks that send them."""
 
-    upstream: Upstream
+    sender: Sender
     metrics: Metrics
-    observed: Observed
     _: KW_ONLY
-    options: EncodeOptions
     ids: IdMint
-    clock: Callable[[], float]
     stalled: Callable[[Lane, Instance, int], bool]
     # Tasks sending queued sub-requests; held so they are not collected mid-flight.
     _senders: set[asyncio.Task] = field(default_factory=set, init=False, repr=False)
@@ -188,11 +154,11 @@ class Coalescer:
     async def wait_to_share(self, lane: Lane, work: Work) -> Encoded:
         # A healthy encoder works off its backlog in about the estimated time; one that stalls
         # (its sub-requests running into the timeout) must not hold queued groups behind it.
-        patience = lane.patience(work.cost)
-        if self.options.timeouts.total is not None:
-            patience = min(patience, self.options.timeouts.total / 4)
+        work.queued_at = self.sender.clock()
+        patience = lane.patience(work.cost, work.queued_at)
+        if self.sender.options.timeouts.total is not None:
+            patience = min(patience, self.sender.options.timeouts.total / 4)
         lane.queued(work)
-        work.queued_at = self.clock()
         work.timer = asyncio.get_running_loop().call_later(patience, self._impatient, lane, work)
         try:
             with work.trace.stage("encode.wait_to_share", **{"epd.items": work.size}) as waiting:
@@ -214,11 +180,15 @@ class Coalescer:
     def drain(self, lane: Lane, encoder: Instance) -> None:
         """Send what waits in `lane` while the encoder has room, one sending task per slot."""
         while lane.waiting and lane.inflight < BUSY_INFLIGHT and not lane.gone:
-            batch = self._batch(lane.next_batch(self.options.max_batch_size, self.clock(), self.options.timeouts.total))
+            batch = self._next_batch(lane)
             task = asyncio.get_running_loop().create_task(self._send_queued(lane, encoder, batch))
             batch.task = task
             self._senders.add(task)
             task.add_done_callback(self._senders.discard)
+
+    def _next_batch(self, lane: Lane) -> Batch:
+        options = self.sender.options
+        return self._batch(lane.next_batch(options.max_batch_size, self.sender.clock(), options.timeouts.total))
 
     @staticmethod
     def _batch(works: list[Work]) -> Batch:
@@ -242,9 +212,7 @@ class Coalescer:
                 await self._send_batch(lane, encoder, batch)
                 if not lane.waiting or lane.inflight >= BUSY_INFLIGHT or lane.gone:
                     return
-                batch = self._batch(
-                    lane.next_batch(self.options.max_batch_size, self.clock(), self.options.timeouts.total)
-                )
+                batch = self._next_batch(lane)
                 batch.task = asyncio.current_task()
         finally:
             if lane.waiting:
@@ -265,84 +233,84 @@ class Coalescer:
         shared = len(works) > 1
         transfer_ids = [self.ids.transfer_id() for _ in items]
         head = works[0]
-        sent = self.clock()
+        sent = self.sender.clock()
         for work in works:
             self.metrics.share_wait.observe(sent - work.queued_at)
-        done = None
-        watch = self._watch(lane, encoder, batch, cost, head.consumer_zmq is None)
+        if shared:
+            # Its own id: no client's id labels the others' media, in the encoder's logs too.
+            request_id = self.ids.shared_request_id()
+            members = [work.trace.request_id for work in works]
+            lane.shared[request_id] = members
+            for work in works:
+                work.trace.shared.append(request_id)
+            log.info(
+                "shared encoder sub-request %s to %s: %d items of %d members %s",
+                request_id,
+                encoder.url,
+                len(items),
+                len(works),
+                " ".join(members),
+            )
+            # Health dedups a 5xx per request; this sub-request is its own.
+            trace = Trace(request_id)
+        else:
+            request_id = self.ids.child_request_id(head.trace.request_id, head.items[0].index)
+            trace = head.trace
+
+        def payload() -> Payload:
+            if shared:
+                return coalesced_payload(works, transfer_ids, self.sender.options.send_uuid)
+            body = encoder_body(
+                head.body,
+                head.items,
+                send_uuid=self.sender.options.send_uuid,
+                transfer_ids=transfer_ids,
+                consumer_zmq=head.consumer_zmq,
+            )
+            return head.dumps(body)
+
+        def read(reply: EncoderReply) -> list[dict[str, Any] | None]:
+            if not shared:
+                return [reply.ec_transfer_params]
+            self.metrics.coalesced.labels(encoder.url).inc()
+            return split_params(reply.ec_transfer_params, [work.size for work in works], encoder.url)
+
+        movable = head.consumer_zmq is None
+        out = Outgoing(encoder, lane, request_id, trace, len(items), cost, sent, max(work.moves for work in works))
         try:
-            try:
-                if shared:
-                    # Its own id: no client's id labels the others' media, in the encoder's logs too.
-                    request_id = self.ids.shared_request_id()
-                    members = [work.trace.request_id for work in works]
-                    lane.shared[request_id] = members
-                    for work in works:
-                        work.trace.shared.append(request_id)
-                    log.info(
-                        "shared encoder sub-request %s to %s: %d items of %d members %s",
-                        request_id,
-                        encoder.url,
-                        len(items),
-                        len(works),
-                        " ".join(members),
-                    )
-                    payload = coalesced_payload(works, transfer_ids, self.options.send_uuid)
-                    # Health dedups a 5xx per request; this sub-request is its own.
-                    trace = Trace(request_id)
-                else:
-                    request_id = self.ids.child_request_id(head.trace.request_id, head.items[0].index)
-                    payload = head.dumps(
-                        encoder_body(
-                            head.body,
-                            head.items,
-                            send_uuid=self.options.send_uuid,
-                            transfer_ids=transfer_ids,
-                            consumer_zmq=head.consumer_zmq,
-                        )
-                    )
-                    trace = head.trace
-                self.metrics.encoder_subrequests.labels(encoder.url).inc()
-                self.metrics.items_per_subrequest.observe(len(items))
-                with tracing.queued_subrequest([work.waiting for work in works], encoder.url, len(items)):
-                    reply = await self.observed(
-                        encoder, post_encoder(self.upstream, encoder, payload, request_id, self.options.timeouts), trace
-                    )
-                if shared:
-                    self.metrics.coalesced.labels(encoder.url).inc()
-                    shares = split_params(reply.ec_transfer_params, [work.size for work in works], encoder.url)
-                else:
-                    shares = [reply.ec_transfer_params]
-                done = self.clock()
-            except ProxyError as exc:
-                if shared:
-                    self._shared_failed(lane, encoder, works, exc)
-                else:
-                    _settle(head, exc)
+            shares = await self.sender.send(
+                out,
+                payload,
+                lambda: tracing.queued_subrequest([work.waiting for work in works], encoder.url, len(items)),
+                lambda after: self._overdue(lane, encoder, batch, after, movable),
+                read,
+            )
+        except ProxyError as exc:
+            if shared:
+                self._shared_failed(lane, encoder, works, exc)
+            else:
+                _settle(head, exc)
+            return
+        except BaseException as exc:
+            # Cancelled (every request in it went away, or the proxy stops) or a fault here:
+            # no request may wait for an answer that will never come.
+            cancelled = isinstance(exc, asyncio.CancelledError)
+            if cancelled and batch.abandoned:
+                # Its members went elsewhere; the encoder learns it from the closed call.
+                asyncio.current_task().uncancel()
                 return
-            except BaseException as exc:
-                # Cancelled (every request in it went away, or the proxy stops) or a fault here:
-                # no request may wait for an answer that will never come.
-                cancelled = isinstance(exc, asyncio.CancelledError)
-                if cancelled and batch.abandoned:
-                    # Its members went elsewhere; the encoder learns it from the closed call.
-                    asyncio.current_task().uncancel()
-                    return
-                for work in works:
-                    if not work.future.done():
-                        if cancelled:
-                            work.future.cancel()
-                        else:
-                            work.future.set_exception(exc)
-                if cancelled:
-                    raise
-                return
+            for work in works:
+                if not work.future.done():
+                    if cancelled:
+                        work.future.cancel()
+                    else:
+                        work.future.set_exception(exc)
+            if cancelled:
+                raise
+            return
         finally:
-            if watch is not None:
-                watch.cancel()
             if shared:
                 lane.shared.pop(request_id, None)
-            lane.finished(cost, sent, done)
             batch.done = True
         if shared:
             lane.shared_ok(len(items))
@@ -356,15 +324,6 @@ class Coalescer:
             if shared:
                 work.trace.coalesced += 1
             work.future.set_result(Encoded(encoder, params, ids))
-
-    def _watch(self, lane: Lane, encoder: Instance, batch: Batch, cost: float, movable: bool):
-        """A timer for a sub-request far past its expected time (stalls.overdue_after), by its
-        most moved member's count."""
-        moves = max(work.moves for work in batch.works)
-        after = overdue_after(lane, cost, self.options.timeouts.total, moves)
-        if after is None:
-            return None
-        return Overdue(after, lambda: self._overdue(lane, encoder, batch, after, movable))
 
     def _overdue(self, lane: Lane, encoder: Instance, batch: Batch, after: float, movable: bool) -> None:
         if batch.done:
@@ -403,7 +362,7 @@ class Coalescer:
         if charged == "request":
             lane.charged_requests += 1
         else:
-            lane.share_failed(items, self.clock())
+            lane.share_failed(items, self.sender.clock())
 
 
 def _settle(work: Work, exc: BaseException) -> None:

@@ -16,13 +16,13 @@ from typing import Any
 
 import orjson
 
-from epd_proxy.calls.upstream import Upstream
+from epd_proxy.calls.upstream import Payload, Upstream
 from epd_proxy.errors import BackendUnreachable, ProxyError
 from epd_proxy.fleet.backends import Instance
-from epd_proxy.fleet.lanes import BUSY_INFLIGHT, Lane, Lanes, coalesce_key
+from epd_proxy.fleet.lanes import BUSY_INFLIGHT, Lane, Lanes
 from epd_proxy.fleet.routing import RoutingPolicy
-from epd_proxy.fleet.stalls import laggards, overdue_after, progressed_elsewhere
-from epd_proxy.journey.coalesce import Coalescer, Overdue, SendAlone, Work
+from epd_proxy.fleet.stalls import laggards, progressed_elsewhere
+from epd_proxy.journey.coalesce import Coalescer, SendAlone, Work
 from epd_proxy.journey.extract import MediaItem
 from epd_proxy.journey.plan import EncoderGroup
 from epd_proxy.journey.reuse import failed_holding_media
@@ -33,8 +33,10 @@ from epd_proxy.journey.subrequest import (
     EncodeOptions,
     IdMint,
     Observed,
+    Outgoing,
+    Sender,
+    coalesce_key,
     encoder_body,
-    post_encoder,
 )
 from epd_proxy.journey.trace import Trace
 from epd_proxy.ops.metrics import Metrics
@@ -66,12 +68,10 @@ class EncodeStep:
         clock: Callable[[], float] = time.perf_counter,
         stalled: Callable[[Instance], None] = lambda encoder: None,
     ) -> None:
-        self.upstream = upstream
         self.metrics = metrics
         self.policy = policy
         self._place = getattr(policy, "place", None)
         self.live = live
-        self.observed = observed
         self.options = options
         self.lanes = lanes if lanes is not None else getattr(policy, "lanes", None) or Lanes()
         # A cap of one image per sub-request leaves nothing to share.
@@ -80,15 +80,8 @@ class EncodeStep:
         # Tells health an encoder let a sub-request run far past its expected time.
         self.health_stalled = stalled
         self.ids = IdMint()
-        self.coalescer = Coalescer(
-            upstream,
-            metrics,
-            observed,
-            options=options,
-            ids=self.ids,
-            clock=clock,
-            stalled=self._stalled,
-        )
+        self.sender = Sender(upstream, metrics, observed, options, clock)
+        self.coalescer = Coalescer(self.sender, metrics, ids=self.ids, stalled=self._stalled)
 
     def place(self, items: Sequence[MediaItem], trace: Trace) -> list[Instance]:
         """One live encoder per item."""
@@ -284,56 +277,45 @@ class EncodeStep:
         """One group as its own sub-request, from the request's own task (so its cancellation
         cancels the sub-request)."""
         transfer_ids = [self.ids.transfer_id() for _ in group_items]
-        sub_body = encoder_body(
-            body,
-            group_items,
-            send_uuid=self.options.send_uuid,
-            transfer_ids=transfer_ids,
-            consumer_zmq=consumer_zmq,
-        )
-        payload = dumps(sub_body)
-        self.metrics.encoder_subrequests.labels(encoder.url).inc()
-        self.metrics.items_per_subrequest.observe(len(group_items))
         lane = self.lanes.of(encoder)
         cost = sum(item.cost for item in group_items)
         sent = self.clock()
         lane.started(cost, sent)
-        done = None
-        after = overdue_after(lane, cost, self.options.timeouts.total, moves)
+        request_id = self.ids.child_request_id(trace.request_id, group_items[0].index)
+        out = Outgoing(encoder, lane, request_id, trace, len(group_items), cost, sent, moves)
         task = asyncio.current_task()
-        moving: list[bool] = []
+        moving: list[float] = []
 
-        def overdue() -> None:
+        def payload() -> Payload:
+            body_out = encoder_body(
+                body,
+                group_items,
+                send_uuid=self.options.send_uuid,
+                transfer_ids=transfer_ids,
+                consumer_zmq=consumer_zmq,
+            )
+            return dumps(body_out)
+
+        def overdue(after: float) -> None:
             elsewhere = self._stalled(lane, encoder, len(group_items))
             # Sent again elsewhere only where that is safe: the same uuid gives the same
             # embedding, but a Mooncake push may still arrive under these transfer ids.
             if elsewhere and consumer_zmq is None:
-                moving.append(True)
+                moving.append(after)
                 task.cancel()
 
-        watch = Overdue(after, overdue) if after is not None else None
         try:
-            with trace.stage("encode.subrequest", encoder, **{"epd.items": len(group_items)}):
-                reply = await self.observed(
-                    encoder,
-                    post_encoder(
-                        self.upstream,
-                        encoder,
-                        payload,
-                        self.ids.child_request_id(trace.request_id, group_items[0].index),
-                        self.options.timeouts,
-                    ),
-                    trace,
-                )
-            done = self.clock()
+            reply = await self.sender.send(
+                out,
+                payload,
+                lambda: trace.stage("encode.subrequest", encoder, **{"epd.items": len(group_items)}),
+                overdue,
+            )
         except asyncio.CancelledError:
             if moving and task.uncancel() == 0:
-                raise SendAlone(overdue=after) from None
+                raise SendAlone(overdue=moving[0]) from None
             raise
         finally:
-            if watch is not None:
-                watch.cancel()
-            lane.finished(cost, sent, done)
             if lane.waiting:
                 self.coalescer.drain(lane, encoder)
         trace.subrequest_share += 1.0

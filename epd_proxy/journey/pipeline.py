@@ -298,8 +298,7 @@ class Pipeline:
         # Media an encoder failed on an earlier attempt never go raw.
         if raw and self.consumer_encode and job.items and trace.media_failed_on is None:
             encoders = self.candidates(ENCODE)
-            lanes = [self.encode.lanes.of(encoder) for encoder in encoders]
-            last_resort = swamped(lanes, self.consumer_encode_after_s, self.encode.clock())
+            last_resort = swamped(self.encode.lanes, encoders, self.consumer_encode_after_s, self.encode.clock())
         history_end = door.conversation(job.body).history_end
         return plan_encode(job.items, history_end=history_end, raw=raw, reuse=self.reuse, last_resort=last_resort)
 

@@ -19,7 +19,8 @@ input items or Anthropic messages); these functions read only that.
   modality in one request, so the turn's new images go raw too; they are still encoded first,
   and the consumer loads them from the EC store by name.
 - **The consumer as encoder of last resort**: when no encoder is in rotation, or every one is
-  queued beyond a bound (its backlog at its measured speed, lanes.Lane), every item goes raw
+  queued beyond a bound (its backlog, lanes.Lane.backlog_s: an encoder that never answered is
+  behind by at least its silence), every item goes raw
   and the consumer encodes what it has not seen. When the encoders fail an attempt, the consumer
   takes over only media no encoder has received (`consumer_may_encode`): input that broke one
   encoder must not reach the consumer next.
@@ -43,7 +44,8 @@ import orjson
 
 from epd_proxy.calls.upstream import NoAnswer
 from epd_proxy.errors import ProxyError
-from epd_proxy.fleet.lanes import Lane
+from epd_proxy.fleet.backends import Instance
+from epd_proxy.fleet.lanes import Lanes
 from epd_proxy.journey.doors import Conversation
 from epd_proxy.journey.extract import MediaItem, with_parts_replaced
 
@@ -64,20 +66,9 @@ def conversation_key(model: Any, conversation: Conversation, items: Sequence[Med
     return hashlib.blake2b(text, digest_size=16).hexdigest()
 
 
-def backlog_s(lane: Lane, now: float) -> float:
-    """Seconds of this proxy's work queued or running on an encoder, at its measured speed (0
-    until measured): what a new item would wait behind."""
-    if lane.item_s is None:
-        return 0.0
-    backlog = lane.fixed_s * lane.subs + lane.item_s * lane.load
-    if lane.inflight:
-        backlog -= now - lane.busy_since
-    return max(0.0, backlog)
-
-
-def swamped(lanes: Sequence[Lane], bound_s: float, now: float) -> bool:
-    """No encoder, or every one queued beyond `bound_s`."""
-    return all(backlog_s(lane, now) > bound_s for lane in lanes)
+def swamped(lanes: Lanes, encoders: Sequence[Instance], bound_s: float, now: float) -> bool:
+    """No encoder, or every one's backlog (`Lane.backlog_s`, what /metrics shows) beyond `bound_s`."""
+    return all(backlog > bound_s for backlog in lanes.backlogs([lanes.of(e) for e in encoders], now))
 
 
 def raw_modalities(items: Sequence[MediaItem], refused: Collection[str]) -> frozenset[str]:

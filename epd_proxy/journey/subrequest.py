@@ -1,14 +1,17 @@
 """Encoder sub-requests on the wire: their bodies (pure), their ids, and sending one.
 
-What the encode step (encode.py) and cross-request coalescing (coalesce.py) both send.
+What the encode step (encode.py) and cross-request coalescing (coalesce.py) both send, and how
+(`Sender`): a group alone and a sub-request from the queue keep the same books.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import random
 from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,8 +20,11 @@ import orjson
 from epd_proxy.calls.upstream import Payload, Timeouts, Upstream
 from epd_proxy.errors import ProxyError
 from epd_proxy.fleet.backends import CHAT_PATH, Instance
+from epd_proxy.fleet.lanes import Lane
+from epd_proxy.fleet.stalls import overdue_after
 from epd_proxy.journey.extract import MediaItem
 from epd_proxy.journey.trace import Trace
+from epd_proxy.ops.metrics import Metrics
 
 Dumps = Callable[[Any], Payload]
 # Awaits one backend call and tells health how it went (the pipeline's, shared by every stage).
@@ -32,6 +38,32 @@ FORWARDED_FIELDS = ("mm_processor_kwargs", "media_io_kwargs", "priority", "sessi
 # An encoder answers a few hundred bytes per item (its `ec_transfer_params`); even at
 # --max-media-items 256 that is well under this, and anything larger is not an encoder's answer.
 MAX_ENCODER_ANSWER_BYTES = 1 << 20
+
+
+def coalesce_key(body: dict[str, Any], forwarded: Sequence[str], consumer_zmq: str | None) -> bytes | None:
+    """What must be identical for two requests' images to share an encoder sub-request: every
+    byte of the encoder body except its media (`encoder_body` builds it from the model,
+    the `forwarded` fields and the Mooncake consumer address, which also names the consumer's
+    data-parallel rank). Compared as written, not as parsed: key order reaches vLLM's hashes.
+
+    What else an encoder-only vLLM 0.32 instance reads of a chat request, and why it is not
+    here: the proxy sends it none of it. Sampling fields, `max_tokens`, `tools` and
+    `structured_outputs` shape generation, which an encoder never runs
+    (`Scheduler.update_from_output` stops it once the prompt is consumed); `chat_template`,
+    `chat_template_kwargs` and `add_generation_prompt` change only the text tokens around the
+    placeholders; `cache_salt` salts prefix-cache block hashes, and an encoder-only instance
+    runs with prefix caching off (`VllmConfig`) while media hashes never include it
+    (`ProcessorInputs.get_mm_hashes` folds in only `mm_processor_kwargs` and that modality's
+    `media_io_kwargs`); `vllm_xargs` and `kv_transfer_params` are refused from clients or not
+    forwarded. LoRA is chosen by `model`, which is in the key (tower and connector LoRA change
+    the embeddings), and so are `priority` (the encoder's scheduling order) and `session_id`
+    (kept on the engine's request, in its KV events).
+    """
+    fields = {name: body[name] for name in forwarded if name in body}
+    try:
+        return orjson.dumps([body.get("model"), fields, consumer_zmq])
+    except orjson.JSONEncodeError:
+        return None  # nested too deeply to write: its own sub-request says so (a 400)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,3 +187,98 @@ class Encoded:
     @property
     def backend(self) -> str:
         return self.encoder.url
+
+
+# A watchdog that fires this late says the proxy's own event loop was held up (a CPU-starved
+# host), not the encoder: it waits once more instead.
+LOOP_LAG_S = 0.1
+
+
+class Overdue:
+    """Calls `fire` once a sub-request is `after` seconds old (stalls.overdue_after)."""
+
+    __slots__ = ("_loop", "_after", "_fire", "_due", "_handle")
+
+    def __init__(self, after: float, fire: Callable[[], None]) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._after = after
+        self._fire = fire
+        self._arm()
+
+    def _arm(self) -> None:
+        self._due = self._loop.time() + self._after
+        self._handle = self._loop.call_at(self._due, self._check)
+
+    def _check(self) -> None:
+        if self._loop.time() - self._due > LOOP_LAG_S:
+            self._arm()
+        else:
+            self._fire()
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+
+
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    """One sub-request about to leave, already counted in flight on its lane (`Lane.started`
+    for a group alone, `Lane.next_batch` for one from the queue) at `sent`."""
+
+    encoder: Instance
+    lane: Lane
+    request_id: str
+    # Whose health verdicts it counts towards (a shared sub-request is its own).
+    trace: Trace
+    items: int
+    cost: float
+    sent: float
+    # Moves off overdue encoders of its most moved group: each doubles its overdue time.
+    moves: int
+
+
+@dataclass(frozen=True, slots=True)
+class Sender:
+    """Sends one encoder sub-request and keeps its books: the metrics, a watch that calls
+    `overdue(after)` once it is far past its expected time (stalls.overdue_after), its span,
+    and its lane's outstanding work and speed when it ends. What an answer means, and how an
+    overdue one moves, is the caller's."""
+
+    upstream: Upstream
+    metrics: Metrics
+    observed: Observed
+    options: EncodeOptions
+    clock: Callable[[], float]
+
+    async def send(
+        self,
+        out: Outgoing,
+        payload: Callable[[], Payload],
+        span: Callable[[], AbstractContextManager],
+        overdue: Callable[[float], None],
+        read: Callable[[EncoderReply], Any] = lambda reply: reply,
+    ) -> Any:
+        """What `read` makes of the answer; an answer it refuses (raises) counts as a failure, and
+        teaches the lane nothing of the encoder's speed."""
+        lane, encoder = out.lane, out.encoder
+        done = None
+        watch = None
+        try:
+            body = payload()
+            self.metrics.encoder_subrequests.labels(encoder.url).inc()
+            self.metrics.items_per_subrequest.observe(out.items)
+            after = overdue_after(lane, out.cost, self.options.timeouts.total, out.moves)
+            if after is not None:
+                watch = Overdue(after, lambda: overdue(after))
+            with span():
+                reply = await self.observed(
+                    encoder,
+                    post_encoder(self.upstream, encoder, body, out.request_id, self.options.timeouts),
+                    out.trace,
+                )
+            answer = read(reply)
+            done = self.clock()
+            return answer
+        finally:
+            if watch is not None:
+                watch.cancel()
+            lane.finished(out.cost, out.sent, done)

@@ -42,7 +42,7 @@ HISTORY_POINTS = 600
 class RoleFigures:
     arrival_rate: float  # per second: media items for encoders, requests for prefill and decode
     offered_load: float  # replicas' worth of work at full load (Little's law)
-    backlog_s: float  # seconds of work outstanding (encoders only: the scheduler's estimate)
+    backlog_s: float  # seconds of work outstanding (encoders only: lanes.Lane.backlog_s)
 
 
 def recommended(load: float, capacity: float, utilisation: float, members: int) -> int:
@@ -68,7 +68,8 @@ class Autoscale:
     window_s: float = 60.0
     utilisation: float = 0.7
     concurrency: int = 16
-    clock: Callable[[], float] = time.monotonic
+    # The lanes' clock (encode.py's): the backlog counts what an encoder worked off since then.
+    clock: Callable[[], float] = time.perf_counter
     busy_s: dict[str, float] = field(init=False, default_factory=lambda: {PREFILL: 0.0, DECODE: 0.0})
     arrived: dict[str, int] = field(init=False, default_factory=lambda: dict.fromkeys(ROLES, 0))
     # (time, busy seconds per role, arrivals per role, encoder backlog seconds), oldest first.
@@ -102,13 +103,10 @@ class Autoscale:
         return {ENCODE: self.lanes.worked_s(), **self.busy_s}
 
     def backlog(self) -> dict[str, float]:
-        """Each encoder's outstanding work (in flight and queued here) at its estimated speed."""
+        """Each encoder's backlog (lanes.Lane.backlog_s): what the scheduler and the consumer's
+        last resort go by."""
         lanes = self.lanes.all()
-        if not lanes:
-            return {}
-        # At the learnt speeds, stale or not: an encoder is stale only while it has nothing outstanding.
-        fixed, per_item = self.lanes.costs(lanes)
-        return {lane.url: f * lane.subs + i * lane.load for lane, f, i in zip(lanes, fixed, per_item)}
+        return dict(zip((lane.url for lane in lanes), self.lanes.backlogs(lanes, self.clock())))
 
     def sample(self) -> None:
         now = self.clock()

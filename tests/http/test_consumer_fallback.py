@@ -6,6 +6,7 @@ received, so one input that takes down the encoders cannot take down the consume
 
 from __future__ import annotations
 
+import asyncio
 import base64
 
 import pytest
@@ -179,3 +180,27 @@ async def test_an_item_overdue_with_no_failover_left_is_not_handed_to_the_pd(mak
     assert status == 504, answer
     assert answer["error"]["stage"] == "encode"
     assert len(stack.pd.requests) == before
+
+
+async def test_an_encoder_that_hangs_before_it_ever_answered_leaves_later_media_to_the_pd(make_stack):
+    # Never measured, so only its silence tells how far behind it is: past the bound, the media of
+    # later requests (which no encoder received) go to the PD instead of queueing behind it.
+    stack = await make_stack(encoders=1, decoders=1, consumer_encode_after_s=2.0, encode_timeout_s=30.0)
+    (hung,) = stack.encoders
+    hung.faults.delay_s = 60.0
+    first = asyncio.create_task(status_of(stack, chat(image("stuck"))))
+    try:
+        await eventually(lambda: len(hung.requests) == 1, what="the first sub-request reached the encoder")
+        url = stack.backend_urls["e"][0]
+        registry = stack.state.metrics.registry
+        # What the operator's gauge shows is what the proxy decides on.
+        await eventually(
+            lambda: (registry.get_sample_value("epd_encoder_backlog_seconds", {"encoder": url}) or 0.0) > 2.0,
+            timeout=15.0,
+            what="the silent encoder's backlog past --consumer-encode-after",
+        )
+        status, answer = await asyncio.wait_for(status_of(stack, chat(image("later"))), 10.0)
+        assert status == 200, answer
+        assert len(hung.requests) == 1 and raw_media(stack.pd) == 1 and stack.pd.encoded_locally == 1
+    finally:
+        first.cancel()

@@ -21,12 +21,11 @@ from epd_proxy.fleet.lanes import (
     SUSPECT_HOLD_S,
     Lane,
     Lanes,
-    coalesce_key,
     take_batch,
 )
 from epd_proxy.fleet.scheduler import ExpectedFinish, Key
 from epd_proxy.fleet.stalls import OVERDUE_FACTOR, OVERDUE_FLOOR_S, overdue_after
-from epd_proxy.journey.subrequest import FORWARDED_FIELDS
+from epd_proxy.journey.subrequest import FORWARDED_FIELDS, coalesce_key
 from tests.unit.fleet.test_scheduler import fleet, serve
 
 
@@ -244,12 +243,30 @@ def test_a_sub_request_far_past_its_expected_time_is_overdue_but_never_during_a_
 
 def test_patience_grows_with_the_backlog_ahead():
     lane = Lane("e")
-    short = lane.patience(1)
+    short = lane.patience(1, 0.0)
     serve(lane, [2] * 10, 0.01)
-    idle = lane.patience(1)
+    idle = lane.patience(1, 0.0)
     for _ in range(10):
         lane.started(4)
-    assert short > 0 and lane.patience(1) > idle
+    assert short > 0 and lane.patience(1, 0.0) > idle
+
+
+def test_the_backlog_is_outstanding_work_less_what_the_encoder_worked_off():
+    lane = Lane("e")
+    assert lane.backlog_s(0.0, 0.035, 0.1) == 0.0
+    lane.started(30, 1.0)
+    assert lane.backlog_s(None, 0.035, 0.1) == pytest.approx(3.035)  # no clock: nothing counted done
+    assert lane.backlog_s(2.0, 0.035, 0.1) == pytest.approx(2.035)
+    # Never measured: once its silence outlasts what the speed it was given says, the silence counts.
+    assert lane.backlog_s(3.0, 0.035, 0.1) == pytest.approx(2.0)
+    assert lane.backlog_s(11.0, 0.035, 0.1) == pytest.approx(10.0)
+    measured = Lane("m")
+    serve(measured, [2] * 10, 0.01)
+    measured.started(30, 100.0)
+    assert measured.backlog_s(100.1, measured.fixed_s, measured.item_s) == pytest.approx(
+        measured.fixed_s + measured.item_s * 30 - 0.1
+    )
+    assert measured.backlog_s(200.0, measured.fixed_s, measured.item_s) == 0.0  # a measured one is overdue instead
 
 
 BASE = {"model": "m", "messages": [], "max_tokens": 3}

@@ -7,10 +7,9 @@ import time
 import orjson
 import pytest
 
-from epd_proxy.fleet.lanes import coalesce_key
-from epd_proxy.journey.coalesce import LOOP_LAG_S, Overdue, Work, coalesced_payload
+from epd_proxy.journey.coalesce import Work, coalesced_payload
 from epd_proxy.journey.extract import normalise_request, parse_request
-from epd_proxy.journey.subrequest import FORWARDED_FIELDS, encoder_body
+from epd_proxy.journey.subrequest import FORWARDED_FIELDS, LOOP_LAG_S, Overdue, coalesce_key, encoder_body
 from epd_proxy.journey.trace import Trace
 from epd_proxy.tools.testing.polling import eventually
 from tests.media import chat, image

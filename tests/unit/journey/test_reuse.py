@@ -9,7 +9,7 @@ import pytest
 from epd_proxy.calls.upstream import CONNECT_TIMEOUT, HEADERS_TIMEOUT, POOL_TIMEOUT, REFUSED, RESET, NoAnswer
 from epd_proxy.errors import ProxyError
 from epd_proxy.fleet.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE, Instance
-from epd_proxy.fleet.lanes import Lane
+from epd_proxy.fleet.lanes import Lanes
 from epd_proxy.fleet.routing import PrefixAffinity, RoundRobin
 from epd_proxy.journey.doors import CHAT, chat_conversation
 from epd_proxy.journey.extract import ReadOptions, normalise_request
@@ -18,7 +18,6 @@ from epd_proxy.journey.messages_api import MESSAGES
 from epd_proxy.journey.pipeline import ClientBody
 from epd_proxy.journey.responses_api import RESPONSES
 from epd_proxy.journey.reuse import (
-    backlog_s,
     consumer_may_encode,
     conversation_key,
     failed_holding_media,
@@ -187,21 +186,26 @@ def test_an_encoder_failed_holding_media_when_it_answered_5xx_or_lost_them_after
     assert not failed_holding_media(None)
 
 
-def measured_lane(item_s: float, items: int, *, inflight: int = 0, busy_since: float = 0.0) -> Lane:
-    lane = Lane("http://e")
+def measured(lanes: Lanes, url: str, item_s: float, items: int) -> Instance:
+    encoder = Instance(url, ENCODE)
+    lane = lanes.of(encoder)
     lane.item_s, lane.fixed_s = item_s, item_s * 0.35
-    lane.subs, lane.load, lane.inflight, lane.busy_since = 1, items, inflight, busy_since
-    return lane
+    lane.subs, lane.load = 1, items
+    return encoder
 
 
-def test_an_encoder_is_swamped_when_its_measured_backlog_passes_the_bound():
-    assert backlog_s(Lane("http://e"), 0.0) == 0.0  # unmeasured: never swamped
-    assert backlog_s(measured_lane(0.1, 30), 0.0) == pytest.approx(3.035)
-    # What it worked off since our oldest sub-request there began counts as done.
-    assert backlog_s(measured_lane(0.1, 30, inflight=1, busy_since=1.0), 2.0) == pytest.approx(2.035)
-    assert swamped([measured_lane(0.1, 30), measured_lane(0.1, 40)], 2.0, 0.0)
-    assert not swamped([measured_lane(0.1, 30), measured_lane(0.1, 10)], 2.0, 0.0)
-    assert swamped([], 2.0, 0.0)
+def test_an_encoder_is_swamped_when_its_backlog_passes_the_bound():
+    lanes = Lanes()
+    a, b, c = (measured(lanes, f"http://e{n}", 0.1, items) for n, items in enumerate((30, 40, 10)))
+    assert swamped(lanes, [a, b], 2.0, 0.0)
+    assert not swamped(lanes, [a, c], 2.0, 0.0)
+    assert swamped(lanes, [], 2.0, 0.0)
+    # One that never answered: behind by its silence once that outlasts what its work should take.
+    hung = Instance("http://hung", ENCODE)
+    assert not swamped(Lanes(), [hung], 2.0, 0.0)
+    alone = Lanes()
+    alone.of(hung).started(1, 0.0)
+    assert not swamped(alone, [hung], 2.0, 1.0) and swamped(alone, [hung], 2.0, 2.5)
 
 
 # -- prefix affinity --------------------------------------------------------------------------------

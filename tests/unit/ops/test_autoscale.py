@@ -9,7 +9,8 @@ import pytest
 
 from epd_proxy.fleet.backends import Instance
 from epd_proxy.fleet.lanes import Lanes
-from epd_proxy.ops.autoscale import Autoscale, recommended
+from epd_proxy.journey.reuse import swamped
+from epd_proxy.ops.autoscale import ENCODER_BACKLOG, Autoscale, recommended, rows
 
 
 class Clock:
@@ -66,11 +67,11 @@ def test_encoder_busy_time_and_backlog_growth_come_from_the_lanes():
     autoscale.sample()
     # Five sub-requests of 4 items, each held 0.4 s: 2 s of encoder time in 10 s.
     for n in range(5):
-        lane.started(4, n)
-        lane.finished(4, n, n + 0.4)
-    # And a sub-request of 30 items sent, not yet worked off: work that arrived, not yet done.
-    lane.started(30, 9.0)
+        lane.started(4, clock.now + n)
+        lane.finished(4, clock.now + n, clock.now + n + 0.4)
+    # And a sub-request of 30 items sent at the end, not yet worked off: work that arrived, not yet done.
     clock.now += 10
+    lane.started(30, clock.now)
     figures = autoscale.figures()["encode"]
     backlog = figures.backlog_s
     assert backlog == pytest.approx(lane.fixed_s + lane.item_s * 30) and backlog > 0
@@ -130,3 +131,27 @@ def test_frequent_scrapes_keep_the_window_and_the_timeline_what_they_mean():
     # The status page's timeline still reaches back its whole span, not the last few scrapes.
     timeline = autoscale.backlog_timeline(span_s=300.0)
     assert timeline[0]["ago_s"] >= 20.0 and len(timeline) <= 25
+
+
+def test_the_backlog_gauge_is_what_the_consumers_last_resort_decides_on():
+    """`epd_encoder_backlog_seconds` and `--consumer-encode-after` read one quantity: what an
+    encoder worked off counts as done, and one that never answered is behind by its silence."""
+    clock = Clock()
+    lanes = Lanes()
+    measured, working, hung = (Instance(f"http://e{n}:1", "encode") for n in range(3))
+    for encoder in (measured, working):
+        lane = lanes.of(encoder)
+        lane.started(4, clock.now)
+        lane.finished(4, clock.now, clock.now + 0.4)
+        lane.started(30, clock.now + 1.0)
+    lanes.of(hung).started(1, clock.now + 1.0)
+    autoscale = Autoscale(lanes, clock=clock)
+    clock.now += 3.0  # two seconds into the 30-item sub-requests and the hung one's silence
+    gauge = {labels[0]: value for name, labels, value in rows(autoscale) if name == ENCODER_BACKLOG[0]}
+    lane = lanes.of(measured)
+    assert gauge[measured.url] == pytest.approx(lane.fixed_s + lane.item_s * 30 - 2.0)
+    assert gauge[hung.url] == pytest.approx(2.0)
+    for encoder in (measured, working, hung):
+        seconds = gauge[encoder.url]
+        assert swamped(lanes, [encoder], seconds - 0.01, clock.now)
+        assert not swamped(lanes, [encoder], seconds + 0.01, clock.now)
