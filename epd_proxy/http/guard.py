@@ -199,7 +199,8 @@ class ConnectionGuard(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self._in_message = False
-        self._arm("keepalive", self.limits.keepalive_timeout_s)
+        if not self.busy:
+            self._arm("keepalive", self.limits.keepalive_timeout_s)
 
     # -- the app's side (middleware) -----------------------------------------------------------------
 
@@ -320,6 +321,38 @@ def _json(error: ProxyError) -> web.Response:
     return web.Response(status=error.status, body=error.body(), content_type="application/json")
 
 
+class _BodyClock:
+    """At most `timeout_s` of waiting for one read, for the task that reads. One timer for the
+    whole body, moved on lazily: a clock per read cost more than the guard itself."""
+
+    __slots__ = ("_loop", "_task", "_timeout_s", "_handle", "since", "waiting", "fired")
+
+    def __init__(self, timeout_s: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._task = asyncio.current_task()
+        self._timeout_s = timeout_s
+        self.since = self._loop.time()
+        self.waiting = self.fired = False
+        self._handle = self._loop.call_at(self.since + timeout_s, self._check)
+
+    def _check(self) -> None:
+        now = self._loop.time()
+        if not self.waiting:
+            self._handle = self._loop.call_at(now + self._timeout_s, self._check)
+        elif now < self.since + self._timeout_s:
+            self._handle = self._loop.call_at(self.since + self._timeout_s, self._check)
+        elif self._task is not None:
+            self.fired = True
+            self._task.cancel()
+
+    def ran_out(self) -> bool:
+        """After a cancellation: whether it was this clock's (and no one else's)."""
+        return self.fired and self._task is not None and self._task.uncancel() == 0
+
+    def stop(self) -> None:
+        self._handle.cancel()
+
+
 async def read_chunks(request: web.Request) -> AsyncIterator[bytes]:
     """The request body as it arrives, with the body clock (nginx's `client_body_timeout`):
     at most that long between two reads. The clock only runs while the reader waits for bytes."""
@@ -330,16 +363,24 @@ async def read_chunks(request: web.Request) -> AsyncIterator[bytes]:
         async for chunk in content.iter_any():
             yield chunk
         return
-    while True:
-        try:
-            async with asyncio.timeout(timeout):
+    loop = asyncio.get_running_loop()
+    clock = _BodyClock(timeout)
+    try:
+        while True:
+            clock.since, clock.waiting = loop.time(), True
+            try:
                 chunk = await content.readany()
-        except TimeoutError:
-            chunk = None
-        if chunk is None:
-            # Raised outside the handler above, so the error keeps no context holding this frame.
-            request[_TIMED_OUT] = True
-            raise guard.body_timed_out()
-        if not chunk:
-            return
-        yield chunk
+            except asyncio.CancelledError:
+                if not clock.ran_out():
+                    raise
+                chunk = None
+            clock.waiting = False
+            if chunk is None:
+                # Raised outside the handler above, so the error keeps no context holding this frame.
+                request[_TIMED_OUT] = True
+                raise guard.body_timed_out()
+            if not chunk:
+                return
+            yield chunk
+    finally:
+        clock.stop()
