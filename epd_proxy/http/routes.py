@@ -20,6 +20,7 @@ from epd_proxy.errors import ErrorAnswer, InternalError, ProxyError
 from epd_proxy.fleet.backends import DECODE
 from epd_proxy.fleet.registry import normalize_url, parse_registration
 from epd_proxy.http.auth import CHANGE_FLEET, PROFILE, READ_FLEET, check_client_key, guard_admin, may
+from epd_proxy.http.guard import ClientTimeout, read_chunks
 from epd_proxy.http.request_id import request_id
 from epd_proxy.journey.doors import CHAT, Door
 from epd_proxy.journey.extract import NormalisedRequest, ReadOptions, parse_json_body
@@ -63,15 +64,22 @@ def error_response(exc: ProxyError, request_id: str | None = None, door: Door = 
 
 
 async def read_body(request: web.Request, limit: int) -> bytearray:
-    """The body in one buffer: `request.read()` would copy it twice more (a megabyte per
-    multi-image request), and orjson parses a bytearray directly."""
+    """The body in one buffer, read with the client body clock (guard.py): `request.read()`
+    would copy it twice more (a megabyte per multi-image request) and have no clock; orjson
+    parses a bytearray directly. Every body the proxy reads comes through here."""
     if request.content_length is not None and request.content_length > limit:
         raise _too_large(limit)
     body = bytearray()
-    async for chunk in request.content.iter_any():
-        body += chunk
-        if len(body) > limit:
-            raise _too_large(limit)
+    try:
+        async for chunk in read_chunks(request):
+            body += chunk
+            if len(body) > limit:
+                raise _too_large(limit)
+    except ClientTimeout as exc:
+        # `serve` keeps the error (trace.error), whose traceback would keep the half-read body in
+        # a cycle until the next collection, which the worker makes rare: leave without it.
+        body = chunk = None
+        raise exc.with_traceback(None) from None
     return body
 
 
@@ -114,7 +122,7 @@ def client_manners(api_key: str):
                 response.headers["Allow"] = exc.headers["Allow"]
             return response
         except ProxyError as exc:
-            # One a handler let escape, such as the body timeout out of a plain `request.read()`.
+            # One a handler let escape, such as the body timeout out of `read_body`.
             return error_response(exc)
         except Exception:
             if request.writer.output_size > 0:
@@ -251,7 +259,9 @@ def profile_handler(action: str):
         state = request.app[STATE]
         try:
             guard_admin(state.config, PROFILE, request.headers.get("X-API-Key"))
-            out = await state.profiling.fan_out(action, await request.read() or b"{}")
+            out = await state.profiling.fan_out(
+                action, bytes(await read_body(request, state.config.max_body_bytes)) or b"{}"
+            )
         except ProxyError as exc:
             return error_response(exc)
         return web.Response(body=orjson.dumps(out), content_type="application/json")
@@ -288,7 +298,7 @@ async def register_instance(request: web.Request) -> web.Response:
     state = request.app[STATE]
     try:
         guard_admin(state.config, CHANGE_FLEET, request.headers.get("X-API-Key"))
-        payload = parse_json_body(await request.read())
+        payload = parse_json_body(await read_body(request, state.config.max_body_bytes))
         if state.roster is not None:
             record = parse_registration(payload)
             state.fleet.check_registrable(record.url, "registered")

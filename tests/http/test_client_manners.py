@@ -110,7 +110,7 @@ async def test_an_internal_fault_tells_the_client_only_the_request_id(make_stack
 
 
 async def test_a_fault_no_middleware_caught_is_a_generic_json_500_from_the_server_class(make_stack, caplog):
-    """GuardedRequestHandler's own answer, for whatever escapes an app (here one with no middleware)."""
+    """The server's own middleware answers whatever escapes an app (here one with no middleware of its own)."""
 
     async def raising(request):
         raise RuntimeError(SECRET)

@@ -150,7 +150,7 @@ class Stack(Proxy):
         return self.state.metrics.registry.get_sample_value("epd_client_timeouts_total", {"kind": kind})
 
     def handlers_in_progress(self) -> int:
-        return sum(1 for conn in self.runner.server.connections if conn._request_in_progress)
+        return sum(1 for guard in self.runner.guards if guard.busy)
 
     def encoder_requests(self) -> list[dict[str, Any]]:
         return [seen.body for e in self.encoders for seen in e.requests]
