@@ -12,7 +12,7 @@ from epd_proxy.journey.coalesce import LOOP_LAG_S, Overdue, Work, coalesced_payl
 from epd_proxy.journey.extract import normalise_request, parse_request
 from epd_proxy.journey.subrequest import FORWARDED_FIELDS, encoder_body
 from epd_proxy.journey.trace import Trace
-from epd_proxy.tools.testing.polling import eventually
+from epd_proxy_tools.testing.polling import eventually
 from tests.media import chat, image
 
 
