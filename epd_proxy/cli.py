@@ -25,7 +25,9 @@ endpoints: /v1/chat/completions, /v1/responses, /v1/messages (and /v1/messages/c
 /v1/models, /health, /metrics, /status (live page), /status.json,
 /start_profile, /stop_profile, /instances (dynamic registration)"""
 
-# The optional extras `up` and `bench` need, as import names (checked without importing them).
+# `up` and `bench` are tooling: the epd-proxy-tools distribution (tools/ in a checkout) with the
+# extra each needs, as import names (checked without importing them).
+TOOLS = "epd_proxy_tools"
 EXTRAS = {
     "up": ("local", ("vllm", "PIL", "openai")),
     "bench": ("bench", ("numpy", "PIL")),
@@ -62,26 +64,30 @@ def build_parser() -> argparse.ArgumentParser:
     serve_parser.set_defaults(usage_error=serve_parser.error)
     # `up` and `bench` parse their own flags (see their modules); listed here for the overview.
     commands.add_parser(
-        "up", help="start a local E+PD stack on real vLLM behind the proxy (needs the 'local' extra)", add_help=False
+        "up",
+        help="start a local E+PD stack on real vLLM behind the proxy (needs epd-proxy-tools[local])",
+        add_help=False,
     )
     commands.add_parser(
         "bench",
         help="benchmark the proxy on a multi-image load against fakes, or real vLLM engines with --stack "
-        "(needs the 'bench' extra)",
+        "(needs epd-proxy-tools[bench])",
         add_help=False,
     )
     return parser
 
 
-def missing_extra(command: str) -> str | None:
-    """How to install what `up` or `bench` needs, when it is not installed."""
+def missing_tools(command: str, helping: bool) -> str | None:
+    """How to install what `up` or `bench` needs, when it is not installed (its help needs only
+    the tools themselves)."""
     extra, modules = EXTRAS[command]
-    missing = [name for name in modules if importlib.util.find_spec(name) is None]
+    missing = [name for name in (TOOLS, *(() if helping else modules)) if importlib.util.find_spec(name) is None]
     if not missing:
         return None
     return (
-        f"epd-proxy {command} needs the '{extra}' extra (missing: {', '.join(missing)}); install it with\n"
-        f"  pip install 'epd-proxy[{extra}]'    (from a checkout: pip install -e '.[{extra}]')\n"
+        f"epd-proxy {command} is tooling: it needs epd-proxy-tools with its '{extra}' extra "
+        f"(missing: {', '.join(missing)}); install it with\n"
+        f"  pip install 'epd-proxy-tools[{extra}]'    (from a checkout: pip install -e './tools[{extra}]')\n"
     )
 
 
@@ -90,14 +96,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     if argv[:1] in (["up"], ["bench"]):
         command, rest = argv[0], argv[1:]
-        if not {"-h", "--help"} & set(rest) and (problem := missing_extra(command)):
+        if problem := missing_tools(command, helping=bool({"-h", "--help"} & set(rest))):
             sys.stderr.write(problem)
             return 2
         if command == "up":
-            from epd_proxy.tools.local.up import main as up_main
+            from epd_proxy_tools.local.up import main as up_main
 
             return up_main(rest)
-        from epd_proxy.tools.bench.runner import main as bench_main
+        from epd_proxy_tools.bench.runner import main as bench_main
 
         return bench_main(rest)
     args = parser.parse_args(argv)

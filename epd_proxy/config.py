@@ -1,5 +1,5 @@
 """`serve`'s options, each declared once on a field of `Config` (options.py says how); the rules
-across the instance options are addresses.py's `check_topology`. `python -m epd_proxy.tools.flag_tables
+across the instance options are addresses.py's `check_topology`. `python -m epd_proxy_tools.flag_tables
 serve` prints their table in docs/serve.md."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The test stacks every category builds, from the one harness (epd_proxy.tools.testing.harness)."""
+"""The test stacks every category builds, from the one harness (epd_proxy_tools.testing.harness)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from epd_proxy.tools.testing.harness import Stack, start_stack
+from epd_proxy_tools.testing.harness import Stack, start_stack
 
 
 @pytest.fixture

@@ -34,7 +34,7 @@ EIGHT_REQUESTS = (
 def run_quick_bench(tmp_path: Path, *flags: str) -> tuple[subprocess.CompletedProcess, Path, dict[str, dict]]:
     """`epd-proxy bench --quick` with `flags`; the run, its results folder and its arms by name."""
     out = tmp_path / "results"
-    cmd = [sys.executable, "-m", "epd_proxy.tools.bench", "--quick", "--out", str(out)]
+    cmd = [sys.executable, "-m", "epd_proxy_tools.bench", "--quick", "--out", str(out)]
     cmd += ["--cache-dir", str(tmp_path / "cache"), *flags]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -113,7 +113,7 @@ def test_quick_streaming_bench_relays_every_stream_and_samples_rss(tmp_path: Pat
 
 
 def test_two_arms_cannot_share_a_name(tmp_path: Path) -> None:
-    from epd_proxy.tools.bench.runner import Bench, parse_args
+    from epd_proxy_tools.bench.runner import Bench, parse_args
 
     args = parse_args(["--quick", "--out", str(tmp_path), "--proxy", "ref=true", "--proxy", "ref@saturation=true"])
     with pytest.raises(SystemExit, match="ref used twice"):
@@ -123,7 +123,7 @@ def test_two_arms_cannot_share_a_name(tmp_path: Path) -> None:
 def test_a_proxy_arms_python_is_this_environment_and_a_variant_tree_is_absolute(tmp_path: Path) -> None:
     """Proxies run from the results folder with this venv's packages: a bare `python` on PATH may
     lack the reference's, and a relative PYTHONPATH would quietly run this checkout instead."""
-    from epd_proxy.tools.bench.runner import Bench, parse_args
+    from epd_proxy_tools.bench.runner import Bench, parse_args
 
     argv = [
         "--quick",
@@ -141,12 +141,12 @@ def test_a_proxy_arms_python_is_this_environment_and_a_variant_tree_is_absolute(
 
 @pytest.mark.parametrize("server", ["aiohttp", "bare"])
 def test_sink_servers_read_a_chat_request_and_answer(server: str) -> None:
-    """The server-only arms (`python -m epd_proxy.tools.bench.sink`) take the reference's command line."""
-    from epd_proxy.tools.testing.harness import free_port
-    from epd_proxy.tools.testing.polling import eventually_sync
+    """The server-only arms (`python -m epd_proxy_tools.bench.sink`) take the reference's command line."""
+    from epd_proxy_tools.testing.harness import free_port
+    from epd_proxy_tools.testing.polling import eventually_sync
 
     port = free_port()
-    cmd = [sys.executable, "-m", "epd_proxy.tools.bench.sink", "--server", server, "--port", str(port)]
+    cmd = [sys.executable, "-m", "epd_proxy_tools.bench.sink", "--server", server, "--port", str(port)]
     proc = subprocess.Popen([*cmd, "--encode-servers-urls", "http://e:1", "--decode-servers-urls", "http://d:1"])
     try:
         url = f"http://127.0.0.1:{port}"
@@ -187,7 +187,7 @@ def test_quick_bench_drives_the_agent_doors(tmp_path: Path, api: str) -> None:
 
 
 def test_the_agent_doors_pools_are_the_chat_mix_converted(tmp_path: Path) -> None:
-    from epd_proxy.tools.bench.workload import WorkloadSpec, get_pool
+    from epd_proxy_tools.bench.workload import WorkloadSpec, get_pool
 
     spec = WorkloadSpec(requests=3, tiny=True)
     chat = get_pool(spec, tmp_path)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from playwright.async_api import async_playwright
 
-from epd_proxy.tools.testing.polling import eventually
+from epd_proxy_tools.testing.polling import eventually
 from tests.media import chat, image
 
 CHROMIUM_FLAGS = [

@@ -28,9 +28,9 @@ from pathlib import Path
 
 import pytest
 
-from epd_proxy.tools.local.stack import LocalStack, StackConfig
-from epd_proxy.tools.local.supervisor import find_free_port_block, http_ok
-from epd_proxy.tools.testing.otlp_receiver import Receiver
+from epd_proxy_tools.local.stack import LocalStack, StackConfig
+from epd_proxy_tools.local.supervisor import find_free_port_block, http_ok
+from epd_proxy_tools.testing.otlp_receiver import Receiver
 
 from .e2e_helpers import AUDIO, EPD, PREFILL, TWO_PDS, comparable
 

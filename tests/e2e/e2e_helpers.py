@@ -16,9 +16,9 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from epd_proxy.tools.local.supervisor import http_ok
-from epd_proxy.tools.testing.harness import free_port, serve_command
-from epd_proxy.tools.testing.polling import eventually_sync
+from epd_proxy_tools.local.supervisor import http_ok
+from epd_proxy_tools.testing.harness import free_port, serve_command
+from epd_proxy_tools.testing.polling import eventually_sync
 
 MODEL = "tiny-vlm"
 # The topologies the tests run, as the fidelity table names them.

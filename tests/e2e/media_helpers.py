@@ -10,7 +10,7 @@ import urllib.request
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from epd_proxy.tools.local.media import video_data_url, wav_base64
+from epd_proxy_tools.local.media import video_data_url, wav_base64
 
 from .e2e_helpers import media_body  # noqa: F401  (the media tests build bodies from here)
 

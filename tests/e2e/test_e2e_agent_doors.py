@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from epd_proxy.tools.testing.polling import eventually_sync
+from epd_proxy_tools.testing.polling import eventually_sync
 
 from .e2e_helpers import (
     EPD,

@@ -16,7 +16,7 @@ import hashlib
 
 import pytest
 
-from epd_proxy.tools.local.up import example_body
+from epd_proxy_tools.local.up import example_body
 
 from .e2e_helpers import (
     AUDIO,

@@ -19,7 +19,7 @@ def test_real_bench_reports_what_the_engines_did_for_each_arm(stack, tmp_path: P
     cmd = [
         sys.executable,
         "-m",
-        "epd_proxy.tools.bench",
+        "epd_proxy_tools.bench",
         "--encode-urls",
         ",".join(stack.encoder_urls),
         "--decode-urls",

@@ -23,8 +23,8 @@ import urllib.request
 
 import pytest
 
-from epd_proxy.tools.local.supervisor import http_ok
-from epd_proxy.tools.testing.polling import eventually_sync
+from epd_proxy_tools.local.supervisor import http_ok
+from epd_proxy_tools.testing.polling import eventually_sync
 
 from .e2e_helpers import chat_body, chat_ok, extra_proxy, finished_requests, make_image, post_json
 

@@ -14,7 +14,7 @@ import time
 import blake3
 import pytest
 
-from epd_proxy.tools.testing.polling import eventually_sync
+from epd_proxy_tools.testing.polling import eventually_sync
 
 from .e2e_helpers import (
     BLACK_BG,
@@ -242,7 +242,7 @@ def _bypasses(url: str, a_hash: str) -> list[dict]:
 def test_proxy_refuses_every_reference_bypass_and_pd_survives(stack):
     """Each bypass gets a 4xx from the proxy, PD's engine stays alive, and the next normal request
     still matches the baseline exactly."""
-    from epd_proxy.tools.local.supervisor import http_ok
+    from epd_proxy_tools.local.supervisor import http_ok
 
     a, b = fresh(2)
     before = store_entries(stack.ec_store)
@@ -308,7 +308,7 @@ def test_zy_encoder_stopped_mid_run_fails_over_and_rejoins_after_restart(stack):
     Started again on the same port, it gets encoder sub-requests again within the ejection time."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from epd_proxy.tools.local.supervisor import stop_groups
+    from epd_proxy_tools.local.supervisor import stop_groups
 
     from .e2e_helpers import finished_requests
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from epd_proxy.tools.local.stack import LocalStack
+from epd_proxy_tools.local.stack import LocalStack
 
 from .e2e_helpers import (
     LOWERCASE_IDS,

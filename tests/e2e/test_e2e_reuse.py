@@ -11,8 +11,8 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from epd_proxy.tools.bench.engines import parse_metrics
-from epd_proxy.tools.testing.harness import free_port
+from epd_proxy_tools.bench.engines import parse_metrics
+from epd_proxy_tools.testing.harness import free_port
 
 from .e2e_helpers import (
     LOWERCASE_IDS,

@@ -11,10 +11,10 @@ import urllib.request
 
 import pytest
 
-from epd_proxy.tools.local.supervisor import find_free_port_block, http_ok
-from epd_proxy.tools.testing.harness import serve_command
-from epd_proxy.tools.testing.polling import eventually_sync
-from epd_proxy.tools.testing.redis_server import RedisServer
+from epd_proxy_tools.local.supervisor import find_free_port_block, http_ok
+from epd_proxy_tools.testing.harness import serve_command
+from epd_proxy_tools.testing.polling import eventually_sync
+from epd_proxy_tools.testing.redis_server import RedisServer
 
 from .e2e_helpers import chat_body, chat_ok, loaded_hashes, make_image, settled_encoder_total
 

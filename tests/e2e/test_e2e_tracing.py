@@ -19,7 +19,7 @@ import pytest
 
 from epd_proxy.fleet.backends import CHAT_PATH
 from epd_proxy.ops.tracing import root_name
-from epd_proxy.tools.testing.polling import eventually_sync
+from epd_proxy_tools.testing.polling import eventually_sync
 
 from .conftest import TRACES
 from .e2e_helpers import chat_body, image_source

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from epd_proxy.tools.local.stack import LocalStack, StackConfig, assign_cores
-from epd_proxy.tools.local.up import main as up_main
+from epd_proxy_tools.local.stack import LocalStack, StackConfig, assign_cores
+from epd_proxy_tools.local.up import main as up_main
 
 
 def test_cores_two_cpu_box():
@@ -148,8 +148,8 @@ def test_several_prefills_share_one_decode():
 
 def test_local_package_imports_without_torch():
     code = (
-        "import sys, epd_proxy.tools.local.up, epd_proxy.tools.local.stack, epd_proxy.tools.local.tiny_model, "
-        "epd_proxy.tools.local.fix_vllm_cpu; "
+        "import sys, epd_proxy_tools.local.up, epd_proxy_tools.local.stack, epd_proxy_tools.local.tiny_model, "
+        "epd_proxy_tools.local.fix_vllm_cpu; "
         "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm', 'transformers')]; "
         "assert not bad, bad"
     )
@@ -177,7 +177,7 @@ def test_stack_urls_prefill():
 
 def test_up_traces_the_whole_stack():
     from epd_proxy.options import parse_into
-    from epd_proxy.tools.local.up import COMMAND, build_parser
+    from epd_proxy_tools.local.up import COMMAND, build_parser
 
     argv = ["--prefill", "--otlp-traces-endpoint", "http://127.0.0.1:4317"]
     config, _ = parse_into(build_parser(), argv, COMMAND, {})
@@ -195,7 +195,7 @@ def test_extra_environment_reaches_every_server_and_not_this_process():
 
 
 def test_ready_banner_examples_are_runnable():
-    from epd_proxy.tools.local.up import ready_banner, tiny_png_data_url
+    from epd_proxy_tools.local.up import ready_banner, tiny_png_data_url
 
     st = LocalStack(StackConfig(encoders=1, port=8123, work_dir=Path("/nonexistent/w")))
     st.timings["ready_s"] = 1.0
@@ -211,7 +211,7 @@ def test_ready_banner_examples_are_runnable():
 
 
 def test_ready_banner_prefill_names_both_instances():
-    from epd_proxy.tools.local.up import ready_banner
+    from epd_proxy_tools.local.up import ready_banner
 
     st = LocalStack(StackConfig(encoders=1, prefill=True, base_port=9000, work_dir=Path("/nonexistent/w")))
     text = ready_banner(st)
@@ -223,8 +223,8 @@ def test_ready_banner_prefill_names_both_instances():
 def test_work_dir_of_a_live_stack_is_not_taken_over():
     import pytest
 
-    from epd_proxy.tools.local.stack import STATE_FILE
-    from epd_proxy.tools.local.supervisor import StackError
+    from epd_proxy_tools.local.stack import STATE_FILE
+    from epd_proxy_tools.local.supervisor import StackError
 
     repo = Path(__file__).resolve().parents[2]
     work = repo / "work" / "busy-test"
@@ -244,8 +244,8 @@ def test_stale_groups_from_a_killed_run_are_stopped():
     import os
     import time
 
-    from epd_proxy.tools.local.stack import STATE_FILE
-    from epd_proxy.tools.local.supervisor import group_alive
+    from epd_proxy_tools.local.stack import STATE_FILE
+    from epd_proxy_tools.local.supervisor import group_alive
 
     repo = Path(__file__).resolve().parents[2]
     work = repo / "work" / "reap-test"
@@ -282,7 +282,7 @@ def test_dry_run_audio_builds_and_serves_the_audio_model(capsys):
     work = Path("/nonexistent-epd-dry-run/a")
     assert up_main(["--model-kind", "audio", "--baseline", "--dry-run", "--work-dir", str(work)]) == 0
     out = capsys.readouterr().out
-    assert f"epd_proxy.tools.local.tiny_model {work / 'tiny-alm'} --kind audio" in out
+    assert f"epd_proxy_tools.local.tiny_model {work / 'tiny-alm'} --kind audio" in out
     servers = _vllm_lines(out)
     assert list(servers) == ["encoder-0", "pd", "baseline"]
     for argv in servers.values():
@@ -294,7 +294,7 @@ def test_dry_run_audio_builds_and_serves_the_audio_model(capsys):
 
 
 def test_ready_banner_for_video_and_audio_points_at_a_written_request(tmp_path):
-    from epd_proxy.tools.local.up import ready_banner, write_example
+    from epd_proxy_tools.local.up import ready_banner, write_example
 
     for kind, part_type in (("video", "video_url"), ("audio", "input_audio")):
         st = LocalStack(StackConfig(encoders=1, port=8123, work_dir=tmp_path / kind, model_kind=kind))

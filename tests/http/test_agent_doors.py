@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from epd_proxy.http import agents as agents_module
-from epd_proxy.tools.testing.polling import eventually
+from epd_proxy_tools.testing.polling import eventually
 from tests.media import chat, image
 
 BIG = "A" * 4096  # large enough for the splice fast path

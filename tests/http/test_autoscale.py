@@ -12,8 +12,8 @@ import re
 import pytest
 
 from epd_proxy.proxy import STATE
-from epd_proxy.tools.testing.fake_vllm import Costs
-from epd_proxy.tools.testing.polling import eventually
+from epd_proxy_tools.testing.fake_vllm import Costs
+from epd_proxy_tools.testing.polling import eventually
 from tests.media import chat, image
 
 IMAGE_S = 0.05  # each fake encoder serves one image in 50 ms, one sub-request at a time

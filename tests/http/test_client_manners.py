@@ -13,7 +13,7 @@ import pytest
 from multidict import CIMultiDict
 
 from epd_proxy.http.app import STATE
-from epd_proxy.tools.testing.harness import serve_process
+from epd_proxy_tools.testing.harness import serve_process
 from tests.media import chat, image
 
 KEY = "client-secret"

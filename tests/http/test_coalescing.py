@@ -15,7 +15,7 @@ import aiohttp
 import orjson
 import pytest
 
-from epd_proxy.tools.testing.polling import eventually
+from epd_proxy_tools.testing.polling import eventually
 from tests.media import chat, image
 
 SLOW_S = 0.6

@@ -13,7 +13,7 @@ import pytest
 
 from epd_proxy.fleet import stalls
 from epd_proxy.fleet.backends import PREFILL_DECODE
-from epd_proxy.tools.testing.polling import eventually
+from epd_proxy_tools.testing.polling import eventually
 from tests.http.test_sharing_bounds import first_encoder_warmed
 from tests.media import chat, conversation, image, video
 

@@ -17,10 +17,10 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
-from epd_proxy.tools.testing.dns_server import UnboundServer
-from epd_proxy.tools.testing.fake_vllm import ECStore, FakeVLLM
-from epd_proxy.tools.testing.harness import ProxyProcess, free_port
-from epd_proxy.tools.testing.polling import eventually
+from epd_proxy_tools.testing.dns_server import UnboundServer
+from epd_proxy_tools.testing.fake_vllm import ECStore, FakeVLLM
+from epd_proxy_tools.testing.harness import ProxyProcess, free_port
+from epd_proxy_tools.testing.polling import eventually
 from tests.media import chat, image
 
 DEADLINE_S = 20.0

@@ -10,7 +10,7 @@ import openai
 import pytest
 from openai.types.responses import ResponseFailedEvent
 
-from epd_proxy.tools.testing.polling import eventually
+from epd_proxy_tools.testing.polling import eventually
 from tests.http.test_agent_doors import messages_body, responses_body
 
 # How the decode stream breaks halfway, after generated events went out: cut, or silent past the

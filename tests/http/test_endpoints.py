@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from epd_proxy.tools.testing.polling import eventually, get_json
+from epd_proxy_tools.testing.polling import eventually, get_json
 from tests.media import chat, image
 
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from epd_proxy.tools.testing.polling import eventually
+from epd_proxy_tools.testing.polling import eventually
 from tests.media import chat, image
 
 

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from epd_proxy.tools.testing.harness import start_stack
+from epd_proxy_tools.testing.harness import start_stack
 from tests.media import chat, image
 
 

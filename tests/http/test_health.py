@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from epd_proxy.tools.testing.polling import eventually, get_json
+from epd_proxy_tools.testing.polling import eventually, get_json
 from tests.media import chat, image
 
 KEY = {"X-API-Key": "sekrit"}

@@ -25,7 +25,7 @@ from epd_proxy.calls.upstream import (
     Upstream,
 )
 from epd_proxy.fleet.backends import Instance
-from epd_proxy.tools.testing.polling import eventually
+from epd_proxy_tools.testing.polling import eventually
 from tests.http.raw_backends import answer, call, echo_tags, failure_of, keep_answering, read_request, tag_of
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from epd_proxy.tools.testing.fake_vllm import ANSWER_SUFFIX
+from epd_proxy_tools.testing.fake_vllm import ANSWER_SUFFIX
 from tests.media import image
 
 

@@ -9,7 +9,7 @@ import logging
 import aiohttp
 import pytest
 
-from epd_proxy.tools.testing.polling import eventually, get_json
+from epd_proxy_tools.testing.polling import eventually, get_json
 from tests.media import chat, image
 
 KEY = {"X-API-Key": "sekrit"}

@@ -13,8 +13,8 @@ import pytest
 
 from epd_proxy.fleet.backends import PREFILL_DECODE
 from epd_proxy.journey.extract import normalise_request
-from epd_proxy.tools.testing.harness import Fakes, serve_process
-from epd_proxy.tools.testing.polling import eventually
+from epd_proxy_tools.testing.harness import Fakes, serve_process
+from epd_proxy_tools.testing.polling import eventually
 from tests.media import conversation, image
 
 TURNS = 4

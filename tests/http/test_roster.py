@@ -17,10 +17,10 @@ import pytest
 
 from epd_proxy.fleet.registry import Record, Registry, RegistryError
 from epd_proxy.fleet.roster import RedisRoster
-from epd_proxy.tools.testing.fake_vllm import FakeVLLM
-from epd_proxy.tools.testing.harness import Fakes, ProxyProcess, free_port
-from epd_proxy.tools.testing.polling import eventually
-from epd_proxy.tools.testing.redis_server import RedisServer
+from epd_proxy_tools.testing.fake_vllm import FakeVLLM
+from epd_proxy_tools.testing.harness import Fakes, ProxyProcess, free_port
+from epd_proxy_tools.testing.polling import eventually
+from epd_proxy_tools.testing.redis_server import RedisServer
 from tests.media import chat, image
 
 KEY = "roster-test-key"

@@ -8,7 +8,7 @@ import subprocess
 import aiohttp
 import pytest
 
-from epd_proxy.tools.testing.harness import serve_process
+from epd_proxy_tools.testing.harness import serve_process
 from tests.media import chat, image
 
 

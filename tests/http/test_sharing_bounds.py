@@ -11,8 +11,8 @@ import pytest
 
 from epd_proxy.fleet import lanes as lanes_module
 from epd_proxy.fleet import stalls
-from epd_proxy.tools.testing.fake_vllm import Costs
-from epd_proxy.tools.testing.polling import eventually
+from epd_proxy_tools.testing.fake_vllm import Costs
+from epd_proxy_tools.testing.polling import eventually
 from tests.http.test_coalescing import answer_of, busy_encoder, lanes, queue_behind, shared_subrequests, uuids_of
 from tests.media import chat, image
 

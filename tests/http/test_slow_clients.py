@@ -9,8 +9,8 @@ import aiohttp
 import orjson
 import pytest
 
-from epd_proxy.tools.testing.harness import serve_process, wait_healthy
-from epd_proxy.tools.testing.polling import eventually
+from epd_proxy_tools.testing.harness import serve_process, wait_healthy
+from epd_proxy_tools.testing.polling import eventually
 from tests.media import chat, image
 
 DEADLINE_S = 15.0

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from epd_proxy.fleet import stalls
-from epd_proxy.tools.testing.polling import eventually
+from epd_proxy_tools.testing.polling import eventually
 from tests.http.test_coalescing import answer_of
 from tests.http.test_sharing_bounds import first_encoder_warmed
 from tests.media import chat, image

@@ -1,11 +1,11 @@
-"""A bounded fault soak (epd_proxy.tools.testing.soak) as part of the suite: no hangs, only 200s or JSON
+"""A bounded fault soak (epd_proxy_tools.testing.soak) as part of the suite: no hangs, only 200s or JSON
 errors, and no leaked tasks, sockets, connections or memory."""
 
 from __future__ import annotations
 
 import os
 
-from epd_proxy.tools.testing.soak import run
+from epd_proxy_tools.testing.soak import run
 
 
 async def test_fault_soak_leaves_nothing_behind():

@@ -10,8 +10,8 @@ import pytest
 from aiohttp import web
 
 from epd_proxy.calls.sse import MAX_EVENT_BYTES
-from epd_proxy.tools.testing.harness import Fakes
-from epd_proxy.tools.testing.polling import eventually
+from epd_proxy_tools.testing.harness import Fakes
+from epd_proxy_tools.testing.polling import eventually
 from tests.media import chat
 
 ROLE = b'data: {"id":"c","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n'

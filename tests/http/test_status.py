@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from epd_proxy.tools.testing.polling import eventually
+from epd_proxy_tools.testing.polling import eventually
 from tests.http.test_coalescing import SLOW_S, busy_encoder, queue_behind
 from tests.media import chat, image
 

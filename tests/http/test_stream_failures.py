@@ -12,7 +12,7 @@ import aiohttp
 import orjson
 
 import epd_proxy.http.routes
-from epd_proxy.tools.testing.polling import eventually
+from epd_proxy_tools.testing.polling import eventually
 from tests.media import chat, image
 
 VLLM_ERROR = {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import orjson
 
-from epd_proxy.tools.testing.fake_vllm import ANSWER_SUFFIX
+from epd_proxy_tools.testing.fake_vllm import ANSWER_SUFFIX
 from tests.media import chat, image
 
 

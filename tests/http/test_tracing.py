@@ -11,9 +11,9 @@ import pytest
 
 from epd_proxy.fleet.backends import CHAT_PATH
 from epd_proxy.ops import tracing
-from epd_proxy.tools.testing.fake_vllm import Costs
-from epd_proxy.tools.testing.otlp_receiver import Receiver
-from epd_proxy.tools.testing.polling import eventually
+from epd_proxy_tools.testing.fake_vllm import Costs
+from epd_proxy_tools.testing.otlp_receiver import Receiver
+from epd_proxy_tools.testing.polling import eventually
 from tests.http.test_agent_doors import BODIES
 from tests.http.test_coalescing import busy_encoder, queue_behind, shared_subrequests
 from tests.media import chat, image

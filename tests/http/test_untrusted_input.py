@@ -7,7 +7,7 @@ import hashlib
 import openai
 import pytest
 
-from epd_proxy.tools.testing.fake_vllm import vllm_part_kind
+from epd_proxy_tools.testing.fake_vllm import vllm_part_kind
 from tests.media import chat, image
 
 EMBEDS = {"image_grid_thw": [1, 4, 4]}

@@ -22,7 +22,7 @@ from epd_proxy.calls.upstream import (
     Timeouts,
 )
 from epd_proxy.fleet.backends import Instance
-from epd_proxy.tools.testing.polling import eventually
+from epd_proxy_tools.testing.polling import eventually
 from tests.http.raw_backends import OK, call, failure_of, keep_answering, read_request
 
 

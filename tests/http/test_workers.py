@@ -12,8 +12,8 @@ import aiohttp
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from epd_proxy.tools.testing.harness import serve_command, serve_process
-from epd_proxy.tools.testing.polling import eventually
+from epd_proxy_tools.testing.harness import serve_command, serve_process
+from epd_proxy_tools.testing.polling import eventually
 from tests.http.test_slow_clients import read_until_closed
 from tests.media import chat, image
 

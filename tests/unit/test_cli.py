@@ -15,8 +15,8 @@ import pytest
 from epd_proxy import __version__
 from epd_proxy.cli import add_serve_arguments, main
 from epd_proxy.config import options
-from epd_proxy.tools.bench.runner import build_parser as bench_parser
-from epd_proxy.tools.local.up import build_parser as up_parser
+from epd_proxy_tools.bench.runner import build_parser as bench_parser
+from epd_proxy_tools.local.up import build_parser as up_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 VALID = ["serve", "--encode-servers-urls", "http://127.0.0.1:1", "--decode-servers-urls", "http://127.0.0.1:2"]
@@ -138,23 +138,33 @@ def test_lower_case_log_level_is_accepted():
     assert parsed.log_level == "DEBUG"
 
 
+def hiding(module: str, *argv: str) -> str:
+    """A program that runs the CLI as on a machine where `module` is not installed."""
+    return f"import sys; sys.modules[{module!r}] = None\nfrom epd_proxy.cli import main\nraise SystemExit(main({list(argv)!r}))\n"
+
+
 @pytest.mark.parametrize("command, extra", [("up", "local"), ("bench", "bench")])
 def test_missing_extra_says_how_to_install_it(command, extra):
-    # Hide the extra's first module, as on a machine where only the proxy itself is installed.
+    # Hide the extra's first module, as on a machine with the tools but not their extra.
     hide = {"up": "vllm", "bench": "numpy"}[command]
-    code = (
-        f"import sys; sys.modules[{hide!r}] = None\n"
-        "from epd_proxy.cli import main\n"
-        f"raise SystemExit(main([{command!r}]))\n"
-    )
-    result = run(code=code)
+    result = run(code=hiding(hide, command))
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
-    assert f"pip install 'epd-proxy[{extra}]'" in result.stderr
+    assert f"pip install 'epd-proxy-tools[{extra}]'" in result.stderr
     assert f"missing: {hide}" in result.stderr
     # Help needs no extra.
-    helped = run(code=code.replace(f"main([{command!r}])", f"main([{command!r}, '--help'])"))
+    helped = run(code=hiding(hide, command, "--help"))
     assert helped.returncode == 0 and "usage: epd-proxy" in helped.stdout
+
+
+@pytest.mark.parametrize("command, extra", [("up", "local"), ("bench", "bench")])
+def test_the_proxy_alone_says_its_tools_are_a_distribution_of_their_own(command, extra):
+    for argv in ([command], [command, "--help"]):
+        result = run(code=hiding("epd_proxy_tools", *argv))
+        assert result.returncode == 2 and "Traceback" not in result.stderr
+        assert (
+            f"pip install 'epd-proxy-tools[{extra}]'" in result.stderr and "missing: epd_proxy_tools" in result.stderr
+        )
 
 
 @pytest.mark.parametrize("workers", ["1", "2"])

@@ -17,7 +17,7 @@ from epd_proxy.config import (
     ConfigError,
     options,
 )
-from epd_proxy.tools.flag_tables import table
+from epd_proxy_tools.flag_tables import table
 
 
 def parse(*argv, env=None):
@@ -149,7 +149,7 @@ def test_the_docs_table_is_the_declarations():
     start = text.index("| Flag / env | Default | Meaning |")
     end = text.index("<!-- end of the generated table -->")
     assert text[start:end] == table("serve"), (
-        "regenerate docs/serve.md's table with: python -m epd_proxy.tools.flag_tables serve"
+        "regenerate docs/serve.md's table with: python -m epd_proxy_tools.flag_tables serve"
     )
 
 

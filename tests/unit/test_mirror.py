@@ -1,4 +1,5 @@
-"""The tests mirror the package: epd_proxy/<floor>/<module>.py has tests/unit/<floor>/test_<module>.py."""
+"""The tests mirror the package: epd_proxy/<floor>/<module>.py has tests/unit/<floor>/test_<module>.py,
+and the tooling's tools/epd_proxy_tools/<part>/<module>.py has tests/unit/tools/<part>/test_<module>.py."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "epd_proxy"
+TOOLS = ROOT / "tools" / "epd_proxy_tools"
 
 # Tooling whose real test needs what a unit test cannot give it (real vLLM, real daemons, whole bench
 # runs): the module, the test file that exercises it, and why there is no unit test beside it.
@@ -28,10 +30,17 @@ COVERED_ELSEWHERE = {
 }
 
 
+def source(module: str) -> Path:
+    """Where a module named as in COVERED_ELSEWHERE lives: `tools/...` in the tooling's package."""
+    return TOOLS / module.removeprefix("tools/") if module.startswith("tools/") else PACKAGE / module
+
+
 def modules() -> list[str]:
+    found = [(PACKAGE, ""), (TOOLS, "tools/")]
     return sorted(
-        str(path.relative_to(PACKAGE))
-        for path in PACKAGE.rglob("*.py")
+        prefix + str(path.relative_to(package))
+        for package, prefix in found
+        for path in package.rglob("*.py")
         if path.name not in ("__init__.py", "__main__.py")
     )
 
@@ -52,7 +61,7 @@ def test_every_module_has_its_unit_test_file():
 
 def test_every_exemption_names_a_module_and_a_test_that_exist_and_none_is_needless():
     for module, (test, _why) in COVERED_ELSEWHERE.items():
-        assert (PACKAGE / module).exists(), f"{module} is exempt but no longer exists"
+        assert source(module).exists(), f"{module} is exempt but no longer exists"
         assert (ROOT / test).exists(), f"{module} is said to be tested by {test}, which does not exist"
         assert not mirror(module).exists(), f"{module} has a unit test file now: drop its exemption"
 
@@ -69,6 +78,7 @@ def test_every_unit_test_file_mirrors_a_module_or_tests_across_them():
         "test_readme_links.py",
         "test_house_map.py",
         "test_docs_voice.py",
+        "test_packaging.py",
     }
     unit = ROOT / "tests" / "unit"
     strays = []

@@ -16,7 +16,7 @@ from epd_proxy.journey.match import Matches, match_group
 from epd_proxy.journey.plan import plan_groups
 from epd_proxy.journey.rewrite import rewrite_request
 from epd_proxy.journey.subrequest import encoder_body
-from epd_proxy.tools.testing.fake_vllm import vllm_part_kind
+from epd_proxy_tools.testing.fake_vllm import vllm_part_kind
 from tests.matching import every_item_matched
 
 KINDS = st.sampled_from(["image_url", "image_url", "image_url", "audio_url", "video_url", "input_audio"])

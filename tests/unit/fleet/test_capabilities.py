@@ -11,7 +11,7 @@ from epd_proxy.fleet.backends import ENCODE, PREFILL_DECODE, Instance
 from epd_proxy.fleet.capabilities import MediaProbe, probe_body, verdict
 from epd_proxy.fleet.health import Health
 from epd_proxy.fleet.prober import Prober, check_pool
-from epd_proxy.tools.testing.fake_vllm import ECStore, FakeVLLM
+from epd_proxy_tools.testing.fake_vllm import ECStore, FakeVLLM
 
 ALL = frozenset({"image", "audio", "video"})
 

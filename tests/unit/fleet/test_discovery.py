@@ -10,7 +10,7 @@ from epd_proxy.fleet.backends import Instance
 from epd_proxy.fleet.discovery import Discovery, DnsClient, ResolutionFailed, backend_url, dns_names, resolve
 from epd_proxy.fleet.health import Health
 from epd_proxy.fleet.registry import REGISTERED, Registry, RegistryError
-from epd_proxy.tools.testing.polling import eventually
+from epd_proxy_tools.testing.polling import eventually
 
 
 class Scripted:

@@ -10,8 +10,8 @@ from aiohttp.test_utils import TestServer
 
 from epd_proxy.fleet.backends import ENCODE, Instance
 from epd_proxy.fleet.prober import Prober, check, check_pool
-from epd_proxy.tools.testing.harness import free_port
-from epd_proxy.tools.testing.polling import eventually
+from epd_proxy_tools.testing.harness import free_port
+from epd_proxy_tools.testing.polling import eventually
 
 
 class Backend:

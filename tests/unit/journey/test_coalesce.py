@@ -11,7 +11,7 @@ from epd_proxy.journey.coalesce import Work, coalesced_payload
 from epd_proxy.journey.extract import normalise_request, parse_request
 from epd_proxy.journey.subrequest import FORWARDED_FIELDS, LOOP_LAG_S, Overdue, coalesce_key, encoder_body
 from epd_proxy.journey.trace import Trace
-from epd_proxy.tools.testing.polling import eventually
+from epd_proxy_tools.testing.polling import eventually
 from tests.media import chat, image
 
 

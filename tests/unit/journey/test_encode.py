@@ -15,7 +15,7 @@ from epd_proxy.journey.encode import _priority
 from epd_proxy.journey.extract import normalise_request
 from epd_proxy.journey.plan import plan_groups
 from epd_proxy.journey.trace import Trace
-from epd_proxy.tools.testing.polling import eventually
+from epd_proxy_tools.testing.polling import eventually
 from tests.media import chat, image
 from tests.unit.journey.test_pipeline import E1, E2, Journey, failed_with
 from tests.unit.scripted_upstream import json_reply

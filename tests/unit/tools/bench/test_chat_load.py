@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from epd_proxy.tools.bench.chat_load import Answer, Result, arrival_times, carries_a_token, read_answer
+from epd_proxy_tools.bench.chat_load import Answer, Result, arrival_times, carries_a_token, read_answer
 
 ROLE = b'{"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}'
 TOKEN = b'{"choices":[{"index":0,"delta":{"content":"ab"}}]}'

@@ -8,8 +8,8 @@ import pytest
 
 from epd_proxy.cli import main as cli_main
 from epd_proxy.options import options, parse_into
-from epd_proxy.tools.bench import real, runner
-from epd_proxy.tools.bench.flags import (
+from epd_proxy_tools.bench import real, runner
+from epd_proxy_tools.bench.flags import (
     CACHE_DIR,
     PRESETS,
     REAL_QUICK,

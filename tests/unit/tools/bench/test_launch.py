@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from epd_proxy.tools.bench.launch import CHECKOUT, command_words, http_get, wait_ready
+from epd_proxy_tools.bench.launch import CHECKOUT, command_words, http_get, wait_ready
 
 
 def test_our_proxy_and_a_bare_python_run_with_this_interpreter_and_others_as_typed():
@@ -24,7 +24,7 @@ def test_our_proxy_and_a_bare_python_run_with_this_interpreter_and_others_as_typ
     ]
     assert command_words(["python3", "ref.py"]) == [sys.executable, "ref.py"]
     assert command_words(["vllm", "serve"]) == ["vllm", "serve"]
-    assert (Path(CHECKOUT) / "epd_proxy" / "tools" / "bench" / "launch.py").exists()
+    assert (Path(CHECKOUT) / "tools" / "epd_proxy_tools" / "bench" / "launch.py").exists()
 
 
 class _Ok(BaseHTTPRequestHandler):

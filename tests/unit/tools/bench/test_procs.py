@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from epd_proxy.tools.bench.procs import cpu_seconds, cpu_split, peak_rss_mb, rss_mb, tree
+from epd_proxy_tools.bench.procs import cpu_seconds, cpu_split, peak_rss_mb, rss_mb, tree
 
 
 def test_the_tree_holds_a_process_and_its_children():

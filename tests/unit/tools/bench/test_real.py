@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import orjson
 import pytest
 
-from epd_proxy.tools.bench import chat_load, engines, real, real_report
-from epd_proxy.tools.bench.engines import ENCODE, PD, Engine
-from epd_proxy.tools.bench.flags import RealBenchOptions
-from epd_proxy.tools.bench.real import think_range
-from epd_proxy.tools.bench.workload import (
+from epd_proxy_tools.bench import chat_load, engines, real, real_report
+from epd_proxy_tools.bench.engines import ENCODE, PD, Engine
+from epd_proxy_tools.bench.flags import RealBenchOptions
+from epd_proxy_tools.bench.real import think_range
+from epd_proxy_tools.bench.workload import (
     EARLIER_REPLY,
     AgentSpec,
     ChatMixSpec,

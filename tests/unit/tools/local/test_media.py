@@ -6,7 +6,7 @@ import base64
 import io
 import wave
 
-from epd_proxy.tools.local.media import wav_base64, wav_bytes, wav_data_url
+from epd_proxy_tools.local.media import wav_base64, wav_bytes, wav_data_url
 
 
 def test_a_sound_is_mono_16_bit_wav_at_the_asked_rate_and_length():

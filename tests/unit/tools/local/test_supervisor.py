@@ -6,8 +6,8 @@ import socket
 
 import pytest
 
-from epd_proxy.tools.local.supervisor import StackError, find_free_port_block, http_ok, port_free
-from epd_proxy.tools.testing.harness import free_port
+from epd_proxy_tools.local.supervisor import StackError, find_free_port_block, http_ok, port_free
+from epd_proxy_tools.testing.harness import free_port
 
 
 def test_a_listening_port_is_not_free_and_a_block_skips_it():

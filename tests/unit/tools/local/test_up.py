@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from epd_proxy.options import options, parse_into
-from epd_proxy.tools.local.stack import DEFAULT_LIMITS, LocalStack, StackConfig
-from epd_proxy.tools.local.supervisor import StackError
-from epd_proxy.tools.local.up import COMMAND, UpRun, build_parser
-from epd_proxy.tools.local.up import main as up_main
+from epd_proxy_tools.local.stack import DEFAULT_LIMITS, LocalStack, StackConfig
+from epd_proxy_tools.local.supervisor import StackError
+from epd_proxy_tools.local.up import COMMAND, UpRun, build_parser
+from epd_proxy_tools.local.up import main as up_main
 
 
 def parse(*argv: str, env: dict[str, str] | None = None) -> tuple[StackConfig, UpRun]:

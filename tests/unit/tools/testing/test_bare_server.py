@@ -7,8 +7,8 @@ import asyncio
 
 import aiohttp
 
-from epd_proxy.tools.testing import bare_server
-from epd_proxy.tools.testing.fake_vllm import ECStore, FakeVLLM
+from epd_proxy_tools.testing import bare_server
+from epd_proxy_tools.testing.fake_vllm import ECStore, FakeVLLM
 
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}, "uuid": "u1"}
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from epd_proxy.tools.testing.daemon import find_binary, kill_daemon, start_daemon
+from epd_proxy_tools.testing.daemon import find_binary, kill_daemon, start_daemon
 
 SLEEPER = [sys.executable, "-c", "import sys, time; print('up', flush=True); time.sleep(60)"]
 

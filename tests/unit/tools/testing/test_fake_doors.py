@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from epd_proxy.tools.testing.fake_doors import MESSAGES, RESPONSES, Refused, chat_view, error_body
+from epd_proxy_tools.testing.fake_doors import MESSAGES, RESPONSES, Refused, chat_view, error_body
 
 
 def test_messages_become_vllms_chat_messages():

@@ -9,7 +9,7 @@ import dataclasses
 import orjson
 import pytest
 
-from epd_proxy.tools.testing.fake_vllm import Costs, ECStore, FakeVLLM, hash_factors, identifier
+from epd_proxy_tools.testing.fake_vllm import Costs, ECStore, FakeVLLM, hash_factors, identifier
 
 
 def test_media_io_kwargs_of_the_items_modality_derive_the_identifier():
@@ -82,7 +82,7 @@ async def test_a_slower_encoder_costs_its_factor_on_everything():
 
 
 def test_the_bench_passes_speeds_and_repeats_to_its_fakes():
-    from epd_proxy.tools.bench.runner import encoder_speeds, parse_args
+    from epd_proxy_tools.bench.runner import encoder_speeds, parse_args
 
     assert encoder_speeds(parse_args(["--encoder-speeds", "1,1,1,3"])) == [1.0, 1.0, 1.0, 3.0]
     assert encoder_speeds(parse_args([])) == [1.0] * 4

@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from epd_proxy.config import ConfigError
-from epd_proxy.tools.testing.harness import ADMIN_KEY, Fakes, free_port, start_stack
+from epd_proxy_tools.testing.harness import ADMIN_KEY, Fakes, free_port, start_stack
 from tests.media import chat, image
 
 

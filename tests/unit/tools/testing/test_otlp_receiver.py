@@ -7,7 +7,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
 from epd_proxy.ops import tracing
-from epd_proxy.tools.testing.otlp_receiver import Receiver
+from epd_proxy_tools.testing.otlp_receiver import Receiver
 
 
 @pytest.mark.parametrize("protocol", ["http/protobuf", "grpc"])

@@ -1,10 +1,10 @@
-"""The one polling helper the tests synchronise with (epd_proxy/tools/testing/polling.py)."""
+"""The one polling helper the tests synchronise with (tools/epd_proxy_tools/testing/polling.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from epd_proxy.tools.testing.polling import eventually, eventually_sync
+from epd_proxy_tools.testing.polling import eventually, eventually_sync
 
 
 async def test_a_sync_or_async_check_is_polled_until_truthy_and_its_value_returned():

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from epd_proxy.tools.testing import soak
+from epd_proxy_tools.testing import soak
 
 
 async def test_a_request_that_waits_idle_runs_out_at_its_bound():

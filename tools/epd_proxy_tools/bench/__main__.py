@@ -1,0 +1,3 @@
+from epd_proxy_tools.bench.runner import main
+
+raise SystemExit(main())
