@@ -1,4 +1,5 @@
-"""`serve`'s options, each declared once on a field of `Config` (options.py says how); the rules
+"""`serve`'s options, each declared once on a field of `Config` or of the reference proxy's flags it
+extends (reference_flags.py; options.py says how); the rules
 across the instance options are addresses.py's `check_topology`. `python -m epd_proxy_tools.flag_tables
 serve` prints their table in docs/serve.md."""
 
@@ -8,8 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from epd_proxy import options as options_module
-from epd_proxy.addresses import CommaList, Server, check_topology
+from epd_proxy.addresses import Server, check_topology
 from epd_proxy.options import Choice, Choices, ConfigError, Count, Kind, Number, Option, Real, Seconds, Switch, Text  # noqa: F401 (ConfigError: callers catch it from here)
+from epd_proxy.reference_flags import OURS, REFERENCE, ReferenceFlags
 
 # Names a user may pick, here so that the configuration needs no component (which keys them by these).
 MEDIA_HASH_NAMES = ("sha256", "blake3")
@@ -19,8 +21,6 @@ LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 ROSTER_SCHEMES = ("redis", "rediss", "unix")
 MODALITIES = ("image", "audio", "video")  # vLLM's names, as in --limit-mm-per-prompt
-REFERENCE = "reference proxy flags (same meaning as vLLM's disagg_epd_proxy.py)"
-OURS = "epd-proxy flags"
 CLIENTS = "client side (slow and greedy clients)"
 GROUPS = (REFERENCE, OURS, CLIENTS)  # the sections of `epd-proxy serve --help`, in this order
 
@@ -30,105 +30,9 @@ def option(default: Any, kind: Kind, help: str, **declaration: Any) -> Any:  # i
 
 
 @dataclass(frozen=True, slots=True)
-class Config:
-    host: str = option("0.0.0.0", Text(), "address to listen on", flag="--host", group=REFERENCE, metavar="HOST")
-    port: int = option(8000, Count(0, 65535), "port to listen on", flag="--port", group=REFERENCE)
-    encode_urls: tuple[str, ...] = option(
-        (),
-        CommaList(),
-        "comma list of encoder (E) URLs or DNS names (`dns://host:port`, `dns+srv://name`: see [DNS](scaling.md#finding-instances-through-dns)); "
-        "required in static mode",
-        flag="--encode-servers-urls",
-        group=REFERENCE,
-    )
-    prefill_urls: tuple[str, ...] = option(
-        (),
-        CommaList(),
-        "comma list of prefill (P) URLs or DNS names; `none`, `disable` or empty = E+PD",
-        flag="--prefill-servers-urls",
-        group=REFERENCE,
-        shown="none",
-    )
-    decode_urls: tuple[str, ...] = option(
-        (),
-        CommaList(),
-        "comma list of decode (D) or PD URLs or DNS names; required in static mode",
-        flag="--decode-servers-urls",
-        group=REFERENCE,
-    )
-    decode_retries: int = option(
-        1,
-        Count(0),
-        "on a consumer's HTTP 500, or an error event before decode's first generated text, re-encode and resend; "
-        "0 disables; see [Failure behaviour](failures.md)",
-        flag="--decode-retries",
-        group=REFERENCE,
-    )
-    rewrite: bool = option(
-        True,
-        Switch(False),
-        "forward raw media to P/D and attach only the EC handles",
-        flag="--no-rewrite",
-        group=REFERENCE,
-    )
-    ec_consumer_zmq_addrs: tuple[str, ...] = option(
-        (),
-        CommaList(http_urls=False),
-        "Mooncake EC consumer control addresses, aligned with `--decode-servers-urls` (E+PD only)",
-        flag="--ec-consumer-zmq-addrs",
-        group=REFERENCE,
-        metavar="ADDRS",
-    )
-    ec_consumer_dp_size: int = option(
-        1,
-        Count(1),
-        "data-parallel replicas per consumer; list each server's addresses consecutively",
-        flag="--ec-consumer-dp-size",
-        group=REFERENCE,
-    )
-    log_requests: bool = option(
-        False, Switch(), "log every HTTP request at DEBUG level", flag="--log-requests", group=REFERENCE
-    )
-    dynamic_registration: bool = option(
-        False,
-        Switch(),
-        "start with an empty fleet; instances join and leave via `/instances` (needs env `ADMIN_API_KEY`; "
-        "listed URLs are then refused, DNS names are not)",
-        flag="--dynamic-registration",
-        group=REFERENCE,
-    )
-    admin_api_key: str = option(
-        "",
-        Text(),
-        "dynamic mode: required in `X-API-Key` on `POST`/`DELETE /instances` (constant-time compare); once "
-        "clients authenticate, on profiling too",
-        env="ADMIN_API_KEY",
-    )
-    probe_interval_s: float = option(
-        5.0,
-        Seconds(),
-        "seconds between active `GET /health` checks of every instance (both modes, own connections); 0 disables",
-        flag="--probe-interval",
-        group=REFERENCE,
-    )
-    probe_timeout_s: float = option(
-        2.0, Seconds(positive=True), "seconds a check may take", flag="--probe-timeout", group=REFERENCE
-    )
-    fail_threshold: int = option(
-        3,
-        Count(1),
-        "consecutive failed checks (down), or consecutive transport failures on live traffic (ejected), that take "
-        "an instance out of rotation; see [Health](health.md)",
-        flag="--fail-threshold",
-        group=REFERENCE,
-    )
-    evicted_ttl_s: float = option(
-        900.0,
-        Seconds(),
-        "dynamic mode: forget instances out of rotation (no success since) for this long; 0 = never",
-        flag="--evicted-ttl",
-        group=REFERENCE,
-    )
+class Config(ReferenceFlags):
+    """`serve`'s whole configuration: the reference proxy's flags (`ReferenceFlags`), then ours."""
+
     ejection_time_s: float = option(
         30.0,
         Seconds(positive=True),

@@ -255,6 +255,10 @@ def test_the_configuration_depends_on_no_component():
     """Only on the option machinery and the address kinds, which themselves depend on nothing."""
     from epd_proxy import addresses, options
 
-    assert _imported_from_the_package(config_module) == {"epd_proxy.options", "epd_proxy.addresses"}
+    assert _imported_from_the_package(config_module) == {
+        "epd_proxy.options",
+        "epd_proxy.addresses",
+        "epd_proxy.reference_flags",
+    }
     assert _imported_from_the_package(addresses) == {"epd_proxy.options"}
     assert _imported_from_the_package(options) == set()

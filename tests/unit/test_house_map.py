@@ -166,3 +166,8 @@ def test_the_package_has_no_import_circle():
     for name in sorted(graph):
         visit(name, [])
     assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
+
+
+def test_no_serving_module_is_over_450_lines():
+    long = {str(p.relative_to(PACKAGE)): n for p in serving_modules() if (n := len(p.read_text().splitlines())) > 450}
+    assert not long, f"serving modules over 450 lines (split them by concern): {long}"
