@@ -2,7 +2,7 @@
 
 A group bound for an encoder with lanes.BUSY_INFLIGHT of this proxy's sub-requests in flight
 waits in that encoder's lane; when one of them finishes, the oldest waiting group goes out with
-later groups of the same key (lanes.take_batch) as one shared sub-request, whose answer is
+later groups of the same key (sharing.take_batch) as one shared sub-request, whose answer is
 split back into each group's share (match.split_params) as if each had been sent alone.
 """
 
@@ -19,7 +19,7 @@ import orjson
 from epd_proxy.calls.upstream import Payload
 from epd_proxy.errors import ProxyError
 from epd_proxy.fleet.backends import Instance
-from epd_proxy.fleet.lanes import BUSY_INFLIGHT, Lane
+from epd_proxy.fleet.lanes import Lane
 from epd_proxy.journey.extract import MediaItem
 from epd_proxy.journey.match import split_params
 from epd_proxy.journey.subrequest import (
@@ -179,7 +179,7 @@ class Coalescer:
 
     def drain(self, lane: Lane, encoder: Instance) -> None:
         """Send what waits in `lane` while the encoder has room, one sending task per slot."""
-        while lane.waiting and lane.inflight < BUSY_INFLIGHT and not lane.gone:
+        while lane.can_send_queued():
             batch = self._next_batch(lane)
             task = asyncio.get_running_loop().create_task(self._send_queued(lane, encoder, batch))
             batch.task = task
@@ -201,8 +201,7 @@ class Coalescer:
 
     @staticmethod
     def _impatient(lane: Lane, work: Work) -> None:
-        if lane.unqueued(work):
-            lane.impatient += 1
+        if lane.gave_up(work):
             _settle(work, SendAlone())
 
     async def _send_queued(self, lane: Lane, encoder: Instance, batch: Batch) -> None:
@@ -210,12 +209,12 @@ class Coalescer:
         try:
             while True:
                 await self._send_batch(lane, encoder, batch)
-                if not lane.waiting or lane.inflight >= BUSY_INFLIGHT or lane.gone:
+                if not lane.can_send_queued():
                     return
                 batch = self._next_batch(lane)
                 batch.task = asyncio.current_task()
         finally:
-            if lane.waiting:
+            if lane.has_waiting():
                 self.drain(lane, encoder)
 
     async def _send_batch(self, lane: Lane, encoder: Instance, batch: Batch) -> None:
@@ -240,7 +239,7 @@ class Coalescer:
             # Its own id: no client's id labels the others' media, in the encoder's logs too.
             request_id = self.ids.shared_request_id()
             members = [work.trace.request_id for work in works]
-            lane.shared[request_id] = members
+            lane.shared_opened(request_id, members)
             for work in works:
                 work.trace.shared.append(request_id)
             log.info(
@@ -310,7 +309,7 @@ class Coalescer:
             return
         finally:
             if shared:
-                lane.shared.pop(request_id, None)
+                lane.shared_closed(request_id)
             batch.done = True
         if shared:
             lane.shared_ok(len(items))
@@ -360,7 +359,7 @@ class Coalescer:
     def _charge(self, lane: Lane, items: int, charged: str) -> None:
         self.metrics.shared_refusals.labels(lane.url, charged).inc()
         if charged == "request":
-            lane.charged_requests += 1
+            lane.charged_to_request()
         else:
             lane.share_failed(items, self.sender.clock())
 

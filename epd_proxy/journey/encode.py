@@ -19,7 +19,7 @@ import orjson
 from epd_proxy.calls.upstream import Payload, Upstream
 from epd_proxy.errors import BackendUnreachable, ProxyError
 from epd_proxy.fleet.backends import Instance
-from epd_proxy.fleet.lanes import BUSY_INFLIGHT, Lane, Lanes
+from epd_proxy.fleet.lanes import Lane, Lanes
 from epd_proxy.fleet.routing import RoutingPolicy
 from epd_proxy.fleet.stalls import laggards, progressed_elsewhere
 from epd_proxy.journey.coalesce import Coalescer, SendAlone, Work
@@ -99,7 +99,7 @@ class EncodeStep:
                     "encoder %s: nothing answered for %.1f s while another encoder answers or sits idle; no "
                     "new placements there until it answers",
                     lane.url,
-                    now - lane.busy_since,
+                    lane.silent_s(now),
                 )
             self.metrics.stalls.labels(lane.url).inc()
             lane.evict()
@@ -156,7 +156,7 @@ class EncodeStep:
                 if share:
                     share = False
                     lane = self.lanes.of(encoder)
-                    if lane.inflight >= BUSY_INFLIGHT:
+                    if lane.busy():
                         future = asyncio.get_running_loop().create_future()
                         work = Work(key, group_items, body, consumer_zmq, trace, dumps, future, _priority(body), moves)
                         return await self.coalescer.wait_to_share(lane, work)
@@ -231,7 +231,7 @@ class EncodeStep:
             )
         now = self.clock()
         trusted = [e for e in others if not self.lanes.of(e).avoid(now)] or others
-        return min(trusted, key=lambda e: self.lanes.of(e).subs)
+        return min(trusted, key=lambda e: self.lanes.of(e).outstanding())
 
     def _stalled(self, lane: Lane, encoder: Instance, items: int) -> bool:
         """A sub-request there is far overdue: the encoder is suspect until it answers again and
@@ -316,7 +316,7 @@ class EncodeStep:
                 raise SendAlone(overdue=moving[0]) from None
             raise
         finally:
-            if lane.waiting:
+            if lane.has_waiting():
                 self.coalescer.drain(lane, encoder)
         trace.subrequest_share += 1.0
         return Encoded(encoder, reply.ec_transfer_params, transfer_ids)
