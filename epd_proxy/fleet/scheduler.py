@@ -102,7 +102,7 @@ class ExpectedFinish:
         # An item that opens a sub-request pays the fixed cost in time, and the load-weighted
         # fixed cost in what it does to everyone else.
         opening = fixed
-        load = sum(lane.subs for lane in lanes) / n if adaptive else 0.0
+        load = sum(lane.outstanding() for lane in lanes) / n if adaptive else 0.0
         penalty = [load * f for f in fixed]
         # Images in this request's open sub-request on each encoder (0: none open).
         open_items = [0] * n

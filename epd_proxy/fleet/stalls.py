@@ -38,9 +38,10 @@ LAG_FLOOR_S = 1.0
 def overdue_after(lane: Lane, cost: float, timeout_s: float | None, moves: int = 0) -> float | None:
     """Seconds after which a sub-request costing `cost` just sent to `lane` is far overdue, for
     a group moved `moves` times already; None while nothing is known of the encoder's speed."""
-    if lane.item_s is None:
+    speed, work = lane.speed, lane.work
+    if speed.item_s is None:
         return None
-    expected = lane.fixed_s * lane.inflight + lane.item_s * max(lane.inflight_load, cost)
+    expected = speed.fixed_s * work.inflight + speed.item_s * max(work.inflight_load, cost)
     after = max(OVERDUE_FLOOR_S, OVERDUE_FACTOR * expected) * 2**moves
     if timeout_s is not None:
         after = min(after, OVERDUE_SHARE_OF_TIMEOUT * timeout_s)
@@ -50,7 +51,7 @@ def overdue_after(lane: Lane, cost: float, timeout_s: float | None, moves: int =
 def progressed_elsewhere(lanes: Sequence[Lane], lane: Lane) -> bool:
     """Another of `lanes` answered a sub-request sent after `lane` last answered (or began its
     current work): the fleet turns work round while this encoder does not."""
-    return any(other is not lane and other.answered_sent > lane.busy_since for other in lanes)
+    return any(other is not lane and other.suspicion.answered_sent > lane.work.busy_since for other in lanes)
 
 
 def laggards(lanes: Lanes, candidates: Sequence[Lane], now: float) -> list[Lane]:
@@ -58,21 +59,23 @@ def laggards(lanes: Lanes, candidates: Sequence[Lane], now: float) -> list[Lane]
     silent = [
         lane
         for lane in candidates
-        if lane.inflight and now - lane.busy_since >= LAG_FLOOR_S and not lane.avoid(now) and not lane.gone
+        if lane.work.inflight and lane.silent_s(now) >= LAG_FLOOR_S and not lane.avoid(now) and not lane.gone
     ]
     if not silent:
         return []
     fixed, per_item = lanes.costs(candidates)
     speed = {id(lane): (f, c) for lane, f, c in zip(candidates, fixed, per_item)}
-    trusted = [lane for lane in candidates if lane.item_s is not None and not lane.avoid(now)]
+    trusted = [lane for lane in candidates if lane.speed.measured and not lane.avoid(now)]
     found = []
     for lane in silent:
         f, c = speed[id(lane)]
-        one_sub_request = f + c * lane.inflight_load / lane.inflight
-        if now - lane.busy_since < OVERDUE_FACTOR * one_sub_request:
+        one_sub_request = f + c * lane.work.inflight_load / lane.work.inflight
+        if lane.silent_s(now) < OVERDUE_FACTOR * one_sub_request:
             continue
+        since = lane.work.busy_since
         if any(
-            other is not lane and (other.inflight == 0 or other.answered_sent > lane.busy_since) for other in trusted
+            other is not lane and (other.work.inflight == 0 or other.suspicion.answered_sent > since)
+            for other in trusted
         ):
             found.append(lane)
     return found

@@ -2,7 +2,7 @@
 
 A group bound for an encoder with lanes.BUSY_INFLIGHT of this proxy's sub-requests in flight
 waits in that encoder's lane; when one of them finishes, the oldest waiting group goes out with
-later groups of the same key (lanes.take_batch) as one shared sub-request, whose answer is
+later groups of the same key (sharing.take_batch) as one shared sub-request, whose answer is
 split back into each group's share (match.split_params) as if each had been sent alone.
 """
 
@@ -19,7 +19,7 @@ import orjson
 from epd_proxy.calls.upstream import Payload
 from epd_proxy.errors import ProxyError
 from epd_proxy.fleet.backends import Instance
-from epd_proxy.fleet.lanes import BUSY_INFLIGHT, Lane
+from epd_proxy.fleet.lanes import Lane
 from epd_proxy.journey.extract import MediaItem
 from epd_proxy.journey.match import split_params
 from epd_proxy.journey.subrequest import (
@@ -39,26 +39,20 @@ from epd_proxy.ops.metrics import Metrics
 log = logging.getLogger("epd_proxy.encode")
 
 
-class SendAlone(Exception):
-    """A group that waited to share a sub-request goes out on its own instead: it waited longer
-    than its encoder's backlog explains (`cause` None), or the shared sub-request it was in failed
-    (`cause`), so that one request's bad image never fails another's. `moved`: it waited for an
-    encoder that left, was ejected or stalls, so it goes to another. `overdue`: the sub-request
-    it was in was cancelled that many seconds after it was sent, far past its expected time
-    (stalls.py): it goes to another encoder as a failover. `verdict` hears how it fared alone."""
+@dataclass(frozen=True, slots=True)
+class Resend:
+    """What a group that waited to share a sub-request, or was sent alone and far overdue, is
+    told instead of its answer: send it again on its own. It waited longer than its encoder's
+    backlog explains (`cause` None), or the shared sub-request it was in failed (`cause`), so
+    that one request's bad image never fails another's. `moved`: it waited for an encoder that
+    left, was ejected or stalls, so it goes to another. `overdue`: the sub-request it was in was
+    cancelled that many seconds after it was sent, far past its expected time (stalls.py): it
+    goes to another encoder as a failover. `verdict` hears how it fared alone."""
 
-    def __init__(
-        self,
-        cause: ProxyError | None = None,
-        verdict: Verdict | None = None,
-        moved: bool = False,
-        overdue: float | None = None,
-    ) -> None:
-        super().__init__(cause.message if cause is not None else "sent on its own")
-        self.cause = cause
-        self.verdict = verdict
-        self.moved = moved
-        self.overdue = overdue
+    cause: ProxyError | None = None
+    verdict: Verdict | None = None
+    moved: bool = False
+    overdue: float | None = None
 
 
 class Verdict:
@@ -77,7 +71,8 @@ class Verdict:
         self.guilty = self.unheard = 0
         self.charge = charge
 
-    def heard(self, failure: BaseException | None) -> None:
+    def heard(self, failure: BaseException | Resend | None) -> None:
+        """How one member fared alone: answered (None), failed, or told to go again (unheard)."""
         if failure is None:
             pass
         elif isinstance(failure, ProxyError) and failure.answered is not None and 400 <= failure.answered < 500:
@@ -123,7 +118,7 @@ class Work:
     def move(self) -> None:
         if self.timer is not None:
             self.timer.cancel()
-        _settle(self, SendAlone(moved=True))
+        _settle(self, Resend(moved=True))
 
 
 @dataclass(eq=False, slots=True)
@@ -151,7 +146,7 @@ class Coalescer:
     # Tasks sending queued sub-requests; held so they are not collected mid-flight.
     _senders: set[asyncio.Task] = field(default_factory=set, init=False, repr=False)
 
-    async def wait_to_share(self, lane: Lane, work: Work) -> Encoded:
+    async def wait_to_share(self, lane: Lane, work: Work) -> Encoded | Resend:
         # A healthy encoder works off its backlog in about the estimated time; one that stalls
         # (its sub-requests running into the timeout) must not hold queued groups behind it.
         work.queued_at = self.sender.clock()
@@ -179,7 +174,7 @@ class Coalescer:
 
     def drain(self, lane: Lane, encoder: Instance) -> None:
         """Send what waits in `lane` while the encoder has room, one sending task per slot."""
-        while lane.waiting and lane.inflight < BUSY_INFLIGHT and not lane.gone:
+        while lane.can_send_queued():
             batch = self._next_batch(lane)
             task = asyncio.get_running_loop().create_task(self._send_queued(lane, encoder, batch))
             batch.task = task
@@ -201,129 +196,127 @@ class Coalescer:
 
     @staticmethod
     def _impatient(lane: Lane, work: Work) -> None:
-        if lane.unqueued(work):
-            lane.impatient += 1
-            _settle(work, SendAlone())
+        if lane.gave_up(work):
+            _settle(work, Resend())
 
     async def _send_queued(self, lane: Lane, encoder: Instance, batch: Batch) -> None:
         """Send queued sub-requests on one of the lane's slots until nothing waits."""
         try:
             while True:
                 await self._send_batch(lane, encoder, batch)
-                if not lane.waiting or lane.inflight >= BUSY_INFLIGHT or lane.gone:
+                if not lane.can_send_queued():
                     return
                 batch = self._next_batch(lane)
                 batch.task = asyncio.current_task()
         finally:
-            if lane.waiting:
+            if lane.has_waiting():
                 self.drain(lane, encoder)
 
     async def _send_batch(self, lane: Lane, encoder: Instance, batch: Batch) -> None:
         """One queued sub-request; every group in it learns its own share of the answer, or how
         it failed."""
         works = batch.works
-        items = [item for work in works for item in work.items]
-        cost = sum(work.cost for work in works)
         if batch.live == 0:
             # Every request in it went away before it left: nothing to send.
-            lane.finished(cost, 0.0, None)
+            lane.finished(sum(work.cost for work in works), 0.0, None)
             batch.done = True
             return
         batch.sending = True
+        transfer_ids = [self.ids.transfer_id() for work in works for _ in work.items]
+        out = self._outgoing(lane, encoder, works)
         shared = len(works) > 1
-        transfer_ids = [self.ids.transfer_id() for _ in items]
+        movable = works[0].consumer_zmq is None
+        try:
+            shares = await self.sender.send(
+                out,
+                lambda: self._payload(works, transfer_ids),
+                lambda: tracing.queued_subrequest([work.waiting for work in works], encoder.url, out.items),
+                lambda after: self._overdue(lane, encoder, batch, after, movable),
+                lambda reply: self._split(reply, works, encoder),
+            )
+        except ProxyError as exc:
+            if shared:
+                self._shared_failed(lane, encoder, works, exc)
+            else:
+                _settle(works[0], exc)
+            return
+        except BaseException as exc:
+            self._never_answered(batch, exc)
+            return
+        finally:
+            if shared:
+                lane.shared_closed(out.request_id)
+            batch.done = True
+        if shared:
+            lane.shared_ok(out.items)
+        _deliver(works, shares, transfer_ids, encoder)
+
+    def _outgoing(self, lane: Lane, encoder: Instance, works: list[Work]) -> Outgoing:
+        """The sub-request that carries `works`, under an id of its own when they are several."""
+        items = sum(work.size for work in works)
         head = works[0]
         sent = self.sender.clock()
         for work in works:
             self.metrics.share_wait.observe(sent - work.queued_at)
-        if shared:
+        if len(works) == 1:
+            request_id = self.ids.child_request_id(head.trace.request_id, head.items[0].index)
+            trace = head.trace
+        else:
             # Its own id: no client's id labels the others' media, in the encoder's logs too.
             request_id = self.ids.shared_request_id()
             members = [work.trace.request_id for work in works]
-            lane.shared[request_id] = members
+            lane.shared_opened(request_id, members)
             for work in works:
                 work.trace.shared.append(request_id)
             log.info(
                 "shared encoder sub-request %s to %s: %d items of %d members %s",
                 request_id,
                 encoder.url,
-                len(items),
+                items,
                 len(works),
                 " ".join(members),
             )
             # Health dedups a 5xx per request; this sub-request is its own.
             trace = Trace(request_id)
-        else:
-            request_id = self.ids.child_request_id(head.trace.request_id, head.items[0].index)
-            trace = head.trace
+        cost = sum(work.cost for work in works)
+        return Outgoing(encoder, lane, request_id, trace, items, cost, sent, max(work.moves for work in works))
 
-        def payload() -> Payload:
-            if shared:
-                return coalesced_payload(works, transfer_ids, self.sender.options.send_uuid)
-            body = encoder_body(
-                head.body,
-                head.items,
-                send_uuid=self.sender.options.send_uuid,
-                transfer_ids=transfer_ids,
-                consumer_zmq=head.consumer_zmq,
-            )
-            return head.dumps(body)
+    def _payload(self, works: list[Work], transfer_ids: list[str]) -> Payload:
+        if len(works) > 1:
+            return coalesced_payload(works, transfer_ids, self.sender.options.send_uuid)
+        head = works[0]
+        body = encoder_body(
+            head.body,
+            head.items,
+            send_uuid=self.sender.options.send_uuid,
+            transfer_ids=transfer_ids,
+            consumer_zmq=head.consumer_zmq,
+        )
+        return head.dumps(body)
 
-        def read(reply: EncoderReply) -> list[dict[str, Any] | None]:
-            if not shared:
-                return [reply.ec_transfer_params]
-            self.metrics.coalesced.labels(encoder.url).inc()
-            return split_params(reply.ec_transfer_params, [work.size for work in works], encoder.url)
+    def _split(self, reply: EncoderReply, works: list[Work], encoder: Instance) -> list[dict[str, Any] | None]:
+        if len(works) == 1:
+            return [reply.ec_transfer_params]
+        self.metrics.coalesced.labels(encoder.url).inc()
+        return split_params(reply.ec_transfer_params, [work.size for work in works], encoder.url)
 
-        movable = head.consumer_zmq is None
-        out = Outgoing(encoder, lane, request_id, trace, len(items), cost, sent, max(work.moves for work in works))
-        try:
-            shares = await self.sender.send(
-                out,
-                payload,
-                lambda: tracing.queued_subrequest([work.waiting for work in works], encoder.url, len(items)),
-                lambda after: self._overdue(lane, encoder, batch, after, movable),
-                read,
-            )
-        except ProxyError as exc:
-            if shared:
-                self._shared_failed(lane, encoder, works, exc)
-            else:
-                _settle(head, exc)
+    @staticmethod
+    def _never_answered(batch: Batch, exc: BaseException) -> None:
+        """Cancelled (every request in it went away, or the proxy stops) or a fault here: no
+        request may wait for an answer that will never come."""
+        cancelled = isinstance(exc, asyncio.CancelledError)
+        if cancelled and batch.abandoned:
+            # Its members went elsewhere; the encoder learns it from the closed call.
+            asyncio.current_task().uncancel()
             return
-        except BaseException as exc:
-            # Cancelled (every request in it went away, or the proxy stops) or a fault here:
-            # no request may wait for an answer that will never come.
-            cancelled = isinstance(exc, asyncio.CancelledError)
-            if cancelled and batch.abandoned:
-                # Its members went elsewhere; the encoder learns it from the closed call.
-                asyncio.current_task().uncancel()
-                return
-            for work in works:
-                if not work.future.done():
-                    if cancelled:
-                        work.future.cancel()
-                    else:
-                        work.future.set_exception(exc)
-            if cancelled:
-                raise
-            return
-        finally:
-            if shared:
-                lane.shared.pop(request_id, None)
-            batch.done = True
-        if shared:
-            lane.shared_ok(len(items))
-        offset = 0
-        for work, params in zip(works, shares):
-            ids = transfer_ids[offset : offset + work.size]
-            offset += work.size
-            if work.future.done():
-                continue  # its request went away
-            work.trace.subrequest_share += 1.0 / len(works)
-            if shared:
-                work.trace.coalesced += 1
-            work.future.set_result(Encoded(encoder, params, ids))
+        for work in batch.works:
+            if not work.future.done():
+                if cancelled:
+                    work.future.cancel()
+                else:
+                    work.future.set_exception(exc)
+        if cancelled:
+            raise exc
 
     def _overdue(self, lane: Lane, encoder: Instance, batch: Batch, after: float, movable: bool) -> None:
         if batch.done:
@@ -335,7 +328,7 @@ class Coalescer:
         # own budgets run out; the stuck call ends for no one.
         batch.abandoned = True
         for work in batch.works:
-            _settle(work, SendAlone(overdue=after))
+            _settle(work, Resend(overdue=after))
         if batch.task is not None:
             batch.task.cancel()
 
@@ -355,19 +348,40 @@ class Coalescer:
             if exc.answered is not None and exc.answered >= 500:
                 # Health counted this 5xx once already; the lone resend must not count it again.
                 work.trace.charged_5xx.add(encoder.url)
-            _settle(work, SendAlone(exc, verdict))
+            _settle(work, Resend(exc, verdict))
 
     def _charge(self, lane: Lane, items: int, charged: str) -> None:
         self.metrics.shared_refusals.labels(lane.url, charged).inc()
         if charged == "request":
-            lane.charged_requests += 1
+            lane.charged_to_request()
         else:
             lane.share_failed(items, self.sender.clock())
 
 
-def _settle(work: Work, exc: BaseException) -> None:
-    if not work.future.done():
-        work.future.set_exception(exc)
+def _settle(work: Work, outcome: Resend | BaseException) -> None:
+    """Tell a group waiting for its share how it ends instead, unless it already knows."""
+    if work.future.done():
+        return
+    if isinstance(outcome, Resend):
+        work.future.set_result(outcome)
+    else:
+        work.future.set_exception(outcome)
+
+
+def _deliver(
+    works: list[Work], shares: list[dict[str, Any] | None], transfer_ids: list[str], encoder: Instance
+) -> None:
+    """Each group still waiting gets its share of the answer, under its own transfer ids."""
+    offset = 0
+    for work, params in zip(works, shares):
+        ids = transfer_ids[offset : offset + work.size]
+        offset += work.size
+        if work.future.done():
+            continue  # its request went away
+        work.trace.subrequest_share += 1.0 / len(works)
+        if len(works) > 1:
+            work.trace.coalesced += 1
+        work.future.set_result(Encoded(encoder, params, ids))
 
 
 def coalesced_payload(works: Sequence[Work], transfer_ids: Sequence[str], send_uuid: bool) -> list:

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -19,10 +20,10 @@ import orjson
 from epd_proxy.calls.upstream import Payload, Upstream
 from epd_proxy.errors import BackendUnreachable, ProxyError
 from epd_proxy.fleet.backends import Instance
-from epd_proxy.fleet.lanes import BUSY_INFLIGHT, Lane, Lanes
+from epd_proxy.fleet.lanes import Lane, Lanes
 from epd_proxy.fleet.routing import RoutingPolicy
 from epd_proxy.fleet.stalls import laggards, progressed_elsewhere
-from epd_proxy.journey.coalesce import Coalescer, SendAlone, Work
+from epd_proxy.journey.coalesce import Coalescer, Resend, Work
 from epd_proxy.journey.extract import MediaItem
 from epd_proxy.journey.plan import EncoderGroup
 from epd_proxy.journey.reuse import failed_holding_media
@@ -99,7 +100,7 @@ class EncodeStep:
                     "encoder %s: nothing answered for %.1f s while another encoder answers or sits idle; no "
                     "new placements there until it answers",
                     lane.url,
-                    now - lane.busy_since,
+                    lane.silent_s(now),
                 )
             self.metrics.stalls.labels(lane.url).inc()
             lane.evict()
@@ -139,84 +140,100 @@ class EncodeStep:
         dumps: Dumps,
         key: bytes | None,
     ) -> Encoded:
-        """Send one group (sharing a sub-request if its encoder is busy); on a transport error,
-        timeout or 5xx, fail over to another encoder."""
+        """Send one group (sharing a sub-request if its encoder is busy), attempt after attempt:
+        each ends in its answer, a `Resend` (it goes again alone, maybe elsewhere) or a failure
+        that fails over to another encoder while there is one to try."""
         group_items = [items[i] for i in group.indices]
-        encoder = group.encoder
-        tried: list[Instance] = []
-        # Times it was moved off an encoder where it was far overdue: each doubles its overdue time.
-        moves = 0
         # Only the first send to an encoder may wait to share; a resend goes out at once, alone.
         shareable = key is not None and all(item.is_image for item in group_items)
-        share = shareable
+        route = Route(group.encoder, group_items, shareable)
         verdict = None
         while True:
-            tried.append(encoder)
             try:
-                if share:
-                    share = False
-                    lane = self.lanes.of(encoder)
-                    if lane.inflight >= BUSY_INFLIGHT:
-                        future = asyncio.get_running_loop().create_future()
-                        work = Work(key, group_items, body, consumer_zmq, trace, dumps, future, _priority(body), moves)
-                        return await self.coalescer.wait_to_share(lane, work)
-                encoded = await self._send_alone(encoder, group_items, body, consumer_zmq, trace, dumps, moves)
-            except SendAlone as alone:
-                if verdict is not None:
-                    verdict.heard(alone)
-                verdict = alone.verdict
-                exc = alone.cause
-                if alone.overdue is not None or failed_holding_media(exc):
-                    _failed_holding_media(trace, encoder)
-                tried.pop()
-                if alone.overdue is not None:
-                    # Cancelled far past its expected time: another encoder, as a failover.
-                    tried.append(encoder)
-                    if len(tried) > self.options.failovers:
-                        raise _overdue_error(encoder, len(group_items), alone.overdue, moves) from None
-                    moves += 1
-                    fallback = self._elsewhere(encoder)
-                    why = f"no answer within {alone.overdue:.1f} s, far past its expected time"
-                    self._note_failover(trace, encoder, why, len(group_items), fallback)
-                    encoder = fallback
-                    share = shareable
-                elif alone.moved or encoder not in self.live():
-                    # Its encoder left, was ejected or stalls: elsewhere, sharing there if busy.
-                    encoder = self._elsewhere(encoder)
-                    share = shareable
-                elif isinstance(exc, BackendUnreachable):
-                    # Timed out or unreachable with others' items in it: another encoder if there
-                    # is one, else alone on the same one (its own items may well fit).
-                    tried.append(encoder)
-                    fallback = self._failover_target(tried)
-                    if fallback is not None:
-                        self._note_failover(trace, encoder, exc.message, len(group_items), fallback)
-                        encoder = fallback
-                    else:
-                        tried.pop()
-                # Anything the encoder answered may be another request's fault, and a group that
-                # waited too long is not at fault either: alone on the same encoder, without
-                # spending a failover on it.
+                result = await self._attempt(route, body, consumer_zmq, trace, dumps, key)
             except ProxyError as exc:
                 if verdict is not None:
                     verdict.heard(exc)
                     verdict = None
-                if failed_holding_media(exc):
-                    _failed_holding_media(trace, encoder)
-                worth_retrying = isinstance(exc, BackendUnreachable) or exc.status >= 500
-                fallback = self._failover_target(tried) if worth_retrying else None
-                if fallback is None:
+                if not self._fail_over(route, exc, trace):
                     raise
-                self._note_failover(trace, encoder, exc.message, len(group_items), fallback)
-                encoder = fallback
+                continue
             except BaseException as exc:
                 if verdict is not None:
                     verdict.heard(exc)
                 raise
+            if verdict is not None:
+                verdict.heard(result if isinstance(result, Resend) else None)
+            if isinstance(result, Encoded):
+                return result
+            verdict = result.verdict
+            self._resend(route, result, trace)
+
+    async def _attempt(
+        self,
+        route: Route,
+        body: dict[str, Any],
+        consumer_zmq: str | None,
+        trace: Trace,
+        dumps: Dumps,
+        key: bytes | None,
+    ) -> Encoded | Resend:
+        """One send of the group to `route.encoder`: shared if it may share and the encoder is busy."""
+        encoder, group_items = route.encoder, route.items
+        route.tried.append(encoder)
+        if route.share:
+            route.share = False
+            lane = self.lanes.of(encoder)
+            if lane.busy():
+                future = asyncio.get_running_loop().create_future()
+                work = Work(key, group_items, body, consumer_zmq, trace, dumps, future, _priority(body), route.moves)
+                return await self.coalescer.wait_to_share(lane, work)
+        return await self._send_alone(encoder, group_items, body, consumer_zmq, trace, dumps, route.moves)
+
+    def _resend(self, route: Route, alone: Resend, trace: Trace) -> None:
+        """Where the group goes again on its own after `alone`."""
+        encoder, cause = route.encoder, alone.cause
+        if alone.overdue is not None or failed_holding_media(cause):
+            _failed_holding_media(trace, encoder)
+        route.tried.pop()
+        if alone.overdue is not None:
+            # Cancelled far past its expected time: another encoder, as a failover.
+            route.tried.append(encoder)
+            if len(route.tried) > self.options.failovers:
+                raise _overdue_error(encoder, len(route.items), alone.overdue, route.moves)
+            route.moves += 1
+            fallback = self._elsewhere(encoder)
+            why = f"no answer within {alone.overdue:.1f} s, far past its expected time"
+            self._note_failover(trace, encoder, why, len(route.items), fallback)
+            route.go(fallback)
+        elif alone.moved or encoder not in self.live():
+            # Its encoder left, was ejected or stalls: elsewhere, sharing there if busy.
+            route.go(self._elsewhere(encoder))
+        elif isinstance(cause, BackendUnreachable):
+            # Timed out or unreachable with others' items in it: another encoder if there is
+            # one, else alone on the same one (its own items may well fit).
+            route.tried.append(encoder)
+            fallback = self._failover_target(route.tried)
+            if fallback is not None:
+                self._note_failover(trace, encoder, cause.message, len(route.items), fallback)
+                route.encoder = fallback
             else:
-                if verdict is not None:
-                    verdict.heard(None)
-                return encoded
+                route.tried.pop()
+        # Anything the encoder answered may be another request's fault, and a group that waited
+        # too long is not at fault either: alone on the same encoder, without spending a failover.
+
+    def _fail_over(self, route: Route, exc: ProxyError, trace: Trace) -> bool:
+        """After a failed send: whether it goes to another encoder (a transport error, timeout
+        or 5xx, with a failover left) or fails as `exc`."""
+        if failed_holding_media(exc):
+            _failed_holding_media(trace, route.encoder)
+        worth_retrying = isinstance(exc, BackendUnreachable) or exc.status >= 500
+        fallback = self._failover_target(route.tried) if worth_retrying else None
+        if fallback is None:
+            return False
+        self._note_failover(trace, route.encoder, exc.message, len(route.items), fallback)
+        route.encoder = fallback
+        return True
 
     def _elsewhere(self, encoder: Instance) -> Instance:
         """Where a group goes whose encoder left, was ejected or stalls: the least busy other
@@ -231,7 +248,7 @@ class EncodeStep:
             )
         now = self.clock()
         trusted = [e for e in others if not self.lanes.of(e).avoid(now)] or others
-        return min(trusted, key=lambda e: self.lanes.of(e).subs)
+        return min(trusted, key=lambda e: self.lanes.of(e).outstanding())
 
     def _stalled(self, lane: Lane, encoder: Instance, items: int) -> bool:
         """A sub-request there is far overdue: the encoder is suspect until it answers again and
@@ -273,9 +290,9 @@ class EncodeStep:
         trace: Trace,
         dumps: Dumps,
         moves: int,
-    ) -> Encoded:
+    ) -> Encoded | Resend:
         """One group as its own sub-request, from the request's own task (so its cancellation
-        cancels the sub-request)."""
+        cancels the sub-request); a `Resend` if it was far overdue and moves elsewhere."""
         transfer_ids = [self.ids.transfer_id() for _ in group_items]
         lane = self.lanes.of(encoder)
         cost = sum(item.cost for item in group_items)
@@ -313,10 +330,10 @@ class EncodeStep:
             )
         except asyncio.CancelledError:
             if moving and task.uncancel() == 0:
-                raise SendAlone(overdue=moving[0]) from None
+                return Resend(overdue=moving[0])
             raise
         finally:
-            if lane.waiting:
+            if lane.has_waiting():
                 self.coalescer.drain(lane, encoder)
         trace.subrequest_share += 1.0
         return Encoded(encoder, reply.ec_transfer_params, transfer_ids)
@@ -328,6 +345,28 @@ class EncodeStep:
         if not others:
             return None
         return min(others, key=lambda e: e.inflight)
+
+
+@dataclass(eq=False, slots=True)
+class Route:
+    """Where one group's attempts stand: the encoder it goes to next, those it was tried on (each
+    failover spends one), its moves off overdue encoders (each doubles its overdue time) and
+    whether the next send may wait to share."""
+
+    encoder: Instance
+    items: list[MediaItem]
+    shareable: bool
+    tried: list[Instance] = field(default_factory=list)
+    moves: int = 0
+    share: bool = False
+
+    def __post_init__(self) -> None:
+        self.share = self.shareable
+
+    def go(self, encoder: Instance) -> None:
+        """To another encoder, where it may wait to share again."""
+        self.encoder = encoder
+        self.share = self.shareable
 
 
 def _overdue_error(encoder: Instance, items: int, after: float, moves: int) -> BackendUnreachable:

@@ -53,8 +53,7 @@ SCHEDULER_GAUGES = (
 def lane_rows(lanes: Lanes):
     """(encoder url, values in SCHEDULER_GAUGES order, None where not known yet)."""
     for lane in lanes.all():
-        limit = lane.merge_limit if lane.paused_until == 0.0 else 0
-        yield lane.url, (lane.item_s, lane.fixed_s, lane.queued_items, limit, int(lane.suspect))
+        yield lane.url, lane.gauges()
 
 
 class LaneCollector:

@@ -56,7 +56,7 @@ async def queue_behind(stack, bodies, encoder=0, already=0):
     tasks = [asyncio.create_task(answer_of(stack, body)) for body in bodies]
     lane = lanes(stack).all()[encoder]
     want = already + len(bodies)
-    await eventually(lambda: len(lane.waiting) == want, what=f"{want} groups queued")
+    await eventually(lambda: len(lane.work.waiting) == want, what=f"{want} groups queued")
     return tasks
 
 
@@ -176,7 +176,7 @@ async def test_a_client_leaving_never_cancels_the_items_of_others(make_stack):
     leaving = aiohttp.ClientSession()
     lane = lanes(stack).all()[0]
     gone = asyncio.create_task(leaving.post(stack.url + "/v1/chat/completions", json=chat(image("leaves"))))
-    await eventually(lambda: len(lane.waiting) == 1, what="the leaving request queued")
+    await eventually(lambda: len(lane.work.waiting) == 1, what="the leaving request queued")
     staying = await queue_behind(stack, [chat(image("stays"))], already=1)
     # The two share a sub-request once a slot frees; the first client leaves while it runs.
     await eventually(lambda: shared_subrequests(fake), what="the shared sub-request sent")
@@ -195,10 +195,10 @@ async def test_a_client_leaving_while_queued_sends_nothing_and_alone_cancels_its
     lane = lanes(stack).all()[0]
     leaving = aiohttp.ClientSession()
     gone = asyncio.create_task(leaving.post(stack.url + "/v1/chat/completions", json=chat(image("never-sent"))))
-    await eventually(lambda: len(lane.waiting) == 1, what="queued")
+    await eventually(lambda: len(lane.work.waiting) == 1, what="queued")
     gone.cancel()
     await leaving.close()
-    await eventually(lambda: not lane.waiting, what="it left the queue")
+    await eventually(lambda: not lane.work.waiting, what="it left the queue")
     await asyncio.gather(*blockers)
     never = image("never-sent")["image_url"]["url"]
     assert all(never not in orjson.dumps(seen.body).decode() for seen in fake.requests)
@@ -206,14 +206,16 @@ async def test_a_client_leaving_while_queued_sends_nothing_and_alone_cancels_its
     blockers = await busy_encoder(stack)
     leaving = aiohttp.ClientSession()
     gone = asyncio.create_task(leaving.post(stack.url + "/v1/chat/completions", json=chat(image("alone"))))
-    await eventually(lambda: len(lane.waiting) == 1, what="queued")
+    await eventually(lambda: len(lane.work.waiting) == 1, what="queued")
     sent = len(fake.requests)
     await eventually(lambda: len(fake.requests) == sent + 1, timeout=5, what="sent from the queue")
     gone.cancel()
     await leaving.close()
     await eventually(lambda: fake.cancelled == 1, what="its sub-request cancelled")
     await asyncio.gather(*blockers)
-    await eventually(lambda: (lane.inflight, lane.subs, lane.load) == (0, 0, 0), what="nothing left counted")
+    await eventually(
+        lambda: (lane.work.inflight, lane.work.subs, lane.work.load) == (0, 0, 0), what="nothing left counted"
+    )
 
 
 async def test_the_batch_cap_bounds_shared_sub_requests(make_stack):
@@ -284,7 +286,7 @@ async def test_an_encoder_that_reports_no_positions_is_split_and_then_shares_les
         assert answer["choices"][0]["message"]["content"] == await direct_answer(stack, body)
     assert len(shared_subrequests(fake)) == 1
     (lane,) = lanes(stack).all()
-    assert lane.backoffs == 1 and lane.merge_limit < 8
+    assert lane.share.backoffs == 1 and lane.share.merge_limit < 8
 
 
 async def test_without_rewrite_a_shared_answer_still_hands_each_request_its_own_handles(make_stack):

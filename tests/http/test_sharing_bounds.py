@@ -39,7 +39,7 @@ async def test_a_shared_sub_request_never_outgrows_the_encode_timeout_of_its_mem
     results = await asyncio.gather(*(answer_of(stack, chat(image(f"t{i}"))) for i in range(12)))
     assert [status for status, _ in results] == [200] * 12, results
     assert shared_subrequests(fake), "it still shares"
-    per_item = lanes(stack).all()[0].item_s
+    per_item = lanes(stack).all()[0].speed.item_s
     # What a shared sub-request may hold: it takes at most a third of the timeout.
     assert all(len(uuids_of(sub)) * per_item <= 2.0 / 3 for sub in shared_subrequests(fake))
 
@@ -94,7 +94,7 @@ async def test_after_an_encoder_that_reported_no_positions_recovers_sharing_grow
     assert all(status == 200 for status, _ in await asyncio.gather(*tasks, *blockers))
     lane = lanes(stack).all()[0]
     # Nobody's fault but the encoder's (each went through alone): it shares less.
-    assert (lane.backoffs, lane.merge_limit) == (1, 2)
+    assert (lane.share.backoffs, lane.share.merge_limit) == (1, 2)
     fake.report_indices = True
     blockers = await busy_encoder(stack)
     before = len(shared_subrequests(fake))
@@ -103,7 +103,7 @@ async def test_after_an_encoder_that_reported_no_positions_recovers_sharing_grow
     sizes = [len(uuids_of(sub)) for sub in shared_subrequests(fake)[before:]]
     # Probes of two (both slots free at once) that split, then twice that: it grows back by itself.
     assert sizes == [2, 2, 4], sizes
-    assert lane.merge_limit == 8
+    assert lane.share.merge_limit == 8
 
 
 async def test_lower_priority_values_leave_the_queue_first(make_stack):
@@ -137,8 +137,8 @@ async def test_a_shared_sub_request_has_its_own_id_and_its_log_line_names_the_me
 
     tasks = [asyncio.create_task(send(rid)) for rid in ids]
     lane = lanes(stack).all()[0]
-    await eventually(lambda: len(lane.waiting) == 3, what="queued")
-    inflight = await eventually(lambda: dict(lane.shared), what="the shared sub-request in flight")
+    await eventually(lambda: len(lane.work.waiting) == 3, what="queued")
+    inflight = await eventually(lambda: dict(lane.share.shared), what="the shared sub-request in flight")
     ((shared_id, members),) = inflight.items()
     assert members == ids
     view = (await status_of(stack))["scheduler"]["encoders"][0]
@@ -180,7 +180,7 @@ async def test_groups_queued_for_an_encoder_that_goes_move_at_once(make_stack, h
     gone.faults.delay_s = other.faults.delay_s = 3.0
     sent_there = len(gone.requests) + 2
     stuck = [asyncio.create_task(answer_of(stack, chat(image(f"k{i}")))) for i in range(8)]
-    await eventually(lambda: lane.waiting and lane.inflight == 2, what="groups queued on the encoder")
+    await eventually(lambda: lane.work.waiting and lane.work.inflight == 2, what="groups queued on the encoder")
     await eventually(lambda: len(gone.requests) == sent_there, what="its two calls arrived")
     other.faults.delay_s = 0.0
     if how == "left":
@@ -190,7 +190,7 @@ async def test_groups_queued_for_an_encoder_that_goes_move_at_once(make_stack, h
         gone.faults.fail_next(times=100, status=0)
         while proxy.health.in_rotation(encoder):
             proxy.health.failed(encoder, "test: refused")
-    await eventually(lambda: not lane.waiting, timeout=0.5, what="its queue emptied at once")
+    await eventually(lambda: not lane.work.waiting, timeout=0.5, what="its queue emptied at once")
     results = await asyncio.gather(*stuck)
     assert all(status == 200 for status, _ in results), results
     assert len(gone.requests) == sent_there, "nothing new started on it after it went"
@@ -214,7 +214,7 @@ async def test_a_stalled_encoder_turns_suspect_its_work_moves_and_it_comes_back(
     assert all(status == 200 for status, _ in results), results
     # Far within the encode timeout: the stuck work moved after the overdue floor (1 s).
     assert len(stuck.requests) > before and elapsed < 5.0, elapsed
-    assert lane.suspect
+    assert lane.suspicion.suspect
     text = await metrics_of(stack)
     assert f'epd_encoder_suspect{{encoder="{encoder.url}"}} 1.0' in text
     # Back after its hold: offered work again, and trusted again once it answers.
@@ -224,7 +224,7 @@ async def test_a_stalled_encoder_turns_suspect_its_work_moves_and_it_comes_back(
 
     async def trusted_again():
         assert (await answer_of(stack, chat(image(f"probe{next(probes)}"))))[0] == 200
-        return not lane.suspect
+        return not lane.suspicion.suspect
 
     await eventually(
         trusted_again, timeout=10, what=lambda: f"trusted again: {[lane.view() for lane in proxy.lanes.all()]}"

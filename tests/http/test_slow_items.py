@@ -76,7 +76,7 @@ async def test_an_encoder_that_accepts_but_never_answers_stops_getting_work_with
     for i in range(4):
         answers = await asyncio.gather(*(answer_of(stack, chat(image(f"w{i}{j}"))) for j in "ab"))
         assert [status for status, _ in answers] == [200, 200]
-    assert all(lane.samples for lane in stack.state.lanes.all())
+    assert all(lane.speed.samples for lane in stack.state.lanes.all())
     staller.faults.delay_s = 60.0
     # A clock outside the proxy's fleet that ticks at the healthy encoder's pace (50 ms a call).
     metronome, metronome_url = await stack.fakes.start("encode")

@@ -73,7 +73,9 @@ def test_a_video_with_many_frames_is_overdue_much_later_than_one_image():
     lane.started(10.0, 10.0)
     a_video = overdue_after(lane, costs(media_io_kwargs={"video": {"num_frames": 128}})["video_url"], None)
     assert a_video > 10 * one_image
-    assert a_video == pytest.approx(OVERDUE_FACTOR * (lane.fixed_s * lane.inflight + lane.item_s * 64.0))
+    assert a_video == pytest.approx(
+        OVERDUE_FACTOR * (lane.speed.fixed_s * lane.work.inflight + lane.speed.item_s * 64.0)
+    )
 
 
 def test_each_move_doubles_an_items_overdue_time_up_to_a_share_of_the_encode_timeout():

@@ -11,19 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from epd_proxy.fleet.lanes import (
-    COALESCE_TARGET_ITEMS,
-    PAUSE_FLOOR_S,
-    PAUSE_MAX_S,
-    PRIOR_FIXED_RATIO,
-    PROBE_ITEMS,
-    STALE_S,
-    SUSPECT_HOLD_S,
-    Lane,
-    Lanes,
-    take_batch,
-)
+from epd_proxy.fleet.lanes import SUSPECT_HOLD_S, Lane, Lanes
 from epd_proxy.fleet.scheduler import ExpectedFinish, Key
+from epd_proxy.fleet.sharing import COALESCE_TARGET_ITEMS, PAUSE_FLOOR_S, PAUSE_MAX_S, PROBE_ITEMS, take_batch
+from epd_proxy.fleet.speed import PRIOR_FIXED_RATIO, STALE_S
 from epd_proxy.fleet.stalls import OVERDUE_FACTOR, OVERDUE_FLOOR_S, overdue_after
 from epd_proxy.journey.subrequest import FORWARDED_FIELDS, coalesce_key
 from tests.unit.fleet.test_scheduler import fleet, serve
@@ -32,16 +23,16 @@ from tests.unit.fleet.test_scheduler import fleet, serve
 def test_a_serial_encoder_is_measured_by_the_time_between_its_answers():
     lane = Lane("http://e0")
     serve(lane, [1, 4, 2, 8, 3] * 10, per_item_s=0.010)
-    assert lane.item_s == pytest.approx(0.010, rel=1e-6)
-    assert lane.fixed_s == pytest.approx(PRIOR_FIXED_RATIO * 0.010, rel=1e-6)
-    assert (lane.inflight, lane.subs, lane.load) == (0, 0, 0)
+    assert lane.speed.item_s == pytest.approx(0.010, rel=1e-6)
+    assert lane.speed.fixed_s == pytest.approx(PRIOR_FIXED_RATIO * 0.010, rel=1e-6)
+    assert (lane.work.inflight, lane.work.subs, lane.work.load) == (0, 0, 0)
 
 
 def test_a_three_times_slower_encoder_is_estimated_three_times_slower():
     fast, slow = Lane("f"), Lane("s")
     serve(fast, [3, 5, 1, 4] * 20, per_item_s=0.004)
     serve(slow, [3, 5, 1, 4] * 20, per_item_s=0.012)
-    assert slow.item_s / fast.item_s == pytest.approx(3.0, rel=1e-6)
+    assert slow.speed.item_s / fast.speed.item_s == pytest.approx(3.0, rel=1e-6)
 
 
 def test_an_answer_after_an_idle_gap_counts_from_when_it_was_sent():
@@ -50,14 +41,20 @@ def test_an_answer_after_an_idle_gap_counts_from_when_it_was_sent():
     lane.finished(2, 0.0, 1.0)
     lane.started(2)
     lane.finished(2, 5.0, 5.5)  # sent long after the first answer: it held the encoder 0.5 s
-    assert lane.item_s == pytest.approx((1.0 + 0.5) / 2 / (2 + PRIOR_FIXED_RATIO))
+    assert lane.speed.item_s == pytest.approx((1.0 + 0.5) / 2 / (2 + PRIOR_FIXED_RATIO))
 
 
 def test_a_failed_sub_request_teaches_nothing_but_is_counted_out():
     lane = Lane("e")
     lane.started(3)
     lane.finished(3, 0.0, None)
-    assert (lane.item_s, lane.samples, lane.inflight, lane.subs, lane.load) == (None, 0, 0, 0, 0)
+    assert (lane.speed.item_s, lane.speed.samples, lane.work.inflight, lane.work.subs, lane.work.load) == (
+        None,
+        0,
+        0,
+        0,
+        0,
+    )
 
 
 def test_an_encoder_slow_once_and_left_idle_gets_work_again_and_is_measured_afresh():
@@ -67,17 +64,17 @@ def test_an_encoder_slow_once_and_left_idle_gets_work_again_and_is_measured_afre
     serve(fast, [1] * 20, 0.001)
     serve(slow, [1] * 3, 0.300)  # a slow spell: a cold start, a pause
     # Idle, one image at a time: while the slow spell is recent, it all goes to the fast one.
-    now = fast.last_done
+    now = fast.speed.last_done
     assert {policy.place(encoders, [Key(f"a{i}")], 0, now)[0][0] for i in range(4)} == {encoders[0]}
     # Unheard from for STALE_S, the slow one is taken at the others' speed and shares the work...
-    later = slow.last_done + STALE_S + 1.0
-    fast.last_done = later - 0.5
+    later = slow.speed.last_done + STALE_S + 1.0
+    fast.speed.last_done = later - 0.5
     picks = {policy.place(encoders, [Key(f"b{i}")], 0, later)[0][0] for i in range(4)}
     assert picks == set(encoders)
     # ...and its next answer starts a new estimate instead of averaging with the old spell.
     slow.started(1, later)
     slow.finished(1, later, later + 0.001)
-    assert slow.samples == 1 and slow.item_s == pytest.approx(0.001 / (1 + PRIOR_FIXED_RATIO))
+    assert slow.speed.samples == 1 and slow.speed.item_s == pytest.approx(0.001 / (1 + PRIOR_FIXED_RATIO))
 
 
 def test_a_call_finishing_on_an_encoder_that_left_does_not_bring_its_lane_back():
@@ -160,40 +157,45 @@ def test_lane_batches_count_one_sub_request_and_the_cap_wins():
     lane = Lane("e")
     for size in (2, 2, 2, 2, 2):
         lane.queued(W(b"k", size))
-    assert (lane.subs, lane.load) == (5, 10)
+    assert (lane.work.subs, lane.work.load) == (5, 10)
     batch = lane.next_batch(0)
-    assert len(batch) == 4 and (lane.subs, lane.load, lane.inflight, lane.inflight_load) == (2, 10, 1, 8)
+    assert len(batch) == 4 and (lane.work.subs, lane.work.load, lane.work.inflight, lane.work.inflight_load) == (
+        2,
+        10,
+        1,
+        8,
+    )
     lane.finished(8, 0.0, 1.0)
-    assert (lane.subs, lane.load, lane.inflight, lane.inflight_load) == (1, 2, 0, 0)
+    assert (lane.work.subs, lane.work.load, lane.work.inflight, lane.work.inflight_load) == (1, 2, 0, 0)
     assert len(lane.next_batch(1)) == 1, "the batch cap wins"
 
 
 def test_a_share_at_fault_halves_to_a_probe_then_pauses_and_recovers_by_itself():
     lane = Lane("e")
     lane.share_failed(8, now=10.0)
-    assert (lane.merge_limit, lane.share_limit(0, 10.0, None)) == (4, 4)
+    assert (lane.share.merge_limit, lane.share_limit(0, 10.0, None)) == (4, 4)
     lane.share_failed(4, now=10.0)
     lane.share_failed(2, now=10.0)
     # At the probe size, sharing pauses for PAUSE_FLOOR_S, then probes with two again.
     assert lane.share_limit(0, 10.0 + PAUSE_FLOOR_S / 2, None) == 0
     assert lane.share_limit(0, 10.0 + PAUSE_FLOOR_S, None) == PROBE_ITEMS
     lane.share_failed(2, now=11.0)
-    assert lane.paused_until == 11.0 + 2 * PAUSE_FLOOR_S, "pauses double while probes fail"
+    assert lane.share.paused_until == 11.0 + 2 * PAUSE_FLOOR_S, "pauses double while probes fail"
     for _ in range(20):
         lane.share_failed(2, now=11.0)
-    assert lane.paused_until == 11.0 + PAUSE_MAX_S
+    assert lane.share.paused_until == 11.0 + PAUSE_MAX_S
     # A probe that splits ends the pause; the share doubles back as TCP's slow start does.
     lane.shared_ok(2)
-    assert (lane.paused_until, lane.merge_limit) == (0.0, 4)
+    assert (lane.share.paused_until, lane.share.merge_limit) == (0.0, 4)
     lane.shared_ok(4)
-    assert lane.merge_limit == COALESCE_TARGET_ITEMS
-    assert lane.backoffs == 24
+    assert lane.share.merge_limit == COALESCE_TARGET_ITEMS
+    assert lane.share.backoffs == 24
 
 
 def test_a_shared_sub_request_holds_only_what_fits_a_third_of_the_encode_timeout():
     lane = Lane("e")
     serve(lane, [1] * 40, per_item_s=0.1)
-    fixed, per_item = lane.fixed_s, lane.item_s
+    fixed, per_item = lane.speed.fixed_s, lane.speed.item_s
     assert lane.share_limit(0, 0.0, None) == COALESCE_TARGET_ITEMS
     assert lane.share_limit(0, 0.0, 2.4) == int((2.4 / 3 - fixed) / per_item) == 7
     assert lane.share_limit(0, 0.0, 0.45) == 1
@@ -205,7 +207,7 @@ def test_queued_groups_leave_by_priority_then_arrival_as_in_vllm():
     for name, priority in (("a", 10), ("b", 10), ("c", 0), ("d", 10), ("e", -5), ("f", 0)):
         lane.queued(W(name.encode(), 1, name, priority))
     order = []
-    while lane.waiting:
+    while lane.work.waiting:
         (work,) = lane.next_batch(0)
         order.append(work.name)
     assert order == ["e", "c", "f", "a", "b", "d"]
@@ -218,10 +220,10 @@ def test_an_encoder_that_goes_hands_every_waiting_group_on():
     for work in works:
         lane.queued(work)
     lanes.ejected(encoder.url)
-    assert all(work.moved for work in works) and not lane.waiting and (lane.subs, lane.load) == (0, 0)
+    assert all(work.moved for work in works) and not lane.work.waiting and (lane.work.subs, lane.work.load) == (0, 0)
     lane.queued(W(b"k", 1))
     lanes.left(encoder)
-    assert lane.gone and not lane.waiting
+    assert lane.gone and not lane.work.waiting
 
 
 def test_a_sub_request_far_past_its_expected_time_is_overdue_but_never_during_a_cold_start():
@@ -231,14 +233,14 @@ def test_a_sub_request_far_past_its_expected_time_is_overdue_but_never_during_a_
     lane.finished(1, 0.0, 0.010)
     lane.started(4, 1.0)
     lane.started(4, 1.0)
-    expected = lane.fixed_s * 2 + lane.item_s * 8
+    expected = lane.speed.fixed_s * 2 + lane.speed.item_s * 8
     assert overdue_after(lane, 4, 300.0) == max(OVERDUE_FLOOR_S, OVERDUE_FACTOR * expected) == OVERDUE_FLOOR_S
     assert overdue_after(lane, 4, 1.0) == 0.75, "always before the encode timeout"
     due = 1.0 + OVERDUE_FLOOR_S
     assert lane.stalled(due) and not lane.stalled(due + 0.5), "suspect once"
     assert lane.avoid(due + 0.5 + SUSPECT_HOLD_S - 0.01) and not lane.avoid(due + 0.5 + SUSPECT_HOLD_S)
     lane.finished(4, 1.0, due + 1.0)
-    assert not lane.suspect, "it answered"
+    assert not lane.suspicion.suspect, "it answered"
 
 
 def test_patience_grows_with_the_backlog_ahead():
@@ -263,10 +265,12 @@ def test_the_backlog_is_outstanding_work_less_what_the_encoder_worked_off():
     measured = Lane("m")
     serve(measured, [2] * 10, 0.01)
     measured.started(30, 100.0)
-    assert measured.backlog_s(100.1, measured.fixed_s, measured.item_s) == pytest.approx(
-        measured.fixed_s + measured.item_s * 30 - 0.1
+    assert measured.backlog_s(100.1, measured.speed.fixed_s, measured.speed.item_s) == pytest.approx(
+        measured.speed.fixed_s + measured.speed.item_s * 30 - 0.1
     )
-    assert measured.backlog_s(200.0, measured.fixed_s, measured.item_s) == 0.0  # a measured one is overdue instead
+    assert (
+        measured.backlog_s(200.0, measured.speed.fixed_s, measured.speed.item_s) == 0.0
+    )  # a measured one is overdue instead
 
 
 BASE = {"model": "m", "messages": [], "max_tokens": 3}

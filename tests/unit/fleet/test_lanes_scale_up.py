@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 import pytest
 
 from epd_proxy.fleet.backends import Instance
-from epd_proxy.fleet.lanes import BUSY_INFLIGHT, PRIOR_FIXED_RATIO, STALE_S, Lanes
+from epd_proxy.fleet.lanes import BUSY_INFLIGHT, Lanes
 from epd_proxy.fleet.scheduler import ExpectedFinish, Key
+from epd_proxy.fleet.speed import PRIOR_FIXED_RATIO, STALE_S
 from tests.unit.fleet.test_scheduler import fleet, serve
 
 CONCURRENCY = 4
@@ -53,7 +54,7 @@ class Replay:
         self.old, self.new = fleet(2)
         self.lanes: Lanes = self.policy.lanes
         serve(self.lanes.of(self.old), [1] * 300, self.fast_s)  # a long history, fast
-        self.start = self.lanes.of(self.old).last_done
+        self.start = self.lanes.of(self.old).speed.last_done
         self._events: list = []
         self._order = itertools.count()
 
@@ -82,7 +83,7 @@ class Replay:
                 self.placed.append((now, encoder))
                 lane = self.lanes.of(encoder)
                 group = Group(event[1])
-                if lane.inflight >= BUSY_INFLIGHT:
+                if lane.work.inflight >= BUSY_INFLIGHT:
                     lane.queued(group)
                 else:
                     lane.started(1, now)
@@ -93,7 +94,7 @@ class Replay:
                 lane.finished(sum(group.cost for group in groups), sent, now)
                 for group in groups:
                     self._at(now + self.consumer_s, "request", group.client)
-                while lane.waiting and lane.inflight < BUSY_INFLIGHT:
+                while lane.work.waiting and lane.work.inflight < BUSY_INFLIGHT:
                     self._send(now, encoder, lane.next_batch(8, now))
 
     def longest_wait_of_new(self, since: float, until: float) -> float:
@@ -115,9 +116,15 @@ def test_an_encoder_that_joined_during_a_fleet_wide_slow_spell_waits_at_most_sta
     # STALE_S it is taken at the fleet's mean, which beats or ties (rotation) the busy one.
     assert replay.longest_wait_of_new(replay.lifted_at, end) <= SLOW_S + STALE_S + 4 * fast_s
     new = replay.lanes.of(replay.new)
-    assert new.item_s < 2 * fast_s  # measured afresh, not averaged with the spell
+    assert new.speed.item_s < 2 * fast_s  # measured afresh, not averaged with the spell
     for lane in replay.lanes.all():
-        assert (lane.inflight, lane.inflight_load, lane.subs, lane.load, len(lane.waiting)) == (0, 0, 0, 0, 0)
+        assert (
+            lane.work.inflight,
+            lane.work.inflight_load,
+            lane.work.subs,
+            lane.work.load,
+            len(lane.work.waiting),
+        ) == (0, 0, 0, 0, 0)
 
 
 def test_an_encoder_probed_by_two_sub_requests_at_once_after_its_slow_spell_is_measured_afresh():
@@ -130,15 +137,15 @@ def test_an_encoder_probed_by_two_sub_requests_at_once_after_its_slow_spell_is_m
     fast, slow = policy.lanes.of(old), policy.lanes.of(new)
     serve(fast, [1] * 40, 0.002)
     serve(slow, [1] * 40, SLOW_S)
-    now = slow.last_done + STALE_S + 1.0
-    fast.last_done = now  # answering all along
+    now = slow.speed.last_done + STALE_S + 1.0
+    fast.speed.last_done = now  # answering all along
     fast.started(1, now)
     assert [policy.place(encoders, [Key(uuid)], 0, now)[0][0] for uuid in "ab"] == [new, new]
     slow.started(1, now)
     slow.started(1, now)
     slow.finished(1, now, now + 0.003)
     slow.finished(1, now, now + 0.004)
-    assert slow.item_s == pytest.approx(0.002 / (1 + PRIOR_FIXED_RATIO), rel=0.5)
+    assert slow.speed.item_s == pytest.approx(0.002 / (1 + PRIOR_FIXED_RATIO), rel=0.5)
     # As fast as the other, which is busy: the next image goes to it.
     fast.started(1, now + 0.004)
     assert policy.place(encoders, [Key("c")], 0, now + 0.005)[0][0] is new

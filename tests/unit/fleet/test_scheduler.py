@@ -10,11 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from epd_proxy.fleet.backends import Instance
-from epd_proxy.fleet.lanes import (
-    PRIOR_FIXED_RATIO,
-    Lane,
-)
+from epd_proxy.fleet.lanes import Lane
 from epd_proxy.fleet.scheduler import AFFINITY_ENTRIES, ExpectedFinish, Key
+from epd_proxy.fleet.speed import PRIOR_FIXED_RATIO
 
 
 def fleet(n: int) -> list[Instance]:
@@ -164,7 +162,7 @@ def test_a_hot_image_cannot_overload_its_home():
         policy.lanes.of(pick).started(1)  # nothing finishes: the backlog only grows
         homes[pick.url] += 1
     assert len(homes) == 4
-    load = [policy.lanes.of(e).load for e in encoders]
+    load = [policy.lanes.of(e).work.load for e in encoders]
     assert max(load) <= 1.25 * sum(load) / 4 + 2, load
 
 
@@ -218,7 +216,7 @@ def test_placement_picks_one_live_encoder_per_item(
         picks, hits = policy.place(encoders, items, cap)
         assert len(picks) == len(items) and all(p in encoders for p in picks)
         assert 0 <= hits <= len(items)
-    assert all(policy.lanes.of(e).subs >= 0 for e in encoders)
+    assert all(policy.lanes.of(e).work.subs >= 0 for e in encoders)
 
 
 # -- coalescing ---------------------------------------------------------------------------------

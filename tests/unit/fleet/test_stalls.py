@@ -49,7 +49,7 @@ def test_an_idle_trusted_encoder_is_enough_to_find_a_staller_that_attracts_all_w
 def test_an_encoder_busy_with_a_heavy_item_is_given_its_expected_time():
     lanes, (busy, idle) = warmed(2)
     busy.started(64.0, 1.0)  # a long video: about 64 images' time
-    expected = busy.fixed_s + busy.item_s * 64.0
+    expected = busy.speed.fixed_s + busy.speed.item_s * 64.0
     assert not laggards(lanes, [busy, idle], 1.0 + 2.9 * expected)
     assert laggards(lanes, [busy, idle], 1.0 + 3.1 * expected) == [busy]
 
@@ -61,6 +61,6 @@ def test_an_encoder_that_answers_again_is_no_laggard():
     lane.finished(1.0, 1.0, 1.9)  # one answer: its silence starts again from there
     assert not laggards(lanes, [lane, other], 1.0 + LAG_FLOOR_S)
     # Slower now by its own answer's measure: its silence is judged against that.
-    silence = max(LAG_FLOOR_S, 3 * (lane.fixed_s + lane.item_s))
+    silence = max(LAG_FLOOR_S, 3 * (lane.speed.fixed_s + lane.speed.item_s))
     assert not laggards(lanes, [lane, other], 1.9 + silence - 0.01)
     assert laggards(lanes, [lane, other], 1.9 + silence + 0.01) == [lane]

@@ -107,7 +107,9 @@ async def test_an_encoder_leaving_with_work_in_flight_and_queued_leaves_no_count
     journey.script(B, encoded("b1"), encoded("b2"))
     leaving = policy.lanes.of(journey.fleet.members(ENCODE)[0])
     requests = [asyncio.create_task(encode(journey, chat(image(name)))) for name in "xyz"]
-    await eventually(lambda: (leaving.inflight, len(leaving.waiting)) == (2, 1), what="two in flight, one queued")
+    await eventually(
+        lambda: (leaving.work.inflight, len(leaving.work.waiting)) == (2, 1), what="two in flight, one queued"
+    )
 
     journey.fleet.discovered(DNS_NAME, ENCODE, [B])  # A leaves with notice, B joins
     requests[1].cancel()  # its client went away
@@ -117,5 +119,11 @@ async def test_an_encoder_leaving_with_work_in_flight_and_queued_leaves_no_count
     assert isinstance(gone, asyncio.CancelledError)
     assert [answer.encoder.url for answer in first[1] + moved[1]] == [A if first_answer == "ok" else B, B]
     (staying,) = policy.lanes.all()
-    assert staying.url == B and staying.samples == (1 if first_answer == "ok" else 2)
-    assert (staying.inflight, staying.inflight_load, staying.subs, staying.load, len(staying.waiting)) == (0,) * 5
+    assert staying.url == B and staying.speed.samples == (1 if first_answer == "ok" else 2)
+    assert (
+        staying.work.inflight,
+        staying.work.inflight_load,
+        staying.work.subs,
+        staying.work.load,
+        len(staying.work.waiting),
+    ) == (0,) * 5

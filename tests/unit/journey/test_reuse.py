@@ -189,8 +189,8 @@ def test_an_encoder_failed_holding_media_when_it_answered_5xx_or_lost_them_after
 def measured(lanes: Lanes, url: str, item_s: float, items: int) -> Instance:
     encoder = Instance(url, ENCODE)
     lane = lanes.of(encoder)
-    lane.item_s, lane.fixed_s = item_s, item_s * 0.35
-    lane.subs, lane.load = 1, items
+    lane.speed.item_s, lane.speed.fixed_s = item_s, item_s * 0.35
+    lane.work.subs, lane.work.load = 1, items
     return encoder
 
 
@@ -316,7 +316,7 @@ async def test_with_every_encoder_swamped_the_consumer_encodes_and_a_flag_turns_
         journey = Journey(encode_urls=(E1, E2), consumer_encode=allowed, consumer_encode_after_s=1.0)
         for encoder in journey.fleet.members(ENCODE):
             lane = journey.pipeline.encode.lanes.of(encoder)
-            lane.item_s, lane.fixed_s, lane.subs, lane.load = 0.1, 0.035, 2, 20
+            lane.speed.item_s, lane.speed.fixed_s, lane.work.subs, lane.work.load = 0.1, 0.035, 2, 20
         journey.script(PD, STREAM)
         if not allowed:
             journey.script(E1, json_reply({"ec_transfer_params": {}}))

@@ -74,7 +74,7 @@ def test_encoder_busy_time_and_backlog_growth_come_from_the_lanes():
     lane.started(30, clock.now)
     figures = autoscale.figures()["encode"]
     backlog = figures.backlog_s
-    assert backlog == pytest.approx(lane.fixed_s + lane.item_s * 30) and backlog > 0
+    assert backlog == pytest.approx(lane.speed.fixed_s + lane.speed.item_s * 30) and backlog > 0
     assert figures.offered_load == pytest.approx((2.0 + backlog) / 10)
     # An encoder that leaves keeps its busy time in the total, which only grows.
     lanes.left(encoder)
@@ -149,7 +149,7 @@ def test_the_backlog_gauge_is_what_the_consumers_last_resort_decides_on():
     clock.now += 3.0  # two seconds into the 30-item sub-requests and the hung one's silence
     gauge = {labels[0]: value for name, labels, value in rows(autoscale) if name == ENCODER_BACKLOG[0]}
     lane = lanes.of(measured)
-    assert gauge[measured.url] == pytest.approx(lane.fixed_s + lane.item_s * 30 - 2.0)
+    assert gauge[measured.url] == pytest.approx(lane.speed.fixed_s + lane.speed.item_s * 30 - 2.0)
     assert gauge[hung.url] == pytest.approx(2.0)
     for encoder in (measured, working, hung):
         seconds = gauge[encoder.url]

@@ -1,0 +1,121 @@
+"""How much one encoder's queued groups may share a sub-request, and which of them go together.
+Pure: the lane (lanes.py) asks it on the caller's clock, coalesce.py reports how shares fared.
+
+- **The share limit**: items a coalesced sub-request may hold. A refused or unsplittable shared
+  answer that the split retry pins on no member (each went through alone) is the share's fault:
+  the limit halves down to a probe of PROBE_ITEMS, then sharing pauses; each shared answer that
+  splits doubles it back. One a member caused is charged to that request only.
+- **The batch** (`take_batch`): the oldest waiting group and later groups of the same key
+  (`subrequest.coalesce_key` in journey/) within the limit.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from epd_proxy.fleet.speed import Speed
+
+# Items a coalesced sub-request grows to at most (or the batch cap, if lower). Past about four
+# images a sub-request's fixed cost is a few percent of it; larger ones only make the first
+# request in them wait for the last and risk the encoder's --max-model-len.
+COALESCE_TARGET_ITEMS = 8
+# The smallest share a back-off falls to: sharing two groups is the probe that tells whether the
+# encoder takes shared sub-requests again (as TCP's slow start probes with a small window).
+PROBE_ITEMS = 2
+# How long sharing pauses after even a probe failed without any member being at fault, doubling
+# on each failure in a row up to the maximum; the next probe follows the pause.
+PAUSE_FLOOR_S = 1.0
+PAUSE_MAX_S = 30.0
+# A shared sub-request holds at most what the encoder does in this share of the encode timeout,
+# so that behind the one ahead of it in flight it still ends well within each member's own budget.
+SHARE_OF_TIMEOUT = 1 / 3
+
+
+class Sharing:
+    """One encoder's share governor, and the shared sub-requests in flight there."""
+
+    __slots__ = ("merge_limit", "paused_until", "pause_s", "backoffs", "charged_requests", "impatient", "shared")
+
+    def __init__(self) -> None:
+        self.merge_limit = COALESCE_TARGET_ITEMS
+        # Until when (on the caller's clock) nothing shares; 0.0: sharing.
+        self.paused_until = 0.0
+        self.pause_s = PAUSE_FLOOR_S
+        self.backoffs = 0
+        self.charged_requests = 0
+        # Queued groups sent alone after waiting longer than the backlog explained.
+        self.impatient = 0
+        # Shared sub-requests in flight: their own request id -> the request ids they carry.
+        self.shared: dict[str, list[str]] = {}
+
+    def limit(self, cap: int, now: float, timeout_s: float | None, speed: Speed) -> int:
+        """Items the next shared sub-request may hold (0: it carries one group only)."""
+        if now < self.paused_until:
+            return 0
+        limit = min(cap, self.merge_limit) if cap else self.merge_limit
+        # Shared groups are images, each at most one image-equivalent (cost.py): counting them
+        # at one each errs on the short side.
+        if timeout_s is not None and speed.item_s is not None:
+            fits = int((SHARE_OF_TIMEOUT * timeout_s - speed.fixed_s) / speed.item_s)
+            limit = min(limit, fits)
+        return limit
+
+    def gauge(self) -> int:
+        """The limit as `epd_encoder_share_limit` shows it: 0 while sharing pauses."""
+        return self.merge_limit if self.paused_until == 0.0 else 0
+
+    def sharing(self, now: float) -> bool:
+        return now >= self.paused_until
+
+    def failed(self, items: int, now: float) -> None:
+        """A shared sub-request of `items` failed although each member went through alone."""
+        self.backoffs += 1
+        if items > PROBE_ITEMS:
+            self.merge_limit = max(PROBE_ITEMS, items // 2)
+            return
+        self.merge_limit = PROBE_ITEMS
+        self.paused_until = now + self.pause_s
+        self.pause_s = min(PAUSE_MAX_S, self.pause_s * 2)
+
+    def ok(self, items: int) -> None:
+        self.paused_until = 0.0
+        self.pause_s = PAUSE_FLOOR_S
+        if items * 2 > self.merge_limit:
+            self.merge_limit = min(COALESCE_TARGET_ITEMS, self.merge_limit * 2)
+
+    def charged_to_request(self) -> None:
+        """A shared sub-request failed through one member's fault: that request is charged."""
+        self.charged_requests += 1
+
+    def gave_up(self) -> None:
+        """A queued group went alone, having waited longer than the backlog explained."""
+        self.impatient += 1
+
+    def opened(self, request_id: str, members: list[str]) -> None:
+        self.shared[request_id] = members
+
+    def closed(self, request_id: str) -> None:
+        self.shared.pop(request_id, None)
+
+
+def take_batch(waiting: deque[Any], limit: int) -> list[Any]:
+    """The next sub-request's groups, leaving the rest waiting in order: the oldest group, and
+    after it every later group with the same key that still fits within `limit` items."""
+    head = waiting.popleft()
+    batch = [head]
+    size = head.size
+    if head.key is None or size >= limit or not waiting:
+        return batch
+    kept: list[Any] = []
+    while waiting:
+        work = waiting.popleft()
+        if work.key == head.key and size + work.size <= limit:
+            batch.append(work)
+            size += work.size
+            if size >= limit:
+                break
+        else:
+            kept.append(work)
+    waiting.extendleft(reversed(kept))
+    return batch
