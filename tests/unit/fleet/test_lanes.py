@@ -3,7 +3,6 @@ finish, load-adaptive fan-out, cache affinity, and which queued groups share a s
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
 import orjson
@@ -13,48 +12,10 @@ from hypothesis import strategies as st
 
 from epd_proxy.fleet.lanes import SUSPECT_HOLD_S, Lane, Lanes
 from epd_proxy.fleet.scheduler import ExpectedFinish, Key
-from epd_proxy.fleet.sharing import COALESCE_TARGET_ITEMS, PAUSE_FLOOR_S, PAUSE_MAX_S, PROBE_ITEMS, take_batch
 from epd_proxy.fleet.speed import PRIOR_FIXED_RATIO, STALE_S
 from epd_proxy.fleet.stalls import OVERDUE_FACTOR, OVERDUE_FLOOR_S, overdue_after
 from epd_proxy.journey.subrequest import FORWARDED_FIELDS, coalesce_key
 from tests.unit.fleet.test_scheduler import fleet, serve
-
-
-def test_a_serial_encoder_is_measured_by_the_time_between_its_answers():
-    lane = Lane("http://e0")
-    serve(lane, [1, 4, 2, 8, 3] * 10, per_item_s=0.010)
-    assert lane.speed.item_s == pytest.approx(0.010, rel=1e-6)
-    assert lane.speed.fixed_s == pytest.approx(PRIOR_FIXED_RATIO * 0.010, rel=1e-6)
-    assert (lane.work.inflight, lane.work.subs, lane.work.load) == (0, 0, 0)
-
-
-def test_a_three_times_slower_encoder_is_estimated_three_times_slower():
-    fast, slow = Lane("f"), Lane("s")
-    serve(fast, [3, 5, 1, 4] * 20, per_item_s=0.004)
-    serve(slow, [3, 5, 1, 4] * 20, per_item_s=0.012)
-    assert slow.speed.item_s / fast.speed.item_s == pytest.approx(3.0, rel=1e-6)
-
-
-def test_an_answer_after_an_idle_gap_counts_from_when_it_was_sent():
-    lane = Lane("e")
-    lane.started(2)
-    lane.finished(2, 0.0, 1.0)
-    lane.started(2)
-    lane.finished(2, 5.0, 5.5)  # sent long after the first answer: it held the encoder 0.5 s
-    assert lane.speed.item_s == pytest.approx((1.0 + 0.5) / 2 / (2 + PRIOR_FIXED_RATIO))
-
-
-def test_a_failed_sub_request_teaches_nothing_but_is_counted_out():
-    lane = Lane("e")
-    lane.started(3)
-    lane.finished(3, 0.0, None)
-    assert (lane.speed.item_s, lane.speed.samples, lane.work.inflight, lane.work.subs, lane.work.load) == (
-        None,
-        0,
-        0,
-        0,
-        0,
-    )
 
 
 def test_an_encoder_slow_once_and_left_idle_gets_work_again_and_is_measured_afresh():
@@ -126,33 +87,6 @@ class W:
         self.moved = True
 
 
-@settings(max_examples=300, deadline=None)
-@given(
-    works=st.lists(st.tuples(st.sampled_from([b"a", b"b", b"c"]), st.integers(1, 5)), min_size=1, max_size=15),
-    limit=st.integers(0, 12),
-)
-def test_a_batch_is_the_oldest_group_and_later_ones_of_its_key_within_the_limit(works, limit):
-    queue = deque(W(key, size, str(i)) for i, (key, size) in enumerate(works))
-    before = list(queue)
-    batch = take_batch(queue, limit)
-    assert batch[0] is before[0]
-    assert all(w.key == batch[0].key for w in batch)
-    assert len(batch) == 1 or sum(w.size for w in batch) <= limit
-    # Nothing lost or duplicated, and what stays keeps its order.
-    assert sorted(map(id, batch + list(queue))) == sorted(map(id, before))
-    assert list(queue) == [w for w in before if w not in batch]
-    # Groups in the batch are in arrival order, and none that fitted was passed over for a later one.
-    assert [before.index(w) for w in batch] == sorted(before.index(w) for w in batch)
-
-
-def test_a_group_never_shares_past_the_limit_and_an_unshareable_one_goes_alone():
-    queue = deque([W(b"k", 3), W(b"k", 3), W(b"k", 2), W(b"k", 1)])
-    assert [w.size for w in take_batch(queue, 6)] == [3, 3]
-    assert [w.size for w in take_batch(queue, 6)] == [2, 1]
-    queue = deque([W(None, 1), W(None, 1)])
-    assert len(take_batch(queue, 8)) == 1
-
-
 def test_lane_batches_count_one_sub_request_and_the_cap_wins():
     lane = Lane("e")
     for size in (2, 2, 2, 2, 2):
@@ -168,38 +102,6 @@ def test_lane_batches_count_one_sub_request_and_the_cap_wins():
     lane.finished(8, 0.0, 1.0)
     assert (lane.work.subs, lane.work.load, lane.work.inflight, lane.work.inflight_load) == (1, 2, 0, 0)
     assert len(lane.next_batch(1)) == 1, "the batch cap wins"
-
-
-def test_a_share_at_fault_halves_to_a_probe_then_pauses_and_recovers_by_itself():
-    lane = Lane("e")
-    lane.share_failed(8, now=10.0)
-    assert (lane.share.merge_limit, lane.share_limit(0, 10.0, None)) == (4, 4)
-    lane.share_failed(4, now=10.0)
-    lane.share_failed(2, now=10.0)
-    # At the probe size, sharing pauses for PAUSE_FLOOR_S, then probes with two again.
-    assert lane.share_limit(0, 10.0 + PAUSE_FLOOR_S / 2, None) == 0
-    assert lane.share_limit(0, 10.0 + PAUSE_FLOOR_S, None) == PROBE_ITEMS
-    lane.share_failed(2, now=11.0)
-    assert lane.share.paused_until == 11.0 + 2 * PAUSE_FLOOR_S, "pauses double while probes fail"
-    for _ in range(20):
-        lane.share_failed(2, now=11.0)
-    assert lane.share.paused_until == 11.0 + PAUSE_MAX_S
-    # A probe that splits ends the pause; the share doubles back as TCP's slow start does.
-    lane.shared_ok(2)
-    assert (lane.share.paused_until, lane.share.merge_limit) == (0.0, 4)
-    lane.shared_ok(4)
-    assert lane.share.merge_limit == COALESCE_TARGET_ITEMS
-    assert lane.share.backoffs == 24
-
-
-def test_a_shared_sub_request_holds_only_what_fits_a_third_of_the_encode_timeout():
-    lane = Lane("e")
-    serve(lane, [1] * 40, per_item_s=0.1)
-    fixed, per_item = lane.speed.fixed_s, lane.speed.item_s
-    assert lane.share_limit(0, 0.0, None) == COALESCE_TARGET_ITEMS
-    assert lane.share_limit(0, 0.0, 2.4) == int((2.4 / 3 - fixed) / per_item) == 7
-    assert lane.share_limit(0, 0.0, 0.45) == 1
-    assert lane.share_limit(0, 0.0, 0.1) <= 0, "not even two: the oldest group goes alone"
 
 
 def test_queued_groups_leave_by_priority_then_arrival_as_in_vllm():
