@@ -136,8 +136,14 @@ async def test_a_shared_encoder_subrequest_is_one_span_linked_with_each_members_
     (shared,) = await eventually(lambda: [s for s in receiver.spans() if s.span_id == shared_id], what="shared span")
     assert shared.name == "encode.subrequest" and shared.parent_id == "" and shared.trace_id == shared_trace
     assert shared.attributes["epd.shared_by"] == 2
-    waits = [s for s in receiver.spans() if s.name == "encode.wait_to_share"]
-    members = [w for w in waits if (shared_trace, shared_id) in w.links]
+
+    # Each member's wait span ends, and is exported, on its own request's task.
+    def linked_waits():
+        waits = [s for s in receiver.spans() if s.name == "encode.wait_to_share"]
+        found = [w for w in waits if (shared_trace, shared_id) in w.links]
+        return found if len(found) >= 2 else None
+
+    members = await eventually(linked_waits, what="both members' wait spans")
     assert len(members) == 2 and {(w.trace_id, w.span_id) for w in members} == set(shared.links)
     assert all("sent" in w.events for w in members)
     assert len({w.trace_id for w in members}) == 2, "each member's wait is in its own request's trace"

@@ -264,8 +264,7 @@ async def run(duration_s: float, concurrency: int, seed: int, coalesce: bool = T
     acquired = state.upstream.connections_in_use()
     leaked_inflight = sum(inst.inflight for inst in state.fleet.all()) + state.admission.inflight
     # The scheduler's books: nothing still waiting to share, in flight or counted outstanding.
-    leaked_lane_work = sum(lane.inflight + lane.subs + lane.load + len(lane.waiting) for lane in state.lanes.all())
-    leaked_lane_work += sum(len(lane.shared) for lane in state.lanes.all())
+    leaked_lane_work = sum(lane.leftover() for lane in state.lanes.all())
     coalesced = sum(
         sample.value for sample in state.metrics.coalesced.collect()[0].samples if sample.name.endswith("_total")
     )
