@@ -255,9 +255,9 @@ class Upstream:
         while True:
             conn = await self._connection(call, origin, fresh, sent)
             self._in_use += 1
-            conn.begin(call.stage, max_body)
             limit, reported = call.budget(call.timeouts.headers)
             try:
+                conn.begin(call.stage, max_body)
                 # One limit for writing the request and the whole head, however slowly either goes.
                 async with asyncio.timeout(limit):
                     try:
