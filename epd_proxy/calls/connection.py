@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import cast
+from typing import cast, overload
 
 import httptools
 
@@ -59,6 +59,10 @@ class Headers:
     def __init__(self, items: list[tuple[str, str]]) -> None:
         self._items = items
 
+    @overload
+    def get(self, name: str) -> str | None: ...
+    @overload
+    def get(self, name: str, default: str) -> str: ...
     def get(self, name: str, default: str | None = None) -> str | None:
         """One value; repeated fields joined with ", " as RFC 9110 §5.3 allows."""
         values = self.get_all(name)
@@ -168,9 +172,19 @@ class Connection(asyncio.Protocol):
             raise IllegalTransition(f"a connection cannot go from {self.state.name} to {state.name}")
         self.state = state
 
-    def _fail(self, failure: Closed) -> None:
-        self._to(FAILED)
-        self.failure = failure
+    def _close(self, failure: Closed) -> bool:
+        """The connection closes: an exchange under way fails with `failure`, a complete answer
+        stays readable. False if it was closed already."""
+        state = self.state
+        if state is WAITING or state is READING:
+            self._to(FAILED)
+            self.failure = failure
+        elif state is ANSWERED or state is IDLE:
+            self._to(ANSWERED_CLOSED if state is ANSWERED else CLOSED)
+        else:
+            return False
+        self._wake()
+        return True
 
     @property
     def lost(self) -> bool:
@@ -253,19 +267,12 @@ class Connection(asyncio.Protocol):
             self.parked_in = None
 
     def _closed_by_backend(self, exc: Exception | None) -> None:
-        state = self.state
-        if state is IDLE:
-            self._to(CLOSED)
-        elif state is READING and self.until_eof:
+        if self.state is READING and self.until_eof:
             self._to(ANSWERED_CLOSED)  # a body without length ends where the connection does
-        elif state is WAITING or state is READING:
+            self._wake()
+        elif not self.lost:
             detail = f"{type(exc).__name__}: {exc}" if exc else "the backend closed the connection"
-            self._fail(Closed(detail, self.answered))
-        elif state is ANSWERED:
-            self._to(ANSWERED_CLOSED)
-        else:
-            return
-        self._wake()
+            self._close(Closed(detail, self.answered))
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -330,17 +337,10 @@ class Connection(asyncio.Protocol):
     def _refuse(self, reason: str, detail: str) -> None:
         """Close the connection for good. Unless the exchange already has its whole answer, that
         exchange fails; nothing parsed from here on reaches anyone."""
-        state = self.state
-        self._on_refused("idle" if state is IDLE or state is CLOSED else self.stage, reason)
-        if state is WAITING or state is READING:
-            self._fail(Closed(f"answer refused: {detail}", True, refused=True))
-        elif state is ANSWERED:
-            self._to(ANSWERED_CLOSED)
-        elif state is IDLE:
-            self._to(CLOSED)
+        self._on_refused("idle" if self.state is IDLE or self.state is CLOSED else self.stage, reason)
+        self._close(Closed(f"answer refused: {detail}", True, refused=True))
         if self.transport is not None:
             self.transport.abort()
-        self._wake()
 
     # -- for the caller ------------------------------------------------------------------------------
     def _wake(self) -> None:
@@ -431,15 +431,5 @@ class Connection(asyncio.Protocol):
 
     def abort(self) -> None:
         """This side closes: an exchange under way fails, a complete answer stays readable."""
-        state = self.state
-        if state is WAITING or state is READING:
-            self._fail(Closed("the proxy closed the connection", self.answered))
-        elif state is ANSWERED:
-            self._to(ANSWERED_CLOSED)
-        elif state is IDLE:
-            self._to(CLOSED)
-        else:
-            return  # already closed
-        if self.transport is not None:
+        if self._close(Closed("the proxy closed the connection", self.answered)) and self.transport is not None:
             self.transport.abort()
-        self._wake()

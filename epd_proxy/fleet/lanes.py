@@ -63,10 +63,14 @@ DEPARTED_ENTRIES = 4096
 class Queued(Protocol):
     """What the scheduler reads of a group waiting for a sub-request."""
 
-    key: bytes | None
+    @property
+    def key(self) -> bytes | None: ...
     # Items (what batch caps count) and their cost in image-equivalents (what time follows).
-    size: int
-    cost: float
+    @property
+    def size(self) -> int: ...
+    @property
+    def cost(self) -> float: ...
+
     # vLLM's `priority`: lower values first, then arrival order.
     priority: int
 
@@ -207,7 +211,7 @@ class Lane:
     def patience(self, cost: float, now: float) -> float:
         """How long a group costing `cost` queued at `now` may wait to share before it goes
         alone: three times what the backlog ahead of it and its own work should take."""
-        if self.item_s is None:
+        if self.item_s is None or self.fixed_s is None:
             return PATIENCE_FLOOR_S * 5
         finish = self.backlog_s(now, self.fixed_s, self.item_s) + self.fixed_s + self.item_s * cost
         return max(PATIENCE_FLOOR_S, 3.0 * finish)
@@ -240,7 +244,7 @@ class Lane:
         limit = min(cap, self.merge_limit) if cap else self.merge_limit
         # Shared groups are images, each at most one image-equivalent (cost.py): counting them
         # at one each errs on the short side.
-        if timeout_s is not None and self.item_s is not None:
+        if timeout_s is not None and self.item_s is not None and self.fixed_s is not None:
             fits = int((SHARE_OF_TIMEOUT * timeout_s - self.fixed_s) / self.item_s)
             limit = min(limit, fits)
         return limit
@@ -394,21 +398,22 @@ class Lanes:
         """Seconds per sub-request and per image-equivalent of each lane; one without answers yet, or stale
         at `now`, is taken to be as fast as the mean of the others (or 1 unit per item when none
         has answered)."""
-        fixed = [lane.fixed_s for lane in lanes]
-        stale = now is not None and any(lane.stale(now) for lane in lanes)
-        if None not in fixed and not stale:
-            return fixed, [lane.item_s for lane in lanes]
-        fresh = [lane.item_s is not None and not (stale and lane.stale(now)) for lane in lanes]
-        known = [lane for lane, ok in zip(lanes, fresh) if ok]
-        if known:
-            item = sum(lane.item_s for lane in known) / len(known)
-            fixed = sum(lane.fixed_s for lane in known) / len(known)
-        else:
-            item, fixed = 1.0, PRIOR_FIXED_RATIO
-        return (
-            [lane.fixed_s if ok else fixed for lane, ok in zip(lanes, fresh)],
-            [lane.item_s if ok else item for lane, ok in zip(lanes, fresh)],
-        )
+        stale_at = now if now is not None and any(lane.stale(now) for lane in lanes) else None
+        # Each lane's (per sub-request, per item) seconds; None while unknown, or stale at `now`.
+        speeds = [
+            None
+            if lane.fixed_s is None or lane.item_s is None or (stale_at is not None and lane.stale(stale_at))
+            else (lane.fixed_s, lane.item_s)
+            for lane in lanes
+        ]
+        known = [speed for speed in speeds if speed is not None]
+        if len(known) < len(speeds):
+            if known:
+                mean = (sum(f for f, _ in known) / len(known), sum(i for _, i in known) / len(known))
+            else:
+                mean = (PRIOR_FIXED_RATIO, 1.0)
+            known = [speed or mean for speed in speeds]
+        return [f for f, _ in known], [i for _, i in known]
 
 
 def take_batch(waiting: deque[Any], limit: int) -> list[Any]:

@@ -38,7 +38,7 @@ LAG_FLOOR_S = 1.0
 def overdue_after(lane: Lane, cost: float, timeout_s: float | None, moves: int = 0) -> float | None:
     """Seconds after which a sub-request costing `cost` just sent to `lane` is far overdue, for
     a group moved `moves` times already; None while nothing is known of the encoder's speed."""
-    if lane.item_s is None:
+    if lane.item_s is None or lane.fixed_s is None:
         return None
     expected = lane.fixed_s * lane.inflight + lane.item_s * max(lane.inflight_load, cost)
     after = max(OVERDUE_FLOOR_S, OVERDUE_FACTOR * expected) * 2**moves

@@ -269,7 +269,7 @@ class Coalescer:
             )
             return head.dumps(body)
 
-        def read(reply: EncoderReply) -> list[dict[str, Any] | None]:
+        def read(reply: EncoderReply) -> Sequence[dict[str, Any] | None]:
             if not shared:
                 return [reply.ec_transfer_params]
             self.metrics.coalesced.labels(encoder.url).inc()
@@ -297,7 +297,9 @@ class Coalescer:
             cancelled = isinstance(exc, asyncio.CancelledError)
             if cancelled and batch.abandoned:
                 # Its members went elsewhere; the encoder learns it from the closed call.
-                asyncio.current_task().uncancel()
+                task = asyncio.current_task()
+                assert task is not None  # this code runs in one
+                task.uncancel()
                 return
             for work in works:
                 if not work.future.done():
@@ -379,9 +381,8 @@ def coalesced_payload(works: Sequence[Work], transfer_ids: Sequence[str], send_u
     del shared["messages"]
     pieces: list = [b'{"messages":[{"role":"user","content":[']
     for n, work in enumerate(works):
-        written = work.dumps(encoder_parts(work.items, send_uuid))
-        if not isinstance(written, list):
-            written = [written]
+        dumped = work.dumps(encoder_parts(work.items, send_uuid))
+        written = dumped if isinstance(dumped, list) else [dumped]
         first, last = bytes(written[0]), bytes(written[-1])
         if n:
             pieces.append(b",")

@@ -153,7 +153,7 @@ class EncodeStep:
         while True:
             tried.append(encoder)
             try:
-                if share:
+                if share and key is not None:
                     share = False
                     lane = self.lanes.of(encoder)
                     if lane.inflight >= BUSY_INFLIGHT:
@@ -175,10 +175,10 @@ class EncodeStep:
                     if len(tried) > self.options.failovers:
                         raise _overdue_error(encoder, len(group_items), alone.overdue, moves) from None
                     moves += 1
-                    fallback = self._elsewhere(encoder)
+                    elsewhere = self._elsewhere(encoder)
                     why = f"no answer within {alone.overdue:.1f} s, far past its expected time"
-                    self._note_failover(trace, encoder, why, len(group_items), fallback)
-                    encoder = fallback
+                    self._note_failover(trace, encoder, why, len(group_items), elsewhere)
+                    encoder = elsewhere
                     share = shareable
                 elif alone.moved or encoder not in self.live():
                     # Its encoder left, was ejected or stalls: elsewhere, sharing there if busy.
@@ -284,6 +284,7 @@ class EncodeStep:
         request_id = self.ids.child_request_id(trace.request_id, group_items[0].index)
         out = Outgoing(encoder, lane, request_id, trace, len(group_items), cost, sent, moves)
         task = asyncio.current_task()
+        assert task is not None  # this code runs in one
         moving: list[float] = []
 
         def payload() -> Payload:
@@ -310,6 +311,7 @@ class EncodeStep:
                 payload,
                 lambda: trace.stage("encode.subrequest", encoder, **{"epd.items": len(group_items)}),
                 overdue,
+                lambda reply: reply,
             )
         except asyncio.CancelledError:
             if moving and task.uncancel() == 0:

@@ -23,7 +23,7 @@ from epd_proxy.fleet.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE, In
 from epd_proxy.fleet.health import Health, counts_against_instance
 from epd_proxy.fleet.lanes import Lanes
 from epd_proxy.fleet.registry import Registry
-from epd_proxy.fleet.routing import PrefixAffinity, RoutingPolicy
+from epd_proxy.fleet.routing import Policies, PrefixAffinity
 from epd_proxy.journey.decode import DecodeAnswer, hold_head, open_decode
 from epd_proxy.journey.doors import CHAT, Door
 from epd_proxy.journey.encode import EncodeStep
@@ -93,7 +93,7 @@ class Pipeline:
     fleet: Registry
     health: Health
     upstream: Upstream
-    policies: dict[str, RoutingPolicy]
+    policies: Policies
     metrics: Metrics
     _: KW_ONLY
     encoding: EncodeOptions
@@ -299,6 +299,7 @@ class Pipeline:
         if raw and self.consumer_encode and job.items and trace.media_failed_on is None:
             encoders = self.candidates(ENCODE)
             last_resort = swamped(self.encode.lanes, encoders, self.consumer_encode_after_s, self.encode.clock())
+        assert job.body is not None  # released only once decode commits
         history_end = door.conversation(job.body).history_end
         return plan_encode(job.items, history_end=history_end, raw=raw, reuse=self.reuse, last_resort=last_resort)
 
@@ -308,6 +309,7 @@ class Pipeline:
         """Plan (placement, then groups), encode, match: the embeddings of `items`."""
         if not items:
             return Matches()
+        assert job.body is not None  # released only once decode commits
         # Timed however it ends: a failure after 5 s logs its 5 s.
         with trace.stage("encode", attempt=trace.attempts, items=len(items)):
             assignment = self.encode.place(items, trace)

@@ -147,8 +147,9 @@ class Stage:
             if attribute is not None:
                 trace = self.trace
                 setattr(trace, attribute, max(getattr(trace, attribute), time.perf_counter() - self.started))
-        if self.span is not None:
-            tracing.close_span(self.trace.spans, self.span, self._token, exc)
+        spans = self.trace.spans
+        if self.span is not None and spans is not None:  # a span is opened only under `spans`
+            tracing.close_span(spans, self.span, self._token, exc)
 
 
 def account(metrics: Metrics, trace: Trace, status: int | str) -> None:

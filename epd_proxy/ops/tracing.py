@@ -115,13 +115,13 @@ def span_exporter(endpoint: str) -> Any:
     http/protobuf; anything else is refused at startup."""
     protocol = os.environ.get(PROTOCOL_VARIABLE, "grpc")
     if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
 
-        return OTLPSpanExporter(endpoint=endpoint, insecure=True)
+        return GrpcExporter(endpoint=endpoint, insecure=True)
     if protocol == "http/protobuf":
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
 
-        return OTLPSpanExporter(endpoint=endpoint)
+        return HttpExporter(endpoint=endpoint)
     raise TracingUnavailable(f"{PROTOCOL_VARIABLE}={protocol!r}: only grpc and http/protobuf are supported")
 
 
@@ -278,8 +278,9 @@ def queued_subrequest(waiting: Iterable[Any], url: str, items: int) -> AbstractC
     if not members:
         return _NOTHING
     trace = _api.trace
+    links: list[Any] = []
     if len(members) == 1:
-        context, links = trace.set_span_in_context(members[0]), ()
+        context = trace.set_span_in_context(members[0])
     else:
         context = trace.set_span_in_context(trace.INVALID_SPAN)
         links = [_api.link(member.get_span_context()) for member in members]
