@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from epd_proxy.ops import tracing
@@ -137,7 +138,7 @@ class Stage:
         if self.span is not None:
             self.span.add_event(name)
 
-    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         attribute = TIMED.get(self.name)
         if attribute is not None:
             trace = self.trace

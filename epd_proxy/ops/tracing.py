@@ -26,6 +26,7 @@ import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from types import TracebackType
 from typing import Any
 
 from epd_proxy.calls.upstream import CONTEXT_HEADERS
@@ -310,7 +311,7 @@ class _Current:
         self._token = CONTEXT_HEADERS.set(_headers_of(self.span))
         return self.span
 
-    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         CONTEXT_HEADERS.reset(self._token)
         if exc is not None:
             failed(self.span, exc)
