@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from epd_proxy.ops import tracing
 
 if TYPE_CHECKING:
+    from epd_proxy.fleet.backends import Instance
     from epd_proxy.ops.metrics import Metrics
 
 # The name operators' log filters know for the one line per request.
@@ -73,9 +74,10 @@ class Trace:
     spans: tracing.RequestSpans | None = None
     error: BaseException | None = None
 
-    def stage(self, name: str, instance: Any = None, parent: Any = None, **attributes: Any) -> Stage:
+    def stage(self, name: str, instance: Instance | None = None, parent: Any = None, /, **attributes: Any) -> Stage:
         """A step of the request: timed into its field (TIMED) however it ends, its instance
-        named once begun, and a span while tracing is on."""
+        named once begun, and a span while tracing is on. Positional up to `attributes`, whose
+        names (OpenTelemetry's, dotted) are never these."""
         url = instance.url if instance is not None else None
         if name == "prefill":
             self.prefill_url = url
