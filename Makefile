@@ -41,6 +41,7 @@ run: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check epd_proxy tools tests
 	$(BIN)/ruff format --check epd_proxy tools tests
+	$(BIN)/mypy
 
 # The status page test drives Debian's chromium through Playwright (whose own browser download needs
 # more than the package registries). Installed when missing and we are root, as in CI.

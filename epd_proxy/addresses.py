@@ -40,9 +40,9 @@ def dns_problem(entry: str) -> str | None:
 def split_server(text: str) -> tuple[str, int]:
     """`--dns-server`: an IP address with an optional port (53), IPv6 in brackets."""
     parts = urlsplit(f"//{text}")
-    host, port = parts.hostname, parts.port or 53  # ValueError on a bad port
+    host, port = parts.hostname or "", parts.port or 53  # ValueError on a bad port
     try:
-        ipaddress.ip_address(host or "")
+        ipaddress.ip_address(host)
     except ValueError:
         raise ValueError(f"must be an IP address with an optional :port, got {text!r}") from None
     return host, port
@@ -96,15 +96,25 @@ class CommaList(Kind):
 class Topology(Protocol):
     """What of `serve`'s options (config.py) says where the instances come from."""
 
-    encode_urls: tuple[str, ...]
-    prefill_urls: tuple[str, ...]
-    decode_urls: tuple[str, ...]
-    ec_consumer_zmq_addrs: tuple[str, ...]
-    ec_consumer_dp_size: int
-    dynamic_registration: bool
-    admin_api_key: str
-    roster_url: str
-    workers: int
+    # Read-only, as a frozen dataclass's fields are.
+    @property
+    def encode_urls(self) -> tuple[str, ...]: ...
+    @property
+    def prefill_urls(self) -> tuple[str, ...]: ...
+    @property
+    def decode_urls(self) -> tuple[str, ...]: ...
+    @property
+    def ec_consumer_zmq_addrs(self) -> tuple[str, ...]: ...
+    @property
+    def ec_consumer_dp_size(self) -> int: ...
+    @property
+    def dynamic_registration(self) -> bool: ...
+    @property
+    def admin_api_key(self) -> str: ...
+    @property
+    def roster_url(self) -> str: ...
+    @property
+    def workers(self) -> int: ...
 
 
 def check_topology(config: Topology) -> None:

@@ -120,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         args.usage_error(str(exc))
     try:
-        serve(config, config.log_level, config.workers)
+        serve(config)
     except OSError as exc:  # typically the port is taken: a message, not a traceback
         parser.exit(1, f"epd-proxy serve: cannot serve on {config.host}:{config.port}: {exc}\n")
     return 0

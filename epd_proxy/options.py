@@ -28,12 +28,16 @@ class Kind:
     """What an option's text means (`parse`, which raises ValueError on text that is not of the
     kind) and which values it takes (`problem`, None when the value is fine)."""
 
-    metavar: ClassVar[str] = "TEXT"
     # Text is taken as written (a key may hold spaces); other kinds strip it, and an empty
     # environment variable counts as unset.
     verbatim: ClassVar[bool] = False
     # Given again, the flag adds one more value to a list.
     repeatable: ClassVar[bool] = False
+
+    @property
+    def metavar(self) -> str:
+        """`--help`'s name for the value; a kind overrides it with a constant or a property."""
+        return "TEXT"
 
     def parse(self, text: str) -> Any:
         return text
@@ -159,18 +163,21 @@ class Number(Kind):
 
 
 @dataclass(frozen=True)
-class Seconds(Number):
+class Seconds(Kind):
     # 0 refused; with `zero_is_none`, a 0 on the command line means no limit (None).
     positive: bool = False
     zero_is_none: bool = False
+    metavar: ClassVar[str] = "SECONDS"
 
     def parse(self, text: str) -> float | None:
-        number = super().parse(text)
+        number = _number(text, "a number of seconds")
         return None if self.zero_is_none and number == 0 else number
 
     def problem(self, value: float | None) -> str | None:
+        if value is None:  # no limit: only a kind that has one in `zero_is_none` takes it
+            return None if self.zero_is_none else "must be a number of seconds, got None"
         if self.zero_is_none:
-            if value is None or value > 0:
+            if value > 0:
                 return None
             if value == 0:
                 return "must be > 0 seconds, or None for no limit, got 0"

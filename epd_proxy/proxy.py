@@ -23,7 +23,7 @@ from epd_proxy.fleet.profiling import Profiling
 from epd_proxy.fleet.registry import Registry
 from epd_proxy.fleet.report import HealthReport
 from epd_proxy.fleet.roster import open_roster
-from epd_proxy.fleet.routing import RoutingPolicy, make_policy
+from epd_proxy.fleet.routing import Policies, RoutingPolicy, make_policy, make_serving_policy
 from epd_proxy.fleet.scheduler import ExpectedFinish
 from epd_proxy.journey.admission import Admission
 from epd_proxy.journey.extract import ReadOptions
@@ -39,7 +39,7 @@ def build_pipeline(
     fleet: Registry,
     health: Health,
     upstream: Upstream,
-    policies: dict[str, RoutingPolicy],
+    policies: Policies,
     metrics: Metrics,
     lanes: Lanes | None = None,
 ) -> Pipeline:
@@ -105,10 +105,10 @@ class ProxyState:
         self.fleet.watch(self.lanes)
         # Groups waiting for an encoder health ejects move to another at once.
         self.health.on_ejection(lambda role, url, reason: self.lanes.ejected(url) if role == ENCODE else None)
-        self.policies = {
+        self.policies: Policies = {
             ENCODE: encode_policy(config, self.lanes),
-            PREFILL: make_policy(config.prefill_policy),
-            DECODE: make_policy(config.decode_policy),
+            PREFILL: make_serving_policy(config.prefill_policy),
+            DECODE: make_serving_policy(config.decode_policy),
         }
         self.metrics = Metrics(self.fleet, self.health)
         self.metrics.watch_lanes(self.lanes)

@@ -115,12 +115,14 @@ class Answer:
     """A backend's answer: status and headers, and the body read whole (`call`) or still to be
     streamed (`open`). An open answer holds its connection until `release()`."""
 
-    __slots__ = ("status", "headers", "body", "trailers", "_conn", "_call", "_pool", "_done")
+    __slots__ = ("status", "headers", "body", "trailers", "_conn", "_call", "_pool", "_done", "_read")
 
     def __init__(self, conn: Connection, call: Call, pool: Pool) -> None:
         self.status = conn.status
         self.headers = conn.headers()
-        self.body: bytes | None = None
+        # The whole body once `read` (as after `call`); empty before.
+        self.body = b""
+        self._read = False
         # A chunked answer's trailer fields, once the body was read to the end; never merged into
         # the headers, which were final when the body began.
         self.trailers = Headers([])
@@ -136,13 +138,14 @@ class Answer:
     def error(self) -> ErrorAnswer:
         """This answer as the error the client gets: the backend's own status and body."""
         return ErrorAnswer(
-            self.status, self.body or b"", self.content_type, stage=self._call.stage, backend=self._call.target.url
+            self.status, self.body, self.content_type, stage=self._call.stage, backend=self._call.target.url
         )
 
     async def read(self, idle_timeout: float | None = None) -> bytes:
         """The rest of the body in one piece."""
-        if self.body is None:
+        if not self._read:
             self.body = b"".join([chunk async for chunk in self.chunks(idle_timeout)])
+            self._read = True
         return self.body
 
     async def chunks(self, idle_timeout: float | None = None) -> AsyncIterator[bytes]:

@@ -13,6 +13,8 @@ import select
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
+from typing import cast, overload
 
 import httptools
 
@@ -57,6 +59,10 @@ class Headers:
     def __init__(self, items: list[tuple[str, str]]) -> None:
         self._items = items
 
+    @overload
+    def get(self, name: str) -> str | None: ...
+    @overload
+    def get(self, name: str, default: str) -> str: ...
     def get(self, name: str, default: str | None = None) -> str | None:
         """One value; repeated fields joined with ", " as RFC 9110 §5.3 allows."""
         values = self.get_all(name)
@@ -95,14 +101,47 @@ class _Stop(Exception):
     """Raised inside a parser callback to stop parsing what a backend must not have sent."""
 
 
-class Connection(asyncio.Protocol):
-    """One keep-alive connection, one exchange at a time.
+class State(Enum):
+    """Where a connection is in its life, one exchange at a time. An exchange runs from `begin` to
+    `answer_ended`; the three closed states differ in what is left for its caller to read."""
 
-    Bytes are parsed only while an exchange waits for its answer, and only one answer per
-    exchange: bytes on an idle connection, a second message after a complete one, or an answer
-    over a limit close the connection, so nothing a backend sends out of turn can reach the next
-    caller. Per-message state is reset when a message begins, not when the connection is reused.
-    """
+    IDLE = "idle"  # open, no exchange: any byte that arrives is out of turn
+    WAITING = "waiting"  # a request is going or gone out; its answer's head is not complete yet
+    READING = "reading"  # the head is in, the body is arriving
+    ANSWERED = "answered"  # the whole answer is in, the connection still open
+    ANSWERED_CLOSED = "answered_closed"  # the whole answer is in, the connection closed after it
+    FAILED = "failed"  # the exchange ended without its whole answer (`failure` says why); closed
+    CLOSED = "closed"  # no exchange, closed for good
+
+    def __init__(self, _: str) -> None:
+        self.moves: tuple[State, ...] = ()  # filled in below, once every state exists
+
+
+# The states by module name (in definition order): in Python 3.11 `State.X` goes through the enum's
+# machinery, some twenty times a global's cost, and the hot path asks the state often.
+IDLE, WAITING, READING, ANSWERED, ANSWERED_CLOSED, FAILED, CLOSED = State
+
+# Every move a connection may make; any other is a bug and raises IllegalTransition. Tuples, not
+# sets, throughout: an Enum hashes in Python, a tuple finds a member by identity.
+IDLE.moves = (WAITING, CLOSED)
+WAITING.moves = (READING, FAILED)
+READING.moves = (ANSWERED, ANSWERED_CLOSED, FAILED)
+ANSWERED.moves = (IDLE, ANSWERED_CLOSED)
+ANSWERED_CLOSED.moves = (CLOSED,)
+FAILED.moves = (CLOSED,)
+# States whose bytes go to the parser: the exchange's answer, or (after it) a second one to refuse.
+_PARSING = (WAITING, READING, ANSWERED)
+_GONE = (ANSWERED_CLOSED, FAILED, CLOSED)
+_DONE = (ANSWERED, ANSWERED_CLOSED)
+
+
+class IllegalTransition(RuntimeError):
+    """A caller used a connection out of turn (a second `begin`, an `answer_ended` with no exchange)."""
+
+
+class Connection(asyncio.Protocol):
+    """One keep-alive connection, one exchange at a time, its life one `State` (the module's
+    docstring has the rules). Per-message data is reset when a message begins, not on reuse."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, limits: Limits, on_refused: Callable[[str, str], None]) -> None:
         self.loop = loop
@@ -110,38 +149,76 @@ class Connection(asyncio.Protocol):
         self._on_refused = on_refused
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
-        self.lost = False
+        self.state = IDLE
+        self.failure: Closed | None = None  # set when the state becomes FAILED
+        # The pool's: whether this connection served an earlier exchange, and where it is parked.
         self.reused = False
         self.idle_since = 0.0
         self.parked_in: list[Connection] | None = None
-        self.stage = "idle"
-        self.expecting = False  # an exchange waits for its answer
+        # Flow control, apart from the state: the transport asked us to stop writing.
         self.write_paused = False
-        self.drain_waiter: asyncio.Future | None = None
+        self.drain_waiter: asyncio.Future[None] | None = None
+        self.waiter: asyncio.Future[None] | None = None
+        # The exchange's: for the error message and whether it may be sent again.
+        self.stage = "idle"
         self.max_body: int | None = None
-        self.waiter: asyncio.Future | None = None
+        self.wrote = False  # any byte of the request handed to the transport
+        self.answered = False  # any byte of the answer arrived
+        self.head_bytes = 0
         self._new_message()
-        self.final_done = False
-        self.failure: Closed | None = None
+
+    def _to(self, state: State) -> None:
+        if state not in self.state.moves:
+            raise IllegalTransition(f"a connection cannot go from {self.state.name} to {state.name}")
+        self.state = state
+
+    def _close(self, failure: Closed) -> bool:
+        """The connection closes: an exchange under way fails with `failure`, a complete answer
+        stays readable. False if it was closed already."""
+        state = self.state
+        if state is WAITING or state is READING:
+            self._to(FAILED)
+            self.failure = failure
+        elif state is ANSWERED or state is IDLE:
+            self._to(ANSWERED_CLOSED if state is ANSWERED else CLOSED)
+        else:
+            return False
+        self._wake()
+        return True
+
+    @property
+    def lost(self) -> bool:
+        """Closed (by either side): it carries no further request."""
+        return self.state in _GONE
+
+    @property
+    def complete(self) -> bool:
+        """The exchange's whole answer is in."""
+        return self.state in _DONE
+
+    @property
+    def headers_done(self) -> bool:
+        """The exchange's final head is in (its body may have failed since)."""
+        return self.status != 0
 
     def begin(self, stage: str, max_body: int | None) -> None:
-        """A request is about to go out on this connection: its answer is the next message."""
+        """A request is about to go out on this connection: its answer is the next message.
+        Closed (the exchange fails at once) if the connection closed before the request went out."""
         self.stage = stage
         self.max_body = max_body
-        self.expecting = True
-        self.wrote = False  # any byte of the request handed to the transport
+        self.wrote = False
         self.answered = False
         self.head_bytes = 0
-        self.final_done = False
         self.failure = None
         self._new_message()
+        if self.state is CLOSED:
+            raise Closed("the connection closed before the request went out", False)
+        self._to(WAITING)
 
     def _new_message(self) -> None:
         self.status = 0
         self.header_items: list[tuple[bytes, bytes]] = []
         self.trailer_items: list[tuple[bytes, bytes]] = []
-        self.headers_done = False
-        self.complete = False
         self.keep_alive = False
         self.until_eof = False
         self.chunks: deque[bytes] = deque()
@@ -150,15 +227,15 @@ class Connection(asyncio.Protocol):
         self.paused = False
 
     # -- asyncio.Protocol ----------------------------------------------------------------------------
-    def connection_made(self, transport) -> None:
-        self.transport = transport
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # create_connection's: a stream transport
 
     def data_received(self, data: bytes) -> None:
-        if not self.expecting or self.lost:
+        if self.state not in _PARSING:
             self._refuse(UNSOLICITED, f"{len(data)} bytes arrived with no request waiting for them")
             return
         self.answered = True
-        if not self.headers_done:
+        if self.state is WAITING:
             self.head_bytes += len(data)
         try:
             self.parser.feed_data(data)
@@ -172,15 +249,15 @@ class Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._refuse(NOT_HTTP, f"not a valid HTTP answer: {exc}")
         else:
-            if not self.headers_done and self.head_bytes > self.limits.head_bytes:
+            if self.state is WAITING and self.head_bytes > self.limits.head_bytes:
                 self._refuse(HEAD_TOO_LARGE, f"response head over {self.limits.head_bytes} bytes")
 
     def eof_received(self) -> bool:
-        self.lost = True  # whatever follows, this connection takes no further request
+        self._closed_by_backend(None)  # whatever follows, this connection takes no further request
         return False  # close our side too
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.lost = True
+        self._closed_by_backend(exc)
         self._wake_writer()
         if self.parked_in is not None:
             try:
@@ -188,16 +265,14 @@ class Connection(asyncio.Protocol):
             except ValueError:
                 pass
             self.parked_in = None
-            return
-        if not self.expecting:
-            return
-        if self.headers_done and self.until_eof and not self.complete:
-            self.complete = True  # a body without length ends where the connection does
-            self.final_done = True
-        elif not self.complete and self.failure is None:
+
+    def _closed_by_backend(self, exc: Exception | None) -> None:
+        if self.state is READING and self.until_eof:
+            self._to(ANSWERED_CLOSED)  # a body without length ends where the connection does
+            self._wake()
+        elif not self.lost:
             detail = f"{type(exc).__name__}: {exc}" if exc else "the backend closed the connection"
-            self.failure = Closed(detail, self.answered)
-        self._wake()
+            self._close(Closed(detail, self.answered))
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -208,13 +283,13 @@ class Connection(asyncio.Protocol):
 
     # -- httptools callbacks -------------------------------------------------------------------------
     def on_message_begin(self) -> None:
-        if self.final_done:
-            self._refuse(SECOND_ANSWER, "a second answer followed a complete one", fails_exchange=False)
+        if self.state is ANSWERED:
+            self._refuse(SECOND_ANSWER, "a second answer followed a complete one")
             raise _Stop
         self._new_message()
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        items = self.trailer_items if self.headers_done else self.header_items
+        items = self.trailer_items if self.state is READING else self.header_items
         if len(name) + len(value) > self.limits.field_bytes:
             self._refuse(FIELD_TOO_LARGE, f"a header field over {self.limits.field_bytes} bytes")
             raise _Stop
@@ -229,7 +304,6 @@ class Connection(asyncio.Protocol):
             self.header_items = []  # an interim answer (100 Continue): the real one follows
             return
         self.status = status
-        self.headers_done = True
         framed = False
         for name, _ in self.header_items:
             lowered = name.lower()
@@ -237,6 +311,7 @@ class Connection(asyncio.Protocol):
                 framed = True
                 break
         self.until_eof = not framed and status not in (204, 304)
+        self._to(READING)
         self._wake()
 
     def on_body(self, body: bytes) -> None:
@@ -246,31 +321,26 @@ class Connection(asyncio.Protocol):
             raise _Stop
         self.chunks.append(body)
         self.buffered += len(body)
-        if self.buffered > _PAUSE_ABOVE and not self.paused:
+        if self.buffered > _PAUSE_ABOVE and not self.paused and self.transport is not None:
             self.paused = True
             self.transport.pause_reading()
         self._wake()
 
     def on_message_complete(self) -> None:
-        if self.headers_done:
-            self.complete = True
-            self.final_done = True
+        if self.state is READING:  # not an interim answer's end
             # Asked now: once the parser has moved past the message it no longer knows.
             self.keep_alive = self.parser.should_keep_alive()
+            self._to(ANSWERED)
             self._wake()
 
     # -- refusing what a backend must not send -------------------------------------------------------
-    def _refuse(self, reason: str, detail: str, *, fails_exchange: bool = True) -> None:
+    def _refuse(self, reason: str, detail: str) -> None:
         """Close the connection for good. Unless the exchange already has its whole answer, that
         exchange fails; nothing parsed from here on reaches anyone."""
-        self._on_refused(self.stage if self.expecting else "idle", reason)
-        if fails_exchange and self.expecting and not self.complete and self.failure is None:
-            self.failure = Closed(f"answer refused: {detail}", True, refused=True)
-        self.expecting = False
-        self.lost = True
+        self._on_refused("idle" if self.state is IDLE or self.state is CLOSED else self.stage, reason)
+        self._close(Closed(f"answer refused: {detail}", True, refused=True))
         if self.transport is not None:
             self.transport.abort()
-        self._wake()
 
     # -- for the caller ------------------------------------------------------------------------------
     def _wake(self) -> None:
@@ -295,11 +365,12 @@ class Connection(asyncio.Protocol):
         finally:
             self.waiter = None
 
-    async def send(self, request: list, body_size: int) -> None:
+    async def send(self, request: list[bytes | bytearray | memoryview], body_size: int) -> None:
         """Write the request (its head, then a body of `body_size` bytes), waiting for the socket to
         drain between pieces of a large one. An answer may start before the request is fully
         written (an early error): writing stops only when the connection does."""
         transport = self.transport
+        assert transport is not None, "send before connection_made"
         if body_size <= _WRITE_WHOLE_UP_TO:
             transport.writelines(request)
             self.wrote = True
@@ -321,7 +392,7 @@ class Connection(asyncio.Protocol):
     def take(self) -> bytes:
         chunk = self.chunks.popleft()
         self.buffered -= len(chunk)
-        if self.paused and self.buffered < _RESUME_BELOW:
+        if self.paused and self.buffered < _RESUME_BELOW and self.transport is not None:
             self.paused = False
             self.transport.resume_reading()
         return chunk
@@ -330,23 +401,22 @@ class Connection(asyncio.Protocol):
         return decoded(self.header_items)
 
     def answer_ended(self) -> None:
-        """The caller is done with this exchange: from now on any byte is out of turn."""
-        self.expecting = False
+        """The caller is done with this exchange: from now on any byte is out of turn. An answer
+        abandoned before its end closes the connection, so the rest of it reaches no one."""
+        state = self.state
+        if state is IDLE or state is CLOSED:
+            raise IllegalTransition(f"no exchange to end on a {state.name} connection")
+        if state is WAITING or state is READING:
+            self.abort()
+        self._to(IDLE if self.state is ANSWERED else CLOSED)
 
     def reusable(self) -> bool:
-        return (
-            self.final_done
-            and self.keep_alive
-            and not self.lost
-            and not self.until_eof
-            and not self.chunks
-            and self.failure is None
-        )
+        return self.state is ANSWERED and self.keep_alive and not self.until_eof and not self.chunks
 
     def looks_idle(self) -> bool:
         """httpcore's check before reuse: a parked connection that is readable has either data
         nobody asked for or the backend's EOF, and either way must not carry a request."""
-        if self.lost or self.transport is None or self.transport.is_closing():
+        if self.state is not IDLE or self.transport is None or self.transport.is_closing():
             return False
         sock = self.transport.get_extra_info("socket")
         if sock is None:
@@ -360,6 +430,6 @@ class Connection(asyncio.Protocol):
             return False
 
     def abort(self) -> None:
-        if self.transport is not None and not self.lost:
+        """This side closes: an exchange under way fails, a complete answer stays readable."""
+        if self._close(Closed("the proxy closed the connection", self.answered)) and self.transport is not None:
             self.transport.abort()
-        self.lost = True

@@ -255,9 +255,9 @@ class Upstream:
         while True:
             conn = await self._connection(call, origin, fresh, sent)
             self._in_use += 1
-            conn.begin(call.stage, max_body)
             limit, reported = call.budget(call.timeouts.headers)
             try:
+                conn.begin(call.stage, max_body)
                 # One limit for writing the request and the whole head, however slowly either goes.
                 async with asyncio.timeout(limit):
                     try:
@@ -330,7 +330,10 @@ class Upstream:
         """Close connections idle for longer than keep-alive, so none outlives the backend's patience
         and an idle proxy holds no sockets."""
         self._sweep = None
-        oldest_allowed = time.monotonic() - self.keep_alive_s
+        keep_alive_s = self.keep_alive_s
+        if keep_alive_s is None:  # nothing was parked: give_back closes every connection
+            return
+        oldest_allowed = time.monotonic() - keep_alive_s
         remaining = False
         for origin in self._origins.values():
             keep = []
@@ -345,7 +348,7 @@ class Upstream:
                 conn.parked_in = origin.idle
             remaining = remaining or bool(keep)
         if remaining:
-            self._sweep = asyncio.get_running_loop().call_later(self.keep_alive_s / 2, self._close_expired)
+            self._sweep = asyncio.get_running_loop().call_later(keep_alive_s / 2, self._close_expired)
 
 
 def _header_lines(headers: Mapping[str, str]) -> bytes:

@@ -5,8 +5,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Final
 
-ENCODE, PREFILL, DECODE, PREFILL_DECODE = "encode", "prefill", "decode", "prefill_decode"
+# Final: as literals they index routing.Policies, a dict typed per role.
+ENCODE: Final = "encode"
+PREFILL: Final = "prefill"
+DECODE: Final = "decode"
+PREFILL_DECODE: Final = "prefill_decode"
 ROLES = (ENCODE, PREFILL, DECODE, PREFILL_DECODE)
 CHAT_PATH = "/v1/chat/completions"
 

@@ -385,7 +385,9 @@ class Health:
                     "consecutive_5xx": rec.answers_5xx,
                     "consecutive_gateway_failures": rec.gateway_failures,
                     "ejections": rec.ejections_total,
-                    "ejected_for_s": round(rec.ejected_until - now, 3) if state == EJECTED else None,
+                    "ejected_for_s": round(rec.ejected_until - now, 3)
+                    if rec.ejected_until and state == EJECTED
+                    else None,
                     # Which signal ejected it (EJECTION_REASONS), while ejected or half-open.
                     "ejection_reason": rec.ejection_reason,
                     # Since it last left the rotation, with no success since (half-open included).

@@ -45,10 +45,14 @@ DEPARTED_ENTRIES = 4096
 class Queued(Protocol):
     """What the scheduler reads of a group waiting for a sub-request."""
 
-    key: bytes | None
+    @property
+    def key(self) -> bytes | None: ...
     # Items (what batch caps count) and their cost in image-equivalents (what time follows).
-    size: int
-    cost: float
+    @property
+    def size(self) -> int: ...
+    @property
+    def cost(self) -> float: ...
+
     # vLLM's `priority`: lower values first, then arrival order.
     priority: int
 
@@ -236,10 +240,11 @@ class Lane:
     def patience(self, cost: float, now: float) -> float:
         """How long a group costing `cost` queued at `now` may wait to share before it goes
         alone: three times what the backlog ahead of it and its own work should take."""
-        speed = self.speed
-        if speed.item_s is None:
+        known = self.speed.known()
+        if known is None:
             return PATIENCE_FLOOR_S * 5
-        finish = self.backlog_s(now, speed.fixed_s, speed.item_s) + speed.fixed_s + speed.item_s * cost
+        fixed_s, item_s = known
+        finish = self.backlog_s(now, fixed_s, item_s) + fixed_s + item_s * cost
         return max(PATIENCE_FLOOR_S, 3.0 * finish)
 
     def next_batch(self, cap: int, now: float = 0.0, timeout_s: float | None = None) -> list[Any]:
@@ -389,19 +394,13 @@ class Lanes:
         """Seconds per sub-request and per image-equivalent of each lane; one without answers yet, or stale
         at `now`, is taken to be as fast as the mean of the others (or 1 unit per item when none
         has answered)."""
-        speeds = [lane.speed for lane in lanes]
-        fixed = [speed.fixed_s for speed in speeds]
+        figures = [lane.speed.known() for lane in lanes]
         stale = now is not None and any(lane.stale(now) for lane in lanes)
-        if None not in fixed and not stale:
-            return fixed, [speed.item_s for speed in speeds]
-        fresh = [lane.speed.measured and not (stale and lane.stale(now)) for lane in lanes]
-        known = [speed for speed, ok in zip(speeds, fresh) if ok]
+        own = [None if stale and now is not None and lane.stale(now) else f for lane, f in zip(lanes, figures)]
+        known = [f for f in own if f is not None]
         if known:
-            item = sum(speed.item_s for speed in known) / len(known)
-            fixed = sum(speed.fixed_s for speed in known) / len(known)
+            fixed = sum(f[0] for f in known) / len(known)
+            item = sum(f[1] for f in known) / len(known)
         else:
-            item, fixed = 1.0, PRIOR_FIXED_RATIO
-        return (
-            [speed.fixed_s if ok else fixed for speed, ok in zip(speeds, fresh)],
-            [speed.item_s if ok else item for speed, ok in zip(speeds, fresh)],
-        )
+            fixed, item = PRIOR_FIXED_RATIO, 1.0
+        return [f[0] if f else fixed for f in own], [f[1] if f else item for f in own]

@@ -233,14 +233,14 @@ class Registry:
     def sync(self, records: Mapping[str, Record]) -> None:
         """Make membership equal to a shared roster's records (see roster.py). Members that stay
         keep their in-flight counts and, through the watchers, their local health state."""
-        for url, inst in list(self._instances.items()):
+        for url, listed in list(self._instances.items()):
             record = records.get(url)
             if self._sources[url] != REGISTERED:
                 continue
-            if record is None or record.role != inst.role:
+            if record is None or record.role != listed.role:
                 self._remove(url)
                 self._generations.pop(url, None)
-                log.info("roster: %s %s left", inst.role, url)
+                log.info("roster: %s %s left", listed.role, url)
         for record in sorted(records.values(), key=lambda r: r.seq):
             inst = self._instances.get(record.url)
             seen = self._generations.get(record.url)

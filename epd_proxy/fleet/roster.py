@@ -22,7 +22,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Protocol
+from typing import Any, Protocol
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import orjson
@@ -161,9 +161,9 @@ class RedisRoster:
     def seconds_since_sync(self) -> float | None:
         return None if self._last_sync is None else self._clock() - self._last_sync
 
-    def status(self) -> dict:
+    def status(self) -> dict[str, Any]:
         since = self.seconds_since_sync()
-        out = {"store": self.url, "status": "up" if self._up else "down"}
+        out: dict[str, Any] = {"store": self.url, "status": "up" if self._up else "down"}
         out["seconds_since_sync"] = None if since is None else round(since, 3)
         if not self._up:
             out["error"] = self._error

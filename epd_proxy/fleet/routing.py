@@ -12,14 +12,30 @@ import hashlib
 import math
 import random
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, TypedDict
 
 from epd_proxy.fleet.backends import Instance
 from epd_proxy.fleet.scheduler import ExpectedFinish
 
 
 class RoutingPolicy(Protocol):
+    """An encoder policy: one key per item, its content uuid."""
+
     def choose(self, candidates: Sequence[Instance], keys: Sequence[str]) -> list[Instance]: ...
+
+
+class ServingPolicy(Protocol):
+    """A prefill or decode policy: one key per request, None when there is nothing to be affine to."""
+
+    def choose(self, candidates: Sequence[Instance], keys: Sequence[str | None]) -> list[Instance]: ...
+
+
+class Policies(TypedDict):
+    """The policy of each role the proxy routes, keyed by the role names (fleet/backends.py)."""
+
+    encode: RoutingPolicy
+    prefill: ServingPolicy
+    decode: ServingPolicy
 
 
 class RoundRobin:
@@ -29,7 +45,7 @@ class RoundRobin:
     def __init__(self) -> None:
         self._cursor = 0
 
-    def choose(self, candidates: Sequence[Instance], keys: Sequence[str]) -> list[Instance]:
+    def choose(self, candidates: Sequence[Instance], keys: Sequence[str | None]) -> list[Instance]:
         n = len(candidates)
         start = self._cursor % n
         self._cursor = (start + len(keys)) % n
@@ -40,7 +56,7 @@ class RandomChoice:
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()
 
-    def choose(self, candidates: Sequence[Instance], keys: Sequence[str]) -> list[Instance]:
+    def choose(self, candidates: Sequence[Instance], keys: Sequence[str | None]) -> list[Instance]:
         return [self._rng.choice(candidates) for _ in keys]
 
 
@@ -51,7 +67,7 @@ class LeastLoaded:
     def __init__(self) -> None:
         self._tie_cursor = 0
 
-    def choose(self, candidates: Sequence[Instance], keys: Sequence[str]) -> list[Instance]:
+    def choose(self, candidates: Sequence[Instance], keys: Sequence[str | None]) -> list[Instance]:
         planned = [0] * len(candidates)
         picks = []
         n = len(candidates)
@@ -70,7 +86,7 @@ class PowerOfTwo:
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()
 
-    def choose(self, candidates: Sequence[Instance], keys: Sequence[str]) -> list[Instance]:
+    def choose(self, candidates: Sequence[Instance], keys: Sequence[str | None]) -> list[Instance]:
         if len(candidates) == 1:
             return [candidates[0]] * len(keys)
         picks = []
@@ -147,9 +163,10 @@ class PrefixAffinity(ContentAffinity):
         self._by_load = LeastLoaded()
 
     def choose(self, candidates: Sequence[Instance], keys: Sequence[str | None]) -> list[Instance]:
-        if any(key is None for key in keys):
+        known = [key for key in keys if key is not None]
+        if len(known) < len(keys):
             return self._by_load.choose(candidates, keys)
-        return super().choose(candidates, keys)
+        return super().choose(candidates, known)
 
 
 POLICIES: dict[str, Callable[[], RoutingPolicy]] = {
@@ -163,8 +180,25 @@ POLICIES: dict[str, Callable[[], RoutingPolicy]] = {
 }
 
 
+# The ones that take a request without a key (config.py's SERVING_POLICIES).
+SERVING: dict[str, Callable[[], ServingPolicy]] = {
+    "prefix_affinity": PrefixAffinity,
+    "least_loaded": LeastLoaded,
+    "power_of_two": PowerOfTwo,
+    "round_robin": RoundRobin,
+    "random": RandomChoice,
+}
+
+
 def make_policy(name: str) -> RoutingPolicy:
     try:
         return POLICIES[name]()
     except KeyError:
         raise ValueError(f"unknown routing policy {name!r}; choose one of {sorted(POLICIES)}") from None
+
+
+def make_serving_policy(name: str) -> ServingPolicy:
+    try:
+        return SERVING[name]()
+    except KeyError:
+        raise ValueError(f"unknown prefill/decode routing policy {name!r}; choose one of {sorted(SERVING)}") from None

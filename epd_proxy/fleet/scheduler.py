@@ -61,10 +61,12 @@ class Key:
 
 
 class Item(Protocol):
-    uuid: str
-    # In image-equivalents (cost.py).
-    cost: float
+    """What placement reads of an item (a MediaItem or a Key)."""
 
+    @property
+    def uuid(self) -> str: ...
+    @property
+    def cost(self) -> float: ...  # in image-equivalents (cost.py)
     @property
     def is_image(self) -> bool: ...
 

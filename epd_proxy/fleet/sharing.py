@@ -56,9 +56,10 @@ class Sharing:
         limit = min(cap, self.merge_limit) if cap else self.merge_limit
         # Shared groups are images, each at most one image-equivalent (cost.py): counting them
         # at one each errs on the short side.
-        if timeout_s is not None and speed.item_s is not None:
-            fits = int((SHARE_OF_TIMEOUT * timeout_s - speed.fixed_s) / speed.item_s)
-            limit = min(limit, fits)
+        known = speed.known()
+        if timeout_s is not None and known is not None:
+            fixed_s, item_s = known
+            limit = min(limit, int((SHARE_OF_TIMEOUT * timeout_s - fixed_s) / item_s))
         return limit
 
     def gauge(self) -> int:

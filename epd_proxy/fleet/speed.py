@@ -41,6 +41,12 @@ class Speed:
     def measured(self) -> bool:
         return self.item_s is not None
 
+    def known(self) -> tuple[float, float] | None:
+        """(seconds per sub-request, seconds per image-equivalent), or None before any answer."""
+        if self.fixed_s is None or self.item_s is None:
+            return None
+        return self.fixed_s, self.item_s
+
     def observe(self, cost: float, sent: float, done: float) -> None:
         """One answered sub-request: it held the encoder from when it was sent, or from when the
         previous answer came if that was later (it queued behind it), until its own answer."""

@@ -38,10 +38,11 @@ LAG_FLOOR_S = 1.0
 def overdue_after(lane: Lane, cost: float, timeout_s: float | None, moves: int = 0) -> float | None:
     """Seconds after which a sub-request costing `cost` just sent to `lane` is far overdue, for
     a group moved `moves` times already; None while nothing is known of the encoder's speed."""
-    speed, work = lane.speed, lane.work
-    if speed.item_s is None:
+    known, work = lane.speed.known(), lane.work
+    if known is None:
         return None
-    expected = speed.fixed_s * work.inflight + speed.item_s * max(work.inflight_load, cost)
+    fixed_s, item_s = known
+    expected = fixed_s * work.inflight + item_s * max(work.inflight_load, cost)
     after = max(OVERDUE_FLOOR_S, OVERDUE_FACTOR * expected) * 2**moves
     if timeout_s is not None:
         after = min(after, OVERDUE_SHARE_OF_TIMEOUT * timeout_s)

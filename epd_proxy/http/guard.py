@@ -23,6 +23,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import cast
 
 import httptools
 from aiohttp import web
@@ -82,7 +83,11 @@ class ConnectionGuard(asyncio.Protocol):
     """One client connection: the gate, the head and idle clocks, then aiohttp's protocol."""
 
     def __init__(
-        self, make_inner: Callable[[], asyncio.Protocol], limits: ClientLimits, gate: ConnectionGate, guards: set
+        self,
+        make_inner: Callable[[], asyncio.Protocol],
+        limits: ClientLimits,
+        gate: ConnectionGate,
+        guards: set[ConnectionGuard],
     ) -> None:
         self._make_inner = make_inner
         self.limits = limits
@@ -105,7 +110,8 @@ class ConnectionGuard(asyncio.Protocol):
     # -- the event loop's side ------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport  # type: ignore[assignment]
+        # A listening server's connection: a stream transport, which writes.
+        self._transport = stream = cast(asyncio.Transport, transport)
         if not self._gate.enter():
             # Answer without reading: the request may not even have arrived yet.
             refusal = ProxyError(
@@ -114,8 +120,8 @@ class ConnectionGuard(asyncio.Protocol):
                 stage="admission",
                 error_type="overloaded",
             )
-            transport.write(_raw_response(503, "Service Unavailable", refusal, "Retry-After: 1\r\n"))
-            transport.close()
+            stream.write(_raw_response(503, "Service Unavailable", refusal, "Retry-After: 1\r\n"))
+            stream.close()
             return
         self._guards.add(self)
         self._inner = self._make_inner()
@@ -126,7 +132,7 @@ class ConnectionGuard(asyncio.Protocol):
         else:
             self._arm("keepalive", self.limits.keepalive_timeout_s)
 
-    def connection_lost(self, exc: BaseException | None) -> None:
+    def connection_lost(self, exc: Exception | None) -> None:
         inner, self._inner = self._inner, None
         self._transport = None
         if inner is None:
@@ -359,7 +365,8 @@ async def read_chunks(request: web.Request) -> AsyncIterator[bytes]:
     guard = request.get(GUARD)
     timeout = guard.limits.body_timeout_s if guard is not None else None
     content = request.content
-    if timeout is None:
+    chunk: bytes | None
+    if guard is None or timeout is None:
         async for chunk in content.iter_any():
             yield chunk
         return

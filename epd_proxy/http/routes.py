@@ -70,6 +70,7 @@ async def read_body(request: web.Request, limit: int) -> bytearray:
     if request.content_length is not None and request.content_length > limit:
         raise _too_large(limit)
     body = bytearray()
+    chunk: bytes | None = None
     try:
         async for chunk in read_chunks(request):
             body += chunk
@@ -78,7 +79,8 @@ async def read_body(request: web.Request, limit: int) -> bytearray:
     except ClientTimeout as exc:
         # `serve` keeps the error (trace.error), whose traceback would keep the half-read body in
         # a cycle until the next collection, which the worker makes rare: leave without it.
-        body = chunk = None
+        del body
+        chunk = None
         raise exc.with_traceback(None) from None
     return body
 
@@ -154,7 +156,7 @@ async def serve(request: web.Request, door: Door) -> web.StreamResponse:
     trace = Trace(rid.value, client_request_id=rid.refused)
     trace.spans = tracing.begin(request.headers, rid.value, trace.started, door.path)
     trace.endpoint = door.name
-    status = 500
+    status: int | str = 500  # or "aborted": the answer was cut off under way
     try:
         raw = await read_body(request, config.max_body_bytes)
         read = time.perf_counter()
@@ -175,13 +177,16 @@ async def serve(request: web.Request, door: Door) -> web.StreamResponse:
             # From here on only the pipeline holds the body, and it lets go once decode commits.
             job = ClientBody(body, items, spliced)
             del normalised, body, items, spliced
-            route = state.pipeline.choose_route(rid.value, job, door)
+            pipeline = state.pipeline
+            assert pipeline is not None, "start() builds the pipeline before the server takes requests"
+            route = pipeline.choose_route(rid.value, job, door)
             with route.decoder.busy():
-                answer = await state.pipeline.open(job, route, trace, door)
+                answer = await pipeline.open(job, route, trace, door)
                 try:
                     with trace.stage("relay"):
                         response, trace.outcome = await relay(request, answer, {"x-request-id": rid.value}, door)
-                    status = {ABORTED: "aborted", CLIENT_GONE: 499}.get(trace.outcome, answer.status)
+                    outcomes: dict[str, int | str] = {ABORTED: "aborted", CLIENT_GONE: 499}
+                    status = outcomes.get(trace.outcome, answer.status)
                     if trace.outcome == CLIENT_GONE:
                         log.info("request %s: the client disconnected during the answer", rid)
                     return response
@@ -220,12 +225,14 @@ MODELS = DecoderCall("GET", "/v1/models", Timeouts(total=10), "model list", coun
 
 async def ask_a_decoder(state: ProxyState, call: DecoderCall, body: bytes | None = None) -> web.Response:
     """`call` on one live decoder, its answer as it gave it; a ProxyError if there is none to ask."""
-    candidates = state.pipeline.decoders()
+    pipeline, upstream = state.pipeline, state.upstream
+    assert pipeline is not None and upstream is not None, "start() builds them before the server takes requests"
+    candidates = pipeline.decoders()
     if not candidates:
         raise ProxyError(503, "no live decode instance", stage="route")
     decoder = state.policies[DECODE].choose(candidates, (call.path,))[0]
     try:
-        answer = await state.upstream.call(
+        answer = await upstream.call(
             decoder,
             call.method,
             call.path,
@@ -259,6 +266,7 @@ def profile_handler(action: str):
         state = request.app[STATE]
         try:
             guard_admin(state.config, PROFILE, request.headers.get("X-API-Key"))
+            assert state.profiling is not None, "start() builds it before the server takes requests"
             out = await state.profiling.fan_out(
                 action, bytes(await read_body(request, state.config.max_body_bytes)) or b"{}"
             )

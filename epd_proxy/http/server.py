@@ -63,6 +63,7 @@ class GuardedAppRunner(web.AppRunner):
 
     async def listen(self, host: str, port: int, reuse_port: bool = False) -> asyncio.Server:
         protocols = self.server
+        assert protocols is not None, "setup() builds aiohttp's server before a site listens"
 
         def guarded() -> ConnectionGuard:
             return ConnectionGuard(protocols, self.limits, self.gate, self.guards)

@@ -77,12 +77,12 @@ def scheduler(state: ProxyState) -> dict[str, Any]:
     """What the encoder scheduler does and knows: its options and each encoder's learnt speed,
     sub-requests in flight and groups waiting to share one (lanes.Lane)."""
     policy = state.policies[ENCODE]
-    placing = isinstance(policy, ExpectedFinish)
+    placing = policy if isinstance(policy, ExpectedFinish) else None
     return {
         "policy": state.config.encode_policy,
-        "affinity": placing and policy.affinity,
-        "adaptive_fan_out": placing and policy.adaptive,
-        "coalescing": state.pipeline.encode.coalesce,
+        "affinity": placing is not None and placing.affinity,
+        "adaptive_fan_out": placing is not None and placing.adaptive,
+        "coalescing": state.pipeline is not None and state.pipeline.encode.coalesce,
         "encoders": sorted((lane.view() for lane in state.lanes.all()), key=lambda view: view["url"]),
     }
 
@@ -129,7 +129,7 @@ def _totals(metrics: Metrics) -> dict[str, Any]:
 
 
 def snapshot(state: ProxyState) -> dict[str, Any]:
-    config = state.config
+    config, autoscale = state.config, state.metrics.autoscale
     return {
         "proxy": {
             "version": __version__,
@@ -152,7 +152,9 @@ def snapshot(state: ProxyState) -> dict[str, Any]:
             "bucket_s": TIMELINE_BUCKET_S,
             "span_s": TIMELINE_BUCKET_S * TIMELINE_BUCKETS,
             "requests": state.metrics.recent.timeline(TIMELINE_BUCKET_S, TIMELINE_BUCKETS),
-            "encoder_backlog": state.metrics.autoscale.backlog_timeline(TIMELINE_BUCKET_S * TIMELINE_BUCKETS),
+            "encoder_backlog": autoscale.backlog_timeline(TIMELINE_BUCKET_S * TIMELINE_BUCKETS)
+            if autoscale is not None
+            else [],
         },
     }
 

@@ -17,13 +17,13 @@ from epd_proxy.config import Config
 log = logging.getLogger("epd_proxy.workers")
 
 
-def _run_worker(config: Config, log_level: str, reuse_port: bool, connections=None) -> None:
+def _run_worker(config: Config, reuse_port: bool, connections=None) -> None:
     # Here, not at the top: cli.py imports this module, and `--help`, `up` and `bench` need none of it.
     from epd_proxy.http import server
     from epd_proxy.http.app import create_app
     from epd_proxy.ops.logs import configure_logging
 
-    configure_logging(log_level, config.log_format, config.log_requests)
+    configure_logging(config.log_level, config.log_format, config.log_requests)
     try:
         import uvloop
 
@@ -58,10 +58,10 @@ def restart_delay(previous_s: float, ran_s: float) -> float:
     return min(max(2 * previous_s, RESTART_DELAY_S), RESTART_DELAY_MAX_S)
 
 
-def _worker(config: Config, log_level: str, connections) -> None:
+def _worker(config: Config, connections) -> None:
     """The body of one `serve --workers` process."""
     try:
-        _run_worker(config, log_level, True, connections)
+        _run_worker(config, True, connections)
     except OSError as exc:
         logging.getLogger("epd_proxy").error("cannot serve on %s:%d: %s", config.host, config.port, exc)
         sys.exit(CANNOT_SERVE)
@@ -81,12 +81,12 @@ class _Supervisor:
     replaced (after `restart_delay`), and what it held is given back: its client connections in
     the port's count, its live gauges in the multiprocess files."""
 
-    def __init__(self, ctx, config: Config, log_level: str, workers: int, connections) -> None:
-        self._ctx, self._config, self._log_level = ctx, config, log_level
+    def __init__(self, ctx, config: Config, connections) -> None:
+        self._ctx, self._config = ctx, config
         self._connections = connections
-        self._procs: list = [None] * workers
-        self._started = [0.0] * workers
-        self._delays = [0.0] * workers
+        self._procs: list = [None] * config.workers
+        self._started = [0.0] * config.workers
+        self._delays = [0.0] * config.workers
         self._due: dict[int, float] = {}
         self._stopping = self._failed = False
         self._wake_r, self._wake_w = os.pipe()
@@ -130,7 +130,7 @@ class _Supervisor:
 
     def _start(self, slot: int) -> None:
         worker = self._connections.worker(slot)
-        proc = self._ctx.Process(target=_worker, args=(self._config, self._log_level, worker), daemon=False)
+        proc = self._ctx.Process(target=_worker, args=(self._config, worker), daemon=False)
         proc.start()
         self._procs[slot], self._started[slot] = proc, time.monotonic()
 
@@ -173,9 +173,11 @@ def refuse_a_taken_port(host: str, port: int) -> None:
         probe.bind(address)
 
 
-def serve(config: Config, log_level: str, workers: int = 1) -> None:
+def serve(config: Config) -> None:
+    """`serve`: one process, or `--workers` of them under a supervisor."""
+    workers = config.workers
     if workers <= 1:
-        _run_worker(config, log_level, reuse_port=False)  # its plain bind fails on a taken port itself
+        _run_worker(config, reuse_port=False)  # its plain bind fails on a taken port itself
         return
     refuse_a_taken_port(config.host, config.port)
     import multiprocessing
@@ -185,7 +187,7 @@ def serve(config: Config, log_level: str, workers: int = 1) -> None:
     from epd_proxy.http.limits import PortConnections
     from epd_proxy.ops.logs import configure_logging
 
-    configure_logging(log_level, config.log_format, config.log_requests)
+    configure_logging(config.log_level, config.log_format, config.log_requests)
     # Each worker owns its own state (cursor, pools); the kernel spreads connections. Metrics are
     # shared through files (prometheus-client's multiprocess mode), so /metrics is one view.
     metrics_dir = None
@@ -196,7 +198,7 @@ def serve(config: Config, log_level: str, workers: int = 1) -> None:
     # --max-client-connections counts the port's connections, whichever worker the kernel picked.
     lock_fd, lock_path = tempfile.mkstemp(prefix="epd-proxy-connections-")
     os.close(lock_fd)
-    supervisor = _Supervisor(ctx, config, log_level, workers, PortConnections.create(ctx, workers, lock_path))
+    supervisor = _Supervisor(ctx, config, PortConnections.create(ctx, workers, lock_path))
     signal.signal(signal.SIGTERM, supervisor.stop)
     signal.signal(signal.SIGINT, supervisor.stop)
     try:

@@ -298,7 +298,7 @@ class Coalescer:
         if len(works) == 1:
             return [reply.ec_transfer_params]
         self.metrics.coalesced.labels(encoder.url).inc()
-        return split_params(reply.ec_transfer_params, [work.size for work in works], encoder.url)
+        return list(split_params(reply.ec_transfer_params, [work.size for work in works], encoder.url))
 
     @staticmethod
     def _never_answered(batch: Batch, exc: BaseException) -> None:
@@ -307,7 +307,9 @@ class Coalescer:
         cancelled = isinstance(exc, asyncio.CancelledError)
         if cancelled and batch.abandoned:
             # Its members went elsewhere; the encoder learns it from the closed call.
-            asyncio.current_task().uncancel()
+            task = asyncio.current_task()
+            assert task is not None  # a coroutine step runs in a task
+            task.uncancel()
             return
         for work in batch.works:
             if not work.future.done():
@@ -393,9 +395,8 @@ def coalesced_payload(works: Sequence[Work], transfer_ids: Sequence[str], send_u
     del shared["messages"]
     pieces: list = [b'{"messages":[{"role":"user","content":[']
     for n, work in enumerate(works):
-        written = work.dumps(encoder_parts(work.items, send_uuid))
-        if not isinstance(written, list):
-            written = [written]
+        dumped = work.dumps(encoder_parts(work.items, send_uuid))
+        written = dumped if isinstance(dumped, list) else [dumped]
         first, last = bytes(written[0]), bytes(written[-1])
         if n:
             pieces.append(b",")

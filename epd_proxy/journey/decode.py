@@ -24,6 +24,20 @@ from epd_proxy.fleet.backends import CHAT_PATH, Instance
 MAX_JSON_ANSWER_BYTES = 64 << 20
 
 
+@dataclass(frozen=True, slots=True)
+class EngineCall:
+    """One prefill or decode request: the instance, the prepared body, and how it goes out (its
+    headers and limits, the writer that splices the client's media back in, the client's API's
+    path)."""
+
+    instance: Instance
+    body: dict[str, Any]
+    headers: dict[str, str]
+    timeouts: Timeouts
+    dumps: Callable[[Any], Payload] = orjson.dumps
+    path: str = CHAT_PATH
+
+
 @dataclass(slots=True)
 class DecodeAnswer:
     """Decode's 2xx answer: the bytes read while judging its head, and the rest still unread.
@@ -51,25 +65,17 @@ class DecodeAnswer:
         self.answer.release()
 
 
-async def open_decode(
-    upstream: Upstream,
-    decoder: Instance,
-    body: dict[str, Any],
-    headers: dict[str, str],
-    timeouts: Timeouts,
-    dumps: Callable[[Any], Payload] = orjson.dumps,
-    path: str = CHAT_PATH,
-) -> DecodeAnswer:
+async def open_decode(upstream: Upstream, call: EngineCall) -> DecodeAnswer:
     """A 2xx answer whose body is still unread; the caller must release it. The decode timeout
     bounds the wait for headers, the idle timeout each silence after them: a long stream is
     legitimate, a silent one is not."""
     answer = await upstream.open(
-        decoder,
+        call.instance,
         "POST",
-        path,
-        body=dumps(body),
-        headers=headers,
-        timeouts=timeouts,
+        call.path,
+        body=call.dumps(call.body),
+        headers=call.headers,
+        timeouts=call.timeouts,
         stage="decode",
         what="Decode request",
         # The request has held this decoder since routing chose it (least-loaded counts it).
@@ -83,7 +89,7 @@ async def open_decode(
             except NoAnswer:
                 pass  # the status is the answer; a body cut short only loses the details
         raise answer.error()
-    decode_answer = DecodeAnswer(answer, answer.chunks(), decoder.url)
+    decode_answer = DecodeAnswer(answer, answer.chunks(), call.instance.url)
     if not decode_answer.streaming:
         answer.cap_body(MAX_JSON_ANSWER_BYTES)  # relayed whole, so read whole: bounded
     return decode_answer

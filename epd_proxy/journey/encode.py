@@ -181,7 +181,7 @@ class EncodeStep:
         """One send of the group to `route.encoder`: shared if it may share and the encoder is busy."""
         encoder, group_items = route.encoder, route.items
         route.tried.append(encoder)
-        if route.share:
+        if route.share and key is not None:  # shareable: a key, and images only
             route.share = False
             lane = self.lanes.of(encoder)
             if lane.busy():
@@ -213,10 +213,10 @@ class EncodeStep:
             # Timed out or unreachable with others' items in it: another encoder if there is
             # one, else alone on the same one (its own items may well fit).
             route.tried.append(encoder)
-            fallback = self._failover_target(route.tried)
-            if fallback is not None:
-                self._note_failover(trace, encoder, cause.message, len(route.items), fallback)
-                route.encoder = fallback
+            target = self._failover_target(route.tried)
+            if target is not None:
+                self._note_failover(trace, encoder, cause.message, len(route.items), target)
+                route.encoder = target
             else:
                 route.tried.pop()
         # Anything the encoder answered may be another request's fault, and a group that waited
@@ -301,6 +301,7 @@ class EncodeStep:
         request_id = self.ids.child_request_id(trace.request_id, group_items[0].index)
         out = Outgoing(encoder, lane, request_id, trace, len(group_items), cost, sent, moves)
         task = asyncio.current_task()
+        assert task is not None  # this code runs in one
         moving: list[float] = []
 
         def payload() -> Payload:
@@ -327,6 +328,7 @@ class EncodeStep:
                 payload,
                 lambda: trace.stage("encode.subrequest", encoder, **{"epd.items": len(group_items)}),
                 overdue,
+                lambda reply: reply,
             )
         except asyncio.CancelledError:
             if moving and task.uncancel() == 0:

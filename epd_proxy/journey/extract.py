@@ -112,6 +112,8 @@ class NormalisedRequest:
 
 
 Digest = Callable[[bytes | memoryview], str]
+# The bytes of a URL still held in the client's buffer (see `splice`); None for any other URL.
+Lifted = Callable[[str], bytes | memoryview | None]
 
 
 def _sha256_hex(data: bytes | memoryview) -> str:
@@ -164,7 +166,7 @@ def media_url(part: dict[str, Any], kind: str) -> str | None:
 def content_uuid(
     part: dict[str, Any],
     kind: str,
-    lifted: Callable[[str], memoryview | None] | None = None,
+    lifted: Lifted | None = None,
     digest: Digest = _sha256_hex,
 ) -> str:
     """The reference proxy's identity: the hash of the URL, else of the item's sorted JSON.
@@ -282,7 +284,7 @@ class PartReader:
     identity, as in the reference proxy. Collects the media items and the parts it changed."""
 
     options: ReadOptions
-    lifted: Callable[[str], memoryview | None] | None = None
+    lifted: Lifted | None = None
     # A Responses body keeps an `input_image` part in its own shape (its SDK types take no
     # `image_url` part); chat forwards it as the `image_url` part vLLM reads it as.
     keep_input_image: bool = False
@@ -347,7 +349,7 @@ class PartReader:
 
 
 def normalise_request(
-    body: Any, options: ReadOptions = ReadOptions(), lifted: Callable[[str], memoryview | None] | None = None
+    body: Any, options: ReadOptions = ReadOptions(), lifted: Lifted | None = None
 ) -> NormalisedRequest:
     """Validate the chat body, read every message's content parts (`PartReader`: vLLM parses
     the content of every role, a tool message's too) and collect the media."""

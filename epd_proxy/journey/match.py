@@ -61,6 +61,7 @@ def match_group(
         _keep_positions(items, transfer_ids, into, push_mode)
         return
     by_position: dict[int, str] = {}
+    key: str | None
     if len(items) > 1:
         for key, entry in entries.items():
             indices = entry.get("item_indices")
@@ -105,9 +106,10 @@ def match_group(
 class Answer(Protocol):
     """One group's answer as the encode step hands it back (subrequest.Encoded)."""
 
-    ec_transfer_params: dict[str, Any] | None
-    transfer_ids: list[str]
-
+    @property
+    def ec_transfer_params(self) -> dict[str, Any] | None: ...
+    @property
+    def transfer_ids(self) -> list[str]: ...
     @property
     def backend(self) -> str: ...
 
@@ -147,7 +149,9 @@ def _keep_positions(items: Sequence[MediaItem], transfer_ids: Sequence[str], int
         into.items.setdefault(item.index, ItemMatch({}, None, transfer_id))
 
 
-def split_params(params: dict[str, Any] | None, sizes: Sequence[int], backend: str | None = None) -> list[dict | None]:
+def split_params(
+    params: dict[str, Any] | None, sizes: Sequence[int], backend: str | None = None
+) -> Sequence[dict[str, Any] | None]:
     """A coalesced sub-request's `ec_transfer_params` cut into each group's share, as the encoder
     would have answered each group alone: its entries, with `item_indices` counted from the
     group's first item. Several requests' media in one answer can only be told apart by position,

@@ -12,7 +12,7 @@ URL the consumer will build, without the proxy's uuid, so both derive one identi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -23,6 +23,7 @@ from epd_proxy.errors import BadRequest, ProxyError
 from epd_proxy.fleet.cost import request_costs
 from epd_proxy.journey.doors import Conversation, Door, Relayed, chat_conversation, error_fields, with_handles
 from epd_proxy.journey.extract import (
+    Lifted,
     MediaItem,
     NormalisedRequest,
     Place,
@@ -77,7 +78,7 @@ def _image_urls(message: dict[str, Any]) -> Iterator[tuple[int, str]]:
 
 
 def normalise_messages(
-    body: Any, options: ReadOptions = ReadOptions(), lifted: Callable[[str], memoryview | None] | None = None
+    body: Any, options: ReadOptions = ReadOptions(), lifted: Lifted | None = None
 ) -> NormalisedRequest:
     """The body as the client sent it and its images as media items; the consumer judges the rest."""
     check_body(body, options.trust_client_fields)

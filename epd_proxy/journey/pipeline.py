@@ -10,10 +10,9 @@ previous attempt's transfer ids, EC handles or KV block ids.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import KW_ONLY, dataclass
-from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
@@ -23,8 +22,8 @@ from epd_proxy.fleet.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE, In
 from epd_proxy.fleet.health import Health, counts_against_instance
 from epd_proxy.fleet.lanes import Lanes
 from epd_proxy.fleet.registry import Registry
-from epd_proxy.fleet.routing import PrefixAffinity, RoutingPolicy
-from epd_proxy.journey.decode import DecodeAnswer, hold_head, open_decode
+from epd_proxy.fleet.routing import Policies, PrefixAffinity
+from epd_proxy.journey.decode import DecodeAnswer, EngineCall, hold_head, open_decode
 from epd_proxy.journey.doors import CHAT, Door
 from epd_proxy.journey.encode import EncodeStep
 from epd_proxy.journey.extract import MediaItem
@@ -46,6 +45,7 @@ from epd_proxy.ops.metrics import Metrics
 
 log = logging.getLogger("epd_proxy.pipeline")
 DP_RANK_HEADER = "X-data-parallel-rank"
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -93,7 +93,7 @@ class Pipeline:
     fleet: Registry
     health: Health
     upstream: Upstream
-    policies: dict[str, RoutingPolicy]
+    policies: Policies
     metrics: Metrics
     _: KW_ONLY
     encoding: EncodeOptions
@@ -156,11 +156,7 @@ class Pipeline:
         consumer_zmq = pinned.zmq_addrs[dp_rank or 0] if pinned.zmq_addrs else None
         return Route(decoder, prefill, pinned, dp_rank, consumer_zmq)
 
-    async def _stage(self, step, instance: Instance, body: dict[str, Any], headers, timeouts, job: ClientBody, trace):
-        """Prefill or decode (`step`) on `instance`, its outcome fed to outlier detection."""
-        return await self._call(instance, step(self.upstream, instance, body, headers, timeouts, job.dumps), trace)
-
-    async def _call(self, instance: Instance, call, trace: Trace):
+    async def _call(self, instance: Instance, call: Awaitable[T], trace: Trace) -> T:
         """Await a backend call, feeding its outcome to passive outlier detection: a transport
         failure, or the status the instance answered. Errors the proxy found on its own (an
         unwritable body, a timeout after connecting) say nothing about the instance."""
@@ -215,18 +211,20 @@ class Pipeline:
             try:
                 decode_body = prepared
                 if route.prefill is not None:
-                    prefill = partial(run_prefill, path=door.path, build=door.prefill_body)
+                    to_prefill = EngineCall(
+                        route.prefill, prepared, prefill_headers, self.prefill_timeouts, job.dumps, door.path
+                    )
                     with trace.stage("prefill", route.prefill, attempt=attempt):
-                        kv = await self._stage(
-                            prefill, route.prefill, prepared, prefill_headers, self.prefill_timeouts, job, trace
+                        kv = await self._call(
+                            route.prefill, run_prefill(self.upstream, to_prefill, door.prefill_body), trace
                         )
                     if kv:
                         decode_body = {**prepared, "kv_transfer_params": kv}
-                decode = partial(open_decode, path=door.path)
+                to_decode = EngineCall(
+                    route.decoder, decode_body, decode_headers, self.decode_timeouts, job.dumps, door.path
+                )
                 with trace.stage("decode", route.decoder, attempt=attempt) as decoding:
-                    answer = await self._stage(
-                        decode, route.decoder, decode_body, decode_headers, self.decode_timeouts, job, trace
-                    )
+                    answer = await self._call(route.decoder, open_decode(self.upstream, to_decode), trace)
                     in_band = None
                     if answer.streaming:
                         # vLLM answers a stream's headers before its engine runs: the first token
@@ -299,6 +297,7 @@ class Pipeline:
         if raw and self.consumer_encode and job.items and trace.media_failed_on is None:
             encoders = self.candidates(ENCODE)
             last_resort = swamped(self.encode.lanes, encoders, self.consumer_encode_after_s, self.encode.clock())
+        assert job.body is not None  # released only once decode commits
         history_end = door.conversation(job.body).history_end
         return plan_encode(job.items, history_end=history_end, raw=raw, reuse=self.reuse, last_resort=last_resort)
 
@@ -308,6 +307,7 @@ class Pipeline:
         """Plan (placement, then groups), encode, match: the embeddings of `items`."""
         if not items:
             return Matches()
+        assert job.body is not None  # released only once decode commits
         # Timed however it ends: a failure after 5 s logs its 5 s.
         with trace.stage("encode", attempt=trace.attempts, items=len(items)):
             assignment = self.encode.place(items, trace)

@@ -8,9 +8,9 @@ from typing import Any
 
 import orjson
 
-from epd_proxy.calls.upstream import Payload, Timeouts, Upstream
+from epd_proxy.calls.upstream import Upstream
 from epd_proxy.errors import ProxyError
-from epd_proxy.fleet.backends import CHAT_PATH, Instance
+from epd_proxy.journey.decode import EngineCall
 
 # Sampling fields that contradict a single non-streamed token: vLLM rejects min_tokens > max_tokens
 # with a 400, and extra sequences (n, best_of, beam search) would only multiply prefill's work.
@@ -47,25 +47,18 @@ def prefill_request(prepared: dict[str, Any]) -> dict[str, Any]:
 
 
 async def run_prefill(
-    upstream: Upstream,
-    prefill: Instance,
-    prepared: dict[str, Any],
-    headers: dict[str, str],
-    timeouts: Timeouts,
-    dumps: Callable[[Any], Payload] = orjson.dumps,
-    *,
-    path: str = CHAT_PATH,
-    build: Callable[[dict[str, Any]], dict[str, Any]] = prefill_request,
+    upstream: Upstream, call: EngineCall, build: Callable[[dict[str, Any]], dict[str, Any]] = prefill_request
 ) -> dict[str, Any] | None:
     """The `kv_transfer_params` prefill returned, or None. Errors keep prefill's own status.
-    `path` and `build` are the client's API's (every API vLLM serves returns them)."""
+    `call.body` is the prepared body `build` turns into prefill's; `call.path` and `build` are
+    the client's API's (every API vLLM serves returns them)."""
     answer = await upstream.call(
-        prefill,
+        call.instance,
         "POST",
-        path,
-        body=dumps(build(prepared)),
-        headers=headers,
-        timeouts=timeouts,
+        call.path,
+        body=call.dumps(build(call.body)),
+        headers=call.headers,
+        timeouts=call.timeouts,
         stage="prefill",
         what="Prefill request",
     )
@@ -78,7 +71,7 @@ async def run_prefill(
             502,
             f"Prefill answered {answer.status} with a body that is not JSON",
             stage="prefill",
-            backend=prefill.url,
+            backend=call.instance.url,
             answered=answer.status,
         ) from None
     params = parsed.get("kv_transfer_params") if isinstance(parsed, dict) else None

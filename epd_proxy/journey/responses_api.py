@@ -25,6 +25,7 @@ from epd_proxy.calls.sse import event_data, events, named_event
 from epd_proxy.errors import BadRequest, ProxyError
 from epd_proxy.journey.doors import Conversation, Door, Relayed, conversation_of, with_handles
 from epd_proxy.journey.extract import (
+    Lifted,
     MediaItem,
     NormalisedRequest,
     PartReader,
@@ -86,7 +87,7 @@ def part_list(item: Any) -> str | None:
 
 
 def normalise_responses(
-    body: Any, options: ReadOptions = ReadOptions(), lifted: Callable[[str], memoryview | None] | None = None
+    body: Any, options: ReadOptions = ReadOptions(), lifted: Lifted | None = None
 ) -> NormalisedRequest:
     """The body with every part vLLM will parse read by the chat path's rules: client uuids
     removed, references and data-less media refused, images as media items.

@@ -13,7 +13,7 @@ import random
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
@@ -236,6 +236,10 @@ class Outgoing:
     moves: int
 
 
+# What a sub-request's caller makes of the encoder's answer.
+T = TypeVar("T")
+
+
 @dataclass(frozen=True, slots=True)
 class Sender:
     """Sends one encoder sub-request and keeps its books: the metrics, a watch that calls
@@ -255,8 +259,8 @@ class Sender:
         payload: Callable[[], Payload],
         span: Callable[[], AbstractContextManager],
         overdue: Callable[[float], None],
-        read: Callable[[EncoderReply], Any] = lambda reply: reply,
-    ) -> Any:
+        read: Callable[[EncoderReply], T],
+    ) -> T:
         """What `read` makes of the answer; an answer it refuses (raises) counts as a failure, and
         teaches the lane nothing of the encoder's speed."""
         lane, encoder = out.lane, out.encoder

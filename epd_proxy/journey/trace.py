@@ -7,11 +7,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from epd_proxy.ops import tracing
 
 if TYPE_CHECKING:
+    from epd_proxy.fleet.backends import Instance
     from epd_proxy.ops.metrics import Metrics
 
 # The name operators' log filters know for the one line per request.
@@ -72,9 +74,10 @@ class Trace:
     spans: tracing.RequestSpans | None = None
     error: BaseException | None = None
 
-    def stage(self, name: str, instance: Any = None, parent: Any = None, **attributes: Any) -> Stage:
+    def stage(self, name: str, instance: Instance | None = None, parent: Any = None, /, **attributes: Any) -> Stage:
         """A step of the request: timed into its field (TIMED) however it ends, its instance
-        named once begun, and a span while tracing is on."""
+        named once begun, and a span while tracing is on. Positional up to `attributes`, whose
+        names (OpenTelemetry's, dotted) are never these."""
         url = instance.url if instance is not None else None
         if name == "prefill":
             self.prefill_url = url
@@ -137,7 +140,7 @@ class Stage:
         if self.span is not None:
             self.span.add_event(name)
 
-    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         attribute = TIMED.get(self.name)
         if attribute is not None:
             trace = self.trace
@@ -147,8 +150,9 @@ class Stage:
             if attribute is not None:
                 trace = self.trace
                 setattr(trace, attribute, max(getattr(trace, attribute), time.perf_counter() - self.started))
-        if self.span is not None:
-            tracing.close_span(self.trace.spans, self.span, self._token, exc)
+        spans = self.trace.spans
+        if self.span is not None and spans is not None:  # a span is opened only under `spans`
+            tracing.close_span(spans, self.span, self._token, exc)
 
 
 def account(metrics: Metrics, trace: Trace, status: int | str) -> None:

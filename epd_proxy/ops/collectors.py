@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import glob
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -20,7 +20,10 @@ if TYPE_CHECKING:
     from epd_proxy.fleet.roster import Roster
 # Per-instance gauges: name, help, how workers' values combine in multiprocess mode (in-flight
 # counts add up, an instance is up only while every worker routes to it, failures show the worst).
-FLEET_GAUGES = (
+# How a gauge's values from several worker processes combine (prometheus_client's modes).
+Mode = Literal["livesum", "livemin", "livemax"]
+
+FLEET_GAUGES: tuple[tuple[str, str, Mode], ...] = (
     ("epd_instance_inflight", "Requests in flight per backend instance", "livesum"),
     ("epd_instance_up", "1 while the instance is in rotation, 0 while ejected or down", "livemin"),
     ("epd_instance_consecutive_failures", "Consecutive failed health checks or transport errors", "livemax"),
@@ -29,7 +32,7 @@ FLEET_GAUGES = (
 
 
 # Per-encoder gauges of the scheduler (lanes.Lane), read at scrape time like the fleet's.
-SCHEDULER_GAUGES = (
+SCHEDULER_GAUGES: tuple[tuple[str, str, Mode], ...] = (
     (
         "epd_encoder_estimated_seconds_per_item",
         "The scheduler's estimate of an encoder's time per media item, learnt from its answers",

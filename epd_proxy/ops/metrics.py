@@ -9,10 +9,11 @@ figures whichever worker answers; series of instances no longer in the fleet are
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from epd_proxy.fleet.backends import DECODE, PREFILL_DECODE, Instance
 from epd_proxy.fleet.health import EJECTION_REASONS, Health
@@ -46,12 +47,15 @@ ITEM_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 class _AutoscaleCollector:
     """One process's autoscaling figures (autoscale.py), read at scrape time."""
 
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(self, metrics: Metrics, autoscale: scaling.Autoscale) -> None:
         self._metrics = metrics
+        self._autoscale = autoscale
 
-    def collect(self):
-        autoscale = self._metrics.autoscale
-        families = {name: CounterMetricFamily(name, text, labels=["role"]) for name, text in scaling.TOTALS}
+    def collect(self) -> Iterator[Metric]:
+        autoscale = self._autoscale
+        families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
+            name: CounterMetricFamily(name, text, labels=["role"]) for name, text in scaling.TOTALS
+        }
         families.update({name: GaugeMetricFamily(name, text, labels=["role"]) for name, text in scaling.WINDOW_GAUGES})
         name, text = scaling.ENCODER_BACKLOG
         families[name] = GaugeMetricFamily(name, text, labels=["encoder"])
@@ -61,7 +65,7 @@ class _AutoscaleCollector:
             if name == "epd_role_offered_load":
                 loads[labels[0]] = value
         yield from families.values()
-        yield self._metrics.recommended_family(loads)
+        yield self._metrics.recommended_family(autoscale, loads)
 
 
 class Metrics:
@@ -207,7 +211,7 @@ class Metrics:
     def left(self, inst: Instance) -> None:
         if self.multiprocess:
             return  # the files cannot forget a series; the scrape leaves it out (CurrentMembersOnly)
-        labels = [(family, (inst.url,)) for family in self._per_instance]
+        labels: list[tuple[Counter, tuple[str, ...]]] = [(family, (inst.url,)) for family in self._per_instance]
         labels += [(self.ejections, (inst.role, inst.url, reason)) for reason in EJECTION_REASONS]
         labels += [(self.shared_refusals, (inst.url, charged)) for charged in ("request", "encoder")]
         for family, values in labels:
@@ -240,21 +244,21 @@ class Metrics:
             name, text = scaling.ENCODER_BACKLOG
             self._scaling_gauges[name] = Gauge(name, text, ["encoder"], multiprocess_mode="livesum", registry=None)
         else:
-            self.registry.register(_AutoscaleCollector(self))
+            self.registry.register(_AutoscaleCollector(self, autoscale))
 
     def members(self, role: str) -> int:
         roles = (DECODE, PREFILL_DECODE) if role == DECODE else (role,)
         return sum(len(self._fleet.members(r)) for r in roles)
 
-    def recommended_family(self, loads: dict[str, float]) -> GaugeMetricFamily:
+    def recommended_family(self, autoscale: scaling.Autoscale, loads: dict[str, float]) -> GaugeMetricFamily:
         name, text = scaling.RECOMMENDED
         family = GaugeMetricFamily(name, text, labels=["role"])
-        for role, count in scaling.recommendations(self.autoscale, loads, self.members):
+        for role, count in scaling.recommendations(autoscale, loads, self.members):
             family.add_metric([role], count)
         return family
 
-    def _publish_scaling(self) -> None:
-        for name, labels, value in scaling.rows(self.autoscale):
+    def _publish_scaling(self, autoscale: scaling.Autoscale) -> None:
+        for name, labels, value in scaling.rows(autoscale):
             if name in self._scaling_totals:
                 # Counters in the shared files only go up: add what grew since the last publish.
                 key = (name, labels[0])
@@ -290,7 +294,7 @@ class Metrics:
                     if value is not None:
                         gauge.labels(url).set(value)
         if self.autoscale is not None:
-            self._publish_scaling()
+            self._publish_scaling(self.autoscale)
 
     def render(self) -> bytes:
         if not self.multiprocess:
@@ -307,7 +311,7 @@ class Metrics:
                     for sample in family.samples:
                         role = sample.labels["role"]
                         loads[role] = loads.get(role, 0.0) + sample.value
-            merged.append(self.recommended_family(loads))
+            merged.append(self.recommended_family(self.autoscale, loads))
         every_worker.register(Fixed(merged))
         for collector in self._shared_collectors:
             every_worker.register(collector)

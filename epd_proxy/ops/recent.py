@@ -12,7 +12,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 STAGES = ("encode", "prefill", "decode_ttfb", "total")
 # Tuple layout of one finished request (flat tuples of numbers are cheap to keep and to drop).
@@ -48,6 +48,36 @@ def percentile(sorted_values: Sequence[float], q: float) -> float | None:
     return sorted_values[rank - 1]
 
 
+class Finished(Protocol):
+    """What the window keeps of a finished request (journey/trace.py's Trace)."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def endpoint(self) -> str: ...
+    @property
+    def items(self) -> int: ...
+    @property
+    def attempts(self) -> int: ...
+    @property
+    def encoder_requests(self) -> int: ...
+    @property
+    def encoder_failovers(self) -> int: ...
+    @property
+    def subrequest_share(self) -> float: ...
+    @property
+    def coalesced(self) -> int: ...
+    @property
+    def affinity_hits(self) -> int: ...
+    @property
+    def encode_s(self) -> float: ...
+    @property
+    def prefill_s(self) -> float: ...
+    @property
+    def decode_ttfb_s(self) -> float: ...
+    def waits(self) -> dict[str, float]: ...
+
+
 class RecentRequests:
     """A ring of the most recent finished requests, summarised over a sliding window."""
 
@@ -59,7 +89,7 @@ class RecentRequests:
         self.started = clock()
         self._ring: deque[tuple] = deque(maxlen=capacity)
 
-    def record(self, end: float, status: int | str, total_s: float, trace: Any) -> None:
+    def record(self, end: float, status: int | str, total_s: float, trace: Finished) -> None:
         """One finished request; `end` is on this object's clock (perf_counter by default).
         `status` is what epd_requests_total counts: the HTTP status, or "aborted"."""
         self._ring.append(

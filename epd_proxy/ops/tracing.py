@@ -26,6 +26,7 @@ import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from types import TracebackType
 from typing import Any
 
 from epd_proxy.calls.upstream import CONTEXT_HEADERS
@@ -115,13 +116,13 @@ def span_exporter(endpoint: str) -> Any:
     http/protobuf; anything else is refused at startup."""
     protocol = os.environ.get(PROTOCOL_VARIABLE, "grpc")
     if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
 
-        return OTLPSpanExporter(endpoint=endpoint, insecure=True)
+        return GrpcExporter(endpoint=endpoint, insecure=True)
     if protocol == "http/protobuf":
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
 
-        return OTLPSpanExporter(endpoint=endpoint)
+        return HttpExporter(endpoint=endpoint)
     raise TracingUnavailable(f"{PROTOCOL_VARIABLE}={protocol!r}: only grpc and http/protobuf are supported")
 
 
@@ -278,8 +279,9 @@ def queued_subrequest(waiting: Iterable[Any], url: str, items: int) -> AbstractC
     if not members:
         return _NOTHING
     trace = _api.trace
+    links: list[Any] = []
     if len(members) == 1:
-        context, links = trace.set_span_in_context(members[0]), ()
+        context = trace.set_span_in_context(members[0])
     else:
         context = trace.set_span_in_context(trace.INVALID_SPAN)
         links = [_api.link(member.get_span_context()) for member in members]
@@ -309,7 +311,7 @@ class _Current:
         self._token = CONTEXT_HEADERS.set(_headers_of(self.span))
         return self.span
 
-    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         CONTEXT_HEADERS.reset(self._token)
         if exc is not None:
             failed(self.span, exc)

@@ -231,11 +231,12 @@ def test_a_stage_limit_of_zero_is_none():
 
 
 def test_every_choice_has_an_implementation():
-    from epd_proxy.fleet.routing import POLICIES
+    from epd_proxy.fleet.routing import POLICIES, SERVING
     from epd_proxy.journey.extract import MEDIA_HASHES
 
     assert set(MEDIA_HASH_NAMES) == set(MEDIA_HASHES)
     assert set(ENCODE_POLICIES) | set(SERVING_POLICIES) <= set(POLICIES)
+    assert set(SERVING) == set(SERVING_POLICIES), "prefill and decode choose from policies that take a missing key"
 
 
 def _imported_from_the_package(module) -> set[str]:

@@ -123,6 +123,20 @@ def test_values_set_in_code_are_checked_as_flags_are():
     assert Made(wait_s=None).wait_s is None, "None stays the unset default"
 
 
+def test_no_limit_in_code_for_seconds_that_have_one_is_a_clear_error():
+    """None where the default is a number of seconds: a ConfigError that says so, not a TypeError."""
+
+    @dataclass(frozen=True)
+    class Timed:
+        wait_s: float = option(5.0, Seconds(), "seconds", flag="--wait")
+
+        def __post_init__(self) -> None:
+            check(self)
+
+    with pytest.raises(ConfigError, match="argument --wait: must be a number of seconds, got None"):
+        Timed(wait_s=None)
+
+
 def test_help_shows_each_default_once_in_its_section():
     text = parser().format_help()
     assert "how many (default: $MADE_SIZE or 3)" in text

@@ -58,7 +58,7 @@ def test_workers_in_dynamic_mode_need_the_roster(monkeypatch, capsys):
         cli.main(["serve", "--dynamic-registration", "--workers", "2"])
     assert "--roster" in capsys.readouterr().err
     started = []
-    monkeypatch.setattr(cli, "serve", lambda config, level, workers: started.append((config.roster_url, workers)))
+    monkeypatch.setattr(cli, "serve", lambda config: started.append((config.roster_url, config.workers)))
     assert cli.main(["serve", "--dynamic-registration", "--workers", "2", "--roster", "redis://h:6379/0"]) == 0
     assert started == [("redis://h:6379/0", 2)]
 

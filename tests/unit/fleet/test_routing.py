@@ -5,7 +5,16 @@ import random
 import pytest
 
 from epd_proxy.fleet.backends import Instance
-from epd_proxy.fleet.routing import ContentAffinity, LeastLoaded, PowerOfTwo, RandomChoice, RoundRobin, make_policy
+from epd_proxy.fleet.routing import (
+    SERVING,
+    ContentAffinity,
+    LeastLoaded,
+    PowerOfTwo,
+    RandomChoice,
+    RoundRobin,
+    make_policy,
+    make_serving_policy,
+)
 
 
 def fleet(n):
@@ -56,6 +65,14 @@ def test_random_stays_within_candidates():
 def test_unknown_policy_is_rejected_by_name():
     with pytest.raises(ValueError, match="unknown routing policy"):
         make_policy("fastest")
+    with pytest.raises(ValueError, match="unknown prefill/decode routing policy 'content_affinity'"):
+        make_serving_policy("content_affinity")  # it needs a key for every request
+
+
+def test_a_serving_policy_takes_requests_without_a_key():
+    pds = fleet(3)
+    for name in SERVING:
+        assert len(make_serving_policy(name).choose(pds, [None, "k"])) == 2, name
 
 
 def test_content_affinity_sends_the_same_content_to_the_same_encoder():

@@ -7,7 +7,7 @@ import pytest
 from epd_proxy.calls.upstream import BROKEN, IDLE_TIMEOUT, Limits, NoAnswer, Timeouts
 from epd_proxy.errors import ErrorAnswer
 from epd_proxy.fleet.backends import CHAT_PATH, PREFILL_DECODE, Instance
-from epd_proxy.journey.decode import MAX_JSON_ANSWER_BYTES, hold_head, open_decode
+from epd_proxy.journey.decode import MAX_JSON_ANSWER_BYTES, EngineCall, hold_head, open_decode
 from tests.unit.scripted_upstream import Reply, ScriptedUpstream, json_reply, stream_reply
 
 PD = "http://pd"
@@ -25,7 +25,9 @@ def decoder() -> Instance:
 async def opened(*replies: Reply, limits: Limits = Limits()):
     upstream = ScriptedUpstream(limits)
     upstream.script(PD, *replies)
-    answer = await open_decode(upstream, decoder(), {"model": "m", "stream": True}, {"x-request-id": "r"}, TIMEOUTS)
+    answer = await open_decode(
+        upstream, EngineCall(decoder(), {"model": "m", "stream": True}, {"x-request-id": "r"}, TIMEOUTS)
+    )
     return answer, upstream
 
 
@@ -46,7 +48,7 @@ async def test_an_error_answer_raises_the_backends_own_status_and_body(status):
     upstream = ScriptedUpstream()
     upstream.script(PD, Reply(status, (body,)))
     with pytest.raises(ErrorAnswer) as err:
-        await open_decode(upstream, decoder(), {}, {}, TIMEOUTS)
+        await open_decode(upstream, EngineCall(decoder(), {}, {}, TIMEOUTS))
     exc = err.value
     assert (exc.status, exc.answered, exc.raw_body, exc.message) == (status, status, body, "bad things")
     assert (exc.stage, exc.backend) == ("decode", PD)
@@ -60,7 +62,7 @@ async def test_an_error_answer_cut_short_is_still_the_backends_status():
     upstream = ScriptedUpstream()
     upstream.script(PD, Reply(500, (b'{"error":{"mess',), breaks=BROKEN))
     with pytest.raises(ErrorAnswer) as err:
-        await open_decode(upstream, decoder(), {}, {}, TIMEOUTS)
+        await open_decode(upstream, EngineCall(decoder(), {}, {}, TIMEOUTS))
     assert err.value.status == 500 and err.value.raw_body == b""
     assert upstream.answers[0].released
 
@@ -69,7 +71,7 @@ async def test_the_error_body_cap_is_the_pools():
     upstream = ScriptedUpstream(Limits(buffered_body_bytes=1234))
     upstream.script(PD, Reply(400, (b"no",)))
     with pytest.raises(ErrorAnswer):
-        await open_decode(upstream, decoder(), {}, {}, TIMEOUTS)
+        await open_decode(upstream, EngineCall(decoder(), {}, {}, TIMEOUTS))
     assert upstream.answers[0].capped_at == 1234
 
 
@@ -89,7 +91,7 @@ async def test_no_answer_at_all_is_the_layers_failure_unchanged():
     upstream = ScriptedUpstream()
     upstream.script(PD, Reply(fails="refused"))
     with pytest.raises(NoAnswer) as err:
-        await open_decode(upstream, decoder(), {}, {}, TIMEOUTS)
+        await open_decode(upstream, EngineCall(decoder(), {}, {}, TIMEOUTS))
     assert err.value.kind == "refused" and err.value.status == 502
 
 

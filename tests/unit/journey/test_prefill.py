@@ -7,6 +7,7 @@ import pytest
 from epd_proxy.calls.upstream import RESET, NoAnswer, Timeouts
 from epd_proxy.errors import ErrorAnswer, ProxyError
 from epd_proxy.fleet.backends import CHAT_PATH, PREFILL, Instance
+from epd_proxy.journey.decode import EngineCall
 from epd_proxy.journey.prefill import run_prefill
 from tests.unit.scripted_upstream import Reply, ScriptedUpstream, json_reply
 
@@ -19,7 +20,7 @@ async def prefilled(*replies: Reply, prepared=None):
     upstream = ScriptedUpstream()
     upstream.script(P, *replies)
     body = prepared or {"model": "m", "messages": [], "stream": True, "max_tokens": 50}
-    result = await run_prefill(upstream, Instance(P, PREFILL), body, {"x-request-id": "r"}, TIMEOUTS)
+    result = await run_prefill(upstream, EngineCall(Instance(P, PREFILL), body, {"x-request-id": "r"}, TIMEOUTS))
     return result, upstream
 
 
