@@ -1,1 +1,0 @@
-"""Re-runnable benchmark of the proxy against cost-modelled fake vLLM servers (`python -m epd_proxy_tools.bench`)."""

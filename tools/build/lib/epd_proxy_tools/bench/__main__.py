@@ -1,3 +1,0 @@
-from epd_proxy_tools.bench.runner import main
-
-raise SystemExit(main())
