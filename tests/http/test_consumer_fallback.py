@@ -168,20 +168,6 @@ async def test_media_moved_off_a_stalled_encoder_never_reach_the_pd(make_stack, 
     assert len(stack.pd.requests) == before
 
 
-async def test_an_item_overdue_with_no_failover_left_is_not_handed_to_the_pd(make_stack, monkeypatch):
-    # An encoder had the media: past the move budget the request fails, the consumer encode or not.
-    monkeypatch.setattr(stalls, "OVERDUE_FLOOR_S", 1.0)
-    stack = await make_stack(encoders=2, decoders=1, encode_timeout_s=30.0, encoder_failovers=0)
-    await first_encoder_warmed(stack, stack.state, delay_s=0.05, rounds=4)
-    for encoder in stack.encoders:
-        encoder.faults.delay_s = 60.0
-    before = len(stack.pd.requests)
-    status, answer = await status_of(stack, chat(image("slow-everywhere")))
-    assert status == 504, answer
-    assert answer["error"]["stage"] == "encode"
-    assert len(stack.pd.requests) == before
-
-
 async def test_an_encoder_that_hangs_before_it_ever_answered_leaves_later_media_to_the_pd(make_stack):
     # Never measured, so only its silence tells how far behind it is: past the bound, the media of
     # later requests (which no encoder received) go to the PD instead of queueing behind it.

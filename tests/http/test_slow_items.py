@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from epd_proxy.fleet import stalls
 from epd_proxy_tools.testing.polling import eventually
 from tests.http.test_coalescing import answer_of
@@ -47,18 +49,21 @@ async def test_an_item_slow_on_every_encoder_moves_at_most_its_failovers_and_eje
         assert view["ejections"] == 0 and view["consecutive_gateway_failures"] == 0, view
 
 
+@pytest.mark.parametrize("consumer_encode", [False, True])
 async def test_once_its_failovers_are_spent_an_overdue_item_fails_with_a_504_of_the_encode_stage(
-    make_stack, monkeypatch
+    make_stack, monkeypatch, consumer_encode
 ):
+    # With the consumer's last resort on too: an encoder had the media, so the PD never gets them.
     monkeypatch.setattr(stalls, "OVERDUE_FLOOR_S", 1.0)
-    stack = await make_stack(encoders=2, encoder_failovers=0, consumer_encode=False)
+    stack = await make_stack(encoders=2, encoder_failovers=0, consumer_encode=consumer_encode)
     proxy = stack.state
     await first_encoder_warmed(stack, proxy, delay_s=0.05, rounds=3)
     for fake in stack.encoders:
         fake.faults.delay_s = 3.0
-    before = sent(stack)
+    before, pd_before = sent(stack), len(stack.pd.requests)
     status, answer = await answer_of(stack, chat(image("heavy")))
     assert status == 504, answer
+    assert len(stack.pd.requests) == pd_before
     assert answer["error"]["stage"] == "encode"
     assert "expected time" in answer["error"]["message"]
     assert sent(stack) - before == 1, "no move: --encoder-failovers 0"
