@@ -257,7 +257,11 @@ class Coalescer:
         head = works[0]
         sent = self.sender.clock()
         for work in works:
-            self.metrics.share_wait.observe(sent - work.queued_at)
+            # The queue's part of the wait ends here: from now on the request waits for the
+            # encoder's own work, which its trace counts as the encoders' time.
+            waited = sent - work.queued_at
+            self.metrics.share_wait.observe(waited)
+            work.trace.share_wait_s = max(work.trace.share_wait_s, waited)
         if len(works) == 1:
             request_id = self.ids.child_request_id(head.trace.request_id, head.items[0].index)
             trace = head.trace

@@ -20,9 +20,6 @@ if TYPE_CHECKING:
 access_log = logging.getLogger("epd_proxy.request")
 # The stages whose time the log reports, and the field each adds to, whether it succeeded or not.
 TIMED = {"encode": "encode_s", "prefill": "prefill_s", "decode": "decode_ttfb_s", "relay": "relay_s"}
-# Steps that run side by side within a stage (a request's groups wait for several encoders at once):
-# the longest one is what the request waited.
-LONGEST = {"encode.wait_to_share": "share_wait_s"}
 
 
 @dataclass(slots=True)
@@ -52,7 +49,8 @@ class Trace:
     # stalled): from then on none of its media go raw to a consumer (reuse.consumer_may_encode).
     media_failed_on: str | None = None
     encode_s: float = 0.0
-    # The longest any of its groups waited in the proxy's queue for a busy encoder (inside encode_s).
+    # The longest any of its groups waited in the proxy's queue for a busy encoder, until its
+    # sub-request was sent (inside encode_s; coalesce.py sets it).
     share_wait_s: float = 0.0
     # Reading the client's body (a slow upload).
     read_s: float = 0.0
@@ -145,11 +143,6 @@ class Stage:
         if attribute is not None:
             trace = self.trace
             setattr(trace, attribute, getattr(trace, attribute) + time.perf_counter() - self.started)
-        else:
-            attribute = LONGEST.get(self.name)
-            if attribute is not None:
-                trace = self.trace
-                setattr(trace, attribute, max(getattr(trace, attribute), time.perf_counter() - self.started))
         spans = self.trace.spans
         if self.span is not None and spans is not None:  # a span is opened only under `spans`
             tracing.close_span(spans, self.span, self._token, exc)

@@ -196,12 +196,13 @@ async def test_the_scheduler_section_says_which_parts_are_on(make_stack, overrid
 
 
 async def test_the_slowest_requests_name_the_stage_they_waited_in(make_stack, caplog):
-    # Queued behind a busy encoder's two slow sub-requests, a request's time goes to the proxy's
-    # queue: the request log and /status.json both say so.
+    # Queued behind a busy encoder's two slow sub-requests, and quick once sent, a request's time
+    # goes to the proxy's queue: the request log and /status.json both say so.
     stack = await make_stack(encoders=1)
     blockers = await busy_encoder(stack)
     with caplog.at_level(logging.INFO, logger="epd_proxy.request"):
         (queued,) = await queue_behind(stack, [chat(image("queued"))])
+        stack.encoders[0].faults.delay_s = 0.0
         results = await asyncio.gather(queued, *blockers)
     assert all(status == 200 for status, _ in results), results
     slowest = (await status_json(stack))["window"]["slowest"]
@@ -210,3 +211,18 @@ async def test_the_slowest_requests_name_the_stage_they_waited_in(make_stack, ca
     lines = [r.getMessage() for r in caplog.records if r.name == "epd_proxy.request"]
     (line,) = [line for line in lines if f"request_id={waited['request_id']} " in line]
     assert "waited_in=encode_queue" in line
+
+
+async def test_a_queued_request_whose_own_sub_request_is_slow_names_the_encoders(make_stack):
+    # The queue holds it until a blocker finishes (about SLOW_S); its own sub-request then takes
+    # three times that. The time the encoder spent on it is the encoders', not the proxy's queue.
+    stack = await make_stack(encoders=1)
+    blockers = await busy_encoder(stack)
+    (queued,) = await queue_behind(stack, [chat(image("slow-after-the-queue"))])
+    stack.encoders[0].faults.delay_s = 3 * SLOW_S
+    results = await asyncio.gather(queued, *blockers)
+    assert all(status == 200 for status, _ in results), results
+    slowest = (await status_json(stack))["window"]["slowest"]
+    (mine,) = [s for s in slowest if s["stages_ms"]["encoders"] + s["stages_ms"]["encode_queue"] > 3 * SLOW_S * 1000]
+    assert mine["waited_in"] == "encoders", mine
+    assert mine["stages_ms"]["encode_queue"] < mine["stages_ms"]["encoders"], mine
