@@ -9,7 +9,9 @@ consumer keeps a prefix cache keyed as vLLM's block hashes are (media by identif
 raw media inside the cached prefix needs nothing, outside it is loaded from the store, and only
 what neither holds is encoded locally; one without a vision tower (`text_only`, vLLM's
 --language-model-only) or with a modality's limit at 0 (`no_raw`) refuses such raw media with
-vLLM's 400, before it loads any item (which is what the proxy's media probe reads).
+vLLM's 400, before it loads any item (which is what the proxy's media probe reads). Given
+`kv_events`, a consumer keeps vLLM's block cache instead, counts tokens as its stable tokenisation
+gives them, and publishes vLLM's KV events over ZMQ (fake_kv_events.py).
 
 Failures during generation take vLLM's shape (vllm/entrypoints/openai/chat_completion/serving.py):
 a streaming request has already answered 200 and sent its first (role) chunk when the engine
