@@ -74,6 +74,9 @@ def stack_config(kind: str) -> StackConfig:
     consumers = 2 if kind == TWO_PDS else 1
     servers = encoders + consumers + (2 if kind == PREFILL else 1)
     base = find_free_port_block(servers + 1, start=int(os.environ.get("EPD_E2E_BASE_PORT", "18200")))
+    # Each PD, prefill and decode publishes its KV events on two ports, bound on every interface.
+    publishers = consumers + (1 if kind == PREFILL else 0)
+    kv_events_port = find_free_port_block(2 * publishers, host="0.0.0.0", start=base + 100)
     suffix = {EPD: "", PREFILL: "-prefill", AUDIO: "-audio", TWO_PDS: "-two-pds"}[kind]
     return StackConfig(
         encoders=encoders,
@@ -84,6 +87,7 @@ def stack_config(kind: str) -> StackConfig:
         work_dir=WORK.with_name(WORK.name + suffix),
         base_port=base,
         port=base + servers,
+        kv_events_port=kv_events_port,
         health_timeout=float(os.environ.get("EPD_E2E_HEALTH_TIMEOUT", "600")),
         # PD's DEBUG log is the only place that says it loaded an embedding
         # from the store instead of running its own encoder.

@@ -5,6 +5,7 @@ Kubernetes OpenAPI schema (kubernetes-validate's bundled copy, offline), wired t
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -76,6 +77,29 @@ def test_the_objects_are_wired_to_each_other(overlay):
         # The engines' Services are headless: one record per ready pod, which the proxy resolves.
         assert (service["spec"].get("clusterIP") == "None") == (name != "epd-proxy"), name
     assert all(claim["spec"]["accessModes"] == ["ReadWriteMany"] for claim in claims.values())
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_pd_prefill_and_decode_publishes_kv_events_on_ports_it_declares(overlay):
+    docs = render(overlay)
+    deployments, services = by_kind(docs, "Deployment"), by_kind(docs, "Service")
+    engines = {"e-pd": {"epd-pd"}, "e-p-d": {"epd-prefill", "epd-decode"}}[overlay]
+    publishing = set()
+    for name, deployment in deployments.items():
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        args = [str(arg) for arg in container.get("args", [])]
+        if "--kv-events-config" not in args:
+            continue
+        publishing.add(name)
+        config = json.loads(args[args.index("--kv-events-config") + 1])
+        assert config["enable_kv_cache_events"] is True and config["publisher"] == "zmq", name
+        ports = {port["name"]: port["containerPort"] for port in container["ports"]}
+        # A `*` host makes vLLM's publisher bind (a concrete one would make it connect out).
+        assert config["endpoint"] == f"tcp://*:{ports['kv-events']}", name
+        assert config["replay_endpoint"] == f"tcp://*:{ports['kv-replay']}", name
+        served = {port["targetPort"] for port in services[name]["spec"]["ports"]}
+        assert {"kv-events", "kv-replay"} <= served, name
+    assert publishing == engines
 
 
 def _serve_args(container: dict) -> list[str]:

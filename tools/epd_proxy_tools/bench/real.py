@@ -152,6 +152,8 @@ class RealBench:
             self.stack = LocalStack(config, progress_stream=sys.stderr)
             self.stack.start(tty=False)
             st = self.stack
+            for line in st.kv_events_summary():
+                sys.stderr.write(f"[bench] KV events: {line}\n")
             cores = assign_cores(a.encoders, True, sorted(os.sched_getaffinity(0)), prefill=a.prefill, consumers=a.pds)
             for m in st.instances:
                 kind = m.name.split("-")[0]

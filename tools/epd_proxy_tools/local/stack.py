@@ -146,6 +146,23 @@ class StackConfig:
         (), Words(), "extra arguments for `epd-proxy serve`, one shell-quoted string", flag="--proxy-args"
     )
     keep_ec_store: bool = option(False, Switch(), "do not clear the EC store folder at start", flag="--keep-ec-store")
+    # Where each engine's prefix cache stands, for a router to place requests and skip encoding what
+    # an engine already holds: vLLM's KV-cache events over ZMQ (see docs/local-stack.md).
+    kv_events: bool = option(
+        True,
+        Switch(False),
+        "start PD, prefill and decode without `--kv-events-config` (their KV-cache events over ZMQ)",
+        flag="--no-kv-events",
+    )
+    kv_events_port: int | None = option(
+        None,
+        Count(1, 65535),
+        "first port of the KV-event publishers: each PD, prefill and decode in turn takes two per data-parallel "
+        "rank, its events' then its replay's (bound on every interface, as vLLM binds `tcp://*`)",
+        flag="--kv-events-port",
+        metavar="PORT",
+        shown="--base-port + 100",
+    )
     otlp_traces_endpoint: str = option(
         "",
         Text(),
@@ -235,6 +252,38 @@ def _connector_config(kind: str, connector: str, role: str, store: Path) -> str:
     return json.dumps(config, separators=(",", ":"))
 
 
+def data_parallel_size(args: Sequence[str]) -> int:
+    """The data-parallel size among extra vLLM arguments (each rank publishes on its own ports)."""
+    for i, arg in enumerate(args):
+        if arg in ("--data-parallel-size", "-dp") and i + 1 < len(args):
+            return int(args[i + 1])
+        if arg.startswith("--data-parallel-size="):
+            return int(arg.split("=", 1)[1])
+    return 1
+
+
+@dataclass(frozen=True)
+class KvEventPorts:
+    """Where one engine publishes its KV events: rank k on `events + k`, its replay on `replay + k`."""
+
+    events: int
+    replay: int
+    ranks: int
+
+    def config(self) -> str:
+        """vLLM's `--kv-events-config`: a `*` host makes its publisher bind, on every interface."""
+        config = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{self.events}",
+            "replay_endpoint": f"tcp://*:{self.replay}",
+        }
+        return json.dumps(config, separators=(",", ":"))
+
+    def ports(self) -> list[int]:
+        return [*range(self.events, self.events + self.ranks), *range(self.replay, self.replay + self.ranks)]
+
+
 def _repo_root() -> Path:
     return Path(__file__).resolve().parents[3]
 
@@ -320,6 +369,32 @@ class LocalStack:
     def proxy_url(self) -> str:
         return f"http://{self.config.host}:{self.config.port}"
 
+    def kv_event_ports(self) -> dict[str, KvEventPorts]:
+        """Each PD, prefill and decode's KV-event ports, in a block from `--kv-events-port`; empty
+        with `--no-kv-events`."""
+        c = self.config
+        if not c.kv_events:
+            return {}
+        ranks = data_parallel_size(c.extra_vllm_args)
+        names = consumer_names(c.prefill, c.consumers) + (["decode"] if c.prefill else [])
+        first = c.kv_events_port or c.base_port + 100
+        return {
+            name: KvEventPorts(first + 2 * ranks * k, first + 2 * ranks * k + ranks, ranks)
+            for k, name in enumerate(names)
+        }
+
+    def kv_events_summary(self) -> list[str]:
+        """Where the engines publish, one line each, for the ready banner and the benchmark."""
+        host = "127.0.0.1" if self.config.host in ("0.0.0.0", "::") else self.config.host
+        lines = []
+        for name, ports in self.kv_event_ports().items():
+            ranks = f" (rank k: +k, {ports.ranks} ranks)" if ports.ranks > 1 else ""
+            lines.append(
+                f"{name} tcp://{host}:{ports.events}, replay tcp://{host}:{ports.replay}{ranks}; "
+                f"{self._url(name)}/kv_event_sources"
+            )
+        return lines
+
     def log_path(self, name: str) -> Path:
         return self.log_dir / f"{name}.log"
 
@@ -382,6 +457,8 @@ class LocalStack:
             cmd += ["--block-size", str(c.kv_block_size)]
         if kv_role:
             cmd += ["--kv-transfer-config", _connector_config("kv", "ExampleConnector", kv_role, self.kv_store)]
+        if name in (publishers := self.kv_event_ports()):
+            cmd += ["--kv-events-config", publishers[name].config()]
         cmd += list(c.extra_vllm_args)
         cmd += self._tracing_args()
         return cmd
@@ -491,9 +568,14 @@ class LocalStack:
             port = int(m.health_url.rsplit(":", 1)[1].split("/")[0])
             if not port_free(self.config.host, port):
                 busy.append(f"{m.name}:{port}")
+        for name, ports in self.kv_event_ports().items():
+            # The publishers bind every interface: a port taken on any address is taken.
+            busy += [f"{name} KV events:{port}" for port in ports.ports() if not port_free("0.0.0.0", port)]
         if busy:
             raise StackError(
-                "ports already in use: " + ", ".join(busy) + " (another stack running? try --base-port/--port)"
+                "ports already in use: "
+                + ", ".join(busy)
+                + " (another stack running? try --base-port/--port/--kv-events-port)"
             )
 
     def _reap_stale(self) -> None:

@@ -109,6 +109,12 @@ def write_example(stack: LocalStack) -> None:
         path.write_text(json.dumps(body))
 
 
+def kv_events_lines(stack: LocalStack) -> list[str]:
+    """Where each engine publishes its KV-cache events (ZMQ SUB there; replay through a DEALER)."""
+    lines = stack.kv_events_summary()
+    return [f"  {'KV events:' if i == 0 else '':<10} {line}" for i, line in enumerate(lines)]
+
+
 def ready_banner(stack: LocalStack) -> str:
     url = stack.proxy_url
     model = stack.model_name
@@ -132,6 +138,7 @@ def ready_banner(stack: LocalStack) -> str:
         f"  logs:     {stack.log_dir}",
         f"  EC store: {stack.ec_store}",
         *([f"  KV store: {stack.kv_store}"] if stack.prefill_url else []),
+        *kv_events_lines(stack),
         "",
     ]
     if path is None:

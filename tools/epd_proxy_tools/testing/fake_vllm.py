@@ -9,7 +9,9 @@ consumer keeps a prefix cache keyed as vLLM's block hashes are (media by identif
 raw media inside the cached prefix needs nothing, outside it is loaded from the store, and only
 what neither holds is encoded locally; one without a vision tower (`text_only`, vLLM's
 --language-model-only) or with a modality's limit at 0 (`no_raw`) refuses such raw media with
-vLLM's 400, before it loads any item (which is what the proxy's media probe reads).
+vLLM's 400, before it loads any item (which is what the proxy's media probe reads). Given
+`kv_events`, a consumer keeps vLLM's block cache instead, counts tokens as its stable tokenisation
+gives them, and publishes vLLM's KV events over ZMQ (fake_kv_events.py).
 
 Failures during generation take vLLM's shape (vllm/entrypoints/openai/chat_completion/serving.py):
 a streaming request has already answered 200 and sent its first (role) chunk when the engine
@@ -42,6 +44,7 @@ from aiohttp import web
 
 from epd_proxy.fleet.capabilities import PROBE_REQUEST_ID
 from epd_proxy_tools.testing import bare_server, fake_doors
+from epd_proxy_tools.testing.fake_kv_events import KvEngine, KvEventsOptions, Served, tokenize
 
 MEDIA_KEYS = {"image_url": "image", "audio_url": "audio", "input_audio": "audio", "video_url": "video"}
 EMBEDS_KEYS = {"image_embeds": "image", "audio_embeds": "audio", "video_embeds": "video"}
@@ -322,12 +325,12 @@ class PrefixCache:
         self.capacity = capacity
         self._chains: OrderedDict[bytes, None] = OrderedDict()
 
-    def cached(self, pieces: list[tuple[str, int]]) -> int:
+    def cached(self, pieces: list[tuple[str, int, str]]) -> int:
         """How many leading pieces were cached; all of them are from now on."""
         chain = b""
         hits = 0
         missed = False
-        for key, _ in pieces:
+        for key, *_ in pieces:
             chain = hashlib.blake2b(chain + key.encode(), digest_size=16).digest()
             if not missed and chain in self._chains:
                 self._chains.move_to_end(chain)
@@ -406,7 +409,8 @@ class Resolved(NamedTuple):
     seen: list[str]
     identifiers: list[str]
     references: int
-    pieces: list[tuple[str, int]]
+    # (key, tokens, kind): kind is "role", "text" or the media item's modality.
+    pieces: list[tuple[str, int, str]]
     raw: list[int]
 
 
@@ -448,6 +452,9 @@ class FakeVLLM:
     # Modalities started with a limit per prompt of 0 (`--limit-mm-per-prompt '{"video": 0}'`);
     # `text_only` is all of them.
     no_raw: frozenset[str] = frozenset()
+    # A PD, prefill or decode that keeps a block cache and publishes vLLM's KV events over ZMQ
+    # (fake_kv_events.py); off, the fake keeps its cheaper piece-wise prefix cache and no socket.
+    kv_events: KvEventsOptions | None = None
     prefix: PrefixCache = field(default_factory=PrefixCache, init=False)
     # When the encoder's GPU is free again. An exact clock rather than lock + sleep, so timer
     # rounding (1 ms in the event loop) does not add up across queued sub-requests.
@@ -473,6 +480,20 @@ class FakeVLLM:
 
     def __post_init__(self) -> None:
         self.cache = SeenCache(self.costs.cache_items)
+        self.kv = KvEngine(self.kv_events) if self.kv_events is not None and self.role != "encode" else None
+
+    def close(self) -> None:
+        """Release the KV-event sockets (the HTTP side belongs to whichever server hosts the fake)."""
+        if self.kv is not None:
+            self.kv.close()
+
+    def restart_engine(self) -> None:
+        """As if the engine had restarted on the same ports: every cache empty, KV-event sequence
+        numbers from 0, nothing left to replay."""
+        self.prefix = PrefixCache()
+        self.cache = SeenCache(self.costs.cache_items)
+        if self.kv is not None:
+            self.kv.restart()
 
     def routes(self) -> dict[tuple[str, str], Callable[[Exchange], Awaitable[Answer | None]]]:
         """Method and path -> handler. A handler returns a whole answer, or None once it has
@@ -487,6 +508,8 @@ class FakeVLLM:
             ("GET", "/v1/models"): self.models,
             ("POST", "/start_profile"): self.profile,
             ("POST", "/stop_profile"): self.profile,
+            ("GET", "/kv_event_sources"): self.kv_event_sources,
+            ("POST", "/reset_prefix_cache"): self.reset_prefix_cache,
         }
 
     def app(self) -> web.Application:
@@ -494,6 +517,11 @@ class FakeVLLM:
         app = web.Application(client_max_size=256 * 1024 * 1024)
         for (method, path), handler in self.routes().items():
             app.router.add_route(method, path, _under_aiohttp(handler))
+
+        async def release(_: web.Application) -> None:
+            self.close()
+
+        app.on_cleanup.append(release)
         return app
 
     def bare_handler(self) -> bare_server.Handler:
@@ -521,6 +549,18 @@ class FakeVLLM:
 
     async def profile(self, exchange: Exchange) -> Answer:
         return Answer(200)
+
+    async def kv_event_sources(self, exchange: Exchange) -> Answer:
+        """Where each data-parallel rank publishes, as vLLM 0.32 answers it: {} without events."""
+        return _json(self.kv.sources() if self.kv is not None else {})
+
+    async def reset_prefix_cache(self, exchange: Exchange) -> Answer:
+        """vLLM's dev endpoint (VLLM_SERVER_DEV_MODE=1): the prefix cache emptied, and with KV
+        events on an `AllBlocksCleared` published."""
+        self.prefix = PrefixCache()
+        if self.kv is not None:
+            self.kv.reset_prefix_cache()
+        return _json({"success": True})
 
     async def responses(self, exchange: Exchange) -> Answer | None:
         return await self.chat(exchange, fake_doors.RESPONSES)
@@ -662,20 +702,20 @@ class FakeVLLM:
         identifiers: list[str] = []
         references = 0
         # The prompt as the prefix cache chains it, and the piece of each raw media item.
-        pieces: list[tuple[str, int]] = []
+        pieces: list[tuple[str, int, str]] = []
         raw: list[int] = []
         refused = frozenset(EMBEDS_KEYS.values()) if self.text_only else self.no_raw
         if problem := _over_limit(body, refused) or _mixed_modality(body):
             return _engine_error(problem, 400)
         for message in body["messages"]:
-            pieces.append((f"<{message.get('role')}>", 1))
+            pieces.append((f"<{message.get('role')}>", 1, "role"))
             content = message.get("content")
             if not isinstance(content, list):
-                pieces.append((str(content), text_tokens(str(content))))
+                pieces.append((str(content), text_tokens(str(content)), "text"))
                 continue
             for part in content:
                 if isinstance(part, dict) and part.get("type") == "text":
-                    pieces.append((str(part.get("text")), text_tokens(str(part.get("text")))))
+                    pieces.append((str(part.get("text")), text_tokens(str(part.get("text"))), "text"))
                 kind = vllm_part_kind(part)
                 if kind == "prompt_embeds":
                     return _engine_error("You must set `--enable-prompt-embeds` to input `prompt_embeds`.", 400)
@@ -703,7 +743,7 @@ class FakeVLLM:
                     references += 1
                     seen.append(f"{identity}:{shape}")
                     identifiers.append(key)
-                    pieces.append((key, tokens_of(modality, shape)))
+                    pieces.append((key, tokens_of(modality, shape), modality))
                 elif kind in MEDIA_KEYS:
                     modality = MEDIA_KEYS[kind]
                     media = media_source(part, kind)
@@ -717,20 +757,32 @@ class FakeVLLM:
                     seen.append(f"{identity}:{shape}")
                     identifiers.append(key)
                     raw.append(len(pieces))
-                    pieces.append((key, tokens_of(modality, shape)))
+                    pieces.append((key, tokens_of(modality, shape), modality))
         return Resolved(seen, identifiers, references, pieces, raw)
 
-    def _compute(self, resolved: Resolved, tag: str) -> None:
+    def _compute(self, resolved: Resolved, tag: str, body: dict[str, Any], answer: str) -> Served | None:
         """What the engine computes of the prompt: vLLM's scheduler needs no encoder output for an
         item inside the prefix-cached tokens, loads one the EC connector has
         (`_try_schedule_encoder_inputs`), and encodes the rest itself. A decode instance's KV
-        comes from prefill."""
+        comes from prefill. With KV events on, the block cache of `fake_kv_events` decides what
+        was cached, in tokens, and says so on the ZMQ socket."""
+        served = None
+        if self.kv is not None:
+            prompt = tokenize(resolved.pieces)
+            limit = body.get("max_completion_tokens") or body.get("max_tokens")
+            generated = list(answer.encode())[: limit if isinstance(limit, int) and limit > 0 else None]
+            salt = body.get("cache_salt")
+            served = self.kv.serve(prompt, generated, salt if isinstance(salt, str) else None)
         if self.role == "decode":
             hit = len(resolved.pieces)
+        elif served is not None:
+            hit = sum(1 for end in prompt.ends if end <= served.cached_tokens)
+            self.counts.prompt_tokens[tag] += served.prompt_tokens
+            self.counts.cached_tokens[tag] += served.cached_tokens
         else:
             hit = self.prefix.cached(resolved.pieces)
-            self.counts.prompt_tokens[tag] += sum(tokens for _, tokens in resolved.pieces)
-            self.counts.cached_tokens[tag] += sum(tokens for _, tokens in resolved.pieces[:hit])
+            self.counts.prompt_tokens[tag] += sum(tokens for _, tokens, _ in resolved.pieces)
+            self.counts.cached_tokens[tag] += sum(tokens for _, tokens, _ in resolved.pieces[:hit])
         for position in resolved.raw:
             key = resolved.pieces[position][0]
             if position < hit:
@@ -741,6 +793,34 @@ class FakeVLLM:
             else:
                 self.encoded_locally += 1
                 self.counts.local_encodes[tag] += 1
+        return served
+
+    def _usage(self, media: Resolved, served: Served | None, body: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's usage: with KV events on, from the tokens the block cache counted, and with
+        `prompt_tokens_details` (--enable-prompt-tokens-details) what the cache held; decode
+        reports prefill's hits, which prefill hands over in `kv_transfer_params`."""
+        if served is None:
+            return {"prompt_tokens": 10 + len(media.seen), "completion_tokens": 7, "total_tokens": 17 + len(media.seen)}
+        usage: dict[str, Any] = {
+            "prompt_tokens": served.prompt_tokens,
+            "completion_tokens": served.completion_tokens,
+            "total_tokens": served.prompt_tokens + served.completion_tokens,
+        }
+        if self.kv is not None and self.kv.options.prompt_tokens_details:
+            cached = served.cached_tokens
+            remote = (body.get("kv_transfer_params") or {}).get("remote_prefill_cached_tokens")
+            if self.role == "decode" and isinstance(remote, int):
+                cached = remote
+            modalities: dict[str, int] = defaultdict(int)
+            for _, tokens, kind in media.pieces:
+                if kind not in ("role", "text"):
+                    modalities[kind] += tokens
+            usage["prompt_tokens_details"] = {
+                "cached_tokens": cached,
+                "created_cache_tokens": served.created_tokens,
+                "multimodal_tokens": dict(modalities) or None,
+            }
+        return usage
 
     def _unresolved_push(self, body: dict[str, Any], identifiers: list[str]) -> str | None:
         """Why a Mooncake consumer cannot obtain some item's embedding, or None.
@@ -785,8 +865,14 @@ class FakeVLLM:
         media = self._resolve_media(body)
         if isinstance(media, Answer):
             return media
-        self._compute(media, tag)
         resolved, identifiers, references = media.seen, media.identifiers, media.references
+        texts = [
+            part.get("text", "") if isinstance(part, dict) else ""
+            for m in body["messages"]
+            for part in (m["content"] if isinstance(m.get("content"), list) else [{"text": m.get("content") or ""}])
+        ]
+        answer = "answer-" + _digest(texts, resolved)[:12] + ANSWER_SUFFIX
+        served = self._compute(media, tag, body, answer)
         self.counts.images[tag] += references
         self.counts.raw_images[tag] += len(resolved) - references
         failure = "injected generation error" if self.faults.generation_error() else None
@@ -802,14 +888,8 @@ class FakeVLLM:
                     return None
                 return await self._stream_generation_error(exchange, f"chatcmpl-{next(self._ids)}", body.get("model"))
             return _engine_error("Internal server error")
-        texts = [
-            part.get("text", "") if isinstance(part, dict) else ""
-            for m in body["messages"]
-            for part in (m["content"] if isinstance(m.get("content"), list) else [{"text": m.get("content") or ""}])
-        ]
-        answer = "answer-" + _digest(texts, resolved)[:12] + ANSWER_SUFFIX
         completion_id = f"chatcmpl-{next(self._ids)}"
-        usage = {"prompt_tokens": 10 + len(resolved), "completion_tokens": 7, "total_tokens": 17 + len(resolved)}
+        usage = self._usage(media, served, body)
         if self.role == "prefill":
             kv = {
                 "do_remote_prefill": True,
@@ -819,6 +899,9 @@ class FakeVLLM:
                 "remote_host": "127.0.0.1",
                 "remote_port": 5600,
             }
+            if served is not None:
+                # vLLM 0.32's prefill hands its prefix hits to decode, which reports them.
+                kv["remote_prefill_cached_tokens"] = served.cached_tokens
             if api != "chat":
                 native = fake_doors.answer_json(
                     api, completion_id, body.get("model"), "x", {**usage, "completion_tokens": 1}, kv
@@ -1026,6 +1109,7 @@ async def serve(spec: dict[str, Any]) -> None:
     loop = asyncio.get_running_loop()
     store = ECStore()
     servers, ports = [], {}
+    fakes: list[FakeVLLM] = []
     for entry in spec["servers"]:
         costs = Costs(
             entry.get("request_ms", 0.0) / 1000,
@@ -1035,6 +1119,7 @@ async def serve(spec: dict[str, Any]) -> None:
             repeat_factor=entry.get("repeat_factor", 1.0),
             cache_items=entry.get("cache_items", 0),
         )
+        kv_events = entry.get("kv_events")
         fake = FakeVLLM(
             entry["role"],
             store,
@@ -1042,7 +1127,9 @@ async def serve(spec: dict[str, Any]) -> None:
             record=False,
             piece_bytes=None,
             tokens_per_chunk=BENCH_TOKENS_PER_CHUNK,
+            kv_events=KvEventsOptions(**kv_events) if kv_events is not None else None,
         )
+        fakes.append(fake)
         server = await bare_server.start_server(fake.bare_handler(), "127.0.0.1", entry.get("port", 0))
         servers.append(server)
         ports[entry["name"]] = server.sockets[0].getsockname()[1]
@@ -1057,12 +1144,15 @@ async def serve(spec: dict[str, Any]) -> None:
         await asyncio.wait([stop], timeout=1.0)
     for server in servers:
         server.close()
+    for fake in fakes:
+        fake.close()
 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m epd_proxy_tools.testing.fake_vllm '{"servers": [{"name", "role", "request_ms",
-    "image_ms", "answer_ms", "slowdown", "repeat_factor", "cache_items", "port"}, ...]}'`: the
-    benchmark's fakes, in a process of their own (see `Costs`)."""
+    "image_ms", "answer_ms", "slowdown", "repeat_factor", "cache_items", "port", "kv_events"}, ...]}'`:
+    the benchmark's fakes, in a process of their own (see `Costs`; `kv_events` holds the fields of
+    `KvEventsOptions`, and turns the block cache and its publisher on)."""
     argv = sys.argv[1:] if argv is None else argv
     spec = orjson.loads(argv[0])
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 from contextlib import ExitStack
@@ -13,7 +14,7 @@ import pytest
 from epd_proxy.options import options, parse_into
 from epd_proxy_tools.local.stack import DEFAULT_LIMITS, LocalStack, StackConfig
 from epd_proxy_tools.local.supervisor import StackError
-from epd_proxy_tools.local.up import COMMAND, UpRun, build_parser
+from epd_proxy_tools.local.up import COMMAND, UpRun, build_parser, ready_banner
 from epd_proxy_tools.local.up import main as up_main
 
 
@@ -124,3 +125,60 @@ def test_with_the_ports_free_the_model_build_comes_next(builds, tmp_path, capsys
     assert builds == [tmp_path.resolve() / "tiny-vlm"]
     assert "stopped at the model build" in capsys.readouterr().err
     assert os.path.isdir(tmp_path / "logs")
+
+
+def _kv_config(cmd: list[str]) -> dict | None:
+    return json.loads(cmd[cmd.index("--kv-events-config") + 1]) if "--kv-events-config" in cmd else None
+
+
+def test_pd_publishes_kv_events_by_default_and_the_banner_says_where():
+    stack = LocalStack(StackConfig(encoders=2, baseline=True))
+    configs = {m.name: _kv_config(m.cmd) for m in stack.instances}
+    assert configs == {
+        "encoder-0": None,
+        "encoder-1": None,
+        "pd": {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": "tcp://*:8300",
+            "replay_endpoint": "tcp://*:8301",
+        },
+        "baseline": None,
+    }
+    banner = ready_banner(stack)
+    assert (
+        "KV events: pd tcp://127.0.0.1:8300, replay tcp://127.0.0.1:8301; http://127.0.0.1:8200/kv_event_sources"
+        in (" ".join(banner.split()))
+    )
+    assert "--kv-events-config" in stack.shell_script()
+    off = LocalStack(StackConfig(kv_events=False))
+    assert all(_kv_config(m.cmd) is None for m in off.instances) and "KV events" not in ready_banner(off)
+
+
+def test_every_prefill_and_decode_rank_publishes_on_ports_of_its_own():
+    config = StackConfig(
+        prefill=True, consumers=2, base_port=9000, kv_events_port=9500, extra_vllm_args=("--data-parallel-size", "2")
+    )
+    stack = LocalStack(config)
+    configs = {m.name: _kv_config(m.cmd) for m in stack.instances if _kv_config(m.cmd)}
+    assert {name: (c["endpoint"], c["replay_endpoint"]) for name, c in configs.items()} == {
+        "prefill": ("tcp://*:9500", "tcp://*:9502"),
+        "prefill-1": ("tcp://*:9504", "tcp://*:9506"),
+        "decode": ("tcp://*:9508", "tcp://*:9510"),
+    }
+    # vLLM adds the rank to both ports: every rank's pair is free of every other's and of HTTP's.
+    taken = [port for ports in stack.kv_event_ports().values() for port in ports.ports()]
+    http = [int(m.health_url.rsplit(":", 1)[1].split("/")[0]) for m in stack.all_processes()]
+    assert sorted(taken) == list(range(9500, 9512)) and not set(taken) & set(http)
+    assert parse("--kv-events-port", "9500", "--no-kv-events")[0].kv_events is False
+
+
+def test_a_taken_kv_event_port_fails_before_the_model_is_built(builds, tmp_path, capsys):
+    proxy_port, base_port, kv_port = _free_ports(3)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", kv_port + 1))
+        taken.listen()
+        argv = ["--port", str(proxy_port), "--base-port", str(base_port), "--kv-events-port", str(kv_port)]
+        assert up_main([*argv, "--work-dir", str(tmp_path)]) == 1
+    assert builds == []
+    assert f"pd KV events:{kv_port + 1}" in capsys.readouterr().err
