@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from epd_proxy.config import Config
 from epd_proxy.errors import ProxyError
-from epd_proxy.tenants import Tenant, Tenants
+from epd_proxy.tenants import Tenant, Tenants, TrustedNetworks
 
 # What `vllm serve --api-key` guards (its AuthenticationMiddleware): plain string prefixes, so /v1x too.
 GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
@@ -55,6 +55,19 @@ def check_client_key(
         )
     ):
         raise _unauthenticated()
+
+
+@dataclass(frozen=True, slots=True)
+class Gateway:
+    """`--tenant-header` and `--trusted-proxies`: the header a gateway names the tenant in, and
+    the peers whose connections may."""
+
+    header: str
+    trusted: TrustedNetworks
+
+    def named(self, value: str | None, peer: str | None) -> str | None:
+        """The tenant the header names, when a trusted peer sent it; from anyone else it is not read."""
+        return value if value is not None and self.trusted.contain(peer) else None
 
 
 def identify(

@@ -15,7 +15,7 @@ import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from epd_proxy.errors import BadRequest, ProxyError
 from epd_proxy.tenants import MAX_DEADLINE_MS
@@ -57,20 +57,30 @@ class Backlog:
     raw_after_s: float | None = None
 
 
-def predicted_wait(backlog: Backlog, largest_item: float) -> float:
-    """Seconds before a request whose largest media item costs `largest_item` image-equivalents
-    (0: no media) can start on a consumer, at the least."""
-    encode = 0.0
+class Wait(NamedTuple):
+    """A request's predicted wait to start on a consumer, its own encoding included."""
+
+    seconds: float
+    # Whether other requests' work is part of it: the fleet has a queue, it is not only slow.
+    queued: bool
+
+
+def predicted_wait(backlog: Backlog, largest_item: float) -> Wait:
+    """How long a request whose largest media item costs `largest_item` image-equivalents (0: no
+    media) waits before it can start on a consumer, at the least."""
+    encode, queued = 0.0, False
     if largest_item > 0 and backlog.encoders:
-        encode = min(e.backlog_s + e.fixed_s + e.item_s * largest_item for e in backlog.encoders)
+        best = min(backlog.encoders, key=lambda e: e.backlog_s + e.fixed_s + e.item_s * largest_item)
+        encode = best.backlog_s + best.fixed_s + best.item_s * largest_item
+        queued = best.backlog_s > 0
         if backlog.raw_after_s is not None and encode > backlog.raw_after_s:
             encode = backlog.raw_after_s
-    queue = 0.0
     if backlog.consumers and backlog.service_s > 0:
         ahead = min(backlog.consumers) - backlog.consumer_slots + 1
         if ahead > 0:
             queue = ahead * backlog.service_s / backlog.consumer_slots
-    return encode if encode > queue else queue
+            return Wait(encode if encode > queue else queue, True)
+    return Wait(encode, queued)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,14 +97,16 @@ def retry_after(seconds: float) -> int:
     return max(1, math.ceil(seconds - 1e-9))
 
 
-def shed_decision(wait_s: float, deadline_s: float | None, share: str) -> Shed | None:
-    """Whether a request predicted to wait `wait_s` is turned away: 429 while its tenant is over
-    its `share` and the fleet has a queue (an idle fleet serves anyone), else 503 when it cannot
-    start within its deadline; Retry-After is when the backlog it saw is worked off."""
-    if share == OVER and wait_s > 0:
-        return Shed(429, SHARE, retry_after(wait_s))
-    if deadline_s is not None and wait_s > deadline_s:
-        return Shed(503, DEADLINE, retry_after(wait_s - deadline_s))
+def shed_decision(wait: Wait, deadline_s: float | None, share: str) -> Shed | None:
+    """Whether a request predicted to `wait` is turned away. Only while the fleet has a queue (an
+    idle fleet serves anyone): 429 when its tenant is over its `share`, else 503 when it cannot
+    start within its deadline. Retry-After is when the backlog it saw is worked off."""
+    if not wait.queued:
+        return None
+    if share == OVER:
+        return Shed(429, SHARE, retry_after(wait.seconds))
+    if deadline_s is not None and wait.seconds > deadline_s:
+        return Shed(503, DEADLINE, retry_after(wait.seconds - deadline_s))
     return None
 
 

@@ -56,6 +56,7 @@ from epd_proxy.journey.admission import (  # noqa: E402
     WITHIN,
     Backlog,
     Encoder,
+    Wait,
     predicted_wait,
     request_deadline,
     shed_decision,
@@ -69,47 +70,51 @@ def backlog(*encoders: tuple[float, float, float], **others) -> Backlog:
 def test_the_wait_is_the_earliest_any_encoder_could_finish_the_largest_item():
     # Backlogs 4 s and 1 s; a sub-request costs 0.1 s, an image 0.5 s on each.
     fleet = backlog((4.0, 0.1, 0.5), (1.0, 0.1, 0.5))
-    assert predicted_wait(fleet, largest_item=2.0) == pytest.approx(1.0 + 0.1 + 0.5 * 2.0)
+    assert predicted_wait(fleet, largest_item=2.0) == Wait(pytest.approx(1.0 + 0.1 + 0.5 * 2.0), True)
     # A request without media waits for no encoder.
-    assert predicted_wait(fleet, largest_item=0.0) == 0.0
+    assert predicted_wait(fleet, largest_item=0.0) == Wait(0.0, False)
+    # An idle encoder: the request's own encoding, and no queue.
+    assert predicted_wait(backlog((0.0, 0.1, 0.5), (1.0, 0.1, 0.5)), 1.0) == Wait(pytest.approx(0.6), False)
 
 
 def test_without_encoders_in_rotation_no_encoder_wait_is_predicted():
-    assert predicted_wait(backlog(), largest_item=1.0) == 0.0
+    assert predicted_wait(backlog(), largest_item=1.0) == Wait(0.0, False)
 
 
 def test_beyond_the_consumers_last_resort_media_go_raw_so_the_encoder_wait_stops_there():
     fleet = backlog((60.0, 0.1, 0.5), raw_after_s=10.0)
-    assert predicted_wait(fleet, largest_item=1.0) == 10.0
+    assert predicted_wait(fleet, largest_item=1.0) == Wait(10.0, True)
 
 
 def test_a_full_consumer_makes_a_request_wait_for_a_slot():
     # Each consumer serves 4 at once, a slot is held 2 s on average; the least busy has 6 in flight:
     # 3 are ahead of a new request for 4 slots, so it waits 3/4 of a service time.
     fleet = backlog(consumers=(9, 6), consumer_slots=4, service_s=2.0)
-    assert predicted_wait(fleet, largest_item=0.0) == pytest.approx(1.5)
+    assert predicted_wait(fleet, largest_item=0.0) == Wait(pytest.approx(1.5), True)
     # Not full, or no service time measured yet: no wait.
-    assert predicted_wait(backlog(consumers=(3,), consumer_slots=4, service_s=2.0), 0.0) == 0.0
-    assert predicted_wait(backlog(consumers=(9,), consumer_slots=4, service_s=0.0), 0.0) == 0.0
+    assert predicted_wait(backlog(consumers=(3,), consumer_slots=4, service_s=2.0), 0.0) == Wait(0.0, False)
+    assert predicted_wait(backlog(consumers=(9,), consumer_slots=4, service_s=0.0), 0.0) == Wait(0.0, False)
     # Encoding and the consumer's queue go on side by side: the later of the two.
     both = backlog((1.0, 0.0, 0.5), consumers=(6,), consumer_slots=4, service_s=2.0)
-    assert predicted_wait(both, largest_item=1.0) == pytest.approx(1.5)
+    assert predicted_wait(both, largest_item=1.0) == Wait(pytest.approx(1.5), True)
 
 
 def test_a_request_that_cannot_start_within_its_deadline_is_a_503_with_the_seconds_to_retry_after():
-    shed = shed_decision(wait_s=7.2, deadline_s=2.0, share=WITHIN)
+    shed = shed_decision(Wait(7.2, True), deadline_s=2.0, share=WITHIN)
     assert shed is not None and (shed.status, shed.reason, shed.retry_after_s) == (503, DEADLINE, 6)
-    assert shed_decision(wait_s=1.9, deadline_s=2.0, share=WITHIN) is None
-    assert shed_decision(wait_s=100.0, deadline_s=None, share=WITHIN) is None
+    assert shed_decision(Wait(1.9, True), deadline_s=2.0, share=WITHIN) is None
+    assert shed_decision(Wait(100.0, True), deadline_s=None, share=WITHIN) is None
     # Retry-After is whole seconds, at least one.
-    assert shed_decision(wait_s=2.01, deadline_s=2.0, share=WITHIN).retry_after_s == 1
+    assert shed_decision(Wait(2.01, True), deadline_s=2.0, share=WITHIN).retry_after_s == 1
+    # Slower than the deadline with nothing queued is not overload: the fleet serves it.
+    assert shed_decision(Wait(7.2, False), deadline_s=2.0, share=WITHIN) is None
 
 
 def test_a_tenant_over_its_share_is_a_429_while_others_wait_and_never_on_an_idle_fleet():
-    shed = shed_decision(wait_s=0.5, deadline_s=None, share=OVER)
+    shed = shed_decision(Wait(0.5, True), deadline_s=None, share=OVER)
     assert shed is not None and (shed.status, shed.reason, shed.retry_after_s) == (429, SHARE, 1)
-    assert shed_decision(wait_s=0.0, deadline_s=None, share=OVER) is None
-    assert shed_decision(wait_s=9.0, deadline_s=2.0, share=OVER).status == 429
+    assert shed_decision(Wait(0.5, False), deadline_s=None, share=OVER) is None
+    assert shed_decision(Wait(9.0, True), deadline_s=2.0, share=OVER).status == 429
 
 
 @pytest.mark.parametrize(
