@@ -170,3 +170,14 @@ def test_trusted_proxies_are_networks_and_an_address_is_in_them_or_not():
     assert not networks.contain("192.168.0.1") and not networks.contain(None) and not networks.contain("nonsense")
     with pytest.raises(ValueError):
         kind.parse("10.0.0.0/33")
+
+
+def test_the_example_in_the_docs_is_a_tenants_file_that_reads():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "keys.md").read_text()
+    example = doc[doc.index("```toml\n") + 8 :]
+    tenants = parse_tenants(example[: example.index("```")])
+    assert tenants.by_key(b"test") is tenants.named["acme"] and tenants.named["batch"].priority == PriorityRange(
+        10, 100
+    )
