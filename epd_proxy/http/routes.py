@@ -251,16 +251,19 @@ async def serve(request: web.Request, door: Door) -> web.StreamResponse:
 
 def arrive(
     state: ProxyState, request: web.Request, tenant: Tenant | None, body: dict, items: list[MediaItem]
-) -> Callable[[], float]:
+) -> Callable[[], float] | None:
     """A request as it arrives, before anything queues it: its `priority` clamped into its
     tenant's range (and --priority-range), and turned away at once if it cannot start within its
-    deadline. Returns its predicted wait in seconds, for the Retry-After of --max-inflight."""
+    deadline. Returns how to predict its wait in seconds, for the Retry-After of --max-inflight
+    (None when there is no limit to refuse it)."""
     config = state.config
     allowed = tenant.priority.within(config.priority_range) if tenant is not None else config.priority_range
     if allowed is not None:
         clamp_priority(body, allowed)
-    largest = max((item.cost for item in items), default=0.0)
     deadline = request_deadline(request.headers.get(DEADLINE_HEADER), tenant.deadline_s if tenant else None)
+    if deadline is None and not state.admission.limit:
+        return None
+    largest = max((item.cost for item in items), default=0.0)
     if deadline is not None:
         wait = state.wait_at_arrival(largest)
         # Shares are not counted yet (fair queueing will): every tenant is within its own.

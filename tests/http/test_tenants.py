@@ -217,6 +217,27 @@ async def test_sighup_reloads_the_tenants_file_and_a_bad_one_keeps_the_tenants_i
         assert await reloads("ok") == 1.0
 
 
+async def test_with_workers_sighup_reaches_every_worker(tmp_path):
+    path = tenants_file(tmp_path)
+    async with serve_process("--tenants", path, "--workers", "2") as served:
+
+        async def every_connection_takes(key: str) -> bool:
+            # A fresh connection per request: the kernel spreads them over both workers.
+            for _ in range(8):
+                async with aiohttp.ClientSession() as session:
+                    url = f"{served.url}/v1/chat/completions"
+                    async with session.post(url, json=chat(), headers=bearer(key)) as resp:
+                        if resp.status != 200:
+                            return False
+            return True
+
+        await eventually(lambda: every_connection_takes("acme-key"), timeout=30, what="both workers serve acme")
+        (tmp_path / "tenants.toml").write_text(f"[tenants.zeta]\nkey_sha256 = ['{digest('zeta-key')}']\n")
+        os.kill(served.proc.pid, signal.SIGHUP)
+        await eventually(lambda: every_connection_takes("zeta-key"), timeout=30, what="every worker took the new file")
+        assert served.proc.poll() is None
+
+
 async def _is(value, expected) -> bool:
     return await value == expected
 
