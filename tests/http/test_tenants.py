@@ -7,7 +7,8 @@ import asyncio
 import hashlib
 import os
 import signal
-import time
+import subprocess
+import sys
 
 import aiohttp
 import anthropic
@@ -243,30 +244,15 @@ async def _is(value, expected) -> bool:
 
 
 def test_a_bad_tenants_file_at_start_is_a_usage_error(tmp_path):
-    import subprocess
-    import sys
-
     path = tenants_file(tmp_path, "[tenants.acme]\nweight = 0\n")
-    started = time.monotonic()
+    urls = ("--encode-servers-urls", "http://e:1", "--decode-servers-urls", "http://d:1")
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "epd_proxy",
-            "serve",
-            "--encode-servers-urls",
-            "http://e:1",
-            "--decode-servers-urls",
-            "http://d:1",
-            "--tenants",
-            path,
-        ],
+        [sys.executable, "-m", "epd_proxy", "serve", *urls, "--tenants", path],
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert done.returncode == 2 and "tenants file: tenant 'acme': weight must be a number > 0" in done.stderr
-    assert time.monotonic() - started < 60
 
 
 async def test_an_isolated_tenants_media_never_share_an_encoder_sub_request(make_stack, tmp_path):
