@@ -5,6 +5,7 @@ serve` prints their table in docs/serve.md."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +13,7 @@ from epd_proxy import options as options_module
 from epd_proxy.addresses import Server, check_topology
 from epd_proxy.options import Choice, Choices, ConfigError, Count, Kind, Number, Option, Real, Seconds, Switch, Text  # noqa: F401 (ConfigError: callers catch it from here)
 from epd_proxy.reference_flags import OURS, REFERENCE, ReferenceFlags
+from epd_proxy.tenants import Networks, PriorityRange, PriorityRangeKind, TenantsPath, TrustedNetworks
 
 # Names a user may pick, here so that the configuration needs no component (which keys them by these).
 MEDIA_HASH_NAMES = ("sha256", "blake3")
@@ -21,6 +23,7 @@ LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 ROSTER_SCHEMES = ("redis", "rediss", "unix")
 MODALITIES = ("image", "audio", "video")  # vLLM's names, as in --limit-mm-per-prompt
+HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")
 CLIENTS = "client side (slow and greedy clients)"
 GROUPS = (REFERENCE, OURS, CLIENTS)  # the sections of `epd-proxy serve --help`, in this order
 
@@ -255,6 +258,35 @@ class Config(ReferenceFlags):
         env="EPD_API_KEY",
         metavar="KEY",
     )
+    tenants_file: str = option(
+        "",
+        TenantsPath(),
+        "the tenants file (TOML): each tenant's hashed keys, weight, priority range, deadline; read again on "
+        "SIGHUP; see [Keys and tenants](keys.md#tenants)",
+        flag="--tenants",
+    )
+    tenant_header: str = option(
+        "",
+        Text(),
+        "the request header a gateway names the tenant in, trusted only from `--trusted-proxies`; needs `--tenants`",
+        flag="--tenant-header",
+        metavar="NAME",
+    )
+    trusted_proxies: TrustedNetworks = option(
+        TrustedNetworks(),
+        Networks(),
+        "comma list of addresses or CIDR blocks whose connections may name the tenant in `--tenant-header`",
+        flag="--trusted-proxies",
+        shown="none",
+    )
+    priority_range: PriorityRange | None = option(
+        None,
+        PriorityRangeKind(),
+        "clamp every request's `priority` into LO..HI (a tenant's own range is clamped into it); unset = as sent; "
+        "see [Security](security.md)",
+        flag="--priority-range",
+        shown="unset",
+    )
     backend_api_key: str = option(
         "",
         Text(),
@@ -356,11 +388,24 @@ class Config(ReferenceFlags):
     def __post_init__(self) -> None:
         options_module.check(self)
         check_topology(self)
+        check_tenancy(self)
 
     @property
     def pool_keep_alive_s(self) -> float | None:
         """How long an idle backend connection may stay pooled; None means never reuse."""
         return self.backend_keep_alive_s / 2 if self.backend_keep_alive_s > 0 else None
+
+
+def check_tenancy(config: Config) -> None:
+    """A tenant header needs tenants to name and a source to trust it from."""
+    if config.tenant_header and not config.tenants_file:
+        raise ConfigError("--tenant-header names a tenant of the --tenants file: give one")
+    if config.tenant_header and not config.trusted_proxies.networks:
+        raise ConfigError("--tenant-header is trusted only from --trusted-proxies: give the gateways' addresses")
+    if config.trusted_proxies.networks and not config.tenant_header:
+        raise ConfigError("--trusted-proxies is what --tenant-header is trusted from: give the header's name")
+    if config.tenant_header and not HEADER_NAME.fullmatch(config.tenant_header):
+        raise ConfigError(f"--tenant-header: {config.tenant_header!r} is not an HTTP header name")
 
 
 def options() -> list[tuple[str, Any, Option]]:

@@ -31,6 +31,8 @@ class ProxyError(Exception):
         self.stage = stage
         self.error_type = error_type or _default_type(status)
         self.backend = backend
+        # Seconds a client should wait before trying again (the Retry-After header); None: not said.
+        self.retry_after_s: int | None = None
 
     def body(self) -> bytes:
         error: dict[str, object] = {

@@ -25,13 +25,14 @@ from epd_proxy.fleet.report import HealthReport
 from epd_proxy.fleet.roster import open_roster
 from epd_proxy.fleet.routing import Policies, RoutingPolicy, make_policy, make_serving_policy
 from epd_proxy.fleet.scheduler import ExpectedFinish
-from epd_proxy.journey.admission import Admission
+from epd_proxy.journey.admission import Admission, Backlog, Encoder, Wait, predicted_wait
 from epd_proxy.journey.extract import ReadOptions
 from epd_proxy.journey.pipeline import Pipeline
 from epd_proxy.journey.subrequest import EncodeOptions
 from epd_proxy.ops import tracing
 from epd_proxy.ops.autoscale import Autoscale
 from epd_proxy.ops.metrics import Metrics
+from epd_proxy.tenants import TenantsFile
 
 
 def build_pipeline(
@@ -132,6 +133,8 @@ class ProxyState:
             self.metrics.watch_dns(self.discovery)
             self.health.on_unreachable(self.discovery.unreachable)
         self.admission = Admission(config.max_inflight, self.metrics.rejected)
+        # Checked as the Config was made; read again here, and on SIGHUP (reload_tenants).
+        self.tenants = TenantsFile(config.tenants_file) if config.tenants_file else None
         self.report = HealthReport(config, self.fleet, self.health, self.roster, self.discovery)
         # How every request body is read; fixed for the server's life.
         self.parse_options = ReadOptions(config.trust_client_fields, config.max_media_items, config.media_hash)
@@ -193,6 +196,38 @@ class ProxyState:
             self._background.append(asyncio.create_task(self.prober.run_forever(self.forget_expired)))
         elif config.dynamic_registration and config.evicted_ttl_s > 0:
             self._background.append(asyncio.create_task(self._forget_expired_forever()))
+
+    def reload_tenants(self) -> None:
+        """SIGHUP: the tenants file read again; a bad one keeps the tenants in force (and is logged)."""
+        if self.tenants is not None:
+            problem = self.tenants.reload()
+            self.metrics.tenants_reloads.labels("ok" if problem is None else "refused").inc()
+
+    def wait_at_arrival(self, largest_item: float) -> Wait:
+        """The wait a request whose largest media item costs `largest_item` is predicted now
+        (admission.predicted_wait), from the encoders' lanes and the consumers in rotation. An
+        encoder not yet measured adds nothing: its speed is a guess."""
+        pipeline = self.pipeline
+        assert pipeline is not None, "start() builds the pipeline before the server takes requests"
+        encoders: tuple[Encoder, ...] = ()
+        if largest_item > 0:
+            now = pipeline.encode.clock()
+            lanes = [self.lanes.of(encoder) for encoder in pipeline.candidates(ENCODE)]
+            known = [(lane, lane.speed.known()) for lane in lanes]
+            encoders = tuple(
+                Encoder(lane.backlog_s(now, *speed), *speed) if speed else Encoder(0.0, 0.0, 0.0)
+                for lane, speed in known
+            )
+        autoscale, config = self.metrics.autoscale, self.config
+        served = autoscale.arrived[DECODE] if autoscale is not None else 0
+        backlog = Backlog(
+            encoders,
+            tuple(consumer.inflight for consumer in pipeline.decoders()),
+            config.autoscale_concurrency,
+            autoscale.busy_s[DECODE] / served if autoscale is not None and served else 0.0,
+            config.consumer_encode_after_s if config.consumer_encode else None,
+        )
+        return predicted_wait(backlog, largest_item)
 
     def forget_expired(self) -> None:
         """Dynamic mode: instances out of rotation for longer than --evicted-ttl leave the fleet."""

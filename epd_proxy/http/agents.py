@@ -7,10 +7,20 @@ from aiohttp import web
 
 from epd_proxy.calls.upstream import Timeouts
 from epd_proxy.errors import ProxyError
-from epd_proxy.http.routes import DecoderCall, ask_a_decoder, error_response, parse_body, read_body, serve
+from epd_proxy.http.routes import (
+    TENANT,
+    DecoderCall,
+    ask_a_decoder,
+    error_response,
+    parse_body,
+    read_body,
+    serve,
+)
+from epd_proxy.journey.admission import TurnedAway
 from epd_proxy.journey.messages_api import COUNT_TOKENS_PATH, MESSAGES, MESSAGES_PATH
 from epd_proxy.journey.responses_api import RESPONSES, RESPONSES_PATH
 from epd_proxy.proxy import STATE
+from epd_proxy.tenants import DEFAULT
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
@@ -33,9 +43,12 @@ async def count_tokens(request: web.Request) -> web.Response:
     try:
         raw = await read_body(request, state.config.max_body_bytes)
         await parse_body(MESSAGES, raw, state.parse_options)
-        with state.admission.admit():
+        with state.admission.admit(lambda: state.wait_at_arrival(0.0).seconds):
             return await ask_a_decoder(state, COUNT_TOKENS, bytes(raw))
     except ProxyError as exc:
+        if isinstance(exc, TurnedAway):
+            tenant = request.get(TENANT)
+            state.metrics.shed.labels(tenant.name if tenant else DEFAULT, exc.reason).inc()
         return error_response(exc, door=MESSAGES)
 
 

@@ -1,5 +1,6 @@
-"""Who may call what: the clients' bearer key on the OpenAI routes and the operators' admin key
-(one guard with one rule for every admin route; docs/security.md).
+"""Who may call what: the clients' bearer key on the OpenAI routes, or with `--tenants` whose
+tenant a request is for, and the operators' admin key (one guard with one rule for every admin
+route; docs/security.md, docs/keys.md).
 
 Both compare in constant time; a header with bytes that are not UTF-8 is a wrong key, not a crash.
 """
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 
 from epd_proxy.config import Config
 from epd_proxy.errors import ProxyError
+from epd_proxy.tenants import Tenant, Tenants, TrustedNetworks
 
 # What `vllm serve --api-key` guards (its AuthenticationMiddleware): plain string prefixes, so /v1x too.
 GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
@@ -28,6 +30,14 @@ def bearer_token_matches(expected: str, authorization: str | None) -> bool:
 X_API_KEY_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
 
 
+def guarded(method: str, path: str) -> bool:
+    return method != "OPTIONS" and path.startswith(GUARDED_PREFIXES)
+
+
+def _unauthenticated(message: str = "a valid 'Authorization: Bearer <key>' header is required") -> ProxyError:
+    return ProxyError(401, message, stage="request", error_type="authentication_error")
+
+
 def check_client_key(
     api_key: str, method: str, path: str, authorization: str | None, x_api_key: str | None = None
 ) -> None:
@@ -36,8 +46,7 @@ def check_client_key(
     itself does not, so its Anthropic clients have to be given the key as a bearer token)."""
     if (
         api_key
-        and method != "OPTIONS"
-        and path.startswith(GUARDED_PREFIXES)
+        and guarded(method, path)
         and not bearer_token_matches(api_key, authorization)
         and not (
             x_api_key is not None
@@ -45,12 +54,54 @@ def check_client_key(
             and hmac.compare_digest(api_key.encode(), x_api_key.encode("utf-8", "surrogateescape"))
         )
     ):
-        raise ProxyError(
-            401,
-            "a valid 'Authorization: Bearer <key>' header is required",
-            stage="request",
-            error_type="authentication_error",
-        )
+        raise _unauthenticated()
+
+
+@dataclass(frozen=True, slots=True)
+class Gateway:
+    """`--tenant-header` and `--trusted-proxies`: the header a gateway names the tenant in, and
+    the peers whose connections may."""
+
+    header: str
+    trusted: TrustedNetworks
+
+    def named(self, value: str | None, peer: str | None) -> str | None:
+        """The tenant the header names, when a trusted peer sent it; from anyone else it is not read."""
+        return value if value is not None and self.trusted.contain(peer) else None
+
+
+def identify(
+    tenants: Tenants, api_key: str, path: str, authorization: str | None, x_api_key: str | None, named: str | None
+) -> Tenant:
+    """The tenant of a request on a guarded path, or a 401. `named` is the tenant header's value,
+    given only when it came from a trusted proxy: that gateway authenticated the client. Else the
+    key decides: a tenant's, `--api-key`'s (the default tenant), or none (the default tenant,
+    unless `--api-key` requires one); any other key, or a credential that is not a bearer key, is a 401."""
+    if named is not None:
+        tenant = tenants.by_name(named)
+        if tenant is None:
+            raise _unauthenticated("the gateway named an unknown tenant")
+        return tenant
+    key: str | None = None
+    if authorization:
+        if authorization[:7].lower() != "bearer ":
+            raise _unauthenticated()
+        key = authorization[7:]
+    elif x_api_key is not None:
+        if path not in X_API_KEY_PATHS:
+            raise _unauthenticated()  # a key where none is read: never taken for no key at all
+        key = x_api_key
+    if key is None:
+        if api_key:
+            raise _unauthenticated()
+        return tenants.default
+    presented = key.encode("utf-8", "surrogateescape")
+    if api_key and hmac.compare_digest(api_key.encode(), presented):
+        return tenants.default
+    tenant = tenants.by_key(presented)
+    if tenant is None:
+        raise _unauthenticated()
+    return tenant
 
 
 # How far the proxy's keys close it: none at all, ADMIN_API_KEY (an operator owns what acts on the

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import orjson
@@ -19,17 +20,38 @@ from epd_proxy.config import Config
 from epd_proxy.errors import ErrorAnswer, InternalError, ProxyError
 from epd_proxy.fleet.backends import DECODE
 from epd_proxy.fleet.registry import normalize_url, parse_registration
-from epd_proxy.http.auth import CHANGE_FLEET, PROFILE, READ_FLEET, check_client_key, guard_admin, may
+from epd_proxy.http.auth import (
+    CHANGE_FLEET,
+    PROFILE,
+    READ_FLEET,
+    X_API_KEY_PATHS,
+    Gateway,
+    check_client_key,
+    guard_admin,
+    guarded,
+    identify,
+    may,
+)
 from epd_proxy.http.guard import ClientTimeout, read_chunks
 from epd_proxy.http.request_id import request_id
+from epd_proxy.journey.admission import (
+    DEADLINE_HEADER,
+    WITHIN,
+    TurnedAway,
+    request_deadline,
+    shed_decision,
+    turned_away,
+)
 from epd_proxy.journey.doors import CHAT, Door
-from epd_proxy.journey.extract import NormalisedRequest, ReadOptions, parse_json_body
+from epd_proxy.journey.extract import MediaItem, NormalisedRequest, ReadOptions, parse_json_body
+from epd_proxy.journey.messages_api import MESSAGES
 from epd_proxy.journey.pipeline import ClientBody
 from epd_proxy.journey.relay import ABORTED, CLIENT_GONE, relay
 from epd_proxy.journey.splice import Spliced
 from epd_proxy.journey.trace import Trace, account
 from epd_proxy.ops import tracing
 from epd_proxy.proxy import STATE, ProxyState
+from epd_proxy.tenants import DEFAULT, Tenant, clamp_priority
 
 # The name operators' log filters know; logs.py turns it up for --log-requests.
 log = logging.getLogger("epd_proxy.app")
@@ -39,6 +61,8 @@ log = logging.getLogger("epd_proxy.app")
 # multi-image request cost 4-16% more CPU per request and 6% less throughput, pinned to one core
 # or not, because the worker and the loop take turns on the GIL for everything but the hashing.
 OFFLOAD_READ_BYTES = 4 * 1024 * 1024
+# Whose request it is (--tenants), as the client manners found it before routing.
+TENANT = web.RequestKey("tenant", Tenant)
 
 
 def error_response(exc: ProxyError, request_id: str | None = None, door: Door = CHAT) -> web.Response:
@@ -48,7 +72,7 @@ def error_response(exc: ProxyError, request_id: str | None = None, door: Door = 
         if isinstance(exc, ErrorAnswer):
             headers["x-epd-stage"] = exc.stage
         if exc.stage == "admission":
-            headers["Retry-After"] = "1"
+            headers["Retry-After"] = str(exc.retry_after_s or 1)
         return web.Response(status=exc.status, body=shaped, content_type="application/json", headers=headers)
     if isinstance(exc, ErrorAnswer) and exc.raw_body:
         # A backend's own error body (vLLM's OpenAI error object) is the most faithful answer.
@@ -59,7 +83,7 @@ def error_response(exc: ProxyError, request_id: str | None = None, door: Door = 
             headers={"Content-Type": exc.content_type or "application/json", **headers},
         )
     if exc.stage == "admission":
-        headers["Retry-After"] = "1"
+        headers["Retry-After"] = str(exc.retry_after_s or 1)
     return web.Response(status=exc.status, body=exc.body(), content_type="application/json", headers=headers)
 
 
@@ -96,24 +120,35 @@ def _too_large(limit: int) -> ProxyError:
     return ProxyError(413, f"request body exceeds {limit} bytes", stage="request")
 
 
-def client_manners(api_key: str):
+def client_manners(api_key: str, tenanted: bool = False, gateway: Gateway | None = None):
     """Every answer a handler does not make itself, in the proxy's JSON error shape: 401 before
-    routing (auth.py), aiohttp's 404 and 405, and a generic 500 for an unexpected exception, whose
-    details go to the log only."""
+    routing (auth.py; in the Messages door's shape on its paths), aiohttp's 404 and 405, and a
+    generic 500 for an unexpected exception, whose details go to the log only. With `tenanted`
+    (--tenants) it finds each guarded request's tenant (TENANT), by key or through `gateway`."""
 
     @web.middleware
     async def middleware(request: web.Request, handler) -> web.StreamResponse:
-        if api_key:
+        if tenanted or api_key:
+            headers = request.headers
             try:
-                check_client_key(
-                    api_key,
-                    request.method,
-                    request.path,
-                    request.headers.get("Authorization"),
-                    request.headers.get("x-api-key"),
-                )
+                if not tenanted:
+                    check_client_key(
+                        api_key, request.method, request.path, headers.get("Authorization"), headers.get("x-api-key")
+                    )
+                elif guarded(request.method, request.path):
+                    tenants = request.app[STATE].tenants
+                    assert tenants is not None, "a tenanted proxy reads its tenants file as it starts"
+                    named = gateway.named(headers.get(gateway.header), request.remote) if gateway else None
+                    request[TENANT] = identify(
+                        tenants.current,
+                        api_key,
+                        request.path,
+                        headers.get("Authorization"),
+                        headers.get("x-api-key"),
+                        named,
+                    )
             except ProxyError as exc:
-                return error_response(exc)
+                return error_response(exc, door=MESSAGES if request.path in X_API_KEY_PATHS else CHAT)
         try:
             return await handler(request)
         except web.HTTPException as exc:
@@ -154,6 +189,9 @@ async def serve(request: web.Request, door: Door) -> web.StreamResponse:
     config = state.config
     rid = request_id(request.headers)
     trace = Trace(rid.value, client_request_id=rid.refused)
+    tenant = request.get(TENANT)
+    if tenant is not None:
+        trace.tenant, trace.isolated = tenant.name, tenant.isolated
     trace.spans = tracing.begin(request.headers, rid.value, trace.started, door.path)
     trace.endpoint = door.name
     status: int | str = 500  # or "aborted": the answer was cut off under way
@@ -173,7 +211,8 @@ async def serve(request: web.Request, door: Door) -> web.StreamResponse:
             model = str(body.get("model"))
             tracing.lap(trace.spans, "extract", read, **{"epd.items": len(items), "gen_ai.request.model": model})
         (state.metrics.parsed_spliced if spliced is not None else state.metrics.parsed_full).inc()
-        with state.admission.admit():
+        wait = arrive(state, request, tenant, body, items)
+        with state.admission.admit(wait):
             # From here on only the pipeline holds the body, and it lets go once decode commits.
             job = ClientBody(body, items, spliced)
             del normalised, body, items, spliced
@@ -195,6 +234,8 @@ async def serve(request: web.Request, door: Door) -> web.StreamResponse:
     except ProxyError as exc:
         status = exc.status
         trace.error = exc
+        if isinstance(exc, TurnedAway):
+            state.metrics.shed.labels(trace.tenant or DEFAULT, exc.reason).inc()
         return error_response(exc, rid.value, door)
     except asyncio.CancelledError:
         status = 499
@@ -206,6 +247,30 @@ async def serve(request: web.Request, door: Door) -> web.StreamResponse:
         return error_response(InternalError(rid.value), rid.value, door)
     finally:
         account(state.metrics, trace, status)
+
+
+def arrive(
+    state: ProxyState, request: web.Request, tenant: Tenant | None, body: dict, items: list[MediaItem]
+) -> Callable[[], float] | None:
+    """A request as it arrives, before anything queues it: its `priority` clamped into its
+    tenant's range (and --priority-range), and turned away at once if it cannot start within its
+    deadline. Returns how to predict its wait in seconds, for the Retry-After of --max-inflight
+    (None when there is no limit to refuse it)."""
+    config = state.config
+    allowed = tenant.priority.within(config.priority_range) if tenant is not None else config.priority_range
+    if allowed is not None:
+        clamp_priority(body, allowed)
+    deadline = request_deadline(request.headers.get(DEADLINE_HEADER), tenant.deadline_s if tenant else None)
+    if deadline is None and not state.admission.limit:
+        return None
+    largest = max((item.cost for item in items), default=0.0)
+    if deadline is not None:
+        wait = state.wait_at_arrival(largest)
+        # Shares are not counted yet (fair queueing will): every tenant is within its own.
+        shed = shed_decision(wait, deadline, WITHIN)
+        if shed is not None:
+            raise turned_away(shed, wait.seconds, deadline)
+    return lambda: state.wait_at_arrival(largest).seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,7 +401,8 @@ async def unregister_instance(request: web.Request) -> web.Response:
 def middlewares(config: Config) -> list:
     # The logging middleware is outermost, so it sees the answers client_manners makes.
     chain = [request_logging] if config.log_requests else []
-    chain.append(client_manners(config.api_key))
+    gateway = Gateway(config.tenant_header, config.trusted_proxies) if config.tenant_header else None
+    chain.append(client_manners(config.api_key, bool(config.tenants_file), gateway))
     return chain
 
 

@@ -122,13 +122,17 @@ async def start(
 
 def run(app: web.Application, limits: ClientLimits, **where: Any) -> None:
     """`web.run_app` with the client limits, listening where `start`'s keywords say (host, port,
-    reuse_port, shared); returns on SIGTERM or SIGINT after a graceful shutdown."""
+    reuse_port, shared); returns on SIGTERM or SIGINT after a graceful shutdown. With a tenants
+    file, SIGHUP reads it again."""
 
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        state = app.get(STATE)
+        if state is not None and state.tenants is not None:
+            loop.add_signal_handler(signal.SIGHUP, state.reload_tenants)
         runner, site = await start(app, limits, **where)
         logging.getLogger("epd_proxy").info("serving on %s", site.name)
         try:

@@ -96,6 +96,12 @@ class _Supervisor:
             self._stopping = True
             os.write(self._wake_w, b"\0")  # wakes run() whatever it waits for (once: run closes the pipe)
 
+    def reload(self, signum=None, frame=None) -> None:
+        """SIGHUP: each worker reads the tenants file again itself."""
+        for proc in self._procs:
+            if proc is not None and proc.pid is not None and proc.exitcode is None:
+                os.kill(proc.pid, signal.SIGHUP)
+
     def run(self) -> None:
         """Returns once every worker has exited; raises OSError if one could not open the port."""
         from multiprocessing.connection import wait
@@ -201,6 +207,8 @@ def serve(config: Config) -> None:
     supervisor = _Supervisor(ctx, config, PortConnections.create(ctx, workers, lock_path))
     signal.signal(signal.SIGTERM, supervisor.stop)
     signal.signal(signal.SIGINT, supervisor.stop)
+    if config.tenants_file:
+        signal.signal(signal.SIGHUP, supervisor.reload)
     try:
         supervisor.run()
     finally:

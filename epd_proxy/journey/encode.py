@@ -125,7 +125,8 @@ class EncodeStep:
     ) -> list[Encoded]:
         """Each group's answer, in the order of `groups`."""
         trace.encoder_requests += len(groups)
-        key = coalesce_key(body, FORWARDED_FIELDS, consumer_zmq) if self.coalesce else None
+        # An isolated tenant's media never share a sub-request: no key, no sharing.
+        key = coalesce_key(body, FORWARDED_FIELDS, consumer_zmq) if self.coalesce and not trace.isolated else None
         return await _all_or_first_failure(
             [self._send_group(body, items, group, consumer_zmq, trace, dumps, key) for group in groups]
         )

@@ -29,6 +29,9 @@ class Trace:
     client_request_id: str | None = None
     # The API the request came in by (doors.py), for the request log and /metrics.
     endpoint: str = "chat"
+    # Its tenant (--tenants; None without), and whether its media may share a sub-request.
+    tenant: str | None = None
+    isolated: bool = False
     items: int = 0
     attempts: int = 0
     # Encoder sub-requests that carried this request's items (shared ones included), and the
@@ -112,6 +115,7 @@ class Trace:
             "epd.encoder_failovers": self.encoder_failovers,
             "epd.outcome": self.outcome,
             "epd.waited_in": self.waited_in() or "",
+            "epd.tenant": self.tenant or "",
         }
 
 
@@ -155,6 +159,8 @@ def account(metrics: Metrics, trace: Trace, status: int | str) -> None:
         tracing.finish(trace.spans, status, trace.span_attributes(), trace.error)
     metrics.requests.labels(str(status)).inc()
     metrics.endpoint_requests.labels(trace.endpoint, str(status)).inc()
+    if trace.tenant is not None:
+        metrics.tenant_requests.labels(trace.tenant, str(status)).inc()
     metrics.recent.record(trace.started + total_s, status, total_s, trace)
     if metrics.autoscale is not None:
         metrics.autoscale.finished(trace)
@@ -189,6 +195,7 @@ def account(metrics: Metrics, trace: Trace, status: int | str) -> None:
         "total_ms": round(total_s * 1000, 2),
         "waited_in": trace.waited_in(),
         "endpoint": trace.endpoint,
+        "tenant": trace.tenant,
         "client_request_id": trace.client_request_id,
     }
     access_log.info(" ".join(f"{k}={'-' if v is None else v}" for k, v in fields.items()), extra={"fields": fields})

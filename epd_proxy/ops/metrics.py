@@ -164,6 +164,25 @@ class Metrics:
             "epd_dns_resolution_failures", "DNS resolutions that got no answer, by name", ["name"], registry=r
         )
         self.rejected = Counter("epd_admission_rejected", "Requests refused with 503 by --max-inflight", registry=r)
+        self.shed = Counter(
+            "epd_requests_shed",
+            "Requests turned away at arrival, by tenant (`default` without --tenants) and why: deadline (503, it "
+            "could not start in time), inflight (503, --max-inflight), share (429, its tenant over its share)",
+            ["tenant", "reason"],
+            registry=r,
+        )
+        self.tenant_requests = Counter(
+            "epd_tenant_requests",
+            "Requests by tenant (--tenants: the configured names only) and final HTTP status",
+            ["tenant", "status"],
+            registry=r,
+        )
+        self.tenants_reloads = Counter(
+            "epd_tenants_reloads",
+            "Readings of the tenants file on SIGHUP, by outcome: ok, or refused (the tenants before stay in force)",
+            ["outcome"],
+            registry=r,
+        )
         self.backend_refused = Counter(
             "epd_backend_answers_refused",
             "Backend answers refused and their connection closed: over a limit (head, header count or "

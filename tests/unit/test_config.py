@@ -253,13 +253,16 @@ def _imported_from_the_package(module) -> set[str]:
 
 
 def test_the_configuration_depends_on_no_component():
-    """Only on the option machinery and the address kinds, which themselves depend on nothing."""
-    from epd_proxy import addresses, options
+    """Only on the option machinery, the address kinds and the tenants file's reading, which
+    themselves depend on nothing else (errors.py aside)."""
+    from epd_proxy import addresses, options, tenants
 
     assert _imported_from_the_package(config_module) == {
         "epd_proxy.options",
         "epd_proxy.addresses",
         "epd_proxy.reference_flags",
+        "epd_proxy.tenants",
     }
     assert _imported_from_the_package(addresses) == {"epd_proxy.options"}
+    assert _imported_from_the_package(tenants) == {"epd_proxy.options", "epd_proxy.errors"}
     assert _imported_from_the_package(options) == set()

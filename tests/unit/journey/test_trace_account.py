@@ -58,3 +58,20 @@ def test_an_answer_cut_off_after_it_began_is_counted_as_aborted():
     m = metrics()
     account(m, Trace("req-3", outcome="aborted"), "aborted")
     assert sample(m, "epd_requests_total", status="aborted") == 1
+
+
+def test_a_tenants_request_names_its_tenant_in_the_log_line_the_root_span_and_its_counter(caplog):
+    m = metrics()
+    trace = Trace("req-4", tenant="acme")
+    with caplog.at_level(logging.INFO, logger="epd_proxy.request"):
+        account(m, trace, 200)
+    [record] = [r for r in caplog.records if r.name == "epd_proxy.request"]
+    assert record.fields["tenant"] == "acme" and "tenant=acme" in record.getMessage()
+    assert trace.span_attributes()["epd.tenant"] == "acme"
+    assert sample(m, "epd_tenant_requests_total", tenant="acme", status="200") == 1
+
+
+def test_without_tenants_no_tenant_is_counted():
+    m = metrics()
+    account(m, Trace("req-5"), 200)
+    assert m.registry.get_sample_value("epd_tenant_requests_total", {"tenant": "default", "status": "200"}) is None

@@ -1,0 +1,283 @@
+"""Who a request is for: the tenants file (`--tenants`), each tenant's settings, its keys as
+SHA-256 digests, and the priority range a request is clamped into (pure; docs/keys.md).
+
+The file is TOML (the standard library reads it): a `[default]` table for requests that present
+no key, and one `[tenants.<name>]` table per tenant. A file is checked whole before it is used,
+so a bad one never replaces a good one (`TenantsFile.reload`, on SIGHUP).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import logging
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from epd_proxy.errors import BadRequest
+from epd_proxy.options import ConfigError, Kind
+
+log = logging.getLogger("epd_proxy.tenants")
+
+# The tenant of requests that present no key (and of --api-key's key).
+DEFAULT = "default"
+# A tenant's name is a metrics label value and a log field: short and plain.
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+DIGEST = re.compile(r"(?:sha256:)?([0-9a-fA-F]{64})")
+# The longest wait any deadline may ask for (a tenant's, or a client's header).
+MAX_DEADLINE_MS = 3_600_000
+SETTINGS = ("weight", "priority", "deadline_ms", "isolated", "key_sha256")
+
+
+@dataclass(frozen=True, slots=True)
+class PriorityRange:
+    """vLLM's `priority` values a request may carry (lower runs earlier), both ends included."""
+
+    low: int
+    high: int
+
+    def clamp(self, value: int) -> int:
+        return self.low if value < self.low else self.high if value > self.high else value
+
+    def within(self, outer: PriorityRange | None) -> PriorityRange:
+        """This range clamped into `outer` (--priority-range): clamping into the result is the same
+        as clamping into this range, then into `outer`."""
+        if outer is None:
+            return self
+        return PriorityRange(outer.clamp(self.low), outer.clamp(self.high))
+
+
+# Without a range of its own a tenant keeps vLLM's default priority: moving ahead is granted, not taken.
+NO_PRIORITY = PriorityRange(0, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    name: str
+    # Its share of the fleet relative to the others' (read by fair queueing).
+    weight: float = 1.0
+    priority: PriorityRange = NO_PRIORITY
+    # How long its requests may wait to start before they are turned away; None: as long as it takes.
+    deadline_s: float | None = None
+    # Its media never share an encoder sub-request with another request's.
+    isolated: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Tenants:
+    """One reading of the tenants file."""
+
+    default: Tenant
+    named: Mapping[str, Tenant]
+    # SHA-256 digest of a key -> its tenant. A lookup by digest tells a timing observer nothing
+    # about the stored keys: the digest of what they send is not theirs to choose.
+    _by_digest: Mapping[bytes, Tenant] = field(repr=False)
+
+    def by_key(self, key: bytes) -> Tenant | None:
+        return self._by_digest.get(hashlib.sha256(key).digest())
+
+    def by_name(self, name: str) -> Tenant | None:
+        return self.default if name == DEFAULT else self.named.get(name)
+
+    def names(self) -> tuple[str, ...]:
+        """The label values /metrics may carry: configured names only."""
+        return (DEFAULT, *self.named)
+
+
+def parse_tenants(text: str) -> Tenants:
+    """A tenants file's text, checked whole; ConfigError names what is wrong."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise _bad(f"not TOML: {exc}") from None
+    unknown = set(data) - {DEFAULT, "tenants"}
+    if unknown:
+        raise _bad(f"unknown table {sorted(unknown)[0]!r} (expected [default] and [tenants.<name>])")
+    digests: dict[bytes, Tenant] = {}
+    default_table = data.get(DEFAULT, {})
+    if not isinstance(default_table, dict):
+        raise _bad("[default] must be a table")
+    if "key_sha256" in default_table:
+        raise _bad("the default tenant has no keys: it is the tenant of requests that present none")
+    default = _tenant(DEFAULT, default_table, digests)
+    tables = data.get("tenants", {})
+    if not isinstance(tables, dict):
+        raise _bad("[tenants] must hold one table per tenant")
+    named = {}
+    for name, table in tables.items():
+        if name == DEFAULT:
+            raise _bad("'default' names the tenant of requests without a key: set it in [default]")
+        if not NAME.fullmatch(name):
+            raise _bad(f"tenant {name!r}: tenant names are letters, digits, '_', '.' and '-', at most 64")
+        if not isinstance(table, dict):
+            raise _bad(f"tenant {name!r} must be a table")
+        named[name] = _tenant(name, table, digests)
+    return Tenants(default, named, digests)
+
+
+def _tenant(name: str, table: dict[str, Any], digests: dict[bytes, Tenant]) -> Tenant:
+    where = f"tenant {name!r}"
+    unknown = set(table) - set(SETTINGS)
+    if unknown:
+        raise _bad(f"{where}: unknown setting {sorted(unknown)[0]!r} (known: {', '.join(SETTINGS)})")
+    weight = table.get("weight", 1)
+    if not _is_number(weight) or not weight > 0:
+        raise _bad(f"{where}: weight must be a number > 0, got {weight!r}")
+    priority = table.get("priority", [0, 0])
+    if (
+        not (isinstance(priority, list) and len(priority) == 2 and all(_is_int(v) for v in priority))
+        or priority[0] > priority[1]
+    ):
+        raise _bad(f"{where}: priority must be [low, high], two integers with low <= high, got {priority!r}")
+    deadline_ms = table.get("deadline_ms")
+    if deadline_ms is not None and not (_is_int(deadline_ms) and 1 <= deadline_ms <= MAX_DEADLINE_MS):
+        raise _bad(f"{where}: deadline_ms must be an integer within 1..{MAX_DEADLINE_MS}, got {deadline_ms!r}")
+    isolated = table.get("isolated", False)
+    if not isinstance(isolated, bool):
+        raise _bad(f"{where}: isolated must be true or false, got {isolated!r}")
+    tenant = Tenant(
+        name,
+        float(weight),
+        PriorityRange(*priority),
+        None if deadline_ms is None else deadline_ms / 1000,
+        isolated,
+    )
+    keys = table.get("key_sha256", [])
+    if not isinstance(keys, list):
+        raise _bad(f"{where}: key_sha256 must be a list of SHA-256 digests (hex)")
+    for n, text in enumerate(keys):
+        found = DIGEST.fullmatch(text) if isinstance(text, str) else None
+        if found is None:
+            # The entry may be a key pasted by mistake: it is not repeated in the message.
+            raise _bad(f"{where}: key_sha256[{n}] is not a SHA-256 digest (64 hex digits; store no keys here)")
+        digest = bytes.fromhex(found.group(1))
+        if digest in digests:
+            raise _bad(f"{where}: key_sha256[{n}] is listed twice (also for tenant {digests[digest].name!r})")
+        digests[digest] = tenant
+    return tenant
+
+
+def _is_int(value: Any) -> bool:
+    return type(value) is int
+
+
+def _is_number(value: Any) -> bool:
+    return type(value) in (int, float)
+
+
+def _bad(problem: str) -> ConfigError:
+    return ConfigError(f"tenants file: {problem}")
+
+
+class TenantsFile:
+    """The tenants file as the proxy serves it: read at start (a bad file is a ConfigError) and
+    again on SIGHUP, when a bad file keeps the tenants in force."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.current = self._read()
+
+    def _read(self) -> Tenants:
+        try:
+            with open(self.path, encoding="utf-8") as file:
+                text = file.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"tenants file: cannot read {self.path}: {exc}") from None
+        return parse_tenants(text)
+
+    def reload(self) -> str | None:
+        """Read the file again: None when its tenants are now in force, else what is wrong with it."""
+        try:
+            self.current = self._read()
+        except ConfigError as exc:
+            log.error("%s: %s; the tenants read before stay in force", self.path, exc)
+            return str(exc)
+        log.info("%s: reloaded, %d tenants besides the default", self.path, len(self.current.named))
+        return None
+
+
+def clamp_priority(body: dict[str, Any], allowed: PriorityRange) -> None:
+    """The body's `priority` moved into `allowed`, before the proxy's queues or any engine read it.
+
+    vLLM reads the field leniently (an integral float, a numeric string), so anything but a JSON
+    integer or integral number is refused here rather than passed on unclamped. A body without
+    one runs at 0, so it gets the range's nearest value when 0 is outside."""
+    if "priority" not in body:
+        if not allowed.low <= 0 <= allowed.high:
+            body["priority"] = allowed.clamp(0)
+        return
+    value = body["priority"]
+    if type(value) is float and value.is_integer():
+        value = int(value)
+    if type(value) is not int:
+        raise BadRequest("priority must be an integer")
+    body["priority"] = allowed.clamp(value)
+
+
+@dataclass(frozen=True)
+class PriorityRangeKind(Kind):
+    """`--priority-range LO,HI`."""
+
+    metavar: ClassVar[str] = "LO,HI"
+
+    def parse(self, text: str) -> PriorityRange:
+        parts = text.split(",")
+        try:
+            low, high = (int(part) for part in parts)
+        except ValueError:
+            raise ValueError(f"expected two integers LO,HI, got {text!r}") from None
+        if low > high:
+            raise ValueError(f"LO must not exceed HI, got {text!r}")
+        return PriorityRange(low, high)
+
+
+@dataclass(frozen=True, slots=True)
+class TrustedNetworks:
+    networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
+
+    def contain(self, address: str | None) -> bool:
+        if not address or not self.networks:
+            return False
+        try:
+            ip = ipaddress.ip_address(address)
+        except ValueError:
+            return False
+        return any(ip in network for network in self.networks)
+
+    def __str__(self) -> str:
+        return ",".join(str(network) for network in self.networks)
+
+
+@dataclass(frozen=True)
+class Networks(Kind):
+    """A comma list of addresses or CIDR blocks."""
+
+    metavar: ClassVar[str] = "CIDR,..."
+
+    def parse(self, text: str) -> TrustedNetworks:
+        try:
+            return TrustedNetworks(
+                tuple(ipaddress.ip_network(part.strip(), strict=False) for part in text.split(",") if part.strip())
+            )
+        except ValueError as exc:
+            raise ValueError(f"expected addresses or CIDR blocks, {exc}") from None
+
+
+@dataclass(frozen=True)
+class TenantsPath(Kind):
+    """`--tenants FILE`: a file that must read as a tenants file when the proxy starts."""
+
+    metavar: ClassVar[str] = "FILE"
+    verbatim: ClassVar[bool] = True
+
+    def problem(self, value: str) -> str | None:
+        if not value:
+            return None
+        try:
+            TenantsFile(value)
+        except ConfigError as exc:
+            return str(exc)
+        return None
