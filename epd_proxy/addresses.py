@@ -93,6 +93,44 @@ class CommaList(Kind):
         return None
 
 
+def _comma_words(text: str) -> tuple[str, ...]:
+    return tuple(word for word in (w.strip() for w in text.split(",")) if word)
+
+
+@dataclass(frozen=True)
+class Networks(Kind):
+    """A comma list of IP networks in CIDR notation (a bare address is its own /32 or /128)."""
+
+    metavar: ClassVar[str] = "CIDRS"
+
+    def parse(self, text: str) -> tuple[str, ...]:
+        return _comma_words(text)
+
+    def problem(self, value: tuple[str, ...]) -> str | None:
+        for network in value:
+            try:
+                ipaddress.ip_network(network, strict=False)
+            except ValueError:
+                return f"{network!r} is not an IP network (CIDR, such as 127.0.0.0/8 or fd00::/8)"
+        return None
+
+
+@dataclass(frozen=True)
+class Hosts(Kind):
+    """A comma list of host names, compared without case."""
+
+    metavar: ClassVar[str] = "HOSTS"
+
+    def parse(self, text: str) -> tuple[str, ...]:
+        return tuple(word.lower() for word in _comma_words(text))
+
+    def problem(self, value: tuple[str, ...]) -> str | None:
+        for host in value:
+            if any(c in host for c in "/@: \t"):
+                return f"{host!r} is not a host name (no scheme, port or path)"
+        return None
+
+
 class Topology(Protocol):
     """What of `serve`'s options (config.py) says where the instances come from."""
 

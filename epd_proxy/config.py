@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from epd_proxy import options as options_module
-from epd_proxy.addresses import Server, check_topology
+from epd_proxy.addresses import Hosts, Networks, Server, check_topology
 from epd_proxy.options import Choice, Choices, ConfigError, Count, Kind, Number, Option, Real, Seconds, Switch, Text  # noqa: F401 (ConfigError: callers catch it from here)
 from epd_proxy.reference_flags import OURS, REFERENCE, ReferenceFlags
 
@@ -22,7 +22,8 @@ LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 ROSTER_SCHEMES = ("redis", "rediss", "unix")
 MODALITIES = ("image", "audio", "video")  # vLLM's names, as in --limit-mm-per-prompt
 CLIENTS = "client side (slow and greedy clients)"
-GROUPS = (REFERENCE, OURS, CLIENTS)  # the sections of `epd-proxy serve --help`, in this order
+MEDIA = "media behind http(s) URLs"
+GROUPS = (REFERENCE, OURS, CLIENTS, MEDIA)  # the sections of `epd-proxy serve --help`, in this order
 
 
 def option(default: Any, kind: Kind, help: str, **declaration: Any) -> Any:  # in `OURS` unless told
@@ -235,9 +236,63 @@ class Config(ReferenceFlags):
     media_hash: str = option(
         "sha256",
         Choice(MEDIA_HASH_NAMES),
-        "how media are named for the encoder cache: `sha256` of the URL, as the reference proxy names them, or "
-        "`blake3`, about three times cheaper; see [Security](security.md)",
+        "how media are named for the encoder cache, from their bytes and kind: `sha256` (an image's `data:` URL is "
+        "named as the reference proxy names it) or `blake3`, about three times cheaper; see "
+        "[Media names](security.md#media-names)",
         flag="--media-hash",
+    )
+    # vLLM fetches an http(s) URL with VLLM_{IMAGE,AUDIO,VIDEO}_FETCH_TIMEOUT (5, 10, 30 s) and
+    # retries; the proxy fetches once, so its one deadline is the most generous of the three.
+    media_fetch_timeout_s: float = option(
+        30.0,
+        Seconds(positive=True),
+        "seconds to fetch one http(s) media URL (connect to last byte, redirects included); then 400",
+        flag="--media-fetch-timeout",
+        group=MEDIA,
+    )
+    media_fetch_max_bytes: int = option(
+        32 * 1024 * 1024,
+        Count(1),
+        "larger media behind an http(s) URL are a 400",
+        flag="--media-fetch-max-bytes",
+        group=MEDIA,
+    )
+    media_fetch_max_redirects: int = option(
+        5,
+        Count(0, 20),
+        "redirects followed per media URL, each target checked like the URL itself; 0 = none, as "
+        "`VLLM_MEDIA_URL_ALLOW_REDIRECTS=0`",
+        flag="--media-fetch-max-redirects",
+        group=MEDIA,
+    )
+    media_fetch_allow_networks: tuple[str, ...] = option(
+        (),
+        Networks(),
+        "private, loopback, link-local and other non-public networks (CIDR, comma list) the proxy may fetch media "
+        "from; by default it fetches from public addresses only",
+        flag="--media-fetch-allow-networks",
+        group=MEDIA,
+    )
+    allowed_media_domains: tuple[str, ...] = option(
+        (),
+        Hosts(),
+        "host names media URLs may name (comma list), as `vllm serve --allowed-media-domains`; empty: any",
+        flag="--allowed-media-domains",
+        group=MEDIA,
+    )
+    media_fetch_cache_bytes: int = option(
+        64 * 1024 * 1024,
+        Count(0),
+        "memory for fetched media kept by URL while their origin says they are fresh; 0 = off",
+        flag="--media-fetch-cache-bytes",
+        group=MEDIA,
+    )
+    media_fetch_cache_ttl_s: float = option(
+        60.0,
+        Seconds(),
+        "longest a fetched medium is reused without asking its origin again, whatever freshness the origin allows",
+        flag="--media-fetch-cache-ttl",
+        group=MEDIA,
     )
     trust_client_fields: bool = option(
         False,

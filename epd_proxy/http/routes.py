@@ -26,6 +26,7 @@ from epd_proxy.journey.doors import CHAT, Door
 from epd_proxy.journey.extract import NormalisedRequest, ReadOptions, parse_json_body
 from epd_proxy.journey.pipeline import ClientBody
 from epd_proxy.journey.relay import ABORTED, CLIENT_GONE, relay
+from epd_proxy.journey.remote import fetch_media
 from epd_proxy.journey.splice import Spliced
 from epd_proxy.journey.trace import Trace, account
 from epd_proxy.ops import tracing
@@ -174,8 +175,9 @@ async def serve(request: web.Request, door: Door) -> web.StreamResponse:
             tracing.lap(trace.spans, "extract", read, **{"epd.items": len(items), "gen_ai.request.model": model})
         (state.metrics.parsed_spliced if spliced is not None else state.metrics.parsed_full).inc()
         with state.admission.admit():
+            normalised = await fetch_media(normalised, state.media, door, state.parse_options.digest)
             # From here on only the pipeline holds the body, and it lets go once decode commits.
-            job = ClientBody(body, items, spliced)
+            job = ClientBody(normalised.body, normalised.items, spliced)
             del normalised, body, items, spliced
             pipeline = state.pipeline
             assert pipeline is not None, "start() builds the pipeline before the server takes requests"
