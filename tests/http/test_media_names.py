@@ -258,3 +258,15 @@ async def test_an_unreachable_origin_and_a_domain_outside_the_list_are_a_400(mak
     status, answer = await post(open_stack, chat(picture("http://127.0.0.1:9/x.png")))  # nothing listens there
     assert status == 400 and "could not be fetched" in answer["error"]["message"], answer
     assert not open_stack.encoders[0].requests
+
+
+async def test_count_tokens_fetches_through_the_same_guards(make_stack, origin):
+    server, base = origin
+    stack = await make_stack(encoders=1)
+    status, answer = await post(stack, messages_with(f"{base}/fresh"), "/v1/messages/count_tokens")
+    assert status == 400 and answer["type"] == "error" and "not allowed" in answer["error"]["message"], answer
+    assert stack.pd.token_counts == 0 and server.hits["fresh"] == 0
+    allowed = await make_stack(encoders=1, media_fetch_allow_networks=LOOPBACK)
+    status, answer = await post(allowed, messages_with(f"{base}/fresh"), "/v1/messages/count_tokens")
+    assert status == 200 and answer["input_tokens"] == 3, answer
+    assert allowed.pd.token_counts == 1 and server.hits["fresh"] == 1
