@@ -175,7 +175,9 @@ async def serve(request: web.Request, door: Door) -> web.StreamResponse:
             tracing.lap(trace.spans, "extract", read, **{"epd.items": len(items), "gen_ai.request.model": model})
         (state.metrics.parsed_spliced if spliced is not None else state.metrics.parsed_full).inc()
         with state.admission.admit():
-            normalised = await fetch_media(normalised, state.media, door, state.parse_options.digest)
+            if any(item.fetch for item in normalised.items):
+                with trace.stage("fetch_media"):
+                    normalised = await fetch_media(normalised, state.media, door, state.parse_options.digest)
             # From here on only the pipeline holds the body, and it lets go once decode commits.
             job = ClientBody(normalised.body, normalised.items, spliced)
             del normalised, body, items, spliced

@@ -186,15 +186,11 @@ def content_uuid(
     digest: Digest = _sha256_hex,
 ) -> str:
     """An item's name: the hash of its kind's tag and its `data:` URL (the media's bytes and
-    their media type), else of the item's sorted JSON (`input_audio`, whose data it holds).
-
-    It must be content-derived, never request- or URL-derived: encoder and consumer caches pair
-    whatever they hold under a name with the media they are sent under it. `part` is as forwarded,
-    so its URL is canonical (`_forwarded_media_part`) and, once an http(s) URL was fetched
-    (journey/remote.py), a `data:` URL; an image's name is the reference proxy's, so encoder
-    caches keep their keys in fleets that mix both proxies. `lifted` gives the bytes of URLs still
-    held in the client's buffer (see `splice`), which are hashed in place.
-    """
+    type), else of its sorted JSON (an `input_audio` holds its data). Never URL-derived: caches
+    pair whatever they hold under a name with the media sent under it. `part` is as forwarded: its
+    URL canonical (`_forwarded_media_part`), and a `data:` URL once fetched (journey/remote.py).
+    An image's name is the reference proxy's, so mixed fleets share encoder cache keys. `lifted`
+    gives the bytes of URLs still in the client's buffer (see `splice`), hashed in place."""
     tag = KIND_TAG[kind]
     # vLLM reads only `data` and `format` of an input_audio; any `url` beside them names nothing.
     url = media_url(part, kind) if kind != "input_audio" else None
@@ -210,8 +206,7 @@ def content_uuid(
 
 def fetched_from(url: str, where: str) -> str | None:
     """The http(s) URL the proxy fetches the media from (journey/remote.py), None for a `data:`
-    URL, or a 400: the proxy must see the bytes it names, so it forwards no other URL (vLLM reads
-    `file:` URLs only with `--allowed-local-media-path`, from a disk the proxy cannot see)."""
+    URL, or a 400: the proxy names only bytes it has seen (a `file:` URL is on an engine's disk)."""
     scheme = url[:8].lower()
     if scheme.startswith("data:"):
         return None
