@@ -203,10 +203,18 @@ async def test_a_private_address_is_refused_by_default_in_the_doors_shape(make_s
     server, base = origin
     stack = await make_stack(encoders=1)
     path, build = DOORS[door]
-    for url in (f"{base}/fresh", f"http://localhost:{server.port}/fresh", "http://169.254.169.254/latest/meta-data"):
+    private = (
+        f"{base}/fresh",
+        f"http://localhost:{server.port}/fresh",  # a name is checked by the addresses it resolves to
+        f"http://2130706433:{server.port}/fresh",  # 127.0.0.1 as one number
+        f"http://[::ffff:127.0.0.1]:{server.port}/fresh",
+        "http://169.254.169.254/latest/meta-data",
+    )
+    for url in private:
         status, answer = await post(stack, build(url), path)
         assert status == 400, answer
-        assert "not allowed" in refusal(door, answer)
+        message = refusal(door, answer)
+        assert "not allowed" in message or "not a canonical IPv4 address" in message, message
     assert server.hits["fresh"] == 0
     assert not stack.encoders[0].requests and not stack.pd.requests
     # allowed by the operator, the same request goes through
