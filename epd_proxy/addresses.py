@@ -93,6 +93,75 @@ class CommaList(Kind):
         return None
 
 
+def _comma_words(text: str) -> tuple[str, ...]:
+    return tuple(word for word in (w.strip() for w in text.split(",")) if word)
+
+
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def ip_of(address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """The address a peer or a resolver names, as it is compared with networks: without an IPv6
+    zone, and an IPv4-mapped IPv6 address as its IPv4 one (a dual-stack socket reports IPv4 peers
+    so). ValueError if it is not an address."""
+    ip = ipaddress.ip_address(address.partition("%")[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+@dataclass(frozen=True, slots=True)
+class IPNetworks:
+    """The networks an option names (`Networks`): which peers a gateway header is trusted from,
+    which non-public addresses media may be fetched from."""
+
+    networks: tuple[IPNetwork, ...] = ()
+
+    def contain(self, address: str | None) -> bool:
+        if not address or not self.networks:
+            return False
+        try:
+            ip = ip_of(address)
+        except ValueError:
+            return False
+        return any(ip.version == network.version and ip in network for network in self.networks)
+
+    def __str__(self) -> str:
+        return ",".join(str(network) for network in self.networks)
+
+
+@dataclass(frozen=True)
+class Networks(Kind):
+    """A comma list of IP networks in CIDR notation (a bare address is its own /32 or /128)."""
+
+    metavar: ClassVar[str] = "CIDRS"
+
+    def parse(self, text: str) -> IPNetworks:
+        networks = []
+        for word in _comma_words(text):
+            try:
+                networks.append(ipaddress.ip_network(word, strict=False))
+            except ValueError:
+                raise ValueError(f"{word!r} is not an IP network (CIDR, such as 127.0.0.0/8 or fd00::/8)") from None
+        return IPNetworks(tuple(networks))
+
+
+@dataclass(frozen=True)
+class Hosts(Kind):
+    """A comma list of host names, compared without case."""
+
+    metavar: ClassVar[str] = "HOSTS"
+
+    def parse(self, text: str) -> tuple[str, ...]:
+        return tuple(word.lower() for word in _comma_words(text))
+
+    def problem(self, value: tuple[str, ...]) -> str | None:
+        for host in value:
+            if any(c in host for c in "/@: \t"):
+                return f"{host!r} is not a host name (no scheme, port or path)"
+        return None
+
+
 class Topology(Protocol):
     """What of `serve`'s options (config.py) says where the instances come from."""
 

@@ -10,10 +10,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from epd_proxy import options as options_module
-from epd_proxy.addresses import Server, check_topology
+from epd_proxy.addresses import IPNetworks, Networks, Server, check_topology
+from epd_proxy.fetch_flags import MEDIA, MediaFetchFlags
 from epd_proxy.options import Choice, Choices, ConfigError, Count, Kind, Number, Option, Real, Seconds, Switch, Text  # noqa: F401 (ConfigError: callers catch it from here)
-from epd_proxy.reference_flags import OURS, REFERENCE, ReferenceFlags
-from epd_proxy.tenants import Networks, PriorityRange, PriorityRangeKind, TenantsPath, TrustedNetworks
+from epd_proxy.reference_flags import OURS, REFERENCE
+from epd_proxy.tenants import PriorityRange, PriorityRangeKind, TenantsPath
 
 # Names a user may pick, here so that the configuration needs no component (which keys them by these).
 MEDIA_HASH_NAMES = ("sha256", "blake3")
@@ -25,7 +26,7 @@ ROSTER_SCHEMES = ("redis", "rediss", "unix")
 MODALITIES = ("image", "audio", "video")  # vLLM's names, as in --limit-mm-per-prompt
 HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")
 CLIENTS = "client side (slow and greedy clients)"
-GROUPS = (REFERENCE, OURS, CLIENTS)  # the sections of `epd-proxy serve --help`, in this order
+GROUPS = (REFERENCE, OURS, CLIENTS, MEDIA)  # the sections of `epd-proxy serve --help`, in this order
 
 
 def option(default: Any, kind: Kind, help: str, **declaration: Any) -> Any:  # in `OURS` unless told
@@ -33,7 +34,7 @@ def option(default: Any, kind: Kind, help: str, **declaration: Any) -> Any:  # i
 
 
 @dataclass(frozen=True, slots=True)
-class Config(ReferenceFlags):
+class Config(MediaFetchFlags):
     """`serve`'s whole configuration: the reference proxy's flags (`ReferenceFlags`), then ours."""
 
     ejection_time_s: float = option(
@@ -238,8 +239,9 @@ class Config(ReferenceFlags):
     media_hash: str = option(
         "sha256",
         Choice(MEDIA_HASH_NAMES),
-        "how media are named for the encoder cache: `sha256` of the URL, as the reference proxy names them, or "
-        "`blake3`, about three times cheaper; see [Security](security.md)",
+        "how media are named for the encoder cache, from their bytes and kind: `sha256` (an image's `data:` URL is "
+        "named as the reference proxy names it) or `blake3`, about three times cheaper; see "
+        "[Media names](security.md#media-names)",
         flag="--media-hash",
     )
     trust_client_fields: bool = option(
@@ -272,8 +274,8 @@ class Config(ReferenceFlags):
         flag="--tenant-header",
         metavar="NAME",
     )
-    trusted_proxies: TrustedNetworks = option(
-        TrustedNetworks(),
+    trusted_proxies: IPNetworks = option(
+        IPNetworks(),
         Networks(),
         "comma list of addresses or CIDR blocks whose connections may name the tenant in `--tenant-header`",
         flag="--trusted-proxies",

@@ -11,6 +11,7 @@ import asyncio
 
 from aiohttp import web
 
+from epd_proxy.calls.media import FetchRules, MediaFetcher
 from epd_proxy.calls.upstream import Timeouts, Upstream, bearer
 from epd_proxy.config import MODALITIES, Config
 from epd_proxy.fleet.backends import DECODE, ENCODE, PREFILL
@@ -138,6 +139,8 @@ class ProxyState:
         self.report = HealthReport(config, self.fleet, self.health, self.roster, self.discovery)
         # How every request body is read; fixed for the server's life.
         self.parse_options = ReadOptions(config.trust_client_fields, config.max_media_items, config.media_hash)
+        # Media behind http(s) URLs, fetched for every door (journey/remote.py).
+        self.media = MediaFetcher(FetchRules.of(config))
         self.upstream: Upstream | None = None
         # Active checks get their own small pool: a backend whose request connections are all busy
         # streaming (--max-connections-per-backend) must still answer its health checks.
@@ -261,6 +264,7 @@ class ProxyState:
         for pool in (self.upstream, self.probes):
             if pool is not None:
                 await pool.close()
+        await self.media.close()
         if self.config.otlp_traces_endpoint:
             # The last requests' spans are exported before the process goes.
             await asyncio.to_thread(tracing.shutdown)

@@ -9,7 +9,6 @@ so a bad one never replaces a good one (`TenantsFile.reload`, on SIGHUP).
 from __future__ import annotations
 
 import hashlib
-import ipaddress
 import logging
 import re
 import tomllib
@@ -232,38 +231,6 @@ class PriorityRangeKind(Kind):
         if low > high:
             raise ValueError(f"LO must not exceed HI, got {text!r}")
         return PriorityRange(low, high)
-
-
-@dataclass(frozen=True, slots=True)
-class TrustedNetworks:
-    networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
-
-    def contain(self, address: str | None) -> bool:
-        if not address or not self.networks:
-            return False
-        try:
-            ip = ipaddress.ip_address(address)
-        except ValueError:
-            return False
-        return any(ip in network for network in self.networks)
-
-    def __str__(self) -> str:
-        return ",".join(str(network) for network in self.networks)
-
-
-@dataclass(frozen=True)
-class Networks(Kind):
-    """A comma list of addresses or CIDR blocks."""
-
-    metavar: ClassVar[str] = "CIDR,..."
-
-    def parse(self, text: str) -> TrustedNetworks:
-        try:
-            return TrustedNetworks(
-                tuple(ipaddress.ip_network(part.strip(), strict=False) for part in text.split(",") if part.strip())
-            )
-        except ValueError as exc:
-            raise ValueError(f"expected addresses or CIDR blocks, {exc}") from None
 
 
 @dataclass(frozen=True)

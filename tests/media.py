@@ -11,12 +11,16 @@ def image(name: str) -> dict[str, Any]:
     return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}
 
 
+def _inline(media_type: str, content: str) -> str:
+    return f"data:{media_type};base64,{base64.b64encode(content.encode()).decode()}"
+
+
 def audio(name: str) -> dict[str, Any]:
-    return {"type": "audio_url", "audio_url": {"url": f"https://media.example/{name}.wav"}}
+    return {"type": "audio_url", "audio_url": {"url": _inline("audio/wav", f"audio-{name}")}}
 
 
 def video(name: str) -> dict[str, Any]:
-    return {"type": "video_url", "video_url": {"url": f"https://media.example/{name}.mp4"}}
+    return {"type": "video_url", "video_url": {"url": _inline("video/mp4", f"video-{name}")}}
 
 
 def chat(*parts: dict[str, Any], text: str = "What is shown?", **fields: Any) -> dict[str, Any]:

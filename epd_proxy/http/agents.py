@@ -3,6 +3,7 @@ Messages), each the chat path's journey with its own reading and forwarding (jou
 
 from __future__ import annotations
 
+import orjson
 from aiohttp import web
 
 from epd_proxy.calls.upstream import Timeouts
@@ -18,6 +19,7 @@ from epd_proxy.http.routes import (
 )
 from epd_proxy.journey.admission import TurnedAway
 from epd_proxy.journey.messages_api import COUNT_TOKENS_PATH, MESSAGES, MESSAGES_PATH
+from epd_proxy.journey.remote import fetch_media
 from epd_proxy.journey.responses_api import RESPONSES, RESPONSES_PATH
 from epd_proxy.proxy import STATE
 from epd_proxy.tenants import DEFAULT
@@ -42,8 +44,13 @@ async def count_tokens(request: web.Request) -> web.Response:
     state = request.app[STATE]
     try:
         raw = await read_body(request, state.config.max_body_bytes)
-        await parse_body(MESSAGES, raw, state.parse_options)
+        normalised, spliced = await parse_body(MESSAGES, raw, state.parse_options)
         with state.admission.admit(lambda: state.wait_at_arrival(0.0).seconds):
+            # The decoder counts the bytes the proxy fetched, and fetches nothing itself.
+            fetched = await fetch_media(normalised, state.media, MESSAGES, state.parse_options.digest)
+            if fetched is not normalised:
+                body = spliced.dumps(fetched.body) if spliced is not None else [orjson.dumps(fetched.body)]
+                raw = bytearray(b"".join(body))
             return await ask_a_decoder(state, COUNT_TOKENS, bytes(raw))
     except ProxyError as exc:
         if isinstance(exc, TurnedAway):

@@ -10,9 +10,10 @@ from __future__ import annotations
 import hmac
 from dataclasses import dataclass
 
+from epd_proxy.addresses import IPNetworks
 from epd_proxy.config import Config
 from epd_proxy.errors import ProxyError
-from epd_proxy.tenants import Tenant, Tenants, TrustedNetworks
+from epd_proxy.tenants import Tenant, Tenants
 
 # What `vllm serve --api-key` guards (its AuthenticationMiddleware): plain string prefixes, so /v1x too.
 GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
@@ -63,7 +64,7 @@ class Gateway:
     the peers whose connections may."""
 
     header: str
-    trusted: TrustedNetworks
+    trusted: IPNetworks
 
     def named(self, value: str | None, peer: str | None) -> str | None:
         """The tenant the header names, when a trusted peer sent it; from anyone else it is not read."""

@@ -47,6 +47,7 @@ from epd_proxy.journey.extract import MediaItem, NormalisedRequest, ReadOptions,
 from epd_proxy.journey.messages_api import MESSAGES
 from epd_proxy.journey.pipeline import ClientBody
 from epd_proxy.journey.relay import ABORTED, CLIENT_GONE, relay
+from epd_proxy.journey.remote import fetch_media
 from epd_proxy.journey.splice import Spliced
 from epd_proxy.journey.trace import Trace, account
 from epd_proxy.ops import tracing
@@ -213,8 +214,11 @@ async def serve(request: web.Request, door: Door) -> web.StreamResponse:
         (state.metrics.parsed_spliced if spliced is not None else state.metrics.parsed_full).inc()
         wait = arrive(state, request, tenant, body, items)
         with state.admission.admit(wait):
+            if any(item.fetch for item in normalised.items):
+                with trace.stage("fetch_media"):
+                    normalised = await fetch_media(normalised, state.media, door, state.parse_options.digest)
             # From here on only the pipeline holds the body, and it lets go once decode commits.
-            job = ClientBody(body, items, spliced)
+            job = ClientBody(normalised.body, normalised.items, spliced)
             del normalised, body, items, spliced
             pipeline = state.pipeline
             assert pipeline is not None, "start() builds the pipeline before the server takes requests"

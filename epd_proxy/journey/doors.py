@@ -19,13 +19,16 @@ import orjson
 from epd_proxy.calls.sse import error_event
 from epd_proxy.errors import ErrorAnswer, ProxyError
 from epd_proxy.fleet.backends import CHAT_PATH
-from epd_proxy.journey.extract import MediaItem, NormalisedRequest, ReadOptions, parse_request
+from epd_proxy.journey.extract import MediaItem, NormalisedRequest, ReadOptions, parse_request, with_urls
 from epd_proxy.journey.match import Matches
 from epd_proxy.journey.prefill import prefill_request
 from epd_proxy.journey.rewrite import ec_item_list, rewrite_request, transfer_params
 from epd_proxy.journey.splice import Spliced
 
 ConsumerBody = Callable[..., dict[str, Any]]
+# (body, each fetched item with the `data:` URL of its bytes) -> the body holding those bytes
+# where it held the item's http(s) URL (journey/remote.py).
+MediaInBody = Callable[[dict[str, Any], Sequence[tuple[MediaItem, str]]], dict[str, Any]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +88,10 @@ def chat_conversation(body: dict[str, Any]) -> Conversation:
     return conversation_of(body.get("messages"), user=_role_is("user"), reply=_role_is("assistant"))
 
 
+def chat_media_in_body(body: dict[str, Any], moved: Sequence[tuple[MediaItem, str]]) -> dict[str, Any]:
+    return {**body, "messages": with_urls(body["messages"], moved)}
+
+
 @dataclass(frozen=True, slots=True)
 class Door:
     name: str
@@ -102,6 +109,8 @@ class Door:
     # The events that end a stream broken after its 200, in this API's stream shape, so the
     # client's SDK sees a failure rather than an answer cut short.
     stream_error: Callable[[ProxyError, Relayed], bytes] = chat_stream_error
+    # Where fetched media go in this door's body.
+    media_in_body: MediaInBody = chat_media_in_body
 
     def error(self, exc: ProxyError) -> bytes | None:
         """The body of an error answer, or None to answer in the proxy's own shape.

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,6 +94,9 @@ class MediaItem:
     named: bool = True
     # What it costs an encoder, in image-equivalents (fleet/cost.py).
     cost: float = 1.0
+    # The http(s) URL its media lie behind, until the proxy fetched them (journey/remote.py): then
+    # the part holds the bytes as a `data:` URL and the item is named by them.
+    fetch: str | None = None
 
     @property
     def is_image(self) -> bool:
@@ -111,22 +114,35 @@ class NormalisedRequest:
     items: list[MediaItem]
 
 
-Digest = Callable[[bytes | memoryview], str]
+# (media, kind tag) -> name.
+Digest = Callable[[bytes | memoryview, bytes], str]
 # The bytes of a URL still held in the client's buffer (see `splice`); None for any other URL.
 Lifted = Callable[[str], bytes | memoryview | None]
+# What an item's name is prefixed with, by its kind: vLLM uses a name as the cache key whatever
+# the modality, so the same bytes as an image and as a video must get two. Images keep the
+# reference proxy's name (no prefix); no media URL the proxy forwards begins like another kind's
+# prefix (it begins with `data:` or `http`), so the kinds' names never meet.
+KIND_TAG = {"image_url": b"", "video_url": b"video:", "audio_url": b"audio:", "input_audio": b"audio:"}
 
 
-def _sha256_hex(data: bytes | memoryview) -> str:
-    return hashlib.sha256(data).hexdigest()
+def _sha256_hex(data: bytes | memoryview, tag: bytes) -> str:
+    if not tag:
+        return hashlib.sha256(data).hexdigest()
+    hasher = hashlib.sha256(tag)
+    hasher.update(data)
+    return hasher.hexdigest()
 
 
-def _blake3_hex(data: bytes | memoryview) -> str:
-    return blake3.blake3(data).hexdigest()
+def _blake3_hex(data: bytes | memoryview, tag: bytes) -> str:
+    if not tag:
+        return blake3.blake3(data).hexdigest()
+    return blake3.blake3(tag).update(data).hexdigest()
 
 
 # `--media-hash`: how the proxy names media for the encoder cache. sha256 is the reference proxy's
-# formula, so both proxies give the same image the same cache key; blake3 is as collision-resistant
-# and about three times cheaper here (the benchmark's floor line), for fleets that no reference proxy shares.
+# formula, so both proxies give the same image sent inline the same cache key; blake3 is as
+# collision-resistant and about three times cheaper here (the benchmark's floor line), for fleets
+# that no reference proxy shares.
 MEDIA_HASHES: dict[str, Digest] = {"sha256": _sha256_hex, "blake3": _blake3_hex}
 
 
@@ -169,23 +185,34 @@ def content_uuid(
     lifted: Lifted | None = None,
     digest: Digest = _sha256_hex,
 ) -> str:
-    """The reference proxy's identity: the hash of the URL, else of the item's sorted JSON.
-
-    Keeping the reference's formula (with sha256, the default) means encoder caches keep their
-    keys in fleets that mix both proxies. It must be content-derived, not request-derived, for
-    cross-request cache reuse. `part` is as forwarded, so its URL is already canonical
-    (`_forwarded_media_part`); `lifted` gives the bytes of URLs still held in the client's buffer
-    (see `splice`), which are hashed in place.
-    """
-    url = media_url(part, kind)
+    """An item's name: the hash of its kind's tag and its `data:` URL (the media's bytes and
+    type), else of its sorted JSON (an `input_audio` holds its data). Never URL-derived: caches
+    pair whatever they hold under a name with the media sent under it. `part` is as forwarded: its
+    URL canonical (`_forwarded_media_part`), and a `data:` URL once fetched (journey/remote.py).
+    An image's name is the reference proxy's, so mixed fleets share encoder cache keys. `lifted`
+    gives the bytes of URLs still in the client's buffer (see `splice`), hashed in place."""
+    tag = KIND_TAG[kind]
+    # vLLM reads only `data` and `format` of an input_audio; any `url` beside them names nothing.
+    url = media_url(part, kind) if kind != "input_audio" else None
     if url is None:
         try:
             text = json.dumps(part, sort_keys=True)
         except RecursionError:
             raise BadRequest(f"a {kind} part nests too deeply to be named") from None
-        return digest(text.encode("utf-8"))
+        return digest(text.encode("utf-8"), tag)
     data = lifted(url) if lifted is not None else None
-    return digest(data if data is not None else url.encode("utf-8"))
+    return digest(data if data is not None else url.encode("utf-8"), tag)
+
+
+def fetched_from(url: str, where: str) -> str | None:
+    """The http(s) URL the proxy fetches the media from (journey/remote.py), None for a `data:`
+    URL, or a 400: the proxy names only bytes it has seen (a `file:` URL is on an engine's disk)."""
+    scheme = url[:8].lower()
+    if scheme.startswith("data:"):
+        return None
+    if scheme.startswith(("http://", "https://")):
+        return url
+    raise BadRequest(f"{where} must be a data: URL or an http(s) URL")
 
 
 def part_kind(part: dict[str, Any], where: str) -> str:
@@ -322,17 +349,19 @@ class PartReader:
         """The media part as forwarded, its item added."""
         item_kind, media = _forwarded_media_part(part, kind, at)
         self.options.check_media_count(len(self.items))
+        url = media_url(media, item_kind)
+        fetch = fetched_from(url, at) if url is not None and item_kind != "input_audio" else None
         if self.options.trust_client_fields and isinstance(client_uuid, str) and client_uuid:
             uuid = client_uuid
         else:
-            uuid = content_uuid(media, item_kind, self.lifted, self.options.digest)
+            # Media behind a URL are named once fetched (journey/remote.py).
+            uuid = "" if fetch else content_uuid(media, item_kind, self.lifted, self.options.digest)
             if "uuid" in media:  # trusted but unusable: the proxy's identity replaces it
                 media = _without_uuid(media)
         if self._costs is None:
             self._costs = request_costs(self.body or {})
-        self.items.append(
-            MediaItem(len(self.items), item_kind, media, uuid, place, cost=self._costs.get(item_kind, 1.0))
-        )
+        cost = self._costs.get(item_kind, 1.0)
+        self.items.append(MediaItem(len(self.items), item_kind, media, uuid, place, cost=cost, fetch=fetch))
         if not (self.keep_input_image and kind == "input_image"):
             return media
         if "uuid" in part and uuid != client_uuid:
@@ -376,6 +405,17 @@ def with_parts_replaced(entries: list[Any], replaced: dict[Place, Any]) -> list[
             fresh.add((m, name))
         copied[m][name][place.part] = part
     return copied
+
+
+def with_url(part: dict[str, Any], key: str, url: str) -> dict[str, Any]:
+    """`part` with the media URL of its `key` (a string, or an object's `url`) replaced."""
+    value = part.get(key)
+    return {**part, key: {**value, "url": url} if isinstance(value, dict) else url}
+
+
+def with_urls(entries: list[Any], moved: Iterable[tuple[MediaItem, str]]) -> list[Any]:
+    """`entries` with each item's media URL, in its part where the entries hold it, replaced."""
+    return with_parts_replaced(entries, {i.place: with_url(i.place.of(entries), i.kind, url) for i, url in moved})
 
 
 def parse_json_body(raw: bytes | bytearray) -> Any:

@@ -12,7 +12,7 @@ URL the consumer will build, without the proxy's uuid, so both derive one identi
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -30,6 +30,7 @@ from epd_proxy.journey.extract import (
     ReadOptions,
     check_body,
     content_uuid,
+    fetched_from,
     parse_json_body,
 )
 from epd_proxy.journey.prefill import REMOTE_DECODE
@@ -94,8 +95,10 @@ def normalise_messages(
         for b, url in _image_urls(message):
             options.check_media_count(len(items))
             part = {"type": "image_url", "image_url": {"url": url}}
-            uuid = content_uuid(part, "image_url", lifted, options.digest)
-            items.append(MediaItem(len(items), "image_url", part, uuid, Place(m, "content", b), named=False, cost=cost))
+            fetch = fetched_from(url, f"messages[{m}].content[{b}]")
+            uuid = "" if fetch else content_uuid(part, "image_url", lifted, options.digest)
+            place = Place(m, "content", b)
+            items.append(MediaItem(len(items), "image_url", part, uuid, place, named=False, cost=cost, fetch=fetch))
     return NormalisedRequest(body, items)
 
 
@@ -145,6 +148,30 @@ def messages_conversation(body: dict[str, Any]) -> Conversation:
     return replace(chat_conversation(body), preamble=system_text(body.get("system")))
 
 
+def _with_fetched_sources(block: Any, urls: dict[str, str]) -> Any:
+    """An image block (or a tool result's images) with each fetched `url` source pointing at the
+    fetched bytes: vLLM makes its image part's URL of a `url` source as it stands."""
+    if not isinstance(block, dict):
+        return block
+    source = block.get("source")
+    if block.get("type") == "image" and isinstance(source, dict) and source.get("type") == "url":
+        url = source.get("url")
+        return {**block, "source": {**source, "url": urls[url]}} if url in urls else block
+    inner = block.get("content")
+    if block.get("type") == "tool_result" and isinstance(inner, list):
+        return {**block, "content": [_with_fetched_sources(entry, urls) for entry in inner]}
+    return block
+
+
+def messages_media_in_body(body: dict[str, Any], moved: Sequence[tuple[MediaItem, str]]) -> dict[str, Any]:
+    urls = {item.fetch: url for item, url in moved if item.fetch}
+    messages = list(body["messages"])
+    for m in {item.place.entry for item, _ in moved}:
+        message = messages[m]
+        messages[m] = {**message, "content": [_with_fetched_sources(block, urls) for block in message["content"]]}
+    return {**body, "messages": messages}
+
+
 def messages_prefill_body(prepared: dict[str, Any]) -> dict[str, Any]:
     # vLLM skips the thinking budget's check on a leg with do_remote_decode, for this max_tokens.
     return {**prepared, "kv_transfer_params": dict(REMOTE_DECODE), "stream": False, "max_tokens": 1}
@@ -172,4 +199,5 @@ MESSAGES = Door(
     messages_conversation,
     error_body=anthropic_error,
     stream_error=anthropic_stream_error,
+    media_in_body=messages_media_in_body,
 )

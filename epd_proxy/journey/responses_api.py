@@ -33,6 +33,7 @@ from epd_proxy.journey.extract import (
     check_body,
     parse_request,
     with_parts_replaced,
+    with_urls,
 )
 from epd_proxy.journey.match import Matches
 from epd_proxy.journey.prefill import REMOTE_DECODE
@@ -191,6 +192,10 @@ def responses_stream_error(failure: ProxyError, relayed: Relayed) -> bytes:
     return named_event("response.failed", orjson.dumps(failed))
 
 
+def responses_media_in_body(body: dict[str, Any], moved: Sequence[tuple[MediaItem, str]]) -> dict[str, Any]:
+    return {**body, "input": with_urls(body["input"], moved)}
+
+
 RESPONSES = Door(
     "responses",
     RESPONSES_PATH,
@@ -199,4 +204,5 @@ RESPONSES = Door(
     responses_prefill_body,
     responses_conversation,
     stream_error=responses_stream_error,
+    media_in_body=responses_media_in_body,
 )

@@ -125,7 +125,8 @@ async def test_messages_images_reach_the_encoder_as_the_consumer_builds_them(mak
 
 async def test_tool_result_images_are_encoded_too(make_stack):
     stack = await make_stack(encoders=1)
-    image = {"type": "image", "source": {"type": "url", "url": "https://media.example/screen.png"}}
+    screen = f"data:image/png;base64,{b64('screen')}"
+    image = {"type": "image", "source": {"type": "url", "url": screen}}
     body = messages_body("A")
     body["messages"] += [
         {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "look", "input": {}}]},
@@ -136,7 +137,7 @@ async def test_tool_result_images_are_encoded_too(make_stack):
     # The first turn's image is history, left to the consumer that holds it (reuse.py); the tool
     # result's image is this turn's and comes from the encoder.
     sent = [p["image_url"]["url"] for r in stack.encoders[0].requests for p in r.body["messages"][0]["content"]]
-    assert sent == ["https://media.example/screen.png"]
+    assert sent == [screen]
     assert stack.pd.loaded_from_cache == 1
 
 

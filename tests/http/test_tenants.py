@@ -16,8 +16,9 @@ import openai
 import orjson
 import pytest
 
+from epd_proxy.addresses import Networks
 from epd_proxy.fleet.backends import ENCODE
-from epd_proxy.tenants import Networks, PriorityRange
+from epd_proxy.tenants import PriorityRange
 from epd_proxy_tools.testing.harness import serve_process
 from epd_proxy_tools.testing.polling import eventually
 from tests.http.test_agent_doors import messages_body

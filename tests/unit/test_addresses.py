@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from epd_proxy.addresses import dns_problem, is_dns, split_server, split_urls
+from epd_proxy.addresses import Hosts, Networks, dns_problem, is_dns, split_server, split_urls
 
 
 def test_dns_names_are_told_from_urls_by_their_scheme():
@@ -45,3 +45,13 @@ def test_url_lists_drop_blanks_and_trailing_slashes_and_none_means_none():
     assert split_urls(" http://e0:1/ ,, http://e1:2 ") == ("http://e0:1", "http://e1:2")
     for disabled in (None, "", "none", "NONE", " disable ", "disabled"):
         assert split_urls(disabled) == ()
+
+
+def test_media_fetch_networks_and_domains_are_checked_at_startup():
+    assert str(Networks().parse(" 127.0.0.0/8, fd00::/8 ,")) == "127.0.0.0/8,fd00::/8"
+    assert str(Networks().parse("127.0.0.1")) == "127.0.0.1/32"
+    with pytest.raises(ValueError, match="not an IP network"):
+        Networks().parse("localhost")
+    assert Hosts().parse("Media.Example, cdn.example") == ("media.example", "cdn.example")
+    for bad in ("https://media.example", "media.example:443", "media.example/x"):
+        assert "not a host name" in (Hosts().problem((bad,)) or "")

@@ -253,15 +253,21 @@ def _imported_from_the_package(module) -> set[str]:
 
 
 def test_the_configuration_depends_on_no_component():
-    """Only on the option machinery, the address kinds and the tenants file's reading, which
-    themselves depend on nothing else (errors.py aside)."""
-    from epd_proxy import addresses, options, tenants
+    """Only on the option machinery, the address kinds, its declaration parts and the tenants
+    file's reading, which themselves depend on nothing else (errors.py aside)."""
+    from epd_proxy import addresses, fetch_flags, options, tenants
 
     assert _imported_from_the_package(config_module) == {
         "epd_proxy.options",
         "epd_proxy.addresses",
+        "epd_proxy.fetch_flags",
         "epd_proxy.reference_flags",
         "epd_proxy.tenants",
+    }
+    assert _imported_from_the_package(fetch_flags) == {
+        "epd_proxy.options",
+        "epd_proxy.addresses",
+        "epd_proxy.reference_flags",
     }
     assert _imported_from_the_package(addresses) == {"epd_proxy.options"}
     assert _imported_from_the_package(tenants) == {"epd_proxy.options", "epd_proxy.errors"}

@@ -6,11 +6,11 @@ import hashlib
 
 import pytest
 
+from epd_proxy.addresses import Networks
 from epd_proxy.errors import ProxyError
 from epd_proxy.options import ConfigError
 from epd_proxy.tenants import (
     DEFAULT,
-    Networks,
     PriorityRange,
     PriorityRangeKind,
     TenantsFile,
@@ -167,6 +167,8 @@ def test_trusted_proxies_are_networks_and_an_address_is_in_them_or_not():
     kind = Networks()
     networks = kind.parse("10.0.0.0/8, 127.0.0.1, ::1")
     assert networks.contain("10.1.2.3") and networks.contain("127.0.0.1") and networks.contain("::1")
+    # A dual-stack listener reports an IPv4 peer as an IPv4-mapped IPv6 address.
+    assert networks.contain("::ffff:10.1.2.3") and not networks.contain("::ffff:192.168.0.1")
     assert not networks.contain("192.168.0.1") and not networks.contain(None) and not networks.contain("nonsense")
     with pytest.raises(ValueError):
         kind.parse("10.0.0.0/33")

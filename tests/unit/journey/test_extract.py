@@ -37,13 +37,38 @@ def test_items_come_from_every_message_in_order():
     ]
 
 
-def test_uuid_is_the_reference_proxys_content_hash():
+def test_an_images_uuid_is_the_reference_proxys_content_hash_and_other_kinds_are_tagged():
     part = image("A")
     [item] = items_of(chat(part))
     assert item.uuid == hashlib.sha256(part["image_url"]["url"].encode()).hexdigest()
     inline = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
     [item] = items_of(chat(inline))
-    assert item.uuid == hashlib.sha256(json.dumps(inline, sort_keys=True).encode()).hexdigest()
+    assert item.uuid == hashlib.sha256(b"audio:" + json.dumps(inline, sort_keys=True).encode()).hexdigest()
+
+
+def test_the_same_bytes_as_image_video_and_audio_get_three_names():
+    url = image("A")["image_url"]["url"]
+    parts = [{"type": f"{kind}_url", f"{kind}_url": {"url": url}} for kind in ("image", "video", "audio")]
+    items = items_of(chat(*parts))
+    assert len({item.uuid for item in items}) == 3
+    assert items[1].uuid == hashlib.sha256(b"video:" + url.encode()).hexdigest()
+
+
+def test_an_input_audios_url_field_names_nothing():
+    """vLLM decodes an input_audio's `data`; a `url` beside it must not stand for other data."""
+    one, other = ({"type": "input_audio", "input_audio": {"data": d, "format": "wav", "url": "u"}} for d in "AB")
+    assert items_of(chat(one))[0].uuid != items_of(chat(other))[0].uuid
+
+
+def test_media_urls_are_data_or_http_urls_and_http_ones_wait_for_their_bytes_to_be_named():
+    for url in ("file:///etc/passwd", "ftp://m/a.png", "a.png"):
+        with pytest.raises(BadRequest, match="data: URL or an http"):
+            items_of(chat({"type": "image_url", "image_url": {"url": url}}))
+    [item] = items_of(chat({"type": "video_url", "video_url": {"url": "HTTPS://m/a.mp4"}}))
+    assert item.fetch == "HTTPS://m/a.mp4" and item.uuid == ""
+    trusted = ReadOptions(trust_client_fields=True)
+    [item] = normalise_request(chat({"type": "image_url", "image_url": URL, "uuid": "mine"}), trusted).items
+    assert item.fetch == URL["url"] and item.uuid == "mine"
 
 
 def test_blake3_names_media_by_the_same_bytes_when_asked():
@@ -52,7 +77,7 @@ def test_blake3_names_media_by_the_same_bytes_when_asked():
     items = normalise_request(chat(part, inline), ReadOptions(media_hash="blake3")).items
     assert [item.uuid for item in items] == [
         blake3.blake3(part["image_url"]["url"].encode()).hexdigest(),
-        blake3.blake3(json.dumps(inline, sort_keys=True).encode()).hexdigest(),
+        blake3.blake3(b"audio:" + json.dumps(inline, sort_keys=True).encode()).hexdigest(),
     ]
     assert [item.uuid for item in items_of(chat(part, inline))] != [item.uuid for item in items]
 
@@ -191,7 +216,7 @@ def test_input_image_is_an_image_url_item():
     [item] = items_of(chat({"type": "input_image", "image_url": "https://m/a.png"}))
     assert item.kind == "image_url"
     assert item.part == {"type": "image_url", "image_url": {"url": "https://m/a.png"}}
-    assert item.uuid == hashlib.sha256(b"https://m/a.png").hexdigest()
+    assert item.fetch == "https://m/a.png"
 
 
 def test_the_input_is_never_mutated():

@@ -48,7 +48,8 @@ def test_responses_images_become_items_named_by_the_chat_paths_identity():
     assert first.part == {"type": "image_url", "image_url": {"url": URL}}
     assert first.uuid == hashlib.sha256(URL.encode()).hexdigest()
     assert (first.place.entry, first.place.part, second.place.part) == (0, 1, 2)
-    assert first.named and second.uuid == hashlib.sha256(b"https://x/b.png").hexdigest()
+    # an http(s) image is named once fetched (remote.py), by its bytes
+    assert first.named and second.fetch == "https://x/b.png" and second.uuid == ""
     # The chat path names the same image the same way, so both share encoder caches.
     chat, _ = parse_request(
         orjson.dumps({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": URL}}]}]})
@@ -161,7 +162,7 @@ def test_an_image_without_its_data_is_the_proxys_400_wherever_it_is(url):
 
 
 def test_a_tool_outputs_image_is_an_item_the_consumer_gets_under_the_proxys_uuid():
-    screen = image_part("https://x/screen.png", uuid="forged", detail="auto")
+    screen = image_part(URL, uuid="forged", detail="auto")
     body = with_entries(
         {"type": "function_call", "call_id": "c1", "name": "look", "arguments": "{}"},
         tool_output({"type": "input_text", "text": "the screen:"}, screen),
@@ -169,8 +170,8 @@ def test_a_tool_outputs_image_is_an_item_the_consumer_gets_under_the_proxys_uuid
     normalised = normalise_responses(body)
     [item] = normalised.items
     assert (item.place.entry, item.place.field, item.place.part) == (2, "output", 1)
-    assert item.part == {"type": "image_url", "image_url": {"url": "https://x/screen.png"}}
-    assert item.uuid == hashlib.sha256(b"https://x/screen.png").hexdigest()
+    assert item.part == {"type": "image_url", "image_url": {"url": URL}}
+    assert item.uuid == hashlib.sha256(URL.encode()).hexdigest()
     assert "uuid" not in normalised.body["input"][2]["output"][1]
     out = responses_consumer_body(
         normalised.body, normalised.items, matches_for(normalised.items), rewrite=True, push_mode=False
