@@ -170,9 +170,10 @@ class Config(ReferenceFlags):
         flag="--kv-events-stale-after",
     )
     kv_index_max_blocks: int = option(
-        500_000,
+        250_000,
         Count(1),
-        "KV cache blocks the proxy tracks over all engines (about 0.5 KB each); beyond it the oldest go first",
+        "KV cache blocks the proxy tracks over all engines, in each worker (about 0.3 KB each); beyond it the "
+        "oldest go first",
         flag="--kv-index-max-blocks",
     )
     encoder_failovers: int = option(

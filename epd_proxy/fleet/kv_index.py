@@ -105,7 +105,7 @@ class Applied:
 
 class KvIndex:
     def __init__(
-        self, *, max_blocks: int = 500_000, stale_after_s: float = 15.0, clock: Callable[[], float] = time.monotonic
+        self, *, max_blocks: int = 250_000, stale_after_s: float = 15.0, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self.max_blocks = max_blocks
         self.stale_after_s = stale_after_s
