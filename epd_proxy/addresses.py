@@ -184,6 +184,8 @@ class Topology(Protocol):
     def roster_url(self) -> str: ...
     @property
     def workers(self) -> int: ...
+    @property
+    def kv_events_endpoints(self) -> tuple[str, ...]: ...
 
 
 def check_topology(config: Topology) -> None:
@@ -211,6 +213,7 @@ def check_topology(config: Topology) -> None:
             raise ConfigError("--decode-servers-urls needs at least one URL")
         if not config.encode_urls:
             raise ConfigError("--encode-servers-urls needs at least one URL")
+    check_kv_endpoints(config)
     if config.roster_url and not config.dynamic_registration:
         raise ConfigError("--roster holds the dynamic roster: add --dynamic-registration")
     if config.ec_consumer_zmq_addrs:
@@ -231,3 +234,60 @@ def check_topology(config: Topology) -> None:
                 f"{expected} (decode servers {len(config.decode_urls)} x dp size {config.ec_consumer_dp_size}, "
                 "each server's replicas listed consecutively)"
             )
+
+
+# -- KV event endpoints (--kv-events-endpoints) ---------------------------------------------------------
+def check_kv_endpoints(config: Topology) -> None:
+    """One `{host}` template for every consumer, or one entry per listed consumer, prefill
+    servers first: a DNS name or a registration has no fixed place in such a list."""
+    entries = config.kv_events_endpoints
+    if not entries or (len(entries) == 1 and "{host}" in entries[0]):
+        return
+    consumers = (*config.prefill_urls, *config.decode_urls)
+    if config.dynamic_registration or any(is_dns(url) for url in consumers):
+        raise ConfigError(
+            "--kv-events-endpoints lines up with listed prefill and decode URLs; with DNS names or registration "
+            "give one template holding {host}"
+        )
+    if len(entries) != len(consumers):
+        raise ConfigError(
+            f"--kv-events-endpoints has {len(entries)} entries; expected {len(consumers)} (the prefill servers, "
+            "then the decode servers), or one template holding {host}"
+        )
+
+
+ZMQ_SCHEMES = ("tcp", "ipc")
+
+
+def split_kv_endpoint(entry: str) -> tuple[str, str | None]:
+    """`PUB` or `PUB+REPLAY`: an engine's event endpoint and, after a `+`, its replay endpoint."""
+    endpoint, _, replay = entry.partition("+")
+    return endpoint, replay or None
+
+
+def zmq_problem(endpoint: str) -> str | None:
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep or scheme not in ZMQ_SCHEMES or not rest:
+        return f"{endpoint!r} is not a ZMQ endpoint: tcp://host:port or ipc://path"
+    if scheme == "tcp":
+        port = rest.rpartition(":")[2]
+        if not port.isdigit() or not 0 < int(port) < 65536 or not rest.rpartition(":")[0]:
+            return f"{endpoint!r} needs a host and a port: tcp://host:port"
+    return None
+
+
+@dataclass(frozen=True)
+class KvEndpoints(Kind):
+    """A comma list of `PUB[+REPLAY]` ZMQ endpoints; `{host}` stands for an instance's host."""
+
+    metavar: ClassVar[str] = "ENDPOINTS"
+
+    def parse(self, text: str) -> tuple[str, ...]:
+        return tuple(entry.strip() for entry in text.split(",") if entry.strip())
+
+    def problem(self, value: tuple[str, ...]) -> str | None:
+        for entry in value:
+            for endpoint in split_kv_endpoint(entry):
+                if endpoint is not None and (problem := zmq_problem(endpoint.replace("{host}", "h"))):
+                    return problem
+        return None

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from epd_proxy import options as options_module
-from epd_proxy.addresses import IPNetworks, Networks, Server, check_topology
+from epd_proxy.addresses import IPNetworks, KvEndpoints, Networks, Server, check_topology
 from epd_proxy.fetch_flags import MEDIA, MediaFetchFlags
 from epd_proxy.options import Choice, Choices, ConfigError, Count, Kind, Number, Option, Real, Seconds, Switch, Text  # noqa: F401 (ConfigError: callers catch it from here)
 from epd_proxy.reference_flags import OURS, REFERENCE
@@ -149,6 +149,36 @@ class Config(MediaFetchFlags):
         "also ask them, see [Conversations](prefix-routing.md#what-a-consumer-takes-raw)",
         flag="--no-raw-media",
         shown="none",
+    )
+    kv_events: bool = option(
+        True,
+        Switch(False),
+        "do not follow the prefill / PD instances' KV events (vLLM's `--kv-events-config`); see "
+        "[How the proxy knows what each engine holds](prefix-routing.md#how-the-proxy-knows-what-each-engine-holds)",
+        flag="--no-kv-events",
+    )
+    kv_events_endpoints: tuple[str, ...] = option(
+        (),
+        KvEndpoints(),
+        "where the prefill / PD instances publish KV events, instead of asking each its `/kv_event_sources`: "
+        "`PUB[+REPLAY]` ZMQ endpoints, one per listed prefill server then decode server, or one template holding "
+        "`{host}`; data-parallel rank r on each port + r",
+        flag="--kv-events-endpoints",
+        shown="asked of each instance",
+    )
+    kv_events_stale_after_s: float = option(
+        15.0,
+        Seconds(positive=True),
+        "seconds an engine's KV events may go unconfirmed (no batch, no replay answer) before its state is stale "
+        "and routing falls back to its guesses for it",
+        flag="--kv-events-stale-after",
+    )
+    kv_index_max_blocks: int = option(
+        250_000,
+        Count(1),
+        "KV cache blocks the proxy tracks over all engines, in each worker (about 0.3 KB each); beyond it the "
+        "oldest go first",
+        flag="--kv-index-max-blocks",
     )
     encoder_failovers: int = option(
         1,

@@ -18,6 +18,8 @@ from epd_proxy.fleet.backends import DECODE, ENCODE, PREFILL
 from epd_proxy.fleet.capabilities import MediaProbe
 from epd_proxy.fleet.discovery import Discovery
 from epd_proxy.fleet.health import Health
+from epd_proxy.fleet.kv_index import KvIndex
+from epd_proxy.fleet.kv_sources import KvEvents
 from epd_proxy.fleet.lanes import Lanes
 from epd_proxy.fleet.prober import Prober, check_pool
 from epd_proxy.fleet.profiling import Profiling
@@ -133,6 +135,14 @@ class ProxyState:
         if self.discovery is not None:
             self.metrics.watch_dns(self.discovery)
             self.health.on_unreachable(self.discovery.unreachable)
+        # What each prefill / PD engine holds, from its KV events: every worker follows every engine.
+        self.kv_index: KvIndex | None = None
+        self.kv_events: KvEvents | None = None
+        if config.kv_events:
+            self.kv_index = KvIndex(max_blocks=config.kv_index_max_blocks, stale_after_s=config.kv_events_stale_after_s)
+            self.kv_events = KvEvents.from_config(config, self.kv_index)
+            self.metrics.watch_kv(self.kv_events)
+            self.fleet.watch(self.kv_events)
         self.admission = Admission(config.max_inflight, self.metrics.rejected)
         # Checked as the Config was made; read again here, and on SIGHUP (reload_tenants).
         self.tenants = TenantsFile(config.tenants_file) if config.tenants_file else None
@@ -145,6 +155,8 @@ class ProxyState:
         # Active checks get their own small pool: a backend whose request connections are all busy
         # streaming (--max-connections-per-backend) must still answer its health checks.
         self.probes: Upstream | None = None
+        # Asks each consumer where it publishes KV events, on connections of its own as checks do.
+        self.kv_pool: Upstream | None = None
         self.prober: Prober | None = None
         self.pipeline: Pipeline | None = None
         self.profiling: Profiling | None = None
@@ -181,6 +193,9 @@ class ProxyState:
             await self.roster.start()
         if self.discovery is not None:
             await self.discovery.start()
+        if self.kv_events is not None:
+            self.kv_pool = check_pool(headers)
+            await self.kv_events.start(self.kv_pool)
         if self.metrics.multiprocess:
             self._background.append(asyncio.create_task(self._publish_fleet_forever()))
         if config.probe_interval_s > 0:
@@ -258,10 +273,12 @@ class ProxyState:
             await self.roster.close()
         if self.discovery is not None:
             await self.discovery.close()
+        if self.kv_events is not None:
+            await self.kv_events.close()
         for task in self._background:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
-        for pool in (self.upstream, self.probes):
+        for pool in (self.upstream, self.probes, self.kv_pool):
             if pool is not None:
                 await pool.close()
         await self.media.close()

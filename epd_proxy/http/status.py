@@ -67,6 +67,8 @@ def roster(state: ProxyState) -> list[dict[str, Any]]:
                 "last_probe_age_s": view["last_check_age_s"],
                 "last_probe": view["last_check"],
                 "last_problem": view["last_problem"],
+                # What its KV events say (prefill / PD only): state, blocks indexed, per engine.
+                "kv_events": state.kv_events.view(view["url"]) if state.kv_events is not None else None,
             }
         )
     rows.sort(key=lambda row: (ROLE_ORDER.get(row["role"], 9), row["url"]))
@@ -146,6 +148,16 @@ def snapshot(state: ProxyState) -> dict[str, Any]:
         },
         "roster": roster(state),
         "scheduler": scheduler(state),
+        "kv_index": (
+            {
+                "blocks": state.kv_index.blocks,
+                "max_blocks": state.kv_index.max_blocks,
+                "evictions": state.kv_index.evictions,
+                "stale_after_s": state.kv_index.stale_after_s,
+            }
+            if state.kv_index is not None
+            else None
+        ),
         "window": state.metrics.recent.summary(),
         "totals": _totals(state.metrics),
         "timeline": {

@@ -17,6 +17,7 @@ from epd_proxy.fleet.registry import Registry
 
 if TYPE_CHECKING:
     from epd_proxy.fleet.discovery import Discovery
+    from epd_proxy.fleet.kv_sources import KvEvents
     from epd_proxy.fleet.roster import Roster
 # Per-instance gauges: name, help, how workers' values combine in multiprocess mode (in-flight
 # counts add up, an instance is up only while every worker routes to it, failures show the worst).
@@ -196,3 +197,35 @@ class DnsCollector:
             if seconds is not None:
                 since.add_metric([name], seconds)
         yield from (up, addresses, since)
+
+
+class KvCollector:
+    """Each prefill / PD instance's KV event state and how many blocks the index holds for it
+    (see kv_sources.py), read at scrape time: the answering worker's, which follows every engine
+    on its own like every other."""
+
+    def __init__(self, kv_events: KvEvents) -> None:
+        self._kv = kv_events
+
+    def collect(self):
+        state = GaugeMetricFamily(
+            "epd_kv_events_state",
+            "1 for the instance's KV event state: fresh (every engine's view is up to date), stale (some engine's "
+            "is not: routing falls back to its guesses), none (no events followed)",
+            labels=["instance", "state"],
+        )
+        blocks = GaugeMetricFamily(
+            "epd_kv_index_blocks", "KV cache blocks the index holds for the instance", labels=["instance"]
+        )
+        for url in self._kv.urls():
+            view = self._kv.view(url)
+            if view is None:
+                continue
+            for name in ("fresh", "stale", "none"):
+                state.add_metric([url, name], 1 if view["state"] == name else 0)
+            blocks.add_metric([url], view["blocks"])
+        capacity = GaugeMetricFamily(
+            "epd_kv_index_capacity", "Block entries the KV index keeps at most (--kv-index-max-blocks)"
+        )
+        capacity.add_metric([], self._kv.index.max_blocks)
+        yield from (state, blocks, capacity)

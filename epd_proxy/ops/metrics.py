@@ -17,6 +17,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from epd_proxy.fleet.backends import DECODE, PREFILL_DECODE, Instance
 from epd_proxy.fleet.health import EJECTION_REASONS, Health
+from epd_proxy.fleet.kv_events import STREAM_EVENTS, FeedCounts
+from epd_proxy.fleet.kv_index import Applied
 from epd_proxy.fleet.lanes import Lanes
 from epd_proxy.fleet.registry import Registry
 from epd_proxy.ops import autoscale as scaling
@@ -27,6 +29,7 @@ from epd_proxy.ops.collectors import (
     DnsCollector,
     Fixed,
     FleetCollector,
+    KvCollector,
     LaneCollector,
     RosterCollector,
     WrittenFiles,
@@ -37,9 +40,12 @@ from epd_proxy.ops.recent import RecentRequests
 
 if TYPE_CHECKING:
     from epd_proxy.fleet.discovery import Discovery
+    from epd_proxy.fleet.kv_sources import KvEvents
     from epd_proxy.fleet.roster import Roster
 
 
+# The kinds of `epd_kv_event_blocks{change}`: fields of kv_index.Applied.
+KV_CHANGES = ("stored", "removed", "orphans", "cleared")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 ITEM_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 
@@ -190,6 +196,32 @@ class Metrics:
             ["stage", "reason"],
             registry=r,
         )
+        self.kv_batches = Counter(
+            "epd_kv_event_batches",
+            "KV event batches applied to the index, by prefill / PD instance",
+            ["instance"],
+            registry=r,
+        )
+        self.kv_blocks = Counter(
+            "epd_kv_event_blocks",
+            "KV cache blocks the index learnt of, by instance and change: stored, removed, orphans (stored under a "
+            "parent the index does not know: not indexed), cleared (AllBlocksCleared events)",
+            ["instance", "change"],
+            registry=r,
+        )
+        self.kv_stream = Counter(
+            "epd_kv_event_stream",
+            "What happened to an instance's KV event stream: gap_filled (by a replay), gap_lost (the replay no "
+            "longer had it: the view was rebuilt), replay (replay requests, heartbeats included), restart (a new "
+            "publisher), stale (turns from fresh to stale), undecodable (batches that could not be read)",
+            ["instance", "what"],
+            registry=r,
+        )
+        self.kv_evictions = Counter(
+            "epd_kv_index_evictions",
+            "Block entries dropped from the KV index at --kv-index-max-blocks, oldest first",
+            registry=r,
+        )
         parsed = Counter(
             "epd_request_parse",
             "Chat requests by how their body was read: splice (media kept as slices of the client's bytes) "
@@ -210,7 +242,14 @@ class Metrics:
             ]
         else:
             r.register(FleetCollector(fleet, health))
-        self._per_instance = (self.encoder_subrequests, self.failovers, self.coalesced, self.split_retries, self.stalls)
+        self._per_instance = (
+            self.encoder_subrequests,
+            self.failovers,
+            self.coalesced,
+            self.split_retries,
+            self.stalls,
+            self.kv_batches,
+        )
         self._lanes: Lanes | None = None
         self.autoscale: scaling.Autoscale | None = None
         self._lane_gauges: list = []
@@ -233,6 +272,8 @@ class Metrics:
         labels: list[tuple[Counter, tuple[str, ...]]] = [(family, (inst.url,)) for family in self._per_instance]
         labels += [(self.ejections, (inst.role, inst.url, reason)) for reason in EJECTION_REASONS]
         labels += [(self.shared_refusals, (inst.url, charged)) for charged in ("request", "encoder")]
+        labels += [(self.kv_blocks, (inst.url, change)) for change in KV_CHANGES]
+        labels += [(self.kv_stream, (inst.url, what)) for what in STREAM_EVENTS]
         for family, values in labels:
             try:
                 family.remove(*values)
@@ -290,6 +331,22 @@ class Metrics:
 
     def watch_roster(self, roster: Roster) -> None:
         self.read_at_scrape(RosterCollector(roster))
+
+    def watch_kv(self, kv_events: KvEvents) -> None:
+        """Each prefill / PD instance's KV event state and index size (kv_sources.py), as the
+        answering worker sees them, and the feeds' counters."""
+        self.read_at_scrape(KvCollector(kv_events))
+        kv_events.counts = FeedCounts(
+            applied=self._kv_applied, stream=lambda url, what: self.kv_stream.labels(url, what).inc()
+        )
+
+    def _kv_applied(self, url: str, applied: Applied) -> None:
+        self.kv_batches.labels(url).inc()
+        for change in KV_CHANGES:
+            if count := getattr(applied, change):
+                self.kv_blocks.labels(url, change).inc(count)
+        if applied.evicted:
+            self.kv_evictions.inc(applied.evicted)
 
     def watch_dns(self, discovery: Discovery) -> None:
         self.read_at_scrape(DnsCollector(discovery))

@@ -20,10 +20,11 @@ from epd_proxy_tools.testing.fake_kv_events import (
 from epd_proxy_tools.testing.harness import Fakes
 from epd_proxy_tools.testing.kv_tap import KvTap, reachable
 from epd_proxy_tools.testing.polling import eventually
+from tests.media import image
 
 DECODE = msgspec.msgpack.Decoder(KVEventBatch)
 OPTIONS = KvEventsOptions(block_size=16, num_blocks=64, topic="kv", prompt_tokens_details=True)
-IMAGE = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+IMAGE = image("cat")
 
 
 def text_body(text: str, max_tokens: int = 4) -> dict[str, Any]:

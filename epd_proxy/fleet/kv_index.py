@@ -1,0 +1,325 @@
+"""What each language-model engine holds in its prefix cache, as its KV events say (pure).
+
+An engine is one data-parallel rank of a prefill, decode or PD instance: `(url, rank)`. The feeds
+(kv_events.py) apply each engine's event batches in order; routing asks the queries below.
+
+**Our own block names.** Each block is named by a digest of its parent's name, its token ids and
+its extra keys (the media identifiers with their offsets, a LoRA name, a cache salt), so a block
+gets the same name on every engine whatever hash function or seed the engine uses, and a name
+covers the whole prefix up to that block. The engine's own block hash only maps to our name, so
+that a removal or a later block's parent can be found. A block whose parent is not known (its
+store was missed, or evicted here) is not indexed: nothing could reach it from the start.
+
+**State.** An engine is `fresh` while its feed has heard from it within `stale_after_s` and has
+reported no trouble since; `stale` otherwise; `none` when nothing feeds it. Queries about an
+engine that is not fresh answer None: the caller falls back to its own guess.
+
+**Bounded.** At most `max_blocks` block entries are kept over all engines; beyond it the oldest
+stored (or reused) entries go first, whichever engine holds them, in one sweep down to 15/16 of
+the cap, so a dictionary is scanned from its front once per sweep rather than once per eviction.
+An evicted entry only makes the index say an engine holds less than it does.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from hashlib import blake2b
+from typing import Any
+
+import msgspec
+
+from epd_proxy.fleet.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
+
+log = logging.getLogger("epd_proxy.kv_index")
+
+FRESH, STALE, NONE = "fresh", "stale", "none"
+EngineId = tuple[str, int]  # (instance URL, data-parallel rank)
+# (medium, KV cache group, the engine's block hash): what the engine's events name a block by.
+_Key = tuple[str | None, int, int | bytes]
+
+_encode = msgspec.msgpack.Encoder().encode
+
+
+def block_name(parent: bytes | None, tokens: Sequence[int], extra: Sequence[Any] | None) -> bytes:
+    """Our name of a block: 16 bytes of blake2b over the parent's name, the tokens and the extra
+    keys as the events carry them (tuples and lists read alike)."""
+    return blake2b(_encode((parent, tokens, extra)), digest_size=16).digest()
+
+
+def chain(blocks: Iterable[tuple[Sequence[int], Sequence[Any] | None]]) -> list[bytes]:
+    """The names of a prompt's blocks, each `(token_ids, extra_keys)`, from the first on."""
+    names: list[bytes] = []
+    parent = None
+    for tokens, extra in blocks:
+        parent = block_name(parent, tokens, extra)
+        names.append(parent)
+    return names
+
+
+def media_in(extra: Sequence[Any] | None) -> tuple[str, ...]:
+    """The media identifiers among one block's extra keys (the `[identifier, offset]` pairs)."""
+    if not extra:
+        return ()
+    return tuple(key[0] for key in extra if isinstance(key, list | tuple) and len(key) == 2 and isinstance(key[0], str))
+
+
+@dataclass(slots=True, eq=False)
+class _Held:
+    parent: bytes | None
+    media: tuple[str, ...]
+    # Engine entries naming this block: one per KV cache group and medium that stores it.
+    refs: int = 0
+    # Media items known to end in this block: a stored child of it does not hold them.
+    closes: tuple[str, ...] = ()
+
+
+@dataclass(slots=True, eq=False)
+class _Engine:
+    # Oldest first (a reuse moves an entry to the end): our name and the stamp of its store.
+    entries: dict[_Key, tuple[bytes, int]] = field(default_factory=dict)
+    held: dict[bytes, _Held] = field(default_factory=dict)
+    media: dict[str, set[bytes]] = field(default_factory=dict)
+    heard_at: float | None = None
+    trouble: str | None = None
+    # Whether the view covers the engine's whole history: it was built from the engine's first
+    # batch on (or from a clear), with nothing lost since.
+    complete: bool = False
+
+
+@dataclass(slots=True)
+class Applied:
+    """What one call of `apply` did, for the feed's counters."""
+
+    stored: int = 0
+    removed: int = 0
+    cleared: int = 0
+    # Blocks stored under a parent the index does not know: not indexed.
+    orphans: int = 0
+    evicted: int = 0
+
+
+class KvIndex:
+    def __init__(
+        self, *, max_blocks: int = 250_000, stale_after_s: float = 15.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.max_blocks = max_blocks
+        self.stale_after_s = stale_after_s
+        self._clock = clock
+        self._engines: dict[EngineId, _Engine] = {}
+        self._stamps = itertools.count()
+        self.blocks = 0  # entries over all engines
+        self.evictions = 0
+
+    # -- the feeds' side -------------------------------------------------------------------------------
+    def watch(self, engine: EngineId) -> object:
+        """A feed for `engine` begins: its view starts empty and stale until it is heard from.
+        Returns the feed's token for `forget`."""
+        self.forget(engine)
+        record = self._engines[engine] = _Engine()
+        return record
+
+    def forget(self, engine: EngineId, token: object | None = None) -> None:
+        """The engine is followed no more; with a token, only if no newer feed took it over."""
+        record = self._engines.get(engine)
+        if record is not None and (token is None or token is record):
+            del self._engines[engine]
+            self.blocks -= len(record.entries)
+
+    def reset(self, engine: EngineId, *, complete: bool) -> None:
+        """The view starts empty: the engine restarted or cleared its cache (`complete`: what
+        follows is its whole history), or batches were lost and what follows is only part of it."""
+        record = self._engines.get(engine)
+        if record is not None:
+            self.blocks -= len(record.entries)
+            record.entries, record.held, record.media = {}, {}, {}
+            record.complete = complete
+
+    def heard(self, engine: EngineId) -> None:
+        """Its feed is up to date with the engine now: a batch in order, or a replay that found
+        nothing missing."""
+        record = self._engines.get(engine)
+        if record is None:
+            return
+        if record.trouble is not None:
+            log.info("KV events of %s rank %d are fresh again (were stale: %s)", *engine, record.trouble)
+            record.trouble = None
+        record.heard_at = self._clock()
+
+    def stale(self, engine: EngineId, why: str) -> bool:
+        """Its feed cannot vouch for the view until it is heard from again; True if it was fresh."""
+        record = self._engines.get(engine)
+        if record is None:
+            return False
+        was_fresh = record.trouble is None and not self._silent(record)
+        if record.trouble is None:
+            log.warning(
+                "KV events of %s rank %d are stale (%s): routing falls back to its own guess for it", *engine, why
+            )
+        record.trouble = why
+        return was_fresh
+
+    def apply(self, engine: EngineId, events: Iterable[Event]) -> Applied:
+        done = Applied()
+        record = self._engines.get(engine)
+        if record is None:
+            return done
+        for event in events:
+            if type(event) is BlockStored:
+                self._store(record, event, done)
+            elif type(event) is BlockRemoved:
+                group = event.group_idx or 0
+                for block_hash in event.block_hashes:
+                    entry = record.entries.pop((event.medium, group, block_hash), None)
+                    if entry is not None:
+                        self.blocks -= 1
+                        self._release(record, entry[0])
+                        done.removed += 1
+            elif type(event) is AllBlocksCleared:
+                self.reset(engine, complete=True)
+                done.cleared += 1
+        if self.blocks > self.max_blocks:
+            done.evicted = self._evict(self.blocks - self.max_blocks + self.max_blocks // 16)
+        return done
+
+    def _store(self, record: _Engine, event: BlockStored, done: Applied) -> None:
+        medium, group, size = event.medium, event.group_idx or 0, event.block_size
+        entries, held = record.entries, record.held
+        parent: bytes | None = None
+        if event.parent_block_hash is not None:
+            entry = entries.get((medium, group, event.parent_block_hash))
+            if entry is None:
+                done.orphans += len(event.block_hashes)
+                return
+            parent = entry[0]
+        tokens, extras = event.token_ids, event.extra_keys or ()
+        if size <= 0 or len(tokens) < size * len(event.block_hashes):
+            done.orphans += len(event.block_hashes)
+            return
+        for i, block_hash in enumerate(event.block_hashes):
+            extra = extras[i] if i < len(extras) else None
+            name = block_name(parent, tokens[i * size : (i + 1) * size], extra)
+            key = (medium, group, block_hash)
+            old = entries.pop(key, None)
+            if old is None:
+                self.blocks += 1
+            elif old[0] != name:
+                self._release(record, old[0])
+            if old is None or old[0] != name:
+                block = held.get(name)
+                if block is None:
+                    block = held[name] = _Held(parent, media_in(extra))
+                    for media_id in block.media:
+                        record.media.setdefault(media_id, set()).add(name)
+                block.refs += 1
+            entries[key] = (name, next(self._stamps))
+            if parent is not None and (above := held.get(parent)) is not None and above.media:
+                ended = [m for m in above.media if m not in held[name].media and m not in above.closes]
+                if ended:
+                    above.closes += tuple(ended)
+            parent = name
+            done.stored += 1
+
+    def _release(self, record: _Engine, name: bytes) -> None:
+        block = record.held[name]
+        block.refs -= 1
+        if block.refs:
+            return
+        del record.held[name]
+        for media_id in block.media:
+            names = record.media[media_id]
+            names.discard(name)
+            if not names:
+                del record.media[media_id]
+
+    def _evict(self, count: int) -> int:
+        """The `count` oldest entries over all engines, in one pass over each engine's front."""
+
+        def oldest(n: int, record: _Engine) -> Iterator[tuple[int, int, _Key, _Engine]]:
+            for key, (_, stamp) in record.entries.items():
+                yield stamp, n, key, record
+
+        fronts = [oldest(n, record) for n, record in enumerate(self._engines.values())]
+        victims = list(itertools.islice(heapq.merge(*fronts), count))
+        for _, _, key, record in victims:
+            name, _ = record.entries.pop(key)
+            self._release(record, name)
+        self.blocks -= len(victims)
+        self.evictions += len(victims)
+        return len(victims)
+
+    # -- queries ---------------------------------------------------------------------------------------
+    def _silent(self, record: _Engine) -> bool:
+        return record.heard_at is None or self._clock() - record.heard_at > self.stale_after_s
+
+    def _fresh(self, engine: EngineId) -> _Engine | None:
+        record = self._engines.get(engine)
+        if record is None or record.trouble is not None or self._silent(record):
+            return None
+        return record
+
+    def state(self, engine: EngineId) -> str:
+        record = self._engines.get(engine)
+        if record is None:
+            return NONE
+        return STALE if record.trouble is not None or self._silent(record) else FRESH
+
+    def why_stale(self, engine: EngineId) -> str | None:
+        record = self._engines.get(engine)
+        if record is None or self.state(engine) != STALE:
+            return None
+        return record.trouble or f"nothing heard for over {self.stale_after_s:g}s"
+
+    def complete(self, engine: EngineId) -> bool:
+        record = self._engines.get(engine)
+        return record is not None and record.complete
+
+    def engines(self) -> list[EngineId]:
+        return list(self._engines)
+
+    def size(self, engine: EngineId) -> int:
+        record = self._engines.get(engine)
+        return len(record.entries) if record is not None else 0
+
+    def prefix_blocks(self, engine: EngineId, names: Sequence[bytes]) -> int | None:
+        """How many of a prompt's leading blocks (names from `chain`) the engine holds; None
+        when its state is not fresh."""
+        record = self._fresh(engine)
+        if record is None:
+            return None
+        count = 0
+        for name in names:
+            if name not in record.held:
+                break
+            count += 1
+        return count
+
+    def media_holders(self, media_id: str) -> list[EngineId]:
+        """The fresh engines holding some block of the media item (its uuid)."""
+        return [engine for engine, record in self._engines.items() if media_id in record.media and self._fresh(engine)]
+
+    def media_prefix(self, engine: EngineId, media_id: str) -> int | None:
+        """The longest prefix (in blocks) the engine holds whole that holds every block of the
+        media item: a prompt that starts so reuses the item's KV without encoding it. 0 when
+        there is none, None when the engine's state is not fresh. An item's last block is known
+        once a block after it was stored; until then no prefix counts for it."""
+        record = self._fresh(engine)
+        if record is None:
+            return None
+        best = 0
+        for name in record.media.get(media_id, ()):
+            block: _Held | None = record.held[name]
+            if block is None or media_id not in block.closes:
+                continue
+            depth = 0
+            while block is not None:
+                depth += 1
+                if block.parent is None:
+                    best = max(best, depth)
+                    break
+                block = record.held.get(block.parent)
+        return best

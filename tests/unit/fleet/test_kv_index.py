@@ -1,0 +1,188 @@
+"""The index of what each engine holds (kv_index.py), driven by events built by hand and a clock
+the test moves: our own block names, prefixes, media, removal, clears, staleness and the cap."""
+
+from __future__ import annotations
+
+from epd_proxy.fleet.kv_index import FRESH, NONE, STALE, KvIndex, block_name, chain, media_in
+from epd_proxy.fleet.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored
+
+BS = 4
+A, B = ("http://pd-a:8000", 0), ("http://pd-b:8000", 0)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def blocks(n: int, start: int = 0, media: dict[int, list] | None = None) -> list[tuple[list[int], list | None]]:
+    """n blocks of BS tokens; `media` gives some blocks their extra keys."""
+    media = media or {}
+    return [(list(range(start + i * BS, start + (i + 1) * BS)), media.get(i)) for i in range(n)]
+
+
+def stored(hashes: list[int], prompt: list, parent: int | None = None, group: int = 0) -> BlockStored:
+    return BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=parent,
+        token_ids=[t for tokens, _ in prompt for t in tokens],
+        block_size=BS,
+        medium="GPU",
+        extra_keys=[extra for _, extra in prompt] if any(extra for _, extra in prompt) else None,
+        group_idx=group,
+    )
+
+
+def fresh_index(*engines, clock: Clock | None = None, **options) -> KvIndex:
+    index = KvIndex(clock=clock or Clock(), **options)
+    for engine in engines:
+        index.watch(engine)
+        index.heard(engine)
+    return index
+
+
+def test_our_names_chain_the_parent_and_ignore_the_engines_hashes():
+    prompt = blocks(3)
+    names = chain(prompt)
+    assert names[1] == block_name(names[0], prompt[1][0], None)
+    assert len(set(names)) == 3 and all(len(name) == 16 for name in names)
+    # Tuples as a caller writes them and lists as msgpack decodes them name a block alike.
+    assert block_name(None, (1, 2), (("img", 3),)) == block_name(None, [1, 2], [["img", 3]])
+    # The same tokens after another parent, or with other extra keys, are another block.
+    assert block_name(names[0], prompt[0][0], None) != names[0]
+    assert block_name(None, prompt[0][0], [["img", 0]]) != names[0]
+
+    index = fresh_index(A, B)
+    index.apply(A, [stored([11, 12, 13], prompt)])
+    index.apply(B, [stored([-7, 99, 5], prompt)])  # another seed: other hashes, same content
+    assert index.prefix_blocks(A, names) == index.prefix_blocks(B, names) == 3
+
+
+def test_the_leading_blocks_held_count_until_the_first_missing_one():
+    prompt = blocks(4)
+    names = chain(prompt)
+    index = fresh_index(A)
+    index.apply(A, [stored([1, 2], prompt[:2])])
+    # Continued in a later event from its parent's engine hash.
+    index.apply(A, [stored([3], [prompt[2]], parent=2)])
+    assert index.prefix_blocks(A, names) == 3
+    index.apply(A, [BlockRemoved(block_hashes=[2], medium="GPU", group_idx=0)])
+    assert index.prefix_blocks(A, names) == 1
+    assert index.prefix_blocks(A, chain(blocks(2, start=1000))) == 0
+
+
+def test_a_block_under_an_unknown_parent_is_not_indexed():
+    index = fresh_index(A)
+    applied = index.apply(A, [stored([7, 8], blocks(2, start=8), parent=12345)])
+    assert applied.orphans == 2 and applied.stored == 0 and index.size(A) == 0
+
+
+def test_a_block_held_in_two_groups_stays_until_both_removed():
+    prompt = blocks(1)
+    index = fresh_index(A)
+    index.apply(A, [stored([1], prompt, group=0), stored([1], prompt, group=1)])
+    index.apply(A, [BlockRemoved(block_hashes=[1], medium="GPU", group_idx=1)])
+    assert index.prefix_blocks(A, chain(prompt)) == 1
+    index.apply(A, [BlockRemoved(block_hashes=[1], medium="GPU", group_idx=0)])
+    assert index.prefix_blocks(A, chain(prompt)) == 0
+
+
+def test_media_identifiers_come_from_the_pairs_among_the_extra_keys():
+    assert media_in(None) == ()
+    assert media_in([["img-1", 13], "lora-x", b"\x00digest", ["img-2", -19]]) == ("img-1", "img-2")
+
+
+def test_an_image_counts_once_its_last_block_and_the_whole_chain_to_it_are_held():
+    # Text, then an image over blocks 1 and 2, then text: vLLM's extra keys give the offsets.
+    image = {1: [["img-1", 2]], 2: [["img-1", -2]]}
+    prompt = blocks(4, media=image)
+    index = fresh_index(A, B)
+    index.apply(A, [stored([1, 2, 3, 4], prompt)])
+    assert index.media_holders("img-1") == [A]
+    assert index.media_prefix(A, "img-1") == 3
+    assert index.media_prefix(B, "img-1") == 0
+    # Without its first block no prompt reaches the image's blocks through a held prefix.
+    index.apply(A, [BlockRemoved(block_hashes=[1], medium="GPU", group_idx=0)])
+    assert index.media_prefix(A, "img-1") == 0
+    assert index.media_holders("img-1") == [A]  # it still holds blocks of it
+
+    # Stored up to the image's second block only: where the image ends is not known yet.
+    index.apply(B, [stored([21, 22, 23], prompt[:3])])
+    assert index.media_prefix(B, "img-1") == 0
+    index.apply(B, [stored([24], prompt[3:], parent=23)])
+    assert index.media_prefix(B, "img-1") == 3
+    index.apply(B, [BlockRemoved(block_hashes=[23], medium="GPU", group_idx=0)])
+    assert index.media_prefix(B, "img-1") == 0
+    assert index.media_holders("img-1") == [A, B]
+    index.apply(B, [BlockRemoved(block_hashes=[22], medium="GPU", group_idx=0)])
+    assert index.media_holders("img-1") == [A]
+
+
+def test_all_blocks_cleared_empties_the_engine_and_no_other():
+    prompt = blocks(2)
+    index = fresh_index(A, B)
+    index.apply(A, [stored([1, 2], prompt)])
+    index.apply(B, [stored([1, 2], prompt)])
+    applied = index.apply(A, [AllBlocksCleared()])
+    assert applied.cleared == 1 and index.size(A) == 0 and index.complete(A)
+    assert index.prefix_blocks(B, chain(prompt)) == 2 and index.blocks == 2
+
+
+def test_an_engine_turns_stale_on_trouble_or_silence_and_queries_then_say_so():
+    clock = Clock()
+    index = KvIndex(clock=clock, stale_after_s=10.0)
+    assert index.state(A) == NONE
+    index.watch(A)
+    assert index.state(A) == STALE  # not heard from yet
+    index.heard(A)
+    index.apply(A, [stored([1], blocks(1), group=0)])
+    assert index.state(A) == FRESH and index.prefix_blocks(A, chain(blocks(1))) == 1
+    clock.now += 10.5
+    assert index.state(A) == STALE and index.why_stale(A) == "nothing heard for over 10s"
+    assert index.prefix_blocks(A, chain(blocks(1))) is None and index.media_prefix(A, "x") is None
+    index.heard(A)
+    assert index.state(A) == FRESH
+    assert index.stale(A, "gap") is True and index.state(A) == STALE and index.why_stale(A) == "gap"
+    assert index.stale(A, "gap again") is False  # already stale: one transition
+    index.heard(A)
+    assert index.state(A) == FRESH
+    index.forget(A)
+    assert index.state(A) == NONE and index.blocks == 0
+
+
+def test_a_token_forgets_only_its_own_feeds_engine():
+    index = KvIndex(clock=Clock())
+    old = index.watch(A)
+    index.watch(A)  # a newer feed took the engine over
+    index.forget(A, old)
+    assert index.state(A) != NONE
+    index.forget(A)
+    assert index.state(A) == NONE
+
+
+def test_the_cap_drops_the_oldest_entries_over_every_engine_and_counts_them():
+    index = fresh_index(A, B, max_blocks=32)
+    index.apply(A, [stored([1, 2, 3, 4], blocks(4))])  # A's four oldest
+    index.apply(B, [stored(list(range(100, 120)), blocks(20, start=1000))])
+    index.apply(A, [stored([1], blocks(1))])  # reused: block 1 is A's newest now
+    assert index.blocks == 24 and index.evictions == 0
+    applied = index.apply(B, [stored(list(range(200, 210)), blocks(10, start=5000))])
+    # 34 > 32: down to 32 - 32 // 16 = 30 at once, the oldest first: A's 2, 3, 4, then B's 100.
+    assert applied.evicted == 4 and index.evictions == 4 and index.blocks == 30
+    assert index.size(A) == 1 and index.prefix_blocks(A, chain(blocks(1))) == 1
+    assert index.prefix_blocks(B, chain(blocks(20, start=1000))) == 0
+    assert index.size(B) == 29
+    for _ in range(50):  # it stays bounded however much more comes
+        index.apply(B, [stored(list(range(300, 340)), blocks(40, start=9000))])
+        index.apply(B, [BlockRemoved(block_hashes=list(range(300, 340)), medium="GPU", group_idx=0)])
+    assert index.blocks <= 32
+
+
+def test_a_malformed_store_is_skipped_not_raised():
+    index = fresh_index(A)
+    short = BlockStored(block_hashes=[1, 2], token_ids=[1, 2, 3], block_size=BS, medium="GPU")
+    zero = BlockStored(block_hashes=[1], token_ids=[1], block_size=0, medium="GPU")
+    assert index.apply(A, [short, zero]).orphans == 3 and index.size(A) == 0
