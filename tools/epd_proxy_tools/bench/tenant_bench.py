@@ -109,6 +109,7 @@ def run_block(arm: TenantArm, kind: str, round_no: int, url: str, plan: Plan, re
         plan.seconds,
         plan.flood_rate if kind == FLOODED else 0.0,
         plan.interactive_clients,
+        drain_s=plan.seconds,
         seed=plan.seed + round_no,
         tenants=tenants,
     )
@@ -283,6 +284,7 @@ def run_fakes(args: FakeBenchOptions) -> int:
 def run_real(bench) -> int:
     """`bench` is a real.RealBench: its engines, resets and proxy launcher."""
     from epd_proxy_tools.bench import engines as engine_metrics
+
     a = bench.args
     bench.start_engines()
     try:

@@ -79,9 +79,7 @@ class Request:
     images: int
 
 
-def requests_for(
-    tenant: str, count: int, *, model: str, seed: int, tiny: bool, first_serial: int = 0
-) -> list[Request]:
+def requests_for(tenant: str, count: int, *, model: str, seed: int, tiny: bool, first_serial: int = 0) -> list[Request]:
     """`count` streamed chat requests of `tenant`'s kind, the same for every arm given the seed."""
     rng = random.Random(f"{seed}-{tenant}")
     sizes = TINY_SIZES if tiny else CHAT_SIZES
@@ -109,6 +107,8 @@ class Sent:
     tokens: int | None = None  # from the answer's usage
     retry_after: str | None = None
     error: str | None = None
+    # Without an answer: how long it had waited when the block gave up on it.
+    waited: float | None = None
 
     @property
     def latency(self) -> float | None:
@@ -212,7 +212,10 @@ async def _drive(url: str, load: Load, flood: list[Request], chats: list[Request
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
+        cut = time.perf_counter()
     for sent in out:
+        if sent.ended is None:
+            sent.waited = cut - sent.started
         sent.started -= origin
         if sent.ended is not None:
             sent.ended -= origin
