@@ -28,8 +28,9 @@ def _pct(values: list[float], q: float) -> float | None:
 
 
 def _measured(sent: list[Sent], plan) -> list[Sent]:
-    """Requests sent after the warm-up part of the block: the queues have formed by then."""
-    return [s for s in sent if plan.warm_s <= s.started < plan.seconds]
+    """Requests open after the warm-up part of the block, when the queues have formed: a chat
+    client still waiting on its first question is what a starved tenant looks like."""
+    return [s for s in sent if s.started < plan.seconds and (s.ended is None or s.ended >= plan.warm_s)]
 
 
 def _ok(s: Sent) -> bool:
