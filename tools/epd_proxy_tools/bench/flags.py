@@ -32,13 +32,68 @@ PRESETS = {
 }
 
 
+TENANTS_GROUP = "tenants workload (`--workload tenants`)"
+
+
+@dataclass(frozen=True)
+class TenantLoadOptions:
+    """`--workload tenants` in both modes (tenant_bench.py): a flooding tenant and an interactive one."""
+
+    flood_factor: float = option(
+        10.0,
+        Real("X", 0),
+        "the flood tenant's arrival rate as a multiple of its weighted share of the encoders' capacity",
+        flag="--flood-factor",
+        group=TENANTS_GROUP,
+    )
+    flood_rate: float | None = option(
+        None,
+        Real("RPS", 0),
+        "the flood tenant's arrival rate in requests/s, instead of `--flood-factor` times its share",
+        flag="--flood-rate",
+        group=TENANTS_GROUP,
+        shown="from --flood-factor",
+    )
+    flood_deadline_ms: int = option(
+        1000,
+        Count(1, 3_600_000),
+        "the flood tenant's `deadline_ms` in the tenants file the bench gives its own proxies",
+        flag="--flood-deadline-ms",
+        group=TENANTS_GROUP,
+        metavar="MS",
+    )
+    interactive_clients: int = option(
+        2,
+        Count(1),
+        "chat clients of the interactive tenant, each sending one-image questions with a pause between",
+        flag="--interactive-clients",
+        group=TENANTS_GROUP,
+    )
+    block_seconds: float | None = option(
+        None,
+        Real("S", 1),
+        "how long each block sends",
+        flag="--block-seconds",
+        group=TENANTS_GROUP,
+        shown="quick 6, full 20",
+    )
+    tenants_image_ms: float = option(
+        50.0,
+        Real("MS", 0),
+        "the costed fake encoders' cost per image with `--workload tenants` (in place of `--encoder-image-ms`), "
+        "so that a flood is tens of requests per second",
+        flag="--tenants-image-ms",
+        group=TENANTS_GROUP,
+    )
+
+
 def _preset(name: str) -> str:
     """How an option left to the preset reads in --help."""
     return ", ".join(f"{preset} {getattr(values, name)}" for preset, values in PRESETS.items())
 
 
 @dataclass(frozen=True)
-class FakeBenchOptions:
+class FakeBenchOptions(TenantLoadOptions):
     quick: bool = option(False, Switch(), "small counts, < 60 s, for CI smoke tests", flag="--quick")
     out: Path | None = option(None, Folder(), "results folder", flag="--out", shown="./results/bench-<timestamp>")
     cache_dir: Path = option(CACHE_DIR, Folder(), "request-pool cache", flag="--cache-dir")
@@ -147,6 +202,13 @@ class FakeBenchOptions:
         "Messages",
         flag="--api",
     )
+    workload: str = option(
+        "mix",
+        Choice(("mix", "tenants")),
+        "`mix`: the chat mix through every arm; `tenants`: a flooding tenant and an interactive one through "
+        "each proxy arm (see the tenants workload options)",
+        flag="--workload",
+    )
     no_chart: bool = option(False, Switch(), "skip the matplotlib chart", flag="--no-chart")
 
     def __post_init__(self) -> None:
@@ -163,7 +225,7 @@ REAL_QUICK = {"rounds": 1, "conversations": 3, "warmup": 1}
 
 
 @dataclass(frozen=True)
-class RealBenchOptions:
+class RealBenchOptions(TenantLoadOptions):
     stack: bool = option(
         False,
         Switch(),
@@ -258,9 +320,9 @@ class RealBenchOptions:
     max_images: int = option(12, Count(1), "most images in one request", flag="--max-images", group=LOAD)
     workload: str = option(
         "mix",
-        Choice(("mix", "agent")),
+        Choice(("mix", "agent", "tenants")),
         "`mix`: MUIRBench-like chats; `agent`: sessions of 6-10 steps, each adding one screenshot and re-sending "
-        "the history",
+        "the history; `tenants`: a flooding tenant and an interactive one (see the tenants workload options)",
         flag="--workload",
         group=LOAD,
     )

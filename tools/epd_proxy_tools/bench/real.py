@@ -414,6 +414,10 @@ def _progress(arm: Arm, block: dict[str, Any]) -> None:
 def main(argv: list[str]) -> int:
     (options,) = parse_into(build_parser(), argv, [RealBenchOptions], {})
     bench = RealBench(options)
+    if options.workload == "tenants":
+        from epd_proxy_tools.bench.tenant_bench import run_real
+
+        return run_real(bench)
     result = bench.run()
     print(result["table_md"])
     print(f"results: {bench.out}")

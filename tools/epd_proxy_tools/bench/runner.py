@@ -578,6 +578,10 @@ def main(argv: list[str] | None = None) -> int:
     if real.wants_real_mode(argv):
         return real.main(argv)
     args = parse_args(argv)
+    if args.workload == "tenants":
+        from epd_proxy_tools.bench.tenant_bench import run_fakes
+
+        return run_fakes(args)
     bench = Bench(args)
     result = bench.run()
     print()
