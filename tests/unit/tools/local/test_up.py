@@ -91,6 +91,15 @@ def _free_ports(count: int) -> list[int]:
     raise RuntimeError("no free consecutive ports")
 
 
+def _free_stack_argv(work_dir: Path) -> tuple[int, list[str]]:
+    """`up`'s arguments with every port the default stack takes free: the proxy's, the instances'
+    (next to each other from --base-port) and the PD's two KV-event ports."""
+    ports = _free_ports(8)
+    proxy_port, base_port, kv_port = ports[0], ports[1], ports[6]
+    argv = ["--port", str(proxy_port), "--base-port", str(base_port), "--kv-events-port", str(kv_port)]
+    return proxy_port, [*argv, "--work-dir", str(work_dir)]
+
+
 @pytest.fixture
 def builds(monkeypatch) -> list[Path]:
     """Every tiny-model build `up` starts; the build itself stops the run, as no vLLM is here."""
@@ -105,11 +114,10 @@ def builds(monkeypatch) -> list[Path]:
 
 
 def test_a_taken_port_fails_before_the_model_is_built(builds, tmp_path, capsys):
-    proxy_port, base_port, _ = _free_ports(3)
+    proxy_port, argv = _free_stack_argv(tmp_path)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", proxy_port))
         taken.listen()
-        argv = ["--port", str(proxy_port), "--base-port", str(base_port), "--work-dir", str(tmp_path)]
         assert up_main(argv) == 1
     assert builds == []
     err = capsys.readouterr().err
@@ -119,8 +127,7 @@ def test_a_taken_port_fails_before_the_model_is_built(builds, tmp_path, capsys):
 
 def test_with_the_ports_free_the_model_build_comes_next(builds, tmp_path, capsys):
     """The control of the test above: the same run, no port taken, reaches the build."""
-    proxy_port, base_port, _ = _free_ports(3)
-    argv = ["--port", str(proxy_port), "--base-port", str(base_port), "--work-dir", str(tmp_path)]
+    _, argv = _free_stack_argv(tmp_path)
     assert up_main(argv) == 1
     assert builds == [tmp_path.resolve() / "tiny-vlm"]
     assert "stopped at the model build" in capsys.readouterr().err
