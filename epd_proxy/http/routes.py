@@ -231,7 +231,11 @@ async def serve(request: web.Request, door: Door) -> web.StreamResponse:
                 try:
                     with trace.stage("relay"):
                         response, trace.outcome = await relay(
-                            request, answer, {"x-request-id": rid.value}, door, _usage(fairness, counted)
+                            request,
+                            answer,
+                            {"x-request-id": rid.value},
+                            door,
+                            None if counted is None else _usage(fairness, counted),
                         )
                     outcomes: dict[str, int | str] = {ABORTED: "aborted", CLIENT_GONE: 499}
                     status = outcomes.get(trace.outcome, answer.status)

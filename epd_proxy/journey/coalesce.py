@@ -196,6 +196,11 @@ class Coalescer:
             options.timeouts.total,
             None if fairness is None else fairness.rank,
         )
+        if fairness is not None:
+            # Charged as it is chosen: the next choice, perhaps for another free slot before this
+            # one is sent, must already count it.
+            for work in works:
+                self.lanes.charge(lane, work.tenant, work.cost, len(works))
         return self._batch(works)
 
     @staticmethod
@@ -295,8 +300,6 @@ class Coalescer:
             )
             # Health dedups a 5xx per request; this sub-request is its own.
             trace = Trace(request_id)
-        for work in works:
-            self.lanes.charge(lane, work.trace.tenant, work.cost, len(works))
         cost = sum(work.cost for work in works)
         return Outgoing(encoder, lane, request_id, trace, items, cost, sent, max(work.moves for work in works))
 
