@@ -17,6 +17,7 @@ from epd_proxy.config import MODALITIES, Config
 from epd_proxy.fleet.backends import DECODE, ENCODE, PREFILL
 from epd_proxy.fleet.capabilities import MediaProbe
 from epd_proxy.fleet.discovery import Discovery
+from epd_proxy.fleet.fairness import Ledger
 from epd_proxy.fleet.health import Health
 from epd_proxy.fleet.kv_index import KvIndex
 from epd_proxy.fleet.kv_sources import KvEvents
@@ -105,7 +106,10 @@ class ProxyState:
         )
         self.fleet.watch(self.health)
         # What the encoder scheduler knows of each encoder: placement, sending and /status share it.
-        self.lanes = Lanes()
+        # Checked as the Config was made; read again here, and on SIGHUP (reload_tenants).
+        self.tenants = TenantsFile(config.tenants_file) if config.tenants_file else None
+        # With tenants, the encoder queues serve the least-served tenant first (fairness.py).
+        self.lanes = Lanes(Ledger() if self.tenants is not None else None)
         self.fleet.watch(self.lanes)
         # Groups waiting for an encoder health ejects move to another at once.
         self.health.on_ejection(lambda role, url, reason: self.lanes.ejected(url) if role == ENCODE else None)
@@ -116,6 +120,8 @@ class ProxyState:
         }
         self.metrics = Metrics(self.fleet, self.health)
         self.metrics.watch_lanes(self.lanes)
+        if self.lanes.fairness is not None:
+            self.lanes.fairness.on_charge = self.metrics.tenant_served
         self.metrics.watch_autoscale(
             Autoscale(
                 self.lanes,
@@ -144,8 +150,6 @@ class ProxyState:
             self.metrics.watch_kv(self.kv_events)
             self.fleet.watch(self.kv_events)
         self.admission = Admission(config.max_inflight, self.metrics.rejected)
-        # Checked as the Config was made; read again here, and on SIGHUP (reload_tenants).
-        self.tenants = TenantsFile(config.tenants_file) if config.tenants_file else None
         self.report = HealthReport(config, self.fleet, self.health, self.roster, self.discovery)
         # How every request body is read; fixed for the server's life.
         self.parse_options = ReadOptions(config.trust_client_fields, config.max_media_items, config.media_hash)
@@ -221,10 +225,11 @@ class ProxyState:
             problem = self.tenants.reload()
             self.metrics.tenants_reloads.labels("ok" if problem is None else "refused").inc()
 
-    def wait_at_arrival(self, largest_item: float) -> Wait:
-        """The wait a request whose largest media item costs `largest_item` is predicted now
-        (admission.predicted_wait), from the encoders' lanes and the consumers in rotation. An
-        encoder not yet measured adds nothing: its speed is a guess."""
+    def wait_at_arrival(self, largest_item: float, tenant: str | None = None) -> Wait:
+        """The wait a request of `tenant` whose largest media item costs `largest_item` is
+        predicted now (admission.predicted_wait), from the encoders' lanes and the consumers in
+        rotation. An encoder not yet measured adds nothing: its speed is a guess. With --tenants,
+        groups queued for tenants served more than its own go after it, so they are left out."""
         pipeline = self.pipeline
         assert pipeline is not None, "start() builds the pipeline before the server takes requests"
         encoders: tuple[Encoder, ...] = ()
@@ -232,8 +237,11 @@ class ProxyState:
             now = pipeline.encode.clock()
             lanes = [self.lanes.of(encoder) for encoder in pipeline.candidates(ENCODE)]
             known = [(lane, lane.speed.known()) for lane in lanes]
+            behind = self.lanes.fairness.behind(tenant) if self.lanes.fairness and tenant else None
             encoders = tuple(
-                Encoder(lane.backlog_s(now, *speed), *speed) if speed else Encoder(0.0, 0.0, 0.0)
+                Encoder(lane.backlog_s(now, *speed), *speed, lane.queued_s(*speed, behind) if behind else 0.0)
+                if speed
+                else Encoder(0.0, 0.0, 0.0)
                 for lane, speed in known
             )
         autoscale, config = self.metrics.autoscale, self.config

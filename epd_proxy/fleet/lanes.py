@@ -24,10 +24,11 @@ work and queue (`Outstanding`), its share governor (sharing.py) and whether it i
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from epd_proxy.fleet.backends import Instance
+from epd_proxy.fleet.fairness import Ledger
 from epd_proxy.fleet.sharing import Sharing, take_batch
 from epd_proxy.fleet.speed import PRIOR_FIXED_RATIO, Speed
 
@@ -53,8 +54,12 @@ class Queued(Protocol):
     @property
     def cost(self) -> float: ...
 
-    # vLLM's `priority`: lower values first, then arrival order.
+    # vLLM's `priority`: lower values first, then arrival order (with --tenants, the least-served
+    # tenant's first within a priority: fairness.py).
     priority: int
+
+    @property
+    def tenant(self) -> str | None: ...
 
     def move(self) -> None:
         """Its encoder went: it must go elsewhere at once."""
@@ -237,6 +242,11 @@ class Lane:
             return silent
         return backlog if backlog > 0.0 else 0.0
 
+    def queued_s(self, fixed_s: float, item_s: float, behind: Callable[[Any], bool]) -> float:
+        """The part of `backlog_s` queued here, not yet sent, whose groups are `behind` (a request)."""
+        later = [work for work in self.work.waiting if behind(work)]
+        return fixed_s * len(later) + item_s * sum(work.cost for work in later)
+
     def patience(self, cost: float, now: float) -> float:
         """How long a group costing `cost` queued at `now` may wait to share before it goes
         alone: three times what the backlog ahead of it and its own work should take."""
@@ -247,10 +257,17 @@ class Lane:
         finish = self.backlog_s(now, fixed_s, item_s) + fixed_s + item_s * cost
         return max(PATIENCE_FLOOR_S, 3.0 * finish)
 
-    def next_batch(self, cap: int, now: float = 0.0, timeout_s: float | None = None) -> list[Any]:
-        """The waiting groups the next sub-request carries, now counted in flight."""
+    def next_batch(
+        self,
+        cap: int,
+        now: float = 0.0,
+        timeout_s: float | None = None,
+        rank: Callable[[str | None], float] | None = None,
+    ) -> list[Any]:
+        """The waiting groups the next sub-request carries, now counted in flight; `rank` puts the
+        least-served tenant's first (fairness.Ledger.rank)."""
         self._starting(now)
-        batch = take_batch(self.work.waiting, self.share_limit(cap, now, timeout_s))
+        batch = take_batch(self.work.waiting, self.share_limit(cap, now, timeout_s), rank)
         self.work.sent(batch)
         return batch
 
@@ -338,7 +355,9 @@ class Lane:
 class Lanes:
     """Every encoder's lane, created on first use and dropped when the encoder leaves the fleet."""
 
-    def __init__(self) -> None:
+    def __init__(self, fairness: Ledger | None = None) -> None:
+        # With --tenants: who has been served what, which orders every lane's queue.
+        self.fairness = fairness
         self._lanes: dict[Instance, Lane] = {}
         self._departed: OrderedDict[Instance, None] = OrderedDict()
         self._departed_worked_s = 0.0
@@ -384,6 +403,18 @@ class Lanes:
     def worked_s(self) -> float:
         """Seconds every encoder spent on this proxy's sub-requests, those that left included."""
         return self._departed_worked_s + sum(lane.speed.worked_s for lane in self._lanes.values())
+
+    def charge(self, lane: Lane, tenant: str | None, cost: float, members: int = 1) -> None:
+        """With --tenants, `tenant` is charged its part of a sub-request to `lane`: its media's
+        `cost` at the encoder's speed and its share of the sub-request's fixed cost among `members`."""
+        fairness = self.fairness
+        if fairness is None or tenant is None:
+            return
+        known = lane.speed.known()
+        if known is None:
+            fixed, per_item = self.costs([lane, *self._lanes.values()])
+            known = fixed[0], per_item[0]
+        fairness.charge_encoder(tenant, known[0] / members + known[1] * cost)
 
     def backlogs(self, lanes: Sequence[Lane], now: float) -> list[float]:
         """Each lane's `Lane.backlog_s` at `now`, at the speeds `costs` gives it."""

@@ -5,13 +5,15 @@ Pure: the lane (lanes.py) asks it on the caller's clock, coalesce.py reports how
   answer that the split retry pins on no member (each went through alone) is the share's fault:
   the limit halves down to a probe of PROBE_ITEMS, then sharing pauses; each shared answer that
   splits doubles it back. One a member caused is charged to that request only.
-- **The batch** (`take_batch`): the oldest waiting group and later groups of the same key
-  (`subrequest.coalesce_key` in journey/) within the limit.
+- **The batch** (`take_batch`): the oldest waiting group (with `--tenants`, the oldest of the
+  least-served tenant's within the first priority class: fairness.py) and other groups of the
+  same key (`subrequest.coalesce_key` in journey/) within the limit.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from epd_proxy.fleet.speed import Speed
@@ -100,10 +102,11 @@ class Sharing:
         self.shared.pop(request_id, None)
 
 
-def take_batch(waiting: deque[Any], limit: int) -> list[Any]:
-    """The next sub-request's groups, leaving the rest waiting in order: the oldest group, and
-    after it every later group with the same key that still fits within `limit` items."""
-    head = waiting.popleft()
+def take_batch(waiting: deque[Any], limit: int, rank: Callable[[str | None], float] | None = None) -> list[Any]:
+    """The next sub-request's groups, leaving the rest waiting in order: the first group (or, with
+    `rank`, the first of the least-ranked tenant's within the first priority class), and after it
+    every other group with the same key that still fits within `limit` items."""
+    head = waiting.popleft() if rank is None else _fairest(waiting, rank)
     batch = [head]
     size = head.size
     if head.key is None or size >= limit or not waiting:
@@ -120,3 +123,20 @@ def take_batch(waiting: deque[Any], limit: int) -> list[Any]:
             kept.append(work)
     waiting.extendleft(reversed(kept))
     return batch
+
+
+def _fairest(waiting: deque[Any], rank: Callable[[str | None], float]) -> Any:
+    """Off the queue: the first waiting group of the least-served tenant (fairness.Ledger.rank)
+    among those of the first priority class (the queue is ordered by priority)."""
+    first = waiting[0]
+    best, best_rank = 0, rank(first.tenant)
+    for n, work in enumerate(waiting):
+        if work.priority != first.priority:
+            break
+        if n and work.tenant != first.tenant:
+            value = rank(work.tenant)
+            if value < best_rank:
+                best, best_rank = n, value
+    head = waiting[best]
+    del waiting[best]
+    return head

@@ -19,6 +19,7 @@ from epd_proxy.calls.upstream import NoAnswer, Timeouts
 from epd_proxy.config import Config
 from epd_proxy.errors import ErrorAnswer, InternalError, ProxyError
 from epd_proxy.fleet.backends import DECODE
+from epd_proxy.fleet.fairness import Ledger
 from epd_proxy.fleet.registry import normalize_url, parse_registration
 from epd_proxy.http.auth import (
     CHANGE_FLEET,
@@ -46,7 +47,7 @@ from epd_proxy.journey.doors import CHAT, Door
 from epd_proxy.journey.extract import MediaItem, NormalisedRequest, ReadOptions, parse_json_body
 from epd_proxy.journey.messages_api import MESSAGES
 from epd_proxy.journey.pipeline import ClientBody
-from epd_proxy.journey.relay import ABORTED, CLIENT_GONE, relay
+from epd_proxy.journey.relay import ABORTED, CLIENT_GONE, Usage, relay
 from epd_proxy.journey.remote import fetch_media
 from epd_proxy.journey.splice import Spliced
 from epd_proxy.journey.trace import Trace, account
@@ -196,6 +197,9 @@ async def serve(request: web.Request, door: Door) -> web.StreamResponse:
     trace.spans = tracing.begin(request.headers, rid.value, trace.started, door.path)
     trace.endpoint = door.name
     status: int | str = 500  # or "aborted": the answer was cut off under way
+    # With --tenants: the fair-shares ledger, and the tenant counted there while its request runs.
+    fairness = state.lanes.fairness
+    counted: str | None = None
     try:
         raw = await read_body(request, config.max_body_bytes)
         read = time.perf_counter()
@@ -213,6 +217,9 @@ async def serve(request: web.Request, door: Door) -> web.StreamResponse:
             tracing.lap(trace.spans, "extract", read, **{"epd.items": len(items), "gen_ai.request.model": model})
         (state.metrics.parsed_spliced if spliced is not None else state.metrics.parsed_full).inc()
         wait = arrive(state, request, tenant, body, items)
+        if fairness is not None and tenant is not None:
+            fairness.began(tenant.name, tenant.weight)
+            counted = tenant.name
         with state.admission.admit(wait):
             if any(item.fetch for item in normalised.items):
                 with trace.stage("fetch_media"):
@@ -227,7 +234,13 @@ async def serve(request: web.Request, door: Door) -> web.StreamResponse:
                 answer = await pipeline.open(job, route, trace, door)
                 try:
                     with trace.stage("relay"):
-                        response, trace.outcome = await relay(request, answer, {"x-request-id": rid.value}, door)
+                        response, trace.outcome = await relay(
+                            request,
+                            answer,
+                            {"x-request-id": rid.value},
+                            door,
+                            None if counted is None else _usage(fairness, counted),
+                        )
                     outcomes: dict[str, int | str] = {ABORTED: "aborted", CLIENT_GONE: 499}
                     status = outcomes.get(trace.outcome, answer.status)
                     if trace.outcome == CLIENT_GONE:
@@ -250,7 +263,16 @@ async def serve(request: web.Request, door: Door) -> web.StreamResponse:
         status = 500
         return error_response(InternalError(rid.value), rid.value, door)
     finally:
+        if fairness is not None and counted is not None:
+            fairness.ended(counted)
         account(state.metrics, trace, status)
+
+
+def _usage(fairness: Ledger | None, tenant: str | None) -> Callable[[Usage], None] | None:
+    """With --tenants, what charges the tokens an answer reports to its request's tenant."""
+    if fairness is None or tenant is None:
+        return None
+    return lambda used: fairness.charge_tokens(tenant, used.prompt, used.output)
 
 
 def arrive(
@@ -269,9 +291,10 @@ def arrive(
         return None
     largest = max((item.cost for item in items), default=0.0)
     if deadline is not None:
-        wait = state.wait_at_arrival(largest)
-        # Shares are not counted yet (fair queueing will): every tenant is within its own.
-        shed = shed_decision(wait, deadline, WITHIN)
+        fairness = state.lanes.fairness
+        share = WITHIN if fairness is None or tenant is None else fairness.share(tenant.name)
+        wait = state.wait_at_arrival(largest, tenant.name if tenant is not None else None)
+        shed = shed_decision(wait, deadline, share)
         if shed is not None:
             raise turned_away(shed, wait.seconds, deadline)
     return lambda: state.wait_at_arrival(largest).seconds

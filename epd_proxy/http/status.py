@@ -89,6 +89,15 @@ def scheduler(state: ProxyState) -> dict[str, Any]:
     }
 
 
+def tenants(state: ProxyState) -> dict[str, Any]:
+    """With --tenants, what each tenant of the file was served and where it stands against its
+    share (fleet/fairness.py); empty without."""
+    fairness, file = state.lanes.fairness, state.tenants
+    if fairness is None or file is None:
+        return {}
+    return fairness.view(file.current.names())
+
+
 def _samples(metric) -> list:
     return [sample for family in metric.collect() for sample in family.samples]
 
@@ -158,6 +167,7 @@ def snapshot(state: ProxyState) -> dict[str, Any]:
             if state.kv_index is not None
             else None
         ),
+        "tenants": tenants(state),
         "window": state.metrics.recent.summary(),
         "totals": _totals(state.metrics),
         "timeline": {

@@ -23,7 +23,7 @@ from epd_proxy.tenants import MAX_DEADLINE_MS
 # Why a request was turned away (`epd_requests_shed_total{reason}`).
 DEADLINE, INFLIGHT, SHARE = "deadline", "inflight", "share"
 REASONS = (DEADLINE, INFLIGHT, SHARE)
-# A tenant's use of the fleet against its weight. Always WITHIN until fair queueing counts shares.
+# A tenant's use of the fleet against its weight (fleet/fairness.py; always WITHIN without --tenants).
 WITHIN, OVER = "within", "over"
 DEADLINE_HEADER = "x-request-deadline-ms"
 
@@ -40,6 +40,9 @@ class Encoder:
     backlog_s: float
     fixed_s: float
     item_s: float
+    # The part of backlog_s queued in the proxy that fair queueing sends after this request: groups
+    # of tenants served more than its own (fleet/fairness.py).
+    behind_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,9 +73,13 @@ def predicted_wait(backlog: Backlog, largest_item: float) -> Wait:
     media) waits before it can start on a consumer, at the least."""
     encode, queued = 0.0, False
     if largest_item > 0 and backlog.encoders:
-        best = min(backlog.encoders, key=lambda e: e.backlog_s + e.fixed_s + e.item_s * largest_item)
-        encode = best.backlog_s + best.fixed_s + best.item_s * largest_item
-        queued = best.backlog_s > 0
+
+        def before(e: Encoder) -> float:
+            return e.backlog_s - e.behind_s if e.behind_s < e.backlog_s else 0.0
+
+        best = min(backlog.encoders, key=lambda e: before(e) + e.fixed_s + e.item_s * largest_item)
+        encode = before(best) + best.fixed_s + best.item_s * largest_item
+        queued = before(best) > 0
         if backlog.raw_after_s is not None and encode > backlog.raw_after_s:
             encode = backlog.raw_after_s
     if backlog.consumers and backlog.service_s > 0:
@@ -98,16 +105,15 @@ def retry_after(seconds: float) -> int:
 
 
 def shed_decision(wait: Wait, deadline_s: float | None, share: str) -> Shed | None:
-    """Whether a request predicted to `wait` is turned away. Only while the fleet has a queue (an
-    idle fleet serves anyone): 429 when its tenant is over its `share`, else 503 when it cannot
-    start within its deadline. Retry-After is when the backlog it saw is worked off."""
-    if not wait.queued:
+    """Whether a request predicted to `wait` is turned away: only while the fleet has a queue (an
+    idle fleet serves anyone) and it cannot start within its deadline. Then 429 when its tenant is
+    over its `share` (the fleet is busy with its work: Retry-After is when the backlog it saw is
+    worked off), else 503 (the fleet cannot serve it in time: Retry-After is when it could)."""
+    if not wait.queued or deadline_s is None or wait.seconds <= deadline_s:
         return None
     if share == OVER:
         return Shed(429, SHARE, retry_after(wait.seconds))
-    if deadline_s is not None and wait.seconds > deadline_s:
-        return Shed(503, DEADLINE, retry_after(wait.seconds - deadline_s))
-    return None
+    return Shed(503, DEADLINE, retry_after(wait.seconds - deadline_s))
 
 
 class TurnedAway(ProxyError):

@@ -19,7 +19,7 @@ import orjson
 from epd_proxy.calls.upstream import Payload
 from epd_proxy.errors import ProxyError
 from epd_proxy.fleet.backends import Instance
-from epd_proxy.fleet.lanes import Lane
+from epd_proxy.fleet.lanes import Lane, Lanes
 from epd_proxy.journey.extract import MediaItem
 from epd_proxy.journey.match import split_params
 from epd_proxy.journey.subrequest import (
@@ -115,6 +115,10 @@ class Work:
     def cost(self) -> float:
         return sum(item.cost for item in self.items)
 
+    @property
+    def tenant(self) -> str | None:
+        return self.trace.tenant
+
     def move(self) -> None:
         if self.timer is not None:
             self.timer.cancel()
@@ -143,6 +147,8 @@ class Coalescer:
     _: KW_ONLY
     ids: IdMint
     stalled: Callable[[Lane, Instance, int], bool]
+    # Every lane, and with --tenants the ledger that orders their queues and is charged each send.
+    lanes: Lanes
     # Tasks sending queued sub-requests; held so they are not collected mid-flight.
     _senders: set[asyncio.Task] = field(default_factory=set, init=False, repr=False)
 
@@ -183,7 +189,19 @@ class Coalescer:
 
     def _next_batch(self, lane: Lane) -> Batch:
         options = self.sender.options
-        return self._batch(lane.next_batch(options.max_batch_size, self.sender.clock(), options.timeouts.total))
+        fairness = self.lanes.fairness
+        works = lane.next_batch(
+            options.max_batch_size,
+            self.sender.clock(),
+            options.timeouts.total,
+            None if fairness is None else fairness.rank,
+        )
+        if fairness is not None:
+            # Charged as it is chosen: the next choice, perhaps for another free slot before this
+            # one is sent, must already count it.
+            for work in works:
+                self.lanes.charge(lane, work.tenant, work.cost, len(works))
+        return self._batch(works)
 
     @staticmethod
     def _batch(works: list[Work]) -> Batch:

@@ -82,7 +82,7 @@ class EncodeStep:
         self.health_stalled = stalled
         self.ids = IdMint()
         self.sender = Sender(upstream, metrics, observed, options, clock)
-        self.coalescer = Coalescer(self.sender, metrics, ids=self.ids, stalled=self._stalled)
+        self.coalescer = Coalescer(self.sender, metrics, ids=self.ids, stalled=self._stalled, lanes=self.lanes)
 
     def place(self, items: Sequence[MediaItem], trace: Trace) -> list[Instance]:
         """One live encoder per item."""
@@ -299,6 +299,7 @@ class EncodeStep:
         cost = sum(item.cost for item in group_items)
         sent = self.clock()
         lane.started(cost, sent)
+        self.lanes.charge(lane, trace.tenant, cost)
         request_id = self.ids.child_request_id(trace.request_id, group_items[0].index)
         out = Outgoing(encoder, lane, request_id, trace, len(group_items), cost, sent, moves)
         task = asyncio.current_task()

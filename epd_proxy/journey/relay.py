@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import NamedTuple
 
+import orjson
 from aiohttp import web
 
 from epd_proxy.calls.sse import EventTooLarge, Framer
@@ -27,15 +30,22 @@ def _has_error(ready: bytes) -> bool:
 
 
 async def relay(
-    request: web.Request, answer: DecodeAnswer, extra_headers: dict[str, str], door: Door
+    request: web.Request,
+    answer: DecodeAnswer,
+    extra_headers: dict[str, str],
+    door: Door,
+    usage: Callable[[Usage], None] | None = None,
 ) -> tuple[web.StreamResponse, str]:
     """Chunks are forwarded as they arrive, never decoded, so multibyte characters and SSE framing
     reach the client exactly as vLLM wrote them. A JSON answer is read whole first, so one that
     breaks off is still a real HTTP error (BackendUnreachable, raised to the caller). A stream
-    that breaks ends with `door`'s in-band error."""
+    that breaks ends with `door`'s in-band error. `usage` hears the tokens a complete answer
+    reports it used, when it reports them (`read_usage`)."""
     headers = {"Content-Type": answer.content_type, **extra_headers}
     if not answer.streaming:
         body = answer.held + b"".join([chunk async for chunk in answer.chunks])
+        if usage is not None and answer.status == 200:
+            _report(usage, body)
         return web.Response(status=answer.status, body=body, headers=headers), COMPLETE
     response = web.StreamResponse(status=answer.status, headers={**headers, "Cache-Control": "no-cache"})
     # Only whole events go out, whatever the line ends: if decode breaks off, the error event must
@@ -44,7 +54,7 @@ async def relay(
     errored = False
     # The last whole events passed on, kept unread: a door may continue the stream from them when
     # it breaks (a Responses stream numbers its events).
-    last = b""
+    last = previous = b""
     try:
         await response.prepare(request)
         try:
@@ -56,7 +66,7 @@ async def relay(
             async for chunk in answer.chunks:
                 ready = framer.feed(chunk)
                 if ready:
-                    last = ready
+                    previous, last = last, ready
                     errored = errored or _has_error(ready)
                     await response.write(ready)
         except BackendUnreachable as exc:
@@ -75,8 +85,64 @@ async def relay(
     except ConnectionResetError:
         # aiohttp's ClientConnectionResetError: the client went away while we wrote to it.
         return response, CLIENT_GONE
+    if usage is not None and not errored:
+        # The usage event comes last before [DONE], which may arrive on its own.
+        _report(usage, previous + last + pending)
     # vLLM's own error event ends a stream that failed: relayed as sent, counted as aborted.
     return response, ABORTED if errored else COMPLETE
+
+
+class Usage(NamedTuple):
+    """Tokens an answer says the consumer computed: its prompt's (cached ones left out) and its output."""
+
+    prompt: int
+    output: int
+
+
+def read_usage(data: bytes) -> Usage | None:
+    """The last `usage` object in a JSON answer or in a stream's events, in any door's spelling
+    (chat's prompt and completion tokens, Messages' and Responses' input and output tokens);
+    None when there is none to read."""
+    if b'"usage"' not in data:
+        return None
+    stripped = data.lstrip()
+    texts = (
+        [stripped]
+        if stripped.startswith(b"{")
+        else [line[5:] for line in data.splitlines() if line.startswith(b"data:")]
+    )
+    found = None
+    for text in texts:
+        if b'"usage"' not in text:
+            continue
+        try:
+            payload = orjson.loads(text)
+        except orjson.JSONDecodeError:
+            continue
+        if not isinstance(payload, dict):
+            continue
+        inner = payload.get("response")  # a Responses stream's response.completed
+        used = payload.get("usage") or (inner.get("usage") if isinstance(inner, dict) else None)
+        if isinstance(used, dict):
+            found = used
+    return None if found is None else _tokens(found)
+
+
+def _tokens(used: dict) -> Usage | None:
+    prompt = used.get("prompt_tokens", used.get("input_tokens", 0))
+    output = used.get("completion_tokens", used.get("output_tokens", 0))
+    details = used.get("prompt_tokens_details") or used.get("input_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else 0
+    if not all(type(v) is int and v >= 0 for v in (prompt, output)):
+        return None
+    cached = cached if type(cached) is int and 0 <= cached <= prompt else 0
+    return Usage(prompt - cached, output)
+
+
+def _report(usage: Callable[[Usage], None], data: bytes) -> None:
+    found = read_usage(data)
+    if found is not None:
+        usage(found)
 
 
 async def _end_in_band(

@@ -183,6 +183,20 @@ class Metrics:
             ["tenant", "status"],
             registry=r,
         )
+        self.tenant_encoder_s = Counter(
+            "epd_tenant_encoder_seconds",
+            "Encoder seconds each tenant was served (--tenants: the configured names only), charged as each "
+            "sub-request is sent: its media at the encoder's measured speed, and its share of the fixed cost",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_tokens = Counter(
+            "epd_tenant_tokens",
+            "Tokens each tenant was served, from the usage its answers carry: prompt (computed, cached ones left "
+            "out) and output",
+            ["tenant", "kind"],
+            registry=r,
+        )
         self.tenants_reloads = Counter(
             "epd_tenants_reloads",
             "Readings of the tenants file on SIGHUP, by outcome: ok, or refused (the tenants before stay in force)",
@@ -279,6 +293,15 @@ class Metrics:
                 family.remove(*values)
             except KeyError:
                 pass  # never labelled with it (prometheus_client before 0.20 raises for that)
+
+    def tenant_served(self, tenant: str, encoder_s: float, prompt: int, output: int) -> None:
+        """A fairness.Ledger charge, counted."""
+        if encoder_s:
+            self.tenant_encoder_s.labels(tenant).inc(encoder_s)
+        if prompt:
+            self.tenant_tokens.labels(tenant, "prompt").inc(prompt)
+        if output:
+            self.tenant_tokens.labels(tenant, "output").inc(output)
 
     def watch_lanes(self, lanes: Lanes) -> None:
         """The scheduler's per-encoder estimates and queues (see scheduler.py)."""

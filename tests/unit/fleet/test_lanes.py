@@ -78,6 +78,7 @@ class W:
     name: str = ""
     priority: int = 0
     moved: bool = False
+    tenant: str | None = None
 
     @property
     def cost(self) -> float:

@@ -110,11 +110,24 @@ def test_a_request_that_cannot_start_within_its_deadline_is_a_503_with_the_secon
     assert shed_decision(Wait(7.2, False), deadline_s=2.0, share=WITHIN) is None
 
 
-def test_a_tenant_over_its_share_is_a_429_while_others_wait_and_never_on_an_idle_fleet():
-    shed = shed_decision(Wait(0.5, True), deadline_s=None, share=OVER)
-    assert shed is not None and (shed.status, shed.reason, shed.retry_after_s) == (429, SHARE, 1)
-    assert shed_decision(Wait(0.5, False), deadline_s=None, share=OVER) is None
-    assert shed_decision(Wait(9.0, True), deadline_s=2.0, share=OVER).status == 429
+def test_a_tenant_over_its_share_is_a_429_when_the_fleet_is_past_its_deadline_and_never_on_an_idle_fleet():
+    shed = shed_decision(Wait(2.5, True), deadline_s=2.0, share=OVER)
+    assert shed is not None and (shed.status, shed.reason, shed.retry_after_s) == (429, SHARE, 3)
+    # Within its deadline, or with none, or on an idle fleet, being over its share is no reason.
+    assert shed_decision(Wait(1.5, True), deadline_s=2.0, share=OVER) is None
+    assert shed_decision(Wait(9.0, True), deadline_s=None, share=OVER) is None
+    assert shed_decision(Wait(9.0, False), deadline_s=2.0, share=OVER) is None
+
+
+def test_groups_fair_queueing_sends_after_a_request_are_not_part_of_its_wait():
+    # 3 s of backlog on the encoder, 2.5 s of it groups queued in the proxy of tenants served more.
+    encoder = Encoder(3.0, 0.0, 0.5)
+    assert predicted_wait(Backlog((encoder,)), 1.0) == Wait(pytest.approx(3.5), True)
+    fair = Encoder(3.0, 0.0, 0.5, behind_s=2.5)
+    assert predicted_wait(Backlog((fair,)), 1.0) == Wait(pytest.approx(1.0), True)
+    # Only such groups: nothing is surely ahead of it.
+    idle = Encoder(2.0, 0.0, 0.5, behind_s=2.0)
+    assert predicted_wait(Backlog((idle,)), 1.0) == Wait(pytest.approx(0.5), False)
 
 
 @pytest.mark.parametrize(

@@ -198,3 +198,54 @@ async def test_a_json_answer_read_whole_is_released_to_the_pool():
     answer = decode_answer(json_reply({"ok": True}))
     await relayed(answer)
     assert answer.answer.released
+
+
+# -- the usage an answer reports (fair shares, with --tenants) ----------------------------------
+
+from epd_proxy.journey.relay import Usage, read_usage  # noqa: E402
+
+CHAT_USAGE = {"prompt_tokens": 120, "completion_tokens": 7, "prompt_tokens_details": {"cached_tokens": 100}}
+
+
+@pytest.mark.parametrize(
+    "data, expected",
+    [
+        (orjson.dumps({"choices": [], "usage": CHAT_USAGE}), Usage(20, 7)),
+        # Messages and Responses spell it as input and output tokens; Responses' stream nests it.
+        (orjson.dumps({"type": "message", "usage": {"input_tokens": 9, "output_tokens": 4}}), Usage(9, 4)),
+        (
+            b'event: response.completed\ndata: {"response":{"usage":{"input_tokens":5,"output_tokens":2,'
+            b'"input_tokens_details":{"cached_tokens":1}}}}\n\n',
+            Usage(4, 2),
+        ),
+        # A stream's usage event before [DONE].
+        (TOKEN + b'data: {"choices":[],"usage":' + orjson.dumps(CHAT_USAGE) + b"}\n\n" + DONE, Usage(20, 7)),
+        # None reported, or nothing sane: nothing is charged.
+        (TOKEN + DONE, None),
+        (orjson.dumps({"usage": {"prompt_tokens": -5, "completion_tokens": 1}}), None),
+        (orjson.dumps({"usage": {"prompt_tokens": "9", "completion_tokens": 1}}), None),
+        (b'{"usage": broken', None),
+        # More cached than computed is not believed: the whole prompt counts.
+        (
+            orjson.dumps(
+                {"usage": {"prompt_tokens": 3, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 9}}}
+            ),
+            Usage(3, 1),
+        ),
+    ],
+)
+def test_the_tokens_an_answer_reports_in_each_doors_spelling(data, expected):
+    assert read_usage(data) == expected
+
+
+async def test_relay_reports_the_usage_of_a_complete_answer_only():
+    heard: list[Usage] = []
+    for reply in (
+        json_reply({"choices": [], "usage": CHAT_USAGE}),
+        stream_reply(ROLE, TOKEN, b'data: {"choices":[],"usage":' + orjson.dumps(CHAT_USAGE) + b"}\n\n", DONE),
+        stream_reply(ROLE, b'data: {"choices":[],"usage":' + orjson.dumps(CHAT_USAGE) + b"}\n\n", VLLM_ERROR, DONE),
+        json_reply({"error": {"message": "no"}, "usage": CHAT_USAGE}, status=400),
+    ):
+        request = make_mocked_request("POST", CHAT.path, writer=Wire())
+        await relay(request, decode_answer(reply), EXTRA, CHAT, heard.append)
+    assert heard == [Usage(20, 7), Usage(20, 7)]

@@ -1,0 +1,149 @@
+"""Fair shares between tenants (`--tenants`): what each has been served, and who is next (pure).
+
+In the spirit of the Virtual Token Counter (Sheng et al., "Fairness in Serving Large Language
+Models", OSDI 2024), each tenant has a counter of the work it was served, divided by its weight:
+
+- **Encoder seconds**: each encoder sub-request is charged as it is sent, to every request whose
+  media it carries: its items' cost at that encoder's speed, and its share of the sub-request's
+  fixed cost (lanes.Lanes.encoder_s).
+- **Tokens**: when a consumer's answer carries `usage`, its computed prompt tokens (cached ones
+  left out) and its output tokens.
+
+A tenant is active while one of its requests is in flight. One that becomes active again starts
+from at least the smallest counter of the active tenants, so time spent idle is not banked as a
+claim on the fleet. The encoder queue serves, within a priority class, the waiting group of the
+tenant with the smallest encoder counter first (`Ledger.rank`); nothing waits for a share, so a
+tenant alone gets the whole fleet. A tenant is over its share (`Ledger.share`) when its counter
+leads the smallest active one by more than SLACK_S encoder-seconds or SLACK_TOKENS tokens: when
+the fleet is past a deadline, its requests are the ones turned away with 429.
+
+One ledger per process: with `--workers`, each worker keeps its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+# How far a tenant's weighted encoder-seconds may lead the least-served active tenant's before it
+# is over its share: about a second or two of one encoder's backlog, so a short burst is not punished.
+SLACK_S = 2.0
+# The same for weighted tokens (computed prompt plus output): a few long answers.
+SLACK_TOKENS = 16384
+WITHIN, OVER = "within", "over"
+
+# Told of each charge: tenant, encoder seconds, computed prompt tokens, output tokens.
+OnCharge = Callable[[str, float, int, int], None]
+
+
+class Account:
+    """One tenant's books: raw totals (for metrics) and weighted counters (for the order)."""
+
+    __slots__ = ("weight", "active", "encoder_v", "tokens_v", "encoder_s", "prompt_tokens", "output_tokens")
+
+    def __init__(self, weight: float) -> None:
+        self.weight = weight
+        # Its requests in flight.
+        self.active = 0
+        self.encoder_v = 0.0
+        self.tokens_v = 0.0
+        self.encoder_s = 0.0
+        self.prompt_tokens = 0
+        self.output_tokens = 0
+
+
+class Ledger:
+    def __init__(self, on_charge: OnCharge | None = None) -> None:
+        self._accounts: dict[str, Account] = {}
+        self.on_charge = on_charge
+
+    def _account(self, tenant: str, weight: float | None = None) -> Account:
+        account = self._accounts.get(tenant)
+        if account is None:
+            account = self._accounts[tenant] = Account(weight or 1.0)
+        elif weight is not None:
+            account.weight = weight  # the tenants file was read again
+        return account
+
+    def _floor(self) -> tuple[float, float] | None:
+        """The smallest counters among the active tenants; None when none is active."""
+        active = [a for a in self._accounts.values() if a.active]
+        if not active:
+            return None
+        return min(a.encoder_v for a in active), min(a.tokens_v for a in active)
+
+    def began(self, tenant: str, weight: float) -> None:
+        """A request of `tenant` is in flight: an idle tenant is lifted to the active floor."""
+        account = self._account(tenant, weight)
+        if not account.active:
+            floor = self._floor()
+            if floor is not None:
+                account.encoder_v = max(account.encoder_v, floor[0])
+                account.tokens_v = max(account.tokens_v, floor[1])
+        account.active += 1
+
+    def ended(self, tenant: str) -> None:
+        account = self._accounts.get(tenant)
+        if account is not None and account.active:
+            account.active -= 1
+
+    def charge_encoder(self, tenant: str, seconds: float) -> None:
+        account = self._account(tenant)
+        account.encoder_s += seconds
+        account.encoder_v += seconds / account.weight
+        if self.on_charge is not None:
+            self.on_charge(tenant, seconds, 0, 0)
+
+    def charge_tokens(self, tenant: str, prompt: int, output: int) -> None:
+        account = self._account(tenant)
+        account.prompt_tokens += prompt
+        account.output_tokens += output
+        account.tokens_v += (prompt + output) / account.weight
+        if self.on_charge is not None:
+            self.on_charge(tenant, 0.0, prompt, output)
+
+    def rank(self, tenant: str | None) -> float:
+        """Where `tenant`'s waiting groups stand in the encoder queue: its weighted encoder-seconds
+        (lower goes first)."""
+        account = self._accounts.get(tenant) if tenant is not None else None
+        return account.encoder_v if account is not None else 0.0
+
+    def behind(self, tenant: str) -> Callable[[Any], bool]:
+        """Which queued groups a new request of `tenant` goes ahead of: other tenants' that have
+        been served more than it (as if it were active now, so lifted to the floor)."""
+        account = self._accounts.get(tenant)
+        floor = self._floor()
+        standing = max(account.encoder_v if account is not None else 0.0, floor[0] if floor is not None else 0.0)
+        return lambda work: work.tenant != tenant and self.rank(work.tenant) > standing
+
+    def lead(self, tenant: str) -> tuple[float, float]:
+        """How far `tenant` (as if active now) is ahead of the least-served active tenant."""
+        account = self._accounts.get(tenant)
+        floor = self._floor()
+        if account is None or floor is None:
+            return 0.0, 0.0
+        return max(0.0, account.encoder_v - floor[0]), max(0.0, account.tokens_v - floor[1])
+
+    def share(self, tenant: str) -> str:
+        encoder, tokens = self.lead(tenant)
+        return OVER if encoder > SLACK_S or tokens > SLACK_TOKENS else WITHIN
+
+    def view(self, names: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+        """Each of `names` (the tenants file's) as /status.json shows it."""
+        shown = {}
+        for name in names:
+            account = self._accounts.get(name)
+            if account is None:
+                continue
+            encoder, tokens = self.lead(name)
+            shown[name] = {
+                "weight": account.weight,
+                "inflight": account.active,
+                "encoder_s": round(account.encoder_s, 3),
+                "prompt_tokens": account.prompt_tokens,
+                "output_tokens": account.output_tokens,
+                "lead_encoder_s": round(encoder, 3),
+                "lead_tokens": round(tokens, 1),
+                "share": self.share(name),
+            }
+        return shown

@@ -1,0 +1,110 @@
+"""Fair shares between tenants over HTTP (fleet/fairness.py): the encoder queue serves the
+least-served tenant first, and a tenant over its share is the one turned away with 429 when the
+fleet is past a deadline (docs/keys.md#fair-shares)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+import orjson
+
+from epd_proxy.fleet.fairness import OVER
+from epd_proxy_tools.testing.polling import eventually
+from tests.media import chat, image
+
+SLOW_S = 0.5
+
+TENANTS = f"""
+[tenants.a]
+key_sha256 = ["{hashlib.sha256(b"a-key").hexdigest()}"]
+
+[tenants.b]
+weight = 2
+key_sha256 = ["{hashlib.sha256(b"b-key").hexdigest()}"]
+"""
+
+
+async def tenant_stack(make_stack, tmp_path):
+    path = tmp_path / "tenants.toml"
+    path.write_text(TENANTS)
+    stack = await make_stack(encoders=1, tenants_file=str(path), consumer_encode=False)
+    stack.encoders[0].faults.delay_s = SLOW_S
+    return stack
+
+
+async def answer(stack, tenant: str, name: str, deadline_ms: int | None = None):
+    """One image request of `tenant`, its own coalescing key (a session id), so every group is a
+    sub-request of its own and the order the encoder sees is the queue's."""
+    headers = {"Authorization": f"Bearer {tenant}-key", "x-request-id": name}
+    if deadline_ms is not None:
+        headers["x-request-deadline-ms"] = str(deadline_ms)
+    async with await stack.chat(chat(image(name), session_id=name), headers=headers) as resp:
+        return resp.status, resp.headers.get("Retry-After"), orjson.loads(await resp.read())
+
+
+def sent_order(stack) -> list[str]:
+    """The requests the encoder received sub-requests of, in order."""
+    return [seen.headers["x-request-id"].split(":")[0] for seen in stack.encoders[0].requests]
+
+
+async def flood(stack, tenant: str, count: int) -> list[asyncio.Task]:
+    """`count` requests of `tenant` at once: two go to the encoder, the rest wait in its lane."""
+    tasks = [asyncio.create_task(answer(stack, tenant, f"{tenant}{n}")) for n in range(count)]
+    lane = stack.state.lanes.all()[0]
+    await eventually(lambda: len(lane.work.waiting) == count - 2, what=f"{count - 2} groups queued")
+    return tasks
+
+
+async def test_a_tenants_request_queued_behind_anothers_flood_is_sent_before_the_floods_later_groups(
+    make_stack, tmp_path
+):
+    stack = await tenant_stack(make_stack, tmp_path)
+    assert (await answer(stack, "a", "warm"))[0] == 200  # the encoder's speed, measured
+    flooded = await flood(stack, "a", 8)
+    lane = stack.state.lanes.all()[0]
+    lone = asyncio.create_task(answer(stack, "b", "b0"))
+    await eventually(lambda: len(lane.work.waiting) == 7, what="b's group queued behind a's six")
+    results = await asyncio.gather(*flooded, lone)
+    assert [status for status, _, _ in results] == [200] * 9
+    order = sent_order(stack)[3:]  # after the warm-up and the two sent at once
+    # b starts level with a (idle time banks nothing): at most one of a's queued groups goes
+    # first, then b, whose counter is now below a's; FIFO would have sent it last.
+    assert order.index("b0") <= 1, order
+    assert sorted(order) == sorted([f"a{n}" for n in range(2, 8)] + ["b0"])
+    metrics = await stack.metrics()
+    assert 'epd_tenant_encoder_seconds_total{tenant="a"}' in metrics
+    assert 'epd_tenant_encoder_seconds_total{tenant="b"}' in metrics
+    # The fake's answers carry usage: each request's tokens are charged to its tenant.
+    assert 'epd_tenant_tokens_total{kind="output",tenant="b"}' in metrics
+    assert 'epd_tenant_tokens_total{kind="prompt",tenant="a"}' in metrics
+    status = await stack.client.get(stack.url + "/status.json")
+    tenants = (await status.json())["tenants"]
+    assert set(tenants) == {"a", "b"} and tenants["b"]["weight"] == 2.0
+    assert tenants["a"]["encoder_s"] > tenants["b"]["encoder_s"] > 0
+    assert tenants["a"]["output_tokens"] > 0 and tenants["a"]["inflight"] == 0
+
+
+async def test_past_its_deadline_the_tenant_over_its_share_gets_the_429_and_the_other_is_served(make_stack, tmp_path):
+    stack = await tenant_stack(make_stack, tmp_path)
+    ledger = stack.state.lanes.fairness
+    # A request of b's runs all along (on the consumer, say): b is active and has used no encoder.
+    ledger.began("b", 2.0)
+    for n in range(3):
+        assert (await answer(stack, "a", f"warm{n}"))[0] == 200
+    flooded = await flood(stack, "a", 8)
+    await eventually(lambda: ledger.share("a") == OVER, what="a over its share")
+    # The fleet is past a 1 s deadline: a's request is the one turned away, with 429.
+    status, retry_after, body = await answer(stack, "a", "late", deadline_ms=1000)
+    assert status == 429, body
+    assert body["error"]["type"] == "rate_limit_error" and int(retry_after) >= 2
+    # b's media go ahead of a's queued groups, so b fits a deadline the whole backlog would not.
+    status, _, body = await answer(stack, "b", "b0", deadline_ms=3500)
+    assert status == 200, body
+    assert [result[0] for result in await asyncio.gather(*flooded)] == [200] * 8
+    order = sent_order(stack)
+    assert order.index("b0") < order.index("a7"), order
+    ledger.ended("b")
+    metrics = await stack.metrics()
+    assert 'epd_requests_shed_total{reason="share",tenant="a"} 1.0' in metrics
+    assert 'reason="deadline"' not in metrics

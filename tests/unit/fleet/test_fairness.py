@@ -1,0 +1,180 @@
+"""Fair shares between tenants (fleet/fairness.py) and the encoder queue's order by them."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from epd_proxy.fleet.backends import ENCODE, Instance
+from epd_proxy.fleet.fairness import OVER, SLACK_S, SLACK_TOKENS, WITHIN, Ledger
+from epd_proxy.fleet.lanes import Lane, Lanes
+from epd_proxy.fleet.sharing import take_batch
+from tests.unit.fleet.test_lanes import W
+
+
+def test_work_is_counted_against_the_weight_and_totals_stay_raw():
+    ledger = Ledger()
+    ledger.began("a", 1.0)
+    ledger.began("b", 4.0)
+    ledger.charge_encoder("a", 2.0)
+    ledger.charge_encoder("b", 2.0)
+    ledger.charge_tokens("b", 300, 100)
+    assert ledger.rank("a") == 2.0 and ledger.rank("b") == 0.5
+    view = ledger.view(("default", "a", "b"))
+    assert "default" not in view, "a tenant never served is not shown"
+    assert view["b"]["encoder_s"] == 2.0 and (view["b"]["prompt_tokens"], view["b"]["output_tokens"]) == (300, 100)
+    assert view["a"]["lead_encoder_s"] == 1.5 and view["b"]["lead_encoder_s"] == 0.0
+
+
+def test_a_tenant_back_from_idle_starts_at_the_active_floor_and_banks_nothing():
+    ledger = Ledger()
+    ledger.began("a", 1.0)
+    ledger.began("b", 1.0)
+    ledger.charge_encoder("b", 1.0)
+    ledger.ended("b")
+    # b idles while a is served a lot.
+    ledger.charge_encoder("a", 50.0)
+    ledger.began("b", 1.0)
+    assert ledger.rank("b") == 50.0, "lifted to the least-served active tenant, not left at 1"
+    # A tenant ahead of the floor when it comes back keeps its lead.
+    ledger.ended("a")
+    ledger.charge_encoder("b", 10.0)
+    ledger.began("a", 1.0)
+    assert ledger.rank("a") == 60.0
+    assert ledger.lead("b") == (0.0, 0.0)
+
+
+def test_a_tenant_alone_is_never_over_its_share_however_much_it_is_served():
+    ledger = Ledger()
+    ledger.began("a", 1.0)
+    ledger.charge_encoder("a", 1000.0)
+    ledger.charge_tokens("a", 10**6, 10**6)
+    assert ledger.share("a") == WITHIN
+    assert ledger.share("new") == WITHIN, "one not seen yet is at the floor"
+
+
+def test_a_tenant_is_over_once_it_leads_the_least_served_active_one_by_more_than_the_slack():
+    ledger = Ledger()
+    ledger.began("a", 1.0)
+    ledger.began("b", 1.0)
+    ledger.charge_encoder("a", SLACK_S)
+    assert ledger.share("a") == WITHIN
+    ledger.charge_encoder("a", 0.01)
+    assert ledger.share("a") == OVER and ledger.share("b") == WITHIN
+    # A weight of 2 halves what the same work counts for.
+    heavy = Ledger()
+    heavy.began("a", 2.0)
+    heavy.began("b", 1.0)
+    heavy.charge_encoder("a", 2 * SLACK_S)
+    assert heavy.share("a") == WITHIN
+    # Tokens count the same way.
+    ledger = Ledger()
+    ledger.began("a", 1.0)
+    ledger.began("b", 1.0)
+    ledger.charge_tokens("a", SLACK_TOKENS, 1)
+    assert ledger.share("a") == OVER
+    # The other tenant going idle ends it: idle share is the busy one's.
+    ledger.ended("b")
+    assert ledger.share("a") == WITHIN
+
+
+def test_every_charge_is_told_to_the_metrics():
+    told = []
+    ledger = Ledger(lambda *charge: told.append(charge))
+    ledger.charge_encoder("a", 0.25)
+    ledger.charge_tokens("a", 7, 3)
+    assert told == [("a", 0.25, 0, 0), ("a", 0.0, 7, 3)]
+
+
+# -- the encoder queue's order ------------------------------------------------------------------
+
+
+def test_within_a_priority_the_least_served_tenants_group_goes_first_and_batching_stays():
+    ranks = {"a": 5.0, "b": 1.0}
+    queue = deque(
+        [
+            W(None, 1, "a1", tenant="a"),
+            W(b"k", 1, "a2", tenant="a"),
+            W(b"k", 1, "b1", tenant="b"),
+            W(b"k", 1, "a3", tenant="a"),
+        ]
+    )
+    batch = take_batch(queue, 8, ranks.__getitem__)
+    assert [w.name for w in batch] == ["b1", "a2", "a3"], "b's group first, the same key's groups with it"
+    assert [w.name for w in queue] == ["a1"]
+    # Ties go in arrival order.
+    queue = deque([W(None, 1, "a1", tenant="a"), W(None, 1, "b1", tenant="b")])
+    assert take_batch(queue, 8, lambda tenant: 0.0)[0].name == "a1"
+
+
+def test_fairness_never_jumps_a_priority_class():
+    lane = Lane("e")
+    lane.queued(W(None, 1, "a-urgent", priority=-1, tenant="a"))
+    lane.queued(W(None, 1, "b", priority=0, tenant="b"))
+    lane.queued(W(None, 1, "a", priority=0, tenant="a"))
+    ranks = {"a": 9.0, "b": 0.0}
+    order = [lane.next_batch(0, rank=ranks.__getitem__)[0].name for _ in range(3)]
+    assert order == ["a-urgent", "b", "a"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    works=st.lists(
+        st.tuples(st.sampled_from([b"a", b"b", None]), st.integers(1, 3), st.sampled_from("xyz")),
+        min_size=1,
+        max_size=12,
+    ),
+    ranks=st.fixed_dictionaries({t: st.floats(0, 10) for t in "xyz"}),
+    limit=st.integers(0, 8),
+)
+def test_a_fair_batch_heads_with_the_least_served_tenants_oldest_group_and_loses_nothing(works, ranks, limit):
+    queue = deque(W(key, size, str(i), tenant=tenant) for i, (key, size, tenant) in enumerate(works))
+    before = list(queue)
+    batch = take_batch(queue, limit, ranks.__getitem__)
+    least = min(ranks[w.tenant] for w in before)
+    assert batch[0] is next(w for w in before if ranks[w.tenant] == least)
+    assert all(w.key == batch[0].key for w in batch)
+    assert len(batch) == 1 or sum(w.size for w in batch) <= limit
+    assert sorted(map(id, batch + list(queue))) == sorted(map(id, before))
+    assert list(queue) == [w for w in before if w not in batch]
+
+
+def test_a_sub_request_is_charged_at_the_encoders_speed_with_its_fixed_cost_shared():
+    ledger = Ledger()
+    lanes = Lanes(ledger)
+    lane = lanes.of(Instance("http://e", ENCODE))
+    # Before any answer an image-equivalent counts as the prior (placement's own guess).
+    lanes.charge(lane, "a", 1.0)
+    fixed, per_item = lanes.costs([lane])
+    assert ledger.view(("a",))["a"]["encoder_s"] == pytest.approx(fixed[0] + per_item[0], abs=1e-3)
+    now = 0.0
+    for _ in range(10):
+        lane.started(2.0, now)
+        lane.finished(2.0, now, now + 0.1)
+        now += 1.0
+    known = lane.speed.known()
+    assert known is not None
+    lanes.charge(lane, "b", 2.0, members=2)
+    assert ledger.view(("b",))["b"]["encoder_s"] == pytest.approx(known[0] / 2 + known[1] * 2.0, abs=1e-3)
+    # Without tenants, or for a request without one, nothing is charged.
+    Lanes().charge(lane, "b", 2.0)
+    lanes.charge(lane, None, 2.0)
+    assert ledger.view(("b",))["b"]["encoder_s"] == pytest.approx(known[0] / 2 + known[1] * 2.0, abs=1e-3)
+
+
+def test_a_new_request_goes_ahead_of_groups_of_tenants_served_more_than_its_own():
+    ledger = Ledger()
+    ledger.began("a", 1.0)
+    ledger.began("b", 1.0)
+    ledger.charge_encoder("a", 5.0)
+    ledger.charge_encoder("b", 1.0)
+    behind_b = ledger.behind("b")
+    assert behind_b(W(None, 1, tenant="a")) and not behind_b(W(None, 1, tenant="b"))
+    behind_a = ledger.behind("a")
+    assert not behind_a(W(None, 1, tenant="a")) and not behind_a(W(None, 1, tenant="b"))
+    # One idle or never seen stands at the floor (b's 1.0): ahead of a's groups, not of b's.
+    behind_new = ledger.behind("c")
+    assert behind_new(W(None, 1, tenant="a")) and not behind_new(W(None, 1, tenant="b"))
