@@ -186,6 +186,9 @@ async def test_with_two_workers_every_turn_still_finds_its_conversations_pd():
                 for uuid in opening
             ]
             assert all(sorted(counts) == [0, TURNS] for counts in served_by), served_by
-            assert sum(served.encoder.counts.images.values()) == 4 * TURNS
+            # Each worker knows only what it saw encoded: an image is encoded at most once per
+            # worker, and one turn's image is first seen by the other worker at most once.
+            floor = 4 * TURNS
+            assert floor <= sum(served.encoder.counts.images.values()) <= floor + 4 * (TURNS - 1)
     finally:
         await fakes.close()
