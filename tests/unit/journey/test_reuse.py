@@ -259,6 +259,16 @@ async def test_every_turn_goes_to_the_pd_that_ran_the_conversation_so_far():
     assert len(homes) == 1
 
 
+async def test_a_turn_goes_where_its_conversations_last_turn_ran_not_back_to_the_home():
+    journey = affine(decode_urls=(PD, PD2, "http://pd3"))
+    home = journey.pipeline.choose_route("r1", job_of(conversation(*TURNS[:1]))).decoder
+    home.inflight = 5  # busy: turn 2 spills to another PD
+    moved = journey.pipeline.choose_route("r2", job_of(conversation(*TURNS[:2]))).decoder
+    home.inflight = 0
+    assert moved is not home
+    assert journey.pipeline.choose_route("r3", job_of(conversation(*TURNS))).decoder is moved
+
+
 async def test_in_epd_the_prefill_follows_the_conversation_and_decode_goes_by_load():
     journey = affine(decode_urls=(D, D2), prefill_urls=(P, "http://p2"))
     routes = [journey.pipeline.choose_route(f"r{n}", job_of(conversation(*TURNS[:n]))) for n in (1, 2, 3)]
