@@ -103,7 +103,7 @@ class Config(MediaFetchFlags):
     prefill_policy: str = option(
         "prefix_affinity",
         Choice(SERVING_POLICIES),
-        "how a prefill instance is chosen per request: `prefix_affinity` (where the conversation's earlier turns "
+        "how a prefill instance is chosen per request: `prefix_affinity` (where the conversation's last turn "
         "ran), `least_loaded`, `power_of_two`, `round_robin`, `random`; see [Conversations](prefix-routing.md)",
         flag="--prefill-policy",
     )
@@ -117,8 +117,8 @@ class Config(MediaFetchFlags):
     reuse: bool = option(
         True,
         Switch(False),
-        "encode a conversation's earlier images again on every turn instead of sending them raw for the consumer "
-        "to reuse (see [Conversations](prefix-routing.md))",
+        "encode every image again, those the fleet already holds (an earlier turn's, a popular one) included, "
+        "instead of sending them raw for the consumer to reuse (see [Conversations](prefix-routing.md))",
         flag="--no-reuse",
     )
     consumer_encode: bool = option(

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -36,11 +34,3 @@ class Instance:
         rank = self._dp_cursor % self.dp_size
         self._dp_cursor = rank + 1
         return rank
-
-    @contextmanager
-    def busy(self) -> Iterator[None]:
-        self.inflight += 1
-        try:
-            yield
-        finally:
-            self.inflight -= 1

@@ -11,11 +11,18 @@ import bisect
 import hashlib
 import math
 import random
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol, TypedDict
 
 from epd_proxy.fleet.backends import Instance
+from epd_proxy.fleet.recall import Recall
 from epd_proxy.fleet.scheduler import ExpectedFinish
+
+# How many conversations' last placements each process remembers, and for how long: past that a
+# turn goes to its key's home again (its prefix there is as likely evicted as anywhere).
+LAST_TURNS = 16384
+LAST_TURN_TTL_S = 600.0
 
 
 class RoutingPolicy(Protocol):
@@ -125,48 +132,84 @@ class ContentAffinity:
         self._ring_for = urls
 
     def choose(self, candidates: Sequence[Instance], keys: Sequence[str]) -> list[Instance]:
+        return self._place(candidates, keys, [None] * len(keys))
+
+    def _place(
+        self, candidates: Sequence[Instance], keys: Sequence[str], preferred: Sequence[int | None]
+    ) -> list[Instance]:
+        """One pick per key, counting the picks made earlier in the call; `preferred`: per key,
+        the candidate to take while it is under the bound, before the key's walk round the ring."""
         self._ring(candidates)
         n = len(candidates)
         planned = [0] * n
         total = sum(c.inflight for c in candidates)
         picks = []
-        for key in keys:
+        for key, prefer in zip(keys, preferred):
             bound = math.ceil(self.load_factor * (total + 1) / n)
-            start = bisect.bisect(self._points, self._hash(key)) % len(self._points)
-            chosen = None
-            for step in range(len(self._points)):
-                owner = self._owners[(start + step) % len(self._points)]
-                if candidates[owner].inflight + planned[owner] < bound:
-                    chosen = owner
-                    break
-            if chosen is None:  # every instance is at the bound: fall back to the key's home
-                chosen = self._owners[start]
+            loads = [c.inflight + p for c, p in zip(candidates, planned)]
+            chosen = bounded_pick(loads, self._walk(key), bound, prefer)
             planned[chosen] += 1
             total += 1
             picks.append(candidates[chosen])
         return picks
 
+    def _walk(self, key: str) -> Iterator[int]:
+        """The candidates in the order the key meets them going round the ring from its point."""
+        start = bisect.bisect(self._points, self._hash(key)) % len(self._points)
+        for step in range(len(self._points)):
+            yield self._owners[(start + step) % len(self._points)]
+
+
+def bounded_pick(loads: Sequence[int], walk: Iterable[int], bound: int, preferred: int | None = None) -> int:
+    """The candidate a key goes to (pure): `preferred` while its load is under `bound`, else the
+    first on the key's `walk` under it; every one at the bound: the walk's first, its home."""
+    if preferred is not None and loads[preferred] < bound:
+        return preferred
+    home = None
+    for owner in walk:
+        if home is None:
+            home = owner
+        if loads[owner] < bound:
+            return owner
+    assert home is not None  # a ring of at least one candidate
+    return home
+
 
 class PrefixAffinity(ContentAffinity):
-    """Every turn of a conversation to the prefill / PD instance that served its earlier turns.
+    """Every turn of a conversation to the prefill / PD instance that ran its last turn.
 
     vLLM's prefix-cache block hashes fold in the multimodal identifiers, which are the proxy's
     uuids (vllm/v1/core/kv_cache_utils.py): turn k+1 where turn k ran reuses its KV, image tokens
     included. The key (the conversation's opening, the same on every turn) is hashed with bounded
     load like an encoder's content uuid, so a hot conversation spills to the next instance on the
-    ring instead of piling onto its home. Stateless: every worker and replica computes the same
-    home from the same key and members (why not a shared index or KV events: docs/prefix-routing.md).
+    ring instead of piling onto its home. Where each key's last turn went is remembered
+    (`last_turns`, bounded and ageing): the next turn goes there while it is under the bound and
+    in rotation, so a turn that spilled moves its conversation once, not back to the home and
+    away again. Every worker and replica computes the same home from the same key and members;
+    each remembers only the spills it made itself (docs/prefix-routing.md).
     A request with no conversation to continue (key None) goes by load."""
 
-    def __init__(self, load_factor: float = 1.25) -> None:
+    def __init__(
+        self,
+        load_factor: float = 1.25,
+        remember: int = LAST_TURNS,
+        ttl_s: float = LAST_TURN_TTL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         super().__init__(load_factor=load_factor)
         self._by_load = LeastLoaded()
+        self.last_turns: Recall[str, str] = Recall(remember, ttl_s, clock)
 
     def choose(self, candidates: Sequence[Instance], keys: Sequence[str | None]) -> list[Instance]:
         known = [key for key in keys if key is not None]
         if len(known) < len(keys):
             return self._by_load.choose(candidates, keys)
-        return super().choose(candidates, known)
+        where = {c.url: i for i, c in enumerate(candidates)}
+        preferred = [where.get(self.last_turns.get(key) or "") for key in known]
+        picks = self._place(candidates, known, preferred)
+        for key, pick in zip(known, picks):
+            self.last_turns.put(key, pick.url)
+        return picks
 
 
 POLICIES: dict[str, Callable[[], RoutingPolicy]] = {

@@ -230,7 +230,7 @@ async def serve(request: web.Request, door: Door) -> web.StreamResponse:
             pipeline = state.pipeline
             assert pipeline is not None, "start() builds the pipeline before the server takes requests"
             route = pipeline.choose_route(rid.value, job, door)
-            with route.decoder.busy():
+            with route.held():
                 answer = await pipeline.open(job, route, trace, door)
                 try:
                     with trace.stage("relay"):

@@ -78,7 +78,7 @@ async def open_decode(upstream: Upstream, call: EngineCall) -> DecodeAnswer:
         timeouts=call.timeouts,
         stage="decode",
         what="Decode request",
-        # The request has held this decoder since routing chose it (least-loaded counts it).
+        # The request holds this decoder from routing's choice on (pipeline.Route.held).
         count_inflight=False,
     )
     if answer.status >= 400:

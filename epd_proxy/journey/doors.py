@@ -2,8 +2,7 @@
 
 Every door runs the same journey (encode, prefill, decode, retries); a door decides everything
 that depends on its API's shape: how the client's body is read for media (`parse`), where its
-conversation lies (`conversation`: what prefix affinity keys on and where reuse splits the history
-from the turn), what the consumer is sent (`consumer_body`, `prefill_body`) on which path, and the
+conversation opens (`conversation`: what prefix affinity keys on), what the consumer is sent (`consumer_body`, `prefill_body`) on which path, and the
 shape of the errors the proxy itself makes: as an HTTP answer, and in-band when a stream breaks
 after its 200 (`stream_error`). Its `name` labels metrics and the request log, its `path` traces.
 """
@@ -53,30 +52,25 @@ def chat_stream_error(failure: ProxyError, relayed: Relayed) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class Conversation:
-    """Where a body's conversation lies, in its door's own list of entries (chat messages,
-    Responses input items, Anthropic messages), for the pure functions of reuse.py."""
+    """Where a body's conversation opens, in its door's own list of entries (chat messages,
+    Responses input items, Anthropic messages), for the conversation key (reuse.py). Nothing of
+    the history's shape counts as sent before: what the fleet holds is what the proxy saw (held.py)."""
 
     entries: Sequence[Any] = ()
     # entries[:opening] open the conversation, through its first user entry: the same on every
     # turn. 0: no user entry, no conversation to follow.
     opening: int = 0
-    # Entries before this index were sent on earlier turns: the index of the last entry the
-    # consumer reads as an assistant turn, 0 on a first turn.
-    history_end: int = 0
     # What the consumer's prompt holds before the entries, as the consumer reads it (Responses
     # `instructions`, Anthropic `system`): part of the opening.
     preamble: Any = None
 
 
-def conversation_of(
-    entries: Any, *, user: Callable[[Any], bool], reply: Callable[[Any], bool], preamble: Any = None
-) -> Conversation:
-    """The conversation in `entries`, told apart by the door's `user` and assistant-turn (`reply`) tests."""
+def conversation_of(entries: Any, *, user: Callable[[Any], bool], preamble: Any = None) -> Conversation:
+    """The conversation in `entries`, opened through the first entry the door's `user` test takes."""
     if not isinstance(entries, list):
         return Conversation()
     opening = next((m + 1 for m, entry in enumerate(entries) if user(entry)), 0)
-    history_end = next((m for m in range(len(entries) - 1, -1, -1) if reply(entries[m])), 0)
-    return Conversation(entries, opening, history_end, preamble)
+    return Conversation(entries, opening, preamble)
 
 
 def _role_is(role: str) -> Callable[[Any], bool]:
@@ -85,7 +79,7 @@ def _role_is(role: str) -> Callable[[Any], bool]:
 
 def chat_conversation(body: dict[str, Any]) -> Conversation:
     """A chat's messages; its system prompt is a message of the opening."""
-    return conversation_of(body.get("messages"), user=_role_is("user"), reply=_role_is("assistant"))
+    return conversation_of(body.get("messages"), user=_role_is("user"))
 
 
 def chat_media_in_body(body: dict[str, Any], moved: Sequence[tuple[MediaItem, str]]) -> dict[str, Any]:
@@ -101,8 +95,8 @@ class Door:
     # (body, items, matches, rewrite=, push_mode=) -> the body prefill (E+P+D) or decode gets.
     consumer_body: ConsumerBody
     prefill_body: Callable[[dict[str, Any]], dict[str, Any]]
-    # (body) -> where its conversation lies. The consumer body sends history items raw, under the
-    # name the consumer gives them, so a consumer holding them reuses them.
+    # (body) -> where its conversation opens. The consumer body sends the items the fleet holds
+    # raw, under the name the consumer gives them, so a consumer holding them reuses them.
     conversation: Callable[[dict[str, Any]], Conversation]
     # The proxy's own error in this API's shape; None keeps the proxy's (OpenAI's) shape.
     error_body: Callable[[ProxyError], bytes] | None = None

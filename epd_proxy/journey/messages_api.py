@@ -143,8 +143,8 @@ def system_text(system: Any) -> str | None:
 
 def messages_conversation(body: dict[str, Any]) -> Conversation:
     """The Anthropic messages, told apart by role as a chat's, opened by the system prompt as the
-    consumer reads it. A history image goes raw as the client sent it: the consumer names it by
-    its content, as it did on the turn that brought it."""
+    consumer reads it. An image the fleet holds goes raw as the client sent it: the consumer
+    names it by its content, as it did when it first read it."""
     return replace(chat_conversation(body), preamble=system_text(body.get("system")))
 
 

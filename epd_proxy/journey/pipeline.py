@@ -10,8 +10,9 @@ previous attempt's transfer ids, EC handles or KV block ids.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Sequence
-from dataclasses import KW_ONLY, dataclass
+from collections.abc import Awaitable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, TypeVar
 
 import orjson
@@ -27,6 +28,8 @@ from epd_proxy.journey.decode import DecodeAnswer, EngineCall, hold_head, open_d
 from epd_proxy.journey.doors import CHAT, Door
 from epd_proxy.journey.encode import EncodeStep
 from epd_proxy.journey.extract import MediaItem
+from epd_proxy.journey.held import HeldMedia, Known, media_names
+from epd_proxy.journey.inflight import InFlight
 from epd_proxy.journey.match import Matches, match_groups
 from epd_proxy.journey.plan import plan_groups
 from epd_proxy.journey.prefill import run_prefill
@@ -57,6 +60,37 @@ class Route:
     dp_rank: int | None
     # Where the encoders push (Mooncake): an address of the EC consumer's pinned replica.
     consumer_zmq: str | None
+    # Whether this route counts in the prefill instance's load now (`held`).
+    prefill_held: bool = False
+
+    @property
+    def consumer(self) -> Instance:
+        """The instance that reads the media and holds the prompt's prefix: prefill in E+P+D."""
+        return self.prefill or self.decoder
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """The chosen instances count as loaded (`Instance.inflight`, what the policies read) from
+        the choice on, not from when their call starts: an E+P+D request's prefill is called only
+        after its encode, and requests chosen meanwhile must see it taken. Decode is held to the
+        end of the answer, prefill until its call ends (`pipeline.open` lets it go)."""
+        self.decoder.inflight += 1
+        self.hold_prefill()
+        try:
+            yield
+        finally:
+            self.decoder.inflight -= 1
+            self.release_prefill()
+
+    def hold_prefill(self) -> None:
+        if self.prefill is not None and not self.prefill_held:
+            self.prefill.inflight += 1
+            self.prefill_held = True
+
+    def release_prefill(self) -> None:
+        if self.prefill is not None and self.prefill_held:
+            self.prefill.inflight -= 1
+            self.prefill_held = False
 
 
 @dataclass(slots=True)
@@ -108,6 +142,9 @@ class Pipeline:
     # Modalities no consumer is sent raw (--no-raw-media, --text-only-consumers); a consumer's own
     # probe adds its own (Instance.raw_refused).
     no_raw_media: frozenset[str] = frozenset()
+    # What this process saw the fleet hold, and the names it is encoding now.
+    held: HeldMedia = field(default_factory=HeldMedia)
+    in_flight: InFlight = field(default_factory=InFlight)
 
     def __post_init__(self) -> None:
         self.encode = EncodeStep(
@@ -200,12 +237,13 @@ class Pipeline:
             else:
                 decode_headers = pinned_headers
         push_mode = route.consumer_zmq is not None
+        known = self._known(job, route)
         attempts = self.decode_retries + 1
         attempt = 0
         while True:
             attempt += 1
             trace.attempts = attempt
-            matches = await self._encode(job, route, trace, door)
+            matches = await self._encode(job, route, trace, known)
             with trace.stage("rewrite"):
                 prepared = door.consumer_body(job.body, job.items, matches, rewrite=self.rewrite, push_mode=push_mode)
             try:
@@ -215,9 +253,13 @@ class Pipeline:
                         route.prefill, prepared, prefill_headers, self.prefill_timeouts, job.dumps, door.path
                     )
                     with trace.stage("prefill", route.prefill, attempt=attempt):
-                        kv = await self._call(
-                            route.prefill, run_prefill(self.upstream, to_prefill, door.prefill_body), trace
-                        )
+                        route.hold_prefill()  # again on a retry
+                        try:
+                            kv = await self._call(
+                                route.prefill, run_prefill(self.upstream, to_prefill, door.prefill_body), trace
+                            )
+                        finally:
+                            route.release_prefill()
                     if kv:
                         decode_body = {**prepared, "kv_transfer_params": kv}
                 to_decode = EngineCall(
@@ -241,6 +283,9 @@ class Pipeline:
                     answer.release()
                     self._note_retry(trace, "decode", "reported an error in its stream", in_band.get("message"))
                     continue
+                if known.names:
+                    names = known.names
+                    self.held.sent(route.consumer.url, (names[item.index] for item in job.items if item.is_image))
                 job.release()
                 # A refused or retried attempt's raw media reached no answer: only this one counts.
                 self.metrics.reused.inc(trace.reused)
@@ -253,15 +298,15 @@ class Pipeline:
                     raise
                 self._note_retry(trace, exc.stage, "answered 500", exc.message)
 
-    async def _encode(self, job: ClientBody, route: Route, trace: Trace, door: Door) -> Matches:
+    async def _encode(self, job: ClientBody, route: Route, trace: Trace, known: Known) -> Matches:
         """Encode what the consumer cannot reuse. When the encoders fail (after failover), the
         consumer that may take the media raw encodes them instead, but only media no encoder
         received: a request is not lost to a stopped encoder tier, and input that broke an
         encoder (an answered 5xx, a drop or a timeout after it was sent) never reaches the
         consumer, which it could take down as well."""
-        plan = self._plan_encode(job, route, trace, door)
+        plan = self._plan_encode(job, route, trace, known.held)
         try:
-            matches = await self._encode_items(job, plan.encode, route.consumer_zmq, trace)
+            matches = await self._encode_items(job, plan.encode, route.consumer_zmq, trace, known.names)
         except ProxyError as exc:
             if not (self.consumer_encode and plan.raw):
                 raise
@@ -286,7 +331,17 @@ class Pipeline:
         trace.consumer_encoded = plan.consumer_encoded
         return matches
 
-    def _plan_encode(self, job: ClientBody, route: Route, trace: Trace, door: Door) -> EncodePlan:
+    def _known(self, job: ClientBody, route: Route) -> Known:
+        """Names only where the consumer may get media raw under them: rewritten, and not pushed."""
+        if not (self.rewrite and route.consumer_zmq is None and job.items):
+            return Known()
+        assert job.body is not None  # released only once decode commits
+        names = media_names(job.body, job.items)
+        if not (names and self.reuse):
+            return Known(names)
+        return Known(names, self.held.held(job.items, names, route.consumer.url))
+
+    def _plan_encode(self, job: ClientBody, route: Route, trace: Trace, held: frozenset[int]) -> EncodePlan:
         raw: frozenset[str] = frozenset()
         if self.rewrite and route.consumer_zmq is None:
             consumers = (route.decoder,) if route.prefill is None else (route.prefill, route.decoder)
@@ -297,25 +352,45 @@ class Pipeline:
         if raw and self.consumer_encode and job.items and trace.media_failed_on is None:
             encoders = self.candidates(ENCODE)
             last_resort = swamped(self.encode.lanes, encoders, self.consumer_encode_after_s, self.encode.clock())
-        assert job.body is not None  # released only once decode commits
-        history_end = door.conversation(job.body).history_end
-        return plan_encode(job.items, history_end=history_end, raw=raw, reuse=self.reuse, last_resort=last_resort)
+        return plan_encode(job.items, held=held, raw=raw, last_resort=last_resort)
 
     async def _encode_items(
-        self, job: ClientBody, items: Sequence[MediaItem], consumer_zmq: str | None, trace: Trace
+        self,
+        job: ClientBody,
+        items: Sequence[MediaItem],
+        consumer_zmq: str | None,
+        trace: Trace,
+        names: Mapping[int, str] | None,
     ) -> Matches:
-        """Plan (placement, then groups), encode, match: the embeddings of `items`."""
+        """The embeddings of `items`: those another request is encoding now taken from it, the rest
+        placed, grouped, encoded and matched. What was encoded is held from then on."""
         if not items:
             return Matches()
-        assert job.body is not None  # released only once decode commits
         # Timed however it ends: a failure after 5 s logs its 5 s.
         with trace.stage("encode", attempt=trace.attempts, items=len(items)):
-            assignment = self.encode.place(items, trace)
-            groups = plan_groups(items, assignment, self.encoding.max_batch_size)
-            answers = await self.encode.run(job.body, items, groups, consumer_zmq, trace, job.dumps)
-            return match_groups(
-                job.body, items, [group.indices for group in groups], answers, push_mode=consumer_zmq is not None
+            if names is None:
+                return await self._encode_own(job, items, consumer_zmq, trace)
+            matches = await self.in_flight.encode(
+                items,
+                names,
+                lambda own: self._encode_own(job, own, consumer_zmq, trace),
+                self.encode.ids.transfer_id,
+                trace,
             )
+            self.held.encoded(names[i] for i, match in matches.items.items() if match.ec_mm_hash is not None)
+            return matches
+
+    async def _encode_own(
+        self, job: ClientBody, items: Sequence[MediaItem], consumer_zmq: str | None, trace: Trace
+    ) -> Matches:
+        """Plan (placement, then groups), encode, match."""
+        assert job.body is not None  # released only once decode commits
+        assignment = self.encode.place(items, trace)
+        groups = plan_groups(items, assignment, self.encoding.max_batch_size)
+        answers = await self.encode.run(job.body, items, groups, consumer_zmq, trace, job.dumps)
+        return match_groups(
+            job.body, items, [group.indices for group in groups], answers, push_mode=consumer_zmq is not None
+        )
 
     def _note_retry(self, trace: Trace, stage: str, what: str, message: Any) -> None:
         self.metrics.retries.labels(stage).inc()

@@ -61,6 +61,8 @@ async def run_prefill(
         timeouts=call.timeouts,
         stage="prefill",
         what="Prefill request",
+        # The request holds this instance from routing's choice on (pipeline.Route.held).
+        count_inflight=False,
     )
     if not 200 <= answer.status < 300:
         raise answer.error()

@@ -112,20 +112,14 @@ def _has_role(role: str) -> Callable[[Any], bool]:
     return lambda item: isinstance(item, dict) and item.get("type") not in TYPED_ITEMS and item.get("role") == role
 
 
-def _reply(item: Any) -> bool:
-    """Whether vLLM makes (part of) an assistant message of the item: a tool call, reasoning, or
-    an item with the assistant's role (an output message the client sent back, say)."""
-    return isinstance(item, dict) and (item.get("type") in TEXT_ONLY_TYPES or _has_role("assistant")(item))
-
-
 def responses_conversation(body: dict[str, Any]) -> Conversation:
-    """The input items, opened by `instructions` (vLLM's leading system message). A tool's output
-    after the model's last call is this turn's. A history image goes raw under the proxy's uuid
-    (`responses_consumer_body`), the name the consumer gave it on the turn that brought it."""
+    """The input items, opened by `instructions` (vLLM's leading system message). An image the
+    fleet holds goes raw under the proxy's uuid (`responses_consumer_body`), the name the
+    consumer gave it when it first read it."""
     entries, instructions = body.get("input"), body.get("instructions") or None
     if isinstance(entries, str):  # one user message
         return Conversation((entries,), opening=1, preamble=instructions)
-    return conversation_of(entries, user=_has_role("user"), reply=_reply, preamble=instructions)
+    return conversation_of(entries, user=_has_role("user"), preamble=instructions)
 
 
 def responses_consumer_body(

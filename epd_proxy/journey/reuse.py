@@ -1,23 +1,24 @@
 """What the consumer can reuse, so the fleet does not do it again (pure).
 
-Three decisions per attempt, all from the request and the fleet's counters, none from a store.
-Where a conversation lies is its door's to say (doors.Conversation, over chat messages, Responses
-input items or Anthropic messages); these functions read only that.
+Three decisions per attempt, from the request, the fleet's counters and what this process saw
+the fleet hold (held.py, handed in as a set of items). Where a conversation opens is its door's to
+say (doors.Conversation, over chat messages, Responses input items or Anthropic messages).
 
 - **The conversation key** (`conversation_key`): the conversation's opening (the system prompt,
   and every entry up to and including the first user entry, media as their uuids), identical on
-  every turn. The `prefix_affinity` policy hashes it, so every turn goes where its prefix KV
-  already is.
-- **Reuse** (`plan_encode`): an image in the history (before the last assistant turn) was sent
-  on an earlier turn; the consumer gets it raw, under the name it gave it then (each door's
-  consumer body sends it so), instead of having it encoded again. vLLM's scheduler
+  every turn. The `prefix_affinity` policy hashes it and remembers where its last turn ran, so
+  every turn goes where its prefix KV already is.
+- **Reuse** (`plan_encode`): an image the fleet holds (held.py: this process saw it encoded, so
+  the EC store has it under its name, or sent to this very consumer) goes to the consumer raw
+  under that name instead of to an encoder again, whatever its place in the conversation (a
+  history the client wrote counts for nothing). vLLM's scheduler
   (v1/core/sched/scheduler.py `_try_schedule_encoder_inputs`) then needs no encoder output for it
   when it lies inside the prefix-cached tokens, loads it when the EC connector has it
   (`has_cache_item`, keyed by that name), and only otherwise encodes it locally: raw media under
   a known name can cost the consumer work, never a failure, where a `*_embeds` reference nobody
   backed in this attempt can kill the engine. vLLM refuses raw and embedded items of one
-  modality in one request, so the turn's new images go raw too; they are still encoded first,
-  and the consumer loads them from the EC store by name.
+  modality in one request, so the request's other images go raw too; they are still encoded
+  first, and the consumer loads them from the EC store by name.
 - **The consumer as encoder of last resort**: when no encoder is in rotation, or every one is
   queued beyond a bound (its backlog, lanes.Lane.backlog_s: an encoder that never answered is
   behind by at least its silence), every item goes raw
@@ -97,8 +98,8 @@ class EncodePlan:
     encode: Sequence[MediaItem]
     # The modalities the consumer may be sent raw.
     raw: frozenset[str] = frozenset()
-    # Items the consumer gets raw because it has them (earlier turns), and because no encoder can
-    # take them in time (last resort).
+    # Items the consumer gets raw because the fleet holds them, and because no encoder can take
+    # them in time (last resort).
     reused: int = 0
     consumer_encoded: int = 0
 
@@ -119,22 +120,20 @@ def consumer_may_encode(plan: EncodePlan, failure: ProxyError, failed_on: str | 
 def plan_encode(
     items: Sequence[MediaItem],
     *,
-    history_end: int,
+    held: Collection[int],
     raw: frozenset[str],
-    reuse: bool,
     last_resort: bool,
 ) -> EncodePlan:
-    """`history_end`: items of earlier entries were sent on earlier turns (the door's
-    `Conversation.history_end`); `raw`: the modalities the consumer may be sent raw
-    (`raw_modalities`; none in push mode);
-    `reuse`: history images are not encoded again; `last_resort`: no encoder can take the items
-    (see `swamped`) and the consumer encodes those it may get raw."""
+    """`held`: the indices of items the consumer can take without an encoder (HeldMedia.held;
+    empty with --no-reuse); `raw`: the modalities the consumer may be sent raw
+    (`raw_modalities`; none in push mode); `last_resort`: no encoder can take the items (see
+    `swamped`) and the consumer encodes those it may get raw."""
     if not items or not raw:
         return EncodePlan(items)
     if last_resort:
         encode = [item for item in items if item.modality not in raw]
         return EncodePlan(encode, raw=raw, consumer_encoded=len(items) - len(encode))
-    if not reuse or "image" not in raw:
+    if "image" not in raw:
         return EncodePlan(items, raw=raw)
-    fresh = [item for item in items if not (item.is_image and item.place.entry < history_end)]
+    fresh = [item for item in items if not (item.is_image and item.index in held)]
     return EncodePlan(fresh, raw=raw, reused=len(items) - len(fresh))

@@ -25,7 +25,11 @@ if TYPE_CHECKING:
 Mode = Literal["livesum", "livemin", "livemax"]
 
 FLEET_GAUGES: tuple[tuple[str, str, Mode], ...] = (
-    ("epd_instance_inflight", "Requests in flight per backend instance", "livesum"),
+    (
+        "epd_instance_inflight",
+        "Requests holding each backend instance, from routing's choice (prefill: until its call ends)",
+        "livesum",
+    ),
     ("epd_instance_up", "1 while the instance is in rotation, 0 while ejected or down", "livemin"),
     ("epd_instance_consecutive_failures", "Consecutive failed health checks or transport errors", "livemax"),
     ("epd_instance_ejections", "Times passive outlier detection ejected the instance", "livesum"),

@@ -128,17 +128,20 @@ async def test_tool_result_images_are_encoded_too(make_stack):
     screen = f"data:image/png;base64,{b64('screen')}"
     image = {"type": "image", "source": {"type": "url", "url": screen}}
     body = messages_body("A")
+    status, _, raw = await post(stack, stack.url, "messages", body)
+    assert status == 200, raw
     body["messages"] += [
         {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "look", "input": {}}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [image]}]},
     ]
     status, _, raw = await post(stack, stack.url, "messages", body)
     assert status == 200, raw
-    # The first turn's image is history, left to the consumer that holds it (reuse.py); the tool
-    # result's image is this turn's and comes from the encoder.
-    sent = [p["image_url"]["url"] for r in stack.encoders[0].requests for p in r.body["messages"][0]["content"]]
-    assert sent == [screen]
-    assert stack.pd.loaded_from_cache == 1
+    # The first turn's image the fleet holds since that turn, left to the consumer (reuse.py); the
+    # tool result's image is new and comes from the encoder.
+    sent = [[p["image_url"]["url"] for p in r.body["messages"][0]["content"]] for r in stack.encoders[0].requests]
+    assert sent[1:] == [[screen]]
+    # Each turn's new image, loaded from the EC store; the first is in the second turn's prefix.
+    assert stack.pd.loaded_from_cache == 2
 
 
 @pytest.mark.parametrize(

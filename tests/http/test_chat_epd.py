@@ -46,7 +46,8 @@ async def test_single_image_is_encoded_once_and_referenced(make_stack):
 
 
 async def test_single_image_requests_rotate_over_encoders_under_round_robin(make_stack):
-    stack = await make_stack(encoders=3, encode_policy="round_robin")
+    # Without reuse the same image is encoded on every request, not sent raw once the fleet holds it.
+    stack = await make_stack(encoders=3, encode_policy="round_robin", reuse=False)
     for _ in range(4):
         await answer_of(stack, chat(image("A")))
     assert [len(e.requests) for e in stack.encoders] == [2, 1, 1]

@@ -24,14 +24,14 @@ async def test_without_checks_an_ejected_encoder_gets_traffic_again_after_the_ej
     )
     e1 = stack.backend_urls["e"][1]
     stack.encoders[1].faults.fail_next(1, 0)
-    for _ in range(2):  # round robin: one of the two lands on encoder 1, drops, fails over
-        async with await stack.chat(chat(image("A"))) as resp:
+    for n in range(2):  # round robin: one of the two lands on encoder 1, drops, fails over
+        async with await stack.chat(chat(image(f"A{n}"))) as resp:
             assert resp.status == 200
     assert (await views(stack))[e1]["ejections"] == 1
     await eventually(lambda: _in_rotation(stack, e1), what="half-open after the ejection time")
     served = len(stack.encoders[1].requests)
-    for _ in range(2):
-        async with await stack.chat(chat(image("B"))) as resp:
+    for n in range(2):  # images of their own: one the fleet holds would skip the encoders
+        async with await stack.chat(chat(image(f"B{n}"))) as resp:
             assert resp.status == 200
     assert len(stack.encoders[1].requests) == served + 1
     view = (await views(stack))[e1]

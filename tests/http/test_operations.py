@@ -42,7 +42,8 @@ async def test_dynamic_fleet_starts_empty_and_routes_once_registered(dynamic_pro
     encoder, e_url = await start_fake("encode")
     async with client.post("/instances", json={"role": "encode", "url": e_url}, headers=KEY) as resp:
         assert resp.status == 200
-    async with client.post("/v1/chat/completions", json=chat(image("A"))) as resp:
+    # Another image: the PD holds A since it encoded it, and gets it raw again.
+    async with client.post("/v1/chat/completions", json=chat(image("B"))) as resp:
         assert resp.status == 200
     assert len(encoder.requests) == 1 and pd.loaded_from_cache == 1
     async with client.get("/instances") as resp:
@@ -80,8 +81,9 @@ async def test_probes_evict_a_failing_encoder_and_bring_it_back(make_stack):
     e1 = stack.backend_urls["e"][1]
     stack.encoders[1].healthy = False
     await eventually(lambda: in_rotation(stack, e1, False), what="encoder 1 leaves the rotation")
-    for _ in range(4):
-        async with await stack.chat(chat(image("A"))) as resp:
+    # Images of their own: one the fleet holds would skip the encoders.
+    for n in range(4):
+        async with await stack.chat(chat(image(f"A{n}"))) as resp:
             assert resp.status == 200
     assert len(stack.encoders[1].requests) == 0 and len(stack.encoders[0].requests) == 4
     async with stack.client.get(stack.url + "/metrics") as resp:
@@ -89,8 +91,8 @@ async def test_probes_evict_a_failing_encoder_and_bring_it_back(make_stack):
     assert f'epd_instance_up{{instance="{e1}",role="encode"}} 0.0' in text
     stack.encoders[1].healthy = True
     await eventually(lambda: in_rotation(stack, e1, True), what="encoder 1 back in rotation")
-    for _ in range(4):
-        async with await stack.chat(chat(image("A"))) as resp:
+    for n in range(4):
+        async with await stack.chat(chat(image(f"B{n}"))) as resp:
             assert resp.status == 200
     assert len(stack.encoders[1].requests) == 2
 
@@ -100,8 +102,8 @@ async def test_live_transport_failures_evict_and_relayed_errors_do_not(make_stac
         encoders=2, probe_interval_s=0, fail_threshold=2, encoder_failovers=1, encode_policy="round_robin"
     )
     stack.encoders[1].faults.fail_next(2, 0)
-    for _ in range(4):
-        async with await stack.chat(chat(image("A"))) as resp:
+    for n in range(4):
+        async with await stack.chat(chat(image(f"A{n}"))) as resp:
             assert resp.status == 200  # each failure fails over to encoder 0
     async with stack.client.get(stack.url + "/health") as resp:
         body = await resp.json()

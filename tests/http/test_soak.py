@@ -19,6 +19,6 @@ async def test_fault_soak_leaves_nothing_behind():
     assert report["leaked_inflight_counts"] == 0 and report["backend_connections_still_acquired"] == 0
     # Coalescing is on (the default) and shared sub-requests formed, clients leaving among them.
     assert report["coalesced_subrequests"] > 20 and report["outcomes"].get("client_disconnected", 0) > 20
-    assert report["leaked_lane_work"] == 0
+    assert report["leaked_lane_work"] == 0 and report["leaked_shares"] == 0
     assert report["rss_growth_mb"] < 50
     assert report["ok"]

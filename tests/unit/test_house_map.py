@@ -51,8 +51,11 @@ def test_the_readme_module_map_names_every_serving_module_on_its_floor():
             found = path.name in drawing
         else:
             at = next((i for i, row in enumerate(rows) if f"{parts[0]}/" in row), None)
-            # A floor's list may wrap onto the line after its name.
-            text = " ".join(rows[at : at + 2]) if at is not None else ""
+            # A floor's list may wrap onto the lines after its name, up to the next floor's arrow.
+            text = ""
+            if at is not None:
+                end = next((i for i in range(at + 1, len(rows)) if "▶" in rows[i]), len(rows))
+                text = " ".join(rows[at:end])
             found = re.search(rf"\b{path.stem}\b", text) is not None
         if not found:
             missing.append(str(path.relative_to(PACKAGE)))

@@ -10,8 +10,10 @@ from epd_proxy.fleet.routing import (
     ContentAffinity,
     LeastLoaded,
     PowerOfTwo,
+    PrefixAffinity,
     RandomChoice,
     RoundRobin,
+    bounded_pick,
     make_policy,
     make_serving_policy,
 )
@@ -101,3 +103,68 @@ def test_content_affinity_keeps_most_homes_when_an_encoder_leaves():
     after = {k: policy.choose(survivors, [k])[0].url for k in keys}
     moved = [k for k in keys if before[k] != after[k]]
     assert all(before[k] == "http://e3" for k in moved)
+
+
+# -- where a conversation's last turn ran -------------------------------------------------------------
+
+
+def pds(n):
+    return [Instance(f"http://pd{i}", "prefill_decode") for i in range(n)]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_conversation_that_spilled_stays_where_its_last_turn_ran():
+    members = pds(3)
+    policy = PrefixAffinity()
+    home = policy.choose(members, ["conv"])[0]
+    home.inflight = 5  # far over 1.25x the mean: turn 2 spills
+    spilled = policy.choose(members, ["conv"])[0]
+    assert spilled is not home
+    home.inflight = 0
+    # Turn 3: its prefix is where turn 2 ran, not at the idle home.
+    assert [policy.choose(members, ["conv"])[0] for _ in range(3)] == [spilled] * 3
+
+
+def test_the_last_turns_instance_is_left_over_its_load_bound_or_out_of_rotation():
+    members = pds(3)
+    policy = PrefixAffinity()
+    first = policy.choose(members, ["conv"])[0]
+    first.inflight = 5
+    second = policy.choose(members, ["conv"])[0]
+    assert second is not first
+    # Out of rotation (not a candidate): the key's own walk round the ring decides.
+    rest = [m for m in members if m is not second]
+    first.inflight = 0
+    assert policy.choose(rest, ["conv"])[0] is first
+
+
+def test_a_remembered_placement_is_bounded_and_ages():
+    members = pds(2)
+    clock = Clock()
+    policy = PrefixAffinity(remember=2, ttl_s=60.0, clock=clock)
+    home = policy.choose(members, ["conv"])[0]
+    other = next(m for m in members if m is not home)
+    home.inflight = 4
+    assert policy.choose(members, ["conv"])[0] is other
+    home.inflight = 0
+    clock.now = 61.0
+    assert policy.choose(members, ["conv"])[0] is home  # forgotten: back to the key's home
+    home.inflight = 4
+    policy.choose(members, ["conv"])  # spills to `other` again, remembered
+    home.inflight = 0
+    policy.choose(members, ["a"]), policy.choose(members, ["b"])  # two newer keys push it out
+    assert len(policy.last_turns) == 2 and policy.choose(members, ["conv"])[0] is home
+
+
+def test_a_bounded_pick_takes_the_preferred_under_the_bound_else_walks_the_ring():
+    assert bounded_pick([0, 0, 0], [2, 0, 1], bound=1, preferred=1) == 1
+    assert bounded_pick([0, 1, 0], [2, 0, 1], bound=1, preferred=1) == 2
+    assert bounded_pick([1, 1, 0], [0, 1, 2], bound=1) == 2
+    assert bounded_pick([1, 1, 1], [1, 0, 2], bound=1, preferred=2) == 1  # all at the bound: the home

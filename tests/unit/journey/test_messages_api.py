@@ -132,12 +132,10 @@ def test_a_lifted_string_that_is_no_image_source_falls_back_to_the_full_parse():
 
 
 @pytest.mark.parametrize("tools", [False, True])
-def test_the_history_ends_at_the_last_assistant_message(tools):
+def test_the_conversation_opens_through_the_first_user_message(tools):
     body = agent_messages("a", "b", "c", tools=tools)
     seen = messages_conversation(body)
-    assert seen.entries is body["messages"] and seen.opening == 1 and seen.history_end == 3
-    places = [item.place.entry for item in normalise_messages(body).items]
-    assert [entry < seen.history_end for entry in places] == [True, True, False]
+    assert seen.entries is body["messages"] and seen.opening == 1
     assert messages_conversation({"messages": "x"}) == Conversation()
 
 

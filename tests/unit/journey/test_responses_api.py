@@ -195,43 +195,10 @@ def test_only_the_lists_vllm_parses_are_read():
 
 
 @pytest.mark.parametrize("tools", [False, True])
-def test_the_history_ends_at_the_last_item_vllm_makes_an_assistant_turn_of(tools):
+def test_the_conversation_opens_with_the_instructions_and_the_first_user_item(tools):
     body = agent_responses("a", "b", "c", tools=tools)
     seen = responses_conversation(body)
     assert seen.entries is body["input"] and seen.preamble == "You operate a browser." and seen.opening == 1
-    # Replies: [user a, reply, user b, reply, user c]; tools: the last call comes before its output.
-    assert seen.history_end == (5 if tools else 3)
-    places = [item.place.entry for item in normalise_responses(body).items]
-    assert [entry < seen.history_end for entry in places] == [True, True, False]
-
-
-@pytest.mark.parametrize(
-    "item",
-    [
-        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
-        {"type": "custom_tool_call", "call_id": "c", "name": "f", "input": ""},
-        {"type": "reasoning", "id": "r", "summary": []},
-        {"role": "assistant", "content": "done"},
-        # vLLM keeps an assistant item without a leading text as the message it is: a reply still.
-        {"role": "assistant", "content": [image_part()]},
-    ],
-)
-def test_every_item_vllm_makes_an_assistant_turn_of_ends_the_history(item):
-    entries = [{"role": "user", "content": "go"}, item, {"type": "function_call_output", "call_id": "c", "output": "x"}]
-    assert responses_conversation({"input": entries}).history_end == 1
-
-
-@pytest.mark.parametrize(
-    "item",
-    [
-        {"type": "function_call_output", "call_id": "c", "output": "x"},
-        {"type": "custom_tool_call_output", "call_id": "c", "output": "x"},
-        {"role": "developer", "content": "be brief"},
-        {"role": "user", "content": "more"},
-    ],
-)
-def test_tool_outputs_and_other_roles_are_not_replies(item):
-    assert responses_conversation({"input": [{"role": "user", "content": "go"}, item]}).history_end == 0
 
 
 def test_the_opening_runs_through_the_first_user_item():
@@ -240,5 +207,5 @@ def test_the_opening_runs_through_the_first_user_item():
     assert responses_conversation({"input": [{"role": "developer", "content": "x"}]}).opening == 0
     # A string input is one user message; vLLM adds no system message for empty instructions.
     text = responses_conversation({"input": "hello", "instructions": ""})
-    assert (text.entries, text.opening, text.history_end, text.preamble) == (("hello",), 1, 0, None)
+    assert (text.entries, text.opening, text.preamble) == (("hello",), 1, None)
     assert responses_conversation({"input": 5}) == Conversation()

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import orjson
 import pytest
 
@@ -13,9 +15,10 @@ from epd_proxy.fleet.lanes import Lanes
 from epd_proxy.fleet.routing import PrefixAffinity, RoundRobin
 from epd_proxy.journey.doors import CHAT, chat_conversation
 from epd_proxy.journey.extract import ReadOptions, normalise_request
+from epd_proxy.journey.held import HeldMedia, media_names
 from epd_proxy.journey.match import ItemMatch, Matches
 from epd_proxy.journey.messages_api import MESSAGES
-from epd_proxy.journey.pipeline import ClientBody
+from epd_proxy.journey.pipeline import ClientBody, Trace
 from epd_proxy.journey.responses_api import RESPONSES
 from epd_proxy.journey.reuse import (
     consumer_may_encode,
@@ -45,8 +48,10 @@ def key_of(body):
     return conversation_key(body.get("model"), chat_conversation(body), items_of(body))
 
 
-def history_of(body) -> int:
-    return chat_conversation(body).history_end
+def earlier_turns(body) -> frozenset[int]:
+    """The items of the turns before the last: what the fleet holds once it has run them."""
+    last = max((m for m, message in enumerate(body["messages"]) if message["role"] == "assistant"), default=0)
+    return frozenset(item.index for item in items_of(body) if item.place.entry < last)
 
 
 def encoded(body, *indices):
@@ -56,6 +61,12 @@ def encoded(body, *indices):
         items[i].uuid: {"metadata": {"image_grid_thw": [[1, 4, 4]]}, "item_indices": [n]} for n, i in enumerate(indices)
     }
     return json_reply({"ec_transfer_params": params})
+
+
+def hold(journey: Journey, body, *indices: int) -> None:
+    """The fleet encoded the body's items at `indices` before (an earlier turn)."""
+    names = media_names(body, items_of(body))
+    journey.pipeline.held.encoded(names[i] for i in indices)
 
 
 def media_parts(sent):
@@ -97,26 +108,26 @@ ALL = frozenset({"image", "audio", "video"})
 def test_earlier_turns_images_go_raw_and_only_the_new_one_is_encoded():
     body = conversation(*TURNS)
     items = items_of(body)
-    plan = plan_encode(items, history_end=history_of(body), raw=ALL, reuse=True, last_resort=False)
+    plan = plan_encode(items, held=earlier_turns(body), raw=ALL, last_resort=False)
     assert [item.index for item in plan.encode] == [2] and plan.reused == 2 and plan.consumer_encoded == 0
 
 
 def test_audio_in_the_history_is_encoded_again():
     body = conversation([audio("a0")], [image("s1")])
-    plan = plan_encode(items_of(body), history_end=history_of(body), raw=ALL, reuse=True, last_resort=False)
+    plan = plan_encode(items_of(body), held=earlier_turns(body), raw=ALL, last_resort=False)
     assert len(plan.encode) == 2 and plan.reused == 0
 
 
 @pytest.mark.parametrize(("raw", "reuse"), [(frozenset(), True), (ALL, False), (frozenset({"video"}), True)])
 def test_without_raw_images_or_reuse_every_image_is_encoded(raw, reuse):
     body = conversation(*TURNS)
-    plan = plan_encode(items_of(body), history_end=history_of(body), raw=raw, reuse=reuse, last_resort=False)
+    plan = plan_encode(items_of(body), held=earlier_turns(body) if reuse else frozenset(), raw=raw, last_resort=False)
     assert len(plan.encode) == 3 and plan.reused == plan.consumer_encoded == 0
 
 
 def test_as_last_resort_nothing_is_encoded():
     body = conversation(*TURNS)
-    plan = plan_encode(items_of(body), history_end=history_of(body), raw=ALL, reuse=True, last_resort=True)
+    plan = plan_encode(items_of(body), held=earlier_turns(body), raw=ALL, last_resort=True)
     assert list(plan.encode) == [] and plan.consumer_encoded == 3
 
 
@@ -125,10 +136,10 @@ def test_as_last_resort_a_modality_the_consumer_refuses_raw_still_needs_an_encod
     items = items_of(body)
     raw = raw_modalities(items, frozenset({"video"}))
     assert raw == {"image"}
-    plan = plan_encode(items, history_end=history_of(body), raw=raw, reuse=True, last_resort=True)
+    plan = plan_encode(items, held=earlier_turns(body), raw=raw, last_resort=True)
     assert [item.modality for item in plan.encode] == ["video"] and plan.consumer_encoded == 2
     # Without the last resort only the history image is reused; the video is encoded with the new image.
-    plan = plan_encode(items, history_end=history_of(body), raw=raw, reuse=True, last_resort=False)
+    plan = plan_encode(items, held=earlier_turns(body), raw=raw, last_resort=False)
     assert [item.modality for item in plan.encode] == ["image", "video"] and plan.reused == 1
 
 
@@ -151,7 +162,7 @@ def no_answer(kind: str, sent: bool | None = None) -> NoAnswer:
 
 def test_only_media_no_encoder_received_go_to_the_consumer():
     body = chat(image("A"))
-    plan = plan_encode(items_of(body), history_end=history_of(body), raw=ALL, reuse=True, last_resort=False)
+    plan = plan_encode(items_of(body), held=earlier_turns(body), raw=ALL, last_resort=False)
     assert consumer_may_encode(plan, no_answer(REFUSED), None)
     assert consumer_may_encode(plan, no_answer(CONNECT_TIMEOUT), None)
     assert consumer_may_encode(plan, no_answer(POOL_TIMEOUT), None)
@@ -169,9 +180,8 @@ def test_only_media_no_encoder_received_go_to_the_consumer():
     video_body = chat(video("v"))
     plan = plan_encode(
         items_of(video_body),
-        history_end=history_of(video_body),
+        held=frozenset(),
         raw=frozenset({"image"}),
-        reuse=True,
         last_resort=False,
     )
     assert not consumer_may_encode(plan, no_answer(REFUSED), None)
@@ -249,6 +259,16 @@ async def test_every_turn_goes_to_the_pd_that_ran_the_conversation_so_far():
     assert len(homes) == 1
 
 
+async def test_a_turn_goes_where_its_conversations_last_turn_ran_not_back_to_the_home():
+    journey = affine(decode_urls=(PD, PD2, "http://pd3"))
+    home = journey.pipeline.choose_route("r1", job_of(conversation(*TURNS[:1]))).decoder
+    home.inflight = 5  # busy: turn 2 spills to another PD
+    moved = journey.pipeline.choose_route("r2", job_of(conversation(*TURNS[:2]))).decoder
+    home.inflight = 0
+    assert moved is not home
+    assert journey.pipeline.choose_route("r3", job_of(conversation(*TURNS))).decoder is moved
+
+
 async def test_in_epd_the_prefill_follows_the_conversation_and_decode_goes_by_load():
     journey = affine(decode_urls=(D, D2), prefill_urls=(P, "http://p2"))
     routes = [journey.pipeline.choose_route(f"r{n}", job_of(conversation(*TURNS[:n]))) for n in (1, 2, 3)]
@@ -259,6 +279,7 @@ async def test_in_epd_the_prefill_follows_the_conversation_and_decode_goes_by_lo
 async def test_only_the_new_image_is_encoded_and_the_consumer_gets_all_raw_under_their_uuids():
     journey = affine(encode_urls=(E1,))
     body = conversation(*TURNS)
+    hold(journey, body, 0, 1)
     journey.script(E1, encoded(body, 2))
     journey.script(PD, STREAM)
     await journey.run(body)
@@ -328,6 +349,7 @@ async def test_a_consumers_refusal_is_the_answer_and_teaches_the_proxy_nothing()
     """A client can make a consumer echo any text in its 400, vLLM's own wording included."""
     journey = affine(encode_urls=(E1,))
     body = conversation(*TURNS[:2])
+    hold(journey, body, 0)
     echoed = json_reply({"error": {"message": "Unknown part type: At most 0 image(s) may be provided"}}, 400)
     journey.script(E1, encoded(body, 1))
     journey.script(PD, echoed)
@@ -389,12 +411,73 @@ async def test_push_mode_consumers_get_every_item_by_a_push_of_this_attempt():
 async def test_in_epd_decode_gets_the_same_raw_body_as_prefill():
     journey = affine(encode_urls=(E1,), decode_urls=(D,), prefill_urls=(P,))
     body = conversation(*TURNS[:2])
+    hold(journey, body, 0)
     journey.script(E1, encoded(body, 1))
     journey.script(P, json_reply({"kv_transfer_params": KV}))
     journey.script(D, STREAM)
     await journey.run(body)
     assert media_parts(journey.upstream.to(P)[0]) == media_parts(journey.upstream.to(D)[0])
     assert journey.trace.reused == 1
+
+
+async def test_a_history_the_proxy_never_saw_is_encoded_and_referenced():
+    """A first request may end in an assistant message (a prefill of the client's own, or a
+    history faked to push the vision work onto the shared consumer): its images were never sent."""
+    journey = affine(encode_urls=(E1,))
+    body = conversation(*TURNS)
+    body["messages"].append({"role": "assistant", "content": "It shows"})
+    journey.script(E1, encoded(body, 0, 1, 2))
+    journey.script(PD, STREAM)
+    await journey.run(body)
+    assert len(media_parts(journey.upstream.to(E1)[0])) == 3
+    assert [p["type"] for p in media_parts(journey.upstream.to(PD)[0])] == ["image_embeds"] * 3
+    assert journey.trace.reused == 0
+
+
+async def test_an_encoded_image_is_held_for_every_consumer_and_a_sent_one_for_its_own():
+    journey = affine(encode_urls=(E1,), decode_urls=(PD, PD2))
+    first = chat(image("doc"), text="summarise")
+    journey.script(E1, encoded(first, 0))
+    journey.script(PD, STREAM, STREAM)
+    journey.script(PD2, STREAM, STREAM)
+    await journey.run(first)
+    # Another conversation with the same image, wherever it goes: raw, nothing encoded.
+    second = chat(image("doc"), text="translate")
+    await journey.run(second, request_id="req-2")
+    assert len(journey.upstream.to(E1)) == 1 and journey.trace.reused == 1
+    # Only sent (the consumer encoded it itself): held by that consumer alone.
+    names = media_names(chat(image("own")), items_of(chat(image("own"))))
+    held = journey.pipeline.held
+    held.sent(PD2, names.values())
+    items = items_of(chat(image("own")))
+    assert held.held(items, names, PD2) == {0} and held.held(items, names, PD) == frozenset()
+
+
+def test_a_route_holds_its_instances_from_the_choice_and_lets_go_on_every_path():
+    journey = affine(decode_urls=(D, D2), prefill_urls=(P, "http://p2"))
+    body = conversation(*TURNS[:1])
+    routes = [journey.pipeline.choose_route(f"r{n}", job_of(body)) for n in range(1)]
+    with pytest.raises(RuntimeError), routes[0].held():
+        assert routes[0].prefill.inflight == routes[0].decoder.inflight == 1
+        raise RuntimeError
+    with contextlib.ExitStack() as holding:
+        for n in range(8):
+            route = journey.pipeline.choose_route(f"r{n}", job_of(body))
+            holding.enter_context(route.held())
+            routes.append(route)
+        # The same opening: to its home while under the load bound, then the other prefill.
+        assert sorted(p.inflight for p in journey.fleet.members(PREFILL)) == [3, 5]
+    assert all(m.inflight == 0 for role in (PREFILL, DECODE) for m in journey.fleet.members(role))
+
+
+async def test_an_epd_prefill_is_held_during_its_call_and_let_go_when_it_fails():
+    journey = affine(encode_urls=(E1,), decode_urls=(D,), prefill_urls=(P,))
+    route = journey.pipeline.choose_route("r", job_of(chat()))
+    journey.script(P, failed_with(503))
+    with pytest.raises(ProxyError), route.held():
+        await journey.pipeline.open(job_of(chat()), route, Trace("r"))
+    (prefill,) = journey.fleet.members(PREFILL)
+    assert prefill.inflight == 0 and journey.upstream.to(P)[0].options["count_inflight"] is False
 
 
 # -- every door ----------------------------------------------------------------------------------------
@@ -439,23 +522,31 @@ def test_a_per_request_billing_header_leaves_an_anthropic_conversation_its_key()
     assert len({door_key("messages", turn(n)) for n in (1, 2, 3)}) == 1
 
 
+def door_turn(door: str, n: int, tools: bool, held: HeldMedia):
+    """Turn `n` through `door` planned against what `held` saw, then its encodes recorded."""
+    normalised, _ = DOORS[door].parse(orjson.dumps(agent_turn(door, n, tools)), ReadOptions())
+    names = media_names(normalised.body, normalised.items)
+    assert names is not None
+    plan = plan_encode(normalised.items, held=held.held(normalised.items, names, PD), raw=ALL, last_resort=False)
+    held.encoded(names[item.index] for item in plan.encode)
+    return normalised, plan
+
+
 @pytest.mark.parametrize("tools", [False, True])
-@pytest.mark.parametrize("door", ["responses", "messages"])
+@pytest.mark.parametrize("door", ["chat", "responses", "messages"])
 def test_only_a_turns_new_image_is_encoded_whichever_door(door, tools):
-    body = agent_turn(door, 3, tools)
-    normalised, _ = DOORS[door].parse(orjson.dumps(body), ReadOptions())
-    history_end = DOORS[door].conversation(normalised.body).history_end
-    plan = plan_encode(normalised.items, history_end=history_end, raw=ALL, reuse=True, last_resort=False)
-    assert [item.index for item in plan.encode] == [2] and plan.reused == 2
+    held = HeldMedia()
+    for n in (1, 2, 3):
+        _, plan = door_turn(door, n, tools, held)
+        assert [item.index for item in plan.encode] == [n - 1] and plan.reused == n - 1
 
 
 def test_a_responses_turn_after_a_tool_call_sends_its_history_raw_under_the_proxys_uuids():
-    body = agent_turn("responses", 3)
-    normalised, _ = RESPONSES.parse(orjson.dumps(body), ReadOptions())
+    held = HeldMedia()
+    for n in (1, 2):
+        door_turn("responses", n, True, held)
+    normalised, plan = door_turn("responses", 3, True, held)
     items = normalised.items
-    plan = plan_encode(
-        items, history_end=RESPONSES.conversation(normalised.body).history_end, raw=ALL, reuse=True, last_resort=False
-    )
     (new,) = plan.encode
     matches = Matches()
     matches.items[new.index] = ItemMatch({"image_grid_thw": [1, 4, 4]}, new.uuid, "t0")

@@ -242,7 +242,8 @@ class Faults:
     The next `generation_errors` consumer requests fail during generation as vLLM's engine does
     (`finish_reason="error"`): in-band after 200 when streaming, 500 otherwise. The next
     `cut_streams` streams are cut halfway (connection reset after 200); the next `stall_streams`
-    streams send one chunk and then nothing until the caller goes away."""
+    streams send one chunk and then nothing until the caller goes away. With a `gate`, every
+    request waits until the test opens it: what happens while a backend holds them all."""
 
     fail_times: int = 0
     fail_status: int = 500
@@ -255,6 +256,7 @@ class Faults:
     generation_errors: int = 0
     cut_streams: int = 0
     stall_streams: int = 0
+    gate: asyncio.Event | None = None
 
     def fail_next(self, times: int = 1, status: int = 500, body: str | None = None) -> None:
         self.fail_times, self.fail_status = times, status
@@ -275,6 +277,8 @@ class Faults:
         return self._spend("stall_streams")
 
     async def apply(self, exchange: Exchange) -> Answer | None:
+        if self.gate is not None:
+            await self.gate.wait()
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         if self.fail_times > 0:

@@ -75,7 +75,7 @@ class ChaosFaults(Faults):
 
 
 def _image(i: int) -> dict[str, Any]:
-    # A fixed set of 40 images: the fake EC store (like vLLM's example connector) never evicts,
+    # Drawn from a bounded set: the fake EC store (like vLLM's example connector) never evicts,
     # so unique images would grow the harness's memory and blur the proxy's.
     data = base64.b64encode(random.Random(i).randbytes(64)).decode()
     return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}
@@ -201,7 +201,12 @@ async def run(duration_s: float, concurrency: int, seed: int, coalesce: bool = T
     lag = LoopLag()
 
     async def one(client: aiohttp.ClientSession, n: int) -> None:
-        images = [_image(rng.randrange(40)) for _ in range(rng.randrange(0, 5))]
+        # Half from 40 popular images (taken from another request's encode, or raw once the proxy
+        # saw them encoded), half from thousands the encoders have not seen yet.
+        images = [
+            _image(rng.randrange(40) if rng.random() < 0.5 else 40 + rng.randrange(4000))
+            for _ in range(rng.randrange(0, 5))
+        ]
         stream = rng.random() < 0.4
         body = orjson.dumps(
             {
@@ -265,6 +270,9 @@ async def run(duration_s: float, concurrency: int, seed: int, coalesce: bool = T
     leaked_inflight = sum(inst.inflight for inst in state.fleet.all()) + state.admission.inflight
     # The scheduler's books: nothing still waiting to share, in flight or counted outstanding.
     leaked_lane_work = sum(lane.leftover() for lane in state.lanes.all())
+    # Images still marked as being encoded, which a later request would wait for.
+    assert state.pipeline is not None
+    leaked_shares = len(state.pipeline.in_flight)
     coalesced = sum(
         sample.value for sample in state.metrics.coalesced.collect()[0].samples if sample.name.endswith("_total")
     )
@@ -293,6 +301,7 @@ async def run(duration_s: float, concurrency: int, seed: int, coalesce: bool = T
         "leaked_inflight_counts": leaked_inflight,
         "backend_connections_still_acquired": acquired,
         "leaked_lane_work": leaked_lane_work,
+        "leaked_shares": leaked_shares,
         "coalesced_subrequests": int(coalesced),
         "rss_mb_start": round(rss_samples[quarter], 1) if len(rss_samples) > quarter else None,
         "rss_mb_end": round(rss_samples[-1], 1) if rss_samples else None,
@@ -308,6 +317,7 @@ async def run(duration_s: float, concurrency: int, seed: int, coalesce: bool = T
         and leaked_inflight == 0
         and acquired == 0
         and leaked_lane_work == 0
+        and leaked_shares == 0
         and rss_growth < 50
     )
     return report

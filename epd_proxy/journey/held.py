@@ -1,0 +1,101 @@
+"""What this process saw the fleet hold: the record reuse decides from (reuse.plan_encode, pure).
+
+The guess it replaces read the request's shape ("an image before the last assistant message was
+sent before"), which a client writes: a first request continued from an assistant message of its
+own, or a tenant faking a history on purpose, had every image sent raw and encoded by the shared
+consumer instead of the encoders. Now an image counts as held only when this process saw it:
+
+- **encoded**: an encoder answered for it, so the EC store holds it under its name, for every
+  consumer (`HeldMedia.encoded`);
+- **sent to a consumer**: that consumer (prefill in E+P+D, else the PD) processed it, loaded or
+  encoded itself, so its prefix and encoder caches hold it; for that consumer only
+  (`HeldMedia.sent`).
+
+A name is the proxy's own (`media_names`): the item's content digest (extract.py drops every
+client uuid and names the media itself), and with it what vLLM folds into the identifier it stores
+an embedding under (the model, the processor and media kwargs) and whether the consumer names the
+item by the proxy's uuid or by its content (an Anthropic image). No client value can make an
+image count as held: only the proxy's own sight of that content under those options does.
+
+Wrong either way costs work, never a failure: an image taken as held goes raw under its name,
+and vLLM's scheduler (`_try_schedule_encoder_inputs`) skips it inside the cached prefix, loads it
+where the EC connector has it (`has_cache_item`), and only otherwise encodes it itself. The EC
+store's own evictions are invisible here, so an entry is forgotten `HELD_TTL_S` after the proxy
+last saw it encoded or sent (and when `HELD_ITEMS` newer ones push it out): a popular image is
+encoded again once per that period, which also writes it back to the store.
+
+Each `--workers` process keeps its own record: a turn that lands on a worker which never saw its
+history has those images encoded again, once per worker per image (for the record's lifetime).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from epd_proxy.fleet.recall import Recall
+from epd_proxy.journey.extract import MediaItem
+
+# A name and its time are ~200 bytes: 65536 of each kind is ~25 MB per process at most.
+HELD_ITEMS = 65536
+HELD_TTL_S = 1800.0
+# What vLLM folds into an item's identifier besides its name (ProcessorInputs.get_mm_hashes).
+_IDENTIFIER_FIELDS = ("mm_processor_kwargs", "media_io_kwargs")
+
+
+def media_names(body: dict[str, Any], items: Sequence[MediaItem]) -> dict[int, str] | None:
+    """Each item's name, by its index: what the EC store and the consumers' caches hold it under,
+    as the proxy names it. None when the options cannot be written (they nest too deeply: the
+    request is refused further on)."""
+    try:
+        scope = orjson.dumps([body.get("model"), [body.get(name) for name in _IDENTIFIER_FIELDS]])
+    except orjson.JSONEncodeError:
+        return None
+    return {
+        item.index: hashlib.blake2b(b"%s\0%d\0%s" % (scope, item.named, item.uuid.encode()), digest_size=16).hexdigest()
+        for item in items
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class Known:
+    """One request's media as this process knows them: their names (None: no names, nothing
+    recorded or shared), and which of them the fleet held when the request began. Taken once per
+    request: a retry after a consumer's 500 encodes again what its first attempt encoded, since
+    that 500 may mean an embedding never reached the store."""
+
+    names: Mapping[int, str] | None = None
+    held: frozenset[int] = frozenset()
+
+
+class HeldMedia:
+    """The names the fleet holds as far as this process saw: encoded (the EC store, every
+    consumer) and sent (one consumer's own caches), each bounded and ageing (fleet/recall.py)."""
+
+    def __init__(
+        self, capacity: int = HELD_ITEMS, ttl_s: float = HELD_TTL_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._encoded: Recall[str, bool] = Recall(capacity, ttl_s, clock)
+        self._sent: Recall[tuple[str, str], bool] = Recall(capacity, ttl_s, clock)
+
+    def encoded(self, names: Iterable[str]) -> None:
+        for name in names:
+            self._encoded.put(name, True)
+
+    def sent(self, consumer: str, names: Iterable[str]) -> None:
+        for name in names:
+            self._sent.put((consumer, name), True)
+
+    def held(self, items: Sequence[MediaItem], names: Mapping[int, str], consumer: str) -> frozenset[int]:
+        """The indices of `items` the consumer can take without an encoder: images only (audio and
+        video are encoded again: their decode on the consumer costs what a repeat encode does)."""
+        return frozenset(
+            item.index
+            for item in items
+            if item.is_image and ((name := names[item.index]) in self._encoded or (consumer, name) in self._sent)
+        )
