@@ -28,13 +28,16 @@ def test_quick_tenants_bench_reports_per_tenant_figures_and_sheds(tmp_path: Path
     chat_alone = alone["tenants"]["interactive"]
     assert chat_alone["answered"] == chat_alone["sent"] > 0 and chat_alone["encoder_share"] == 1.0
     flooded, chat = flood["tenants"]["flood"], flood["tenants"]["interactive"]
-    # Ten times its share: most of the flood is turned away at once, none of the interactive tenant.
-    shed = flooded["shed"]["503"]
-    assert shed["count"] > 0 and shed["retry_after"]
-    assert shed["answer_ms_p50"] < 1000 * flooded["ttft_s_p50"]
+    # Ten times its share: most of the flood is turned away at once (over its share, or past its
+    # deadline), none of the interactive tenant.
+    sheds = [flooded["shed"][status] for status in ("429", "503") if flooded["shed"][status]["count"]]
+    assert sheds and all(shed["retry_after"] for shed in sheds)
+    assert all(shed["answer_ms_p50"] < 1000 * flooded["ttft_s_p50"] for shed in sheds)
     assert chat["answered"] > 0 and chat["shed"]["503"]["count"] == chat["shed"]["429"]["count"] == 0
     assert abs(flooded["encoder_share"] + chat["encoder_share"] - 1.0) < 1e-9
-    assert flood["encoder_share_from"] == "images of the requests not turned away"
-    assert flood["proxy_shed"]["flood/deadline"] >= shed["count"]
+    # The proxy counts each tenant's encoder seconds itself (its fair queueing's ledger).
+    assert flood["encoder_share_from"] == "proxy counters"
+    counted = sum(n for key, n in flood["proxy_shed"].items() if key.startswith("flood/"))
+    assert counted >= sum(shed["count"] for shed in sheds)
     assert arm["interactive_ttft_p99_ratio"] > 0
     assert "| epd-proxy | flood | flood |" in run.stdout

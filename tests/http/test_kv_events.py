@@ -133,13 +133,6 @@ class Counted(FeedCounts):
 
 
 @pytest.fixture
-async def context():
-    ctx = zmq.asyncio.Context()
-    yield ctx
-    ctx.destroy(linger=0)
-
-
-@pytest.fixture
 async def world(context):
     """A publisher, an index and a feed between them, started on demand."""
     publishers: list[Publisher] = []

@@ -6,7 +6,6 @@ fakes answering as vLLM 0.32's route does, the publishers real ZMQ sockets (test
 from __future__ import annotations
 
 import pytest
-import zmq.asyncio
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
@@ -56,13 +55,6 @@ class Engine:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.server.port}"
-
-
-@pytest.fixture
-async def context():
-    ctx = zmq.asyncio.Context()
-    yield ctx
-    ctx.destroy(linger=0)
 
 
 @pytest.fixture

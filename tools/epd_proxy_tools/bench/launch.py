@@ -3,11 +3,13 @@ waiting until the process answers. Both benches (fakes in runner.py, real engine
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 # The tree this benchmark (and so, by default, every proxy it starts) runs from.
@@ -28,6 +30,21 @@ def command_words(words: list[str]) -> list[str]:
     if words and words[0] in ("python", "python3"):
         return [sys.executable, *words[1:]]
     return words
+
+
+def proxy_environment(ours: bool, pairs: Iterable[str] = (), own: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A proxy arm's environment: this process's; for ours, this checkout first on PYTHONPATH
+    (`python -m` puts the working directory first on sys.path, so ours also run from the results
+    folder, away from any other tree), unless the arm names another tree; then the
+    `--proxy-env KEY=VALUE` pairs, then the arm's own."""
+    env = dict(os.environ)
+    if ours:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (CHECKOUT, env.get("PYTHONPATH")) if p)
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        env[key] = value
+    env.update(own or {})
+    return env
 
 
 def wait_ready(url: str, proc: subprocess.Popen, deadline_s: float = 60.0) -> None:

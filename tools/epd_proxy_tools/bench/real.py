@@ -34,7 +34,7 @@ from epd_proxy.options import add_arguments, parse_into
 from epd_proxy_tools.bench import chat_load, engines, procs, real_report
 from epd_proxy_tools.bench.engines import BASELINE, DECODE, ENCODE, PD, PREFILL, Engine
 from epd_proxy_tools.bench.flags import OUR_COMMAND, REAL_GROUPS, REAL_QUICK, RealBenchOptions
-from epd_proxy_tools.bench.launch import CHECKOUT, command_words, http_get, wait_ready
+from epd_proxy_tools.bench.launch import command_words, http_get, proxy_environment, wait_ready
 from epd_proxy_tools.bench.workload import AgentSpec, ChatMixSpec, get_chats
 from epd_proxy_tools.testing.harness import free_port
 
@@ -231,12 +231,8 @@ class RealBench:
         cmd += ["--decode-servers-urls", ",".join(self.urls(DECODE) or self.urls(PD))]
         if self.urls(PREFILL):
             cmd += ["--prefill-servers-urls", ",".join(self.urls(PREFILL))]
-        env = dict(os.environ)
-        cwd = None
-        if arm.ours:
-            cwd = self.out
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (CHECKOUT, env.get("PYTHONPATH")) if p)
-        env.update(arm.env)
+        env = proxy_environment(arm.ours, own=arm.env)
+        cwd = self.out if arm.ours else None
         cpus = self.cpus
         preexec = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
         with open(self.out / f"proxy-{log_name}.log", "ab") as log:

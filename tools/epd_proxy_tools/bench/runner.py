@@ -23,7 +23,7 @@ import orjson
 from epd_proxy.options import add_arguments, parse_into
 from epd_proxy_tools.bench import procs, real, report
 from epd_proxy_tools.bench.flags import PRESETS, FakeBenchOptions
-from epd_proxy_tools.bench.launch import CHECKOUT, command_words, http_get, wait_ready
+from epd_proxy_tools.bench.launch import command_words, http_get, proxy_environment, wait_ready
 from epd_proxy_tools.bench.loadgen import Block, ClientPool
 from epd_proxy_tools.bench.workload import API_PATHS, WorkloadSpec, get_pool
 from epd_proxy_tools.testing.harness import free_port
@@ -238,18 +238,9 @@ class Bench:
             cmd += ["--workers", str(arm.workers)]
         cpus = _cpus(self.args.proxy_cpus)
         preexec = (lambda: os.sched_setaffinity(0, cpus)) if self.pin else None
-        env = dict(os.environ)
-        cwd = None
-        if not arm.command:
-            # `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH: run our
-            # proxies from the results folder, with this checkout first on the path unless the arm
-            # names another (a variant A/B-ing another tree through PYTHONPATH).
-            cwd = self.out
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (CHECKOUT, env.get("PYTHONPATH")) if p)
-        for pair in self.args.proxy_env:
-            key, _, value = pair.partition("=")
-            env[key] = value
-        env.update(arm.env)
+        ours = not arm.command
+        env = proxy_environment(ours, self.args.proxy_env, arm.env)
+        cwd = self.out if ours else None
         with open(self.out / f"proxy-{arm.name}.log", "wb") as log:
             arm.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=preexec, env=env, cwd=cwd)
         self.children.append(arm.proc)

@@ -17,7 +17,7 @@ import shlex
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,22 +25,13 @@ import orjson
 
 from epd_proxy_tools.bench import tenant_load, tenant_report
 from epd_proxy_tools.bench.flags import FakeBenchOptions, TenantLoadOptions
-from epd_proxy_tools.bench.launch import CHECKOUT, command_words, http_get, wait_ready
+from epd_proxy_tools.bench.launch import command_words, http_get, proxy_environment, wait_ready
+from epd_proxy_tools.bench.real import Arm
 from epd_proxy_tools.bench.tenant_load import FLOOD, FLOOD_IMAGES, Load, TenantSpec
 from epd_proxy_tools.testing.harness import free_port
 
 ALONE, FLOODED = "alone", "flood"
 CHAT_PATH = "/v1/chat/completions"
-
-
-@dataclass
-class TenantArm:
-    name: str
-    command: list[str]
-    env: dict[str, str] = field(default_factory=dict)
-    # Ours: given the tenants file, run with this checkout first on PYTHONPATH.
-    ours: bool = False
-    blocks: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -104,7 +95,7 @@ def metrics_of(base_url: str) -> dict[str, dict[str, float]]:
     return out
 
 
-def run_block(arm: TenantArm, kind: str, round_no: int, url: str, plan: Plan, requests, tenants) -> dict[str, Any]:
+def run_block(arm: Arm, kind: str, round_no: int, url: str, plan: Plan, requests, tenants) -> dict[str, Any]:
     load = Load(
         plan.seconds,
         plan.flood_rate if kind == FLOODED else 0.0,
@@ -130,14 +121,14 @@ def _requests(plan: Plan, model: str, tiny: bool):
     return flood, chats
 
 
-def _arms(tenants_file: Path, variants: tuple[str, ...], proxies: list[TenantArm]) -> list[TenantArm]:
+def _arms(tenants_file: Path, variants: tuple[str, ...], proxies: list[Arm]) -> list[Arm]:
     ours = [sys.executable, "-m", "epd_proxy", "serve", "--tenants", str(tenants_file.resolve())]
-    arms = [TenantArm("epd-proxy", ours, ours=True)]
+    arms = [Arm("epd-proxy", ours, ours=True)]
     for spec in variants:
         name, _, pairs = spec.partition(":")
         name = name.partition("@")[0]
         env = dict(pair.partition("=")[::2] for pair in pairs.split(",") if "=" in pair)
-        arms.append(TenantArm(name, ours, env, ours=True))
+        arms.append(Arm(name, ours, env, ours=True))
     arms += proxies
     names = [a.name for a in arms]
     if len(set(names)) != len(names):
@@ -151,7 +142,7 @@ def _write_tenants(out: Path, tenants: tuple[TenantSpec, ...]) -> Path:
     return path
 
 
-def _interleaved(arms: list[TenantArm], rounds: int):
+def _interleaved(arms: list[Arm], rounds: int):
     """(arm, kind, round) in the order they run: A B C, C B A; each arm's alone block right before its flood."""
     for r in range(rounds):
         for arm in arms if r % 2 == 0 else arms[::-1]:
@@ -204,21 +195,16 @@ class FakeTenantBench:
             raise RuntimeError("fake backends failed to start")
         return proc, orjson.loads(line)["ports"]
 
-    def start_proxy(self, arm: TenantArm, ports: dict[str, int], log_name: str) -> tuple[subprocess.Popen, str]:
+    def start_proxy(self, arm: Arm, ports: dict[str, int], log_name: str) -> tuple[subprocess.Popen, str]:
         port = free_port()
         encoders = ",".join(f"http://127.0.0.1:{ports[f'e{i}']}" for i in range(len(self.speeds)))
         cmd = [*arm.command, "--host", "127.0.0.1", "--port", str(port), "--encode-servers-urls", encoders]
         cmd += ["--decode-servers-urls", f"http://127.0.0.1:{ports['pd']}"]
-        env = dict(os.environ)
+        env = proxy_environment(arm.ours, self.args.proxy_env, arm.env)
         cwd = None
         if arm.ours:
             cmd += ["--log-level", "WARNING"]
             cwd = self.out
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (CHECKOUT, env.get("PYTHONPATH")) if p)
-        for pair in self.args.proxy_env:
-            key, _, value = pair.partition("=")
-            env[key] = value
-        env.update(arm.env)
         cpus = self._cpus(self.args.proxy_cpus)
         preexec = (lambda: os.sched_setaffinity(0, cpus)) if self.pin else None
         with open(self.out / f"proxy-{log_name}.log", "ab") as log:
@@ -235,7 +221,7 @@ class FakeTenantBench:
         tenants = tenant_load.new_tenants(a.flood_deadline_ms)
         tenants_file = _write_tenants(self.out, tenants)
         proxies = [
-            TenantArm(name.partition("@")[0], command_words(shlex.split(command)), {"ENCODER_MAX_BATCH_SIZE": "0"})
+            Arm(name.partition("@")[0], command_words(shlex.split(command)), {"ENCODER_MAX_BATCH_SIZE": "0"})
             for name, _, command in (spec.partition("=") for spec in a.proxy)
         ]
         arms = _arms(tenants_file, a.variant, proxies)
@@ -295,7 +281,7 @@ def run_real(bench) -> int:
             if arm.direct_url:
                 continue  # no proxy: the tenants' question is about proxies
             command = [*arm.command, "--tenants", str(tenants_file.resolve())] if arm.ours else arm.command
-            arms.append(TenantArm(arm.name, command, arm.env, ours=arm.ours))
+            arms.append(Arm(arm.name, command, arm.env, ours=arm.ours))
         seconds = block_seconds(a, a.quick)
         encoders = len(bench.urls("encode"))
         probe = Plan(seconds, 0, 1, 1.0, 1.0, "", a.interactive_clients, a.seed)
@@ -336,7 +322,7 @@ def run_real(bench) -> int:
     return 0
 
 
-def _real_arm(arm: TenantArm):
+def _real_arm(arm: Arm):
     from epd_proxy_tools.bench.real import Arm
 
     return Arm(arm.name, arm.command, arm.env, ours=arm.ours)
