@@ -120,12 +120,14 @@ async def test_a_url_whose_bytes_change_gets_the_new_bytes_name_on_the_turn_they
     assert status == 200, answer
     [sent] = stack.encoders[0].requests[0].body["messages"][0]["content"]
     assert sent["image_url"]["url"] == data_url(FIRST) and sent["uuid"] == name_of(data_url(FIRST))
-    # The next turn re-sends the image as history: the consumer gets it raw (reuse), and must get
-    # the bytes the URL answers now, under their name, never the first bytes' name.
+    # The next turn re-sends the URL as history, but it answers other bytes now: they are new to
+    # the fleet, so an encoder gets them, under their own name, and the consumer gets that name,
+    # never the first bytes' (which it holds).
     status, answer = await post(stack, conversation([picture(url)], [{"type": "text", "text": "and now?"}]))
     assert status == 200, answer
+    [again] = stack.encoders[0].requests[1].body["messages"][0]["content"]
+    assert again["image_url"]["url"] == data_url(SECOND) and again["uuid"] == name_of(data_url(SECOND))
     [history] = consumer_parts(stack)
-    assert history["image_url"]["url"] == data_url(SECOND)
     assert history["uuid"] == name_of(data_url(SECOND)) != name_of(data_url(FIRST))
     assert server.hits["changing"] == 2
 
