@@ -19,6 +19,7 @@ from epd_proxy.fleet.capabilities import MediaProbe
 from epd_proxy.fleet.discovery import Discovery
 from epd_proxy.fleet.fairness import Ledger
 from epd_proxy.fleet.health import Health
+from epd_proxy.fleet.kv_holds import KvHolds, MediaDepths
 from epd_proxy.fleet.kv_index import KvIndex
 from epd_proxy.fleet.kv_sources import KvEvents
 from epd_proxy.fleet.lanes import Lanes
@@ -47,6 +48,7 @@ def build_pipeline(
     policies: Policies,
     metrics: Metrics,
     lanes: Lanes | None = None,
+    kv_holds: MediaDepths | None = None,
 ) -> Pipeline:
     """The pipeline with the options it uses. Encode and prefill answer in one piece, so their
     limit covers the whole exchange; decode's covers the wait for its headers and for a free
@@ -80,6 +82,7 @@ def build_pipeline(
         consumer_encode=config.consumer_encode,
         consumer_encode_after_s=config.consumer_encode_after_s,
         no_raw_media=frozenset(MODALITIES if config.text_only_consumers else config.no_raw_media),
+        kv_holds=kv_holds,
     )
 
 
@@ -191,7 +194,14 @@ class ProxyState:
             by_role=config.dynamic_registration,
         )
         self.pipeline = build_pipeline(
-            config, self.fleet, self.health, self.upstream, self.policies, self.metrics, self.lanes
+            config,
+            self.fleet,
+            self.health,
+            self.upstream,
+            self.policies,
+            self.metrics,
+            self.lanes,
+            KvHolds(self.kv_index, self.kv_events.ranks) if self.kv_index and self.kv_events else None,
         )
         if self.roster is not None:
             await self.roster.start()

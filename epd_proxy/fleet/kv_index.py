@@ -307,19 +307,45 @@ class KvIndex:
         media item: a prompt that starts so reuses the item's KV without encoding it. 0 when
         there is none, None when the engine's state is not fresh. An item's last block is known
         once a block after it was stored; until then no prefix counts for it."""
+        answers = self.media_prefixes(engine, (media_id,))
+        return None if answers is None else answers[0]
+
+    def media_prefixes(self, engine: EngineId, media_ids: Sequence[str]) -> list[int] | None:
+        """`media_prefix` of each item. A conversation's images lie on one chain, so each block's
+        depth is found once for all of them: the cost follows the prompt's length, not its
+        length times its images."""
         record = self._fresh(engine)
         if record is None:
             return None
-        best = 0
-        for name in record.media.get(media_id, ()):
-            block: _Held | None = record.held[name]
-            if block is None or media_id not in block.closes:
-                continue
-            depth = 0
-            while block is not None:
-                depth += 1
-                if block.parent is None:
-                    best = max(best, depth)
-                    break
-                block = record.held.get(block.parent)
-        return best
+        depths: dict[bytes, int] = {}
+        answers = []
+        for media_id in media_ids:
+            best = 0
+            for name in record.media.get(media_id, ()):
+                if media_id in record.held[name].closes:
+                    best = max(best, _whole_depth(record.held, name, depths))
+            answers.append(best)
+        return answers
+
+
+def _whole_depth(held: dict[bytes, _Held], name: bytes, depths: dict[bytes, int]) -> int:
+    """How many blocks the chain ending in `name` holds from the prompt's start, 0 when a block on
+    it is missing; `depths` keeps each block's answer (-1 for a broken chain) for the next call."""
+    path: list[bytes] = []
+    current: bytes | None = name
+    base = 0
+    while current is not None:
+        known = depths.get(current)
+        if known is not None:
+            base = known
+            break
+        block = held.get(current)
+        if block is None:
+            base = -1
+            break
+        path.append(current)
+        current = block.parent
+    for above in reversed(path):
+        base = base + 1 if base >= 0 else -1
+        depths[above] = base
+    return max(base, 0)

@@ -264,5 +264,10 @@ class KvEvents:
         state = NONE if not engines or states == {NONE} else FRESH if states == {FRESH} else STALE
         return {"state": state, "blocks": sum(e["blocks"] for e in engines), "note": follow.note, "engines": engines}
 
+    def ranks(self, url: str) -> tuple[int, ...]:
+        """The data-parallel ranks of the instance whose events are followed."""
+        follow = self._follows.get(url)
+        return tuple(follow.sources) if follow is not None and follow.sources else ()
+
     def urls(self) -> list[str]:
         return list(self._follows)

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol, TypedDict
 
 from epd_proxy.fleet.backends import Instance
+from epd_proxy.fleet.kv_holds import MediaDepths
 from epd_proxy.fleet.recall import Recall
 from epd_proxy.fleet.scheduler import ExpectedFinish
 
@@ -23,6 +24,9 @@ from epd_proxy.fleet.scheduler import ExpectedFinish
 # turn goes to its key's home again (its prefix there is as likely evicted as anywhere).
 LAST_TURNS = 16384
 LAST_TURN_TTL_S = 600.0
+# What decided a conversation's placement (epd_prefix_decisions_total{decision="placement"}): the
+# KV index, where its last turn ran, or its key's walk round the ring.
+INDEX, RECORD, HASH = "index", "record", "hash"
 
 
 class RoutingPolicy(Protocol):
@@ -145,13 +149,16 @@ class ContentAffinity:
         total = sum(c.inflight for c in candidates)
         picks = []
         for key, prefer in zip(keys, preferred):
-            bound = math.ceil(self.load_factor * (total + 1) / n)
+            bound = self._bound(total, n)
             loads = [c.inflight + p for c, p in zip(candidates, planned)]
             chosen = bounded_pick(loads, self._walk(key), bound, prefer)
             planned[chosen] += 1
             total += 1
             picks.append(candidates[chosen])
         return picks
+
+    def _bound(self, total: int, n: int) -> int:
+        return math.ceil(self.load_factor * (total + 1) / n)
 
     def _walk(self, key: str) -> Iterator[int]:
         """The candidates in the order the key meets them going round the ring from its point."""
@@ -175,6 +182,17 @@ def bounded_pick(loads: Sequence[int], walk: Iterable[int], bound: int, preferre
     return home
 
 
+def index_pick(depths: Sequence[int], loads: Sequence[int], bound: int) -> int | None:
+    """The candidate holding the deepest prefix through the request's media (pure): `depths` per
+    candidate (0: holds none, or its KV index is not fresh), among those under the load `bound`;
+    the less loaded of equals, then the first. None: none holds any under the bound."""
+    best = None
+    for i, (depth, load) in enumerate(zip(depths, loads)):
+        if depth > 0 and load < bound and (best is None or (depth, -load) > (depths[best], -loads[best])):
+            best = i
+    return best
+
+
 class PrefixAffinity(ContentAffinity):
     """Every turn of a conversation to the prefill / PD instance that ran its last turn.
 
@@ -187,7 +205,15 @@ class PrefixAffinity(ContentAffinity):
     in rotation, so a turn that spilled moves its conversation once, not back to the home and
     away again. Every worker and replica computes the same home from the same key and members;
     each remembers only the spills it made itself (docs/prefix-routing.md).
-    A request with no conversation to continue (key None) goes by load."""
+    A request with no conversation to continue (key None) goes by load.
+
+    With KV events followed (`holds`, the index's answer per instance and media uuid), a
+    candidate under the bound holding a deeper prefix through the request's images comes first
+    (`index_pick`): the engines' own state, the same in every worker and replica, and aware of
+    evictions. `decided` hears what decided each placement (INDEX, RECORD or HASH)."""
+
+    holds: MediaDepths | None = None
+    decided: Callable[[str], None] | None = None
 
     def __init__(
         self,
@@ -200,15 +226,27 @@ class PrefixAffinity(ContentAffinity):
         self._by_load = LeastLoaded()
         self.last_turns: Recall[str, str] = Recall(remember, ttl_s, clock)
 
-    def choose(self, candidates: Sequence[Instance], keys: Sequence[str | None]) -> list[Instance]:
+    def choose(
+        self, candidates: Sequence[Instance], keys: Sequence[str | None], media: Sequence[str] = ()
+    ) -> list[Instance]:
+        """`media`: the request's image uuids as its consumer's KV events name them (one key)."""
         known = [key for key in keys if key is not None]
         if len(known) < len(keys):
             return self._by_load.choose(candidates, keys)
         where = {c.url: i for i, c in enumerate(candidates)}
         preferred = [where.get(self.last_turns.get(key) or "") for key in known]
+        sources = [RECORD] * len(known)
+        if media and self.holds is not None and len(known) == 1:
+            depths = [max((d or 0 for d in self.holds(c.url, media, None)), default=0) for c in candidates]
+            loads = [c.inflight for c in candidates]
+            holder = index_pick(depths, loads, self._bound(sum(loads), len(candidates)))
+            if holder is not None:
+                preferred[0], sources[0] = holder, INDEX
         picks = self._place(candidates, known, preferred)
-        for key, pick in zip(known, picks):
+        for key, pick, prefer, source in zip(known, picks, preferred, sources):
             self.last_turns.put(key, pick.url)
+            if self.decided is not None:
+                self.decided(source if prefer is not None and candidates[prefer] is pick else HASH)
         return picks
 
 

@@ -26,13 +26,19 @@ encoded again once per that period, which also writes it back to the store.
 
 Each `--workers` process keeps its own record: a turn that lands on a worker which never saw its
 history has those images encoded again, once per worker per image (for the record's lifetime).
+
+**The engines' own state comes first** where the consumer's KV events are fresh (`decide_held`):
+an image inside a prefix the consumer holds is held though this process never saw it (a fresh
+proxy, another worker or replica), and an image the record knows only as sent there, which the
+consumer no longer holds (evicted, restarted), is encoded again: the EC store may not have it.
+An image seen encoded stays held, since the EC store has it whatever the consumer evicted.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +66,49 @@ def media_names(body: dict[str, Any], items: Sequence[MediaItem]) -> dict[int, s
         item.index: hashlib.blake2b(b"%s\0%d\0%s" % (scope, item.named, item.uuid.encode()), digest_size=16).hexdigest()
         for item in items
     }
+
+
+def index_uuids(body: dict[str, Any], items: Sequence[MediaItem]) -> dict[int, str]:
+    """The images whose blocks the consumer's KV events name by the proxy's uuid, by index. vLLM
+    names an item by the uuid it was sent only when no processing option is folded in, and an
+    item the consumer names by its content (an Anthropic image) has no uuid there."""
+    if any(body.get(name) for name in _IDENTIFIER_FIELDS):
+        return {}
+    return {item.index: item.uuid for item in items if item.is_image and item.named and item.uuid}
+
+
+@dataclass(frozen=True, slots=True)
+class Holding:
+    """What the consumer holds of a request's images, and what decided it (for the metrics)."""
+
+    held: frozenset[int]
+    # Held as the KV index says (fresh), and as the record alone says.
+    by_index: int = 0
+    by_record: int = 0
+    # Known to the record as sent to the consumer only, and gone from it as the index says.
+    lost: int = 0
+
+
+def decide_held(
+    images: Iterable[int], encoded: Collection[int], sent: Collection[int], depth: Mapping[int, int | None]
+) -> Holding:
+    """Which images the consumer takes without an encoder (pure). `encoded` and `sent`: what the
+    record saw; `depth`: the consumer's KV index per image (kv_holds: > 0 held, 0 not, None
+    cannot say). Held: inside a prefix the consumer holds, or seen encoded (the EC store), or
+    seen sent there while the index cannot say otherwise."""
+    held: set[int] = set()
+    by_index = by_record = lost = 0
+    for i in images:
+        known = depth.get(i)
+        if known:
+            held.add(i)
+            by_index += 1
+        elif i in encoded or (i in sent and known is None):
+            held.add(i)
+            by_record += 1
+        elif i in sent:
+            lost += 1
+    return Holding(frozenset(held), by_index, by_record, lost)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,11 +140,17 @@ class HeldMedia:
         for name in names:
             self._sent.put((consumer, name), True)
 
-    def held(self, items: Sequence[MediaItem], names: Mapping[int, str], consumer: str) -> frozenset[int]:
-        """The indices of `items` the consumer can take without an encoder: images only (audio and
-        video are encoded again: their decode on the consumer costs what a repeat encode does)."""
-        return frozenset(
-            item.index
-            for item in items
-            if item.is_image and ((name := names[item.index]) in self._encoded or (consumer, name) in self._sent)
-        )
+    def held(
+        self,
+        items: Sequence[MediaItem],
+        names: Mapping[int, str],
+        consumer: str,
+        depth: Mapping[int, int | None] | None = None,
+    ) -> Holding:
+        """What of `items` the consumer can take without an encoder (`decide_held`), `depth` the
+        KV index's answers: images only (audio and video are encoded again: their decode on the
+        consumer costs what a repeat encode does)."""
+        images = [item.index for item in items if item.is_image]
+        encoded = {i for i in images if names[i] in self._encoded}
+        sent = {i for i in images if (consumer, names[i]) in self._sent}
+        return decide_held(images, encoded, sent, depth or {})

@@ -21,14 +21,15 @@ from epd_proxy.calls.upstream import REFUSED_ANSWER, NoAnswer, Payload, Timeouts
 from epd_proxy.errors import BadRequest, ErrorAnswer, ProxyError
 from epd_proxy.fleet.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE, Instance
 from epd_proxy.fleet.health import Health, counts_against_instance
+from epd_proxy.fleet.kv_holds import MediaDepths
 from epd_proxy.fleet.lanes import Lanes
 from epd_proxy.fleet.registry import Registry
-from epd_proxy.fleet.routing import Policies, PrefixAffinity
+from epd_proxy.fleet.routing import INDEX, RECORD, Policies, PrefixAffinity, ServingPolicy
 from epd_proxy.journey.decode import DecodeAnswer, EngineCall, hold_head, open_decode
 from epd_proxy.journey.doors import CHAT, Door
 from epd_proxy.journey.encode import EncodeStep
 from epd_proxy.journey.extract import MediaItem
-from epd_proxy.journey.held import HeldMedia, Known, media_names
+from epd_proxy.journey.held import HeldMedia, Known, index_uuids, media_names
 from epd_proxy.journey.inflight import InFlight
 from epd_proxy.journey.match import Matches, match_groups
 from epd_proxy.journey.plan import plan_groups
@@ -118,6 +119,15 @@ class ClientBody:
             raise BadRequest(f"the request cannot be forwarded: it nests too deeply ({exc})") from None
 
 
+def _choose(
+    policy: ServingPolicy, candidates: Sequence[Instance], keys: Sequence[str | None], media: Sequence[str]
+) -> Instance:
+    """One pick; the request's image uuids go to a policy that reads the KV index."""
+    if media and isinstance(policy, PrefixAffinity):
+        return policy.choose(candidates, keys, media)[0]
+    return policy.choose(candidates, keys)[0]
+
+
 def _unavailable(message: str) -> ProxyError:
     return ProxyError(503, message, stage="route", error_type="service_unavailable")
 
@@ -145,6 +155,8 @@ class Pipeline:
     # What this process saw the fleet hold, and the names it is encoding now.
     held: HeldMedia = field(default_factory=HeldMedia)
     in_flight: InFlight = field(default_factory=InFlight)
+    # What each consumer's KV events say it holds (kv_holds.py); None without KV events.
+    kv_holds: MediaDepths | None = None
 
     def __post_init__(self) -> None:
         self.encode = EncodeStep(
@@ -159,6 +171,10 @@ class Pipeline:
         )
         # Whether routing reads the conversation key, which costs a digest of the opening messages.
         self._keyed = any(isinstance(policy, PrefixAffinity) for policy in self.policies.values())
+        for policy in self.policies.values():
+            if isinstance(policy, PrefixAffinity):
+                policy.holds = self.kv_holds
+                policy.decided = lambda source: self.metrics.decided("placement", source)
 
     def candidates(self, role: str) -> Sequence[Instance]:
         """The registry's members of a role that health lets take traffic now."""
@@ -173,19 +189,22 @@ class Pipeline:
         E+P+D the prefix is prefill's, and a split decode instance goes by load. Where the
         conversation lies in the body is the `door`'s to say."""
         keys: tuple[str | None, ...] = (request_id,)
+        media: Sequence[str] = ()
         if self._keyed and job is not None and job.body is not None:
             keys = (conversation_key(job.body.get("model"), door.conversation(job.body), job.items),)
+            if self.kv_holds is not None and job.items:
+                media = list(index_uuids(job.body, job.items).values())
         candidates = self.decoders()
         if not candidates:
             raise _unavailable("no live decode instance")
         combined = candidates[0].role == PREFILL_DECODE
-        decoder = self.policies[DECODE].choose(candidates, keys if combined else (None,))[0]
+        decoder = _choose(self.policies[DECODE], candidates, keys if combined else (None,), media if combined else ())
         prefill = None
         if decoder.role == DECODE:
             prefills = self.candidates(PREFILL)
             if not prefills:
                 raise _unavailable("no live prefill instance for the standalone decode instance")
-            prefill = self.policies[PREFILL].choose(prefills, keys)[0]
+            prefill = _choose(self.policies[PREFILL], prefills, keys, media)
         # Dynamic mode pins the EC consumer (prefill in E+P+D, else the decoder) as registered;
         # static mode's replica flags describe the decode servers, as in the reference.
         pinned = (prefill or decoder) if self.fleet.dynamic else decoder
@@ -339,7 +358,16 @@ class Pipeline:
         names = media_names(job.body, job.items)
         if not (names and self.reuse):
             return Known(names)
-        return Known(names, self.held.held(job.items, names, route.consumer.url))
+        depth: dict[int, int | None] = {}
+        if self.kv_holds is not None and (uuids := index_uuids(job.body, job.items)):
+            # A pinned replica alone holds what this request finds there.
+            ranks = (route.dp_rank,) if route.dp_rank is not None and route.pinned is route.consumer else None
+            depth = dict(zip(uuids, self.kv_holds(route.consumer.url, list(uuids.values()), ranks)))
+        holding = self.held.held(job.items, names, route.consumer.url, depth)
+        self.metrics.decided("reuse", INDEX, holding.by_index)
+        self.metrics.decided("reuse", RECORD, holding.by_record)
+        self.metrics.decided("encode_again", INDEX, holding.lost)
+        return Known(names, holding.held)
 
     def _plan_encode(self, job: ClientBody, route: Route, trace: Trace, held: frozenset[int]) -> EncodePlan:
         raw: frozenset[str] = frozenset()

@@ -152,6 +152,13 @@ class Metrics:
             "counted once per request, for the attempt whose answer went to the client",
             registry=r,
         )
+        # Bounded labels: decision in DECISIONS, source index / record / hash (routing.py).
+        self.prefix_decisions = Counter(
+            "epd_prefix_decisions",
+            "Placement and reuse decisions by what decided them: the KV index, this process's record, or the hash",
+            ["decision", "source"],
+            registry=r,
+        )
         self.retries = Counter(
             "epd_retries", "Whole-pipeline retries after a consumer HTTP 500, by stage", ["stage"], registry=r
         )
@@ -293,6 +300,11 @@ class Metrics:
                 family.remove(*values)
             except KeyError:
                 pass  # never labelled with it (prometheus_client before 0.20 raises for that)
+
+    def decided(self, decision: str, source: str, count: int = 1) -> None:
+        """A placement or reuse decision (`epd_prefix_decisions_total`): its kind and what decided it."""
+        if count:
+            self.prefix_decisions.labels(decision, source).inc(count)
 
     def tenant_served(self, tenant: str, encoder_s: float, prompt: int, output: int) -> None:
         """A fairness.Ledger charge, counted."""

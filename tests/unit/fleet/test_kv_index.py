@@ -186,3 +186,14 @@ def test_a_malformed_store_is_skipped_not_raised():
     short = BlockStored(block_hashes=[1, 2], token_ids=[1, 2, 3], block_size=BS, medium="GPU")
     zero = BlockStored(block_hashes=[1], token_ids=[1], block_size=0, medium="GPU")
     assert index.apply(A, [short, zero]).orphans == 3 and index.size(A) == 0
+
+
+def test_media_prefixes_answer_each_item_and_share_the_walk_up_its_chain():
+    images = {1: [["img-1", 0]], 3: [["img-2", 0]]}
+    prompt = blocks(5, media=images)
+    index = fresh_index(A)
+    index.apply(A, [stored([1, 2, 3, 4, 5], prompt)])
+    assert index.media_prefixes(A, ["img-1", "img-2", "img-3"]) == [2, 4, 0]
+    index.apply(A, [BlockRemoved(block_hashes=[3], medium="GPU", group_idx=0)])
+    assert index.media_prefixes(A, ["img-2", "img-1"]) == [0, 2]
+    assert fresh_index(B).media_prefixes(A, ["img-1"]) is None

@@ -5,6 +5,7 @@ import random
 import pytest
 
 from epd_proxy.fleet.backends import Instance
+from epd_proxy.fleet.kv_holds import over_ranks
 from epd_proxy.fleet.routing import (
     SERVING,
     ContentAffinity,
@@ -14,6 +15,7 @@ from epd_proxy.fleet.routing import (
     RandomChoice,
     RoundRobin,
     bounded_pick,
+    index_pick,
     make_policy,
     make_serving_policy,
 )
@@ -168,3 +170,52 @@ def test_a_bounded_pick_takes_the_preferred_under_the_bound_else_walks_the_ring(
     assert bounded_pick([0, 1, 0], [2, 0, 1], bound=1, preferred=1) == 2
     assert bounded_pick([1, 1, 0], [0, 1, 2], bound=1) == 2
     assert bounded_pick([1, 1, 1], [1, 0, 2], bound=1, preferred=2) == 1  # all at the bound: the home
+
+
+def test_the_index_picks_the_deepest_holder_under_the_bound():
+    assert index_pick([0, 3, 5], [0, 0, 0], bound=2) == 2
+    assert index_pick([0, 3, 5], [0, 0, 2], bound=2) == 1  # the deepest is at the bound
+    assert index_pick([4, 4, 0], [1, 0, 0], bound=2) == 1  # equals: the less loaded
+    assert index_pick([0, 0, 0], [0, 0, 0], bound=2) is None  # none holds any (or none fresh)
+    assert index_pick([3, 0], [2, 0], bound=2) is None
+
+
+def test_an_instance_answers_over_its_ranks():
+    assert over_ranks([[0, 2], [3, 0]], 2) == [3, 2]
+    assert over_ranks([[0, 2], None], 2) == [None, 2]  # a stale rank may hold what the fresh one lacks
+    assert over_ranks([None], 2) == [None, None]
+    assert over_ranks([[0, 0]], 2) == [0, 0]
+
+
+class Holds:
+    """What a KV index would answer, per instance URL and media uuid (absent: not fresh)."""
+
+    def __init__(self, depths: dict[str, dict[str, int]]) -> None:
+        self.depths = depths
+
+    def __call__(self, url, media, ranks):
+        known = self.depths.get(url)
+        return [None if known is None else known.get(m, 0) for m in media]
+
+
+def test_a_conversation_goes_where_the_index_says_its_images_are_within_the_bound():
+    members = pds(3)
+    decided: list[str] = []
+    home = PrefixAffinity().choose(members, ["conv"])[0]
+    holder = next(m for m in members if m is not home)
+    policy = PrefixAffinity()
+    policy.decided = decided.append
+    policy.holds = Holds({m.url: ({"img-1": 4} if m is holder else {}) for m in members})
+    # A new process: no record, the hash says `home`; the index knows where the prefix is.
+    assert policy.choose(members, ["conv"], ["img-1", "img-2"])[0] is holder
+    # Past the bound the holder is left, and the record (where the last turn ran) is too.
+    holder.inflight = 5
+    assert policy.choose(members, ["conv"], ["img-1"])[0] is home
+    holder.inflight = 0
+    # Not fresh anywhere, or held nowhere: today's rule (the record: the last turn ran at home).
+    policy.holds = Holds({})
+    assert policy.choose(members, ["conv"], ["img-1"])[0] is home
+    policy.holds = Holds({m.url: {} for m in members})
+    assert policy.choose(members, ["conv"], ["img-1"])[0] is home
+    assert PrefixAffinity().choose(members, ["other"], ["img-1"])  # no index: as before
+    assert decided == ["index", "hash", "record", "record"]

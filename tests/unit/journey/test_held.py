@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from epd_proxy.journey.extract import normalise_request
-from epd_proxy.journey.held import HeldMedia, media_names
+from epd_proxy.journey.held import HeldMedia, decide_held, index_uuids, media_names
 from epd_proxy.journey.messages_api import normalise_messages
 from tests.media import agent_messages, audio, chat, image
 
@@ -57,11 +57,11 @@ def test_options_that_cannot_be_written_give_no_names():
 def test_an_encoded_image_is_held_for_every_consumer_a_sent_one_for_its_own():
     items, names = named(chat(image("a"), image("b"), audio("c")))
     held = HeldMedia()
-    assert held.held(items, names, PD) == frozenset()
+    assert held.held(items, names, PD).held == frozenset()
     held.encoded([names[0], names[2]])
     held.sent(PD2, [names[1]])
     # Audio is encoded again: its decode on the consumer costs what a repeat encode does.
-    assert held.held(items, names, PD) == {0} and held.held(items, names, PD2) == {0, 1}
+    assert held.held(items, names, PD).held == {0} and held.held(items, names, PD2).held == {0, 1}
 
 
 def test_the_record_is_bounded_and_forgets_what_it_has_not_seen_again():
@@ -69,8 +69,38 @@ def test_the_record_is_bounded_and_forgets_what_it_has_not_seen_again():
     clock = Clock()
     held = HeldMedia(capacity=2, ttl_s=100.0, clock=clock)
     held.encoded(names.values())  # three into two places: the oldest goes
-    assert held.held(items, names, PD) == {1, 2}
+    assert held.held(items, names, PD).held == {1, 2}
     clock.now = 60.0
     held.encoded([names[2]])  # seen again: its time starts over
     clock.now = 120.0
-    assert held.held(items, names, PD) == {2}
+    assert held.held(items, names, PD).held == {2}
+
+
+def test_the_consumers_kv_index_decides_where_it_is_fresh_and_the_record_where_it_is_not():
+    # 0 encoded, 1 sent only, 2 never seen, 3 sent only; the index: 0 gone, 1 gone, 2 held, 3 silent.
+    holding = decide_held(range(4), encoded={0}, sent={1, 3}, depth={0: 0, 1: 0, 2: 5, 3: None})
+    # Seen encoded stays held (the EC store has it); inside a held prefix is held though never
+    # seen; sent only and gone from the consumer is encoded again; where the index cannot say,
+    # the record decides.
+    assert holding.held == {0, 2, 3}
+    assert (holding.by_index, holding.by_record, holding.lost) == (1, 2, 1)
+    # Without the index the record alone decides, as before.
+    assert decide_held(range(4), encoded={0}, sent={1, 3}, depth={}).held == {0, 1, 3}
+
+
+def test_the_record_feeds_the_rule_and_only_images_are_held():
+    items, names = named(chat(image("a"), image("b"), audio("c")))
+    held = HeldMedia()
+    held.sent(PD, [names[1]])
+    holding = held.held(items, names, PD, {0: 3, 1: 0, 2: 4})
+    assert holding.held == {0} and holding.lost == 1
+
+
+def test_only_images_named_by_the_proxys_uuid_are_asked_of_the_index():
+    body = chat(image("a"), audio("c"))
+    items = normalise_request(body).items
+    assert index_uuids(body, items) == {0: items[0].uuid}
+    # vLLM folds processing options into the identifier: the uuid no longer names the blocks.
+    assert index_uuids({**body, "mm_processor_kwargs": {"size": 1}}, items) == {}
+    (anthropic,) = normalise_messages(agent_messages("a")).items
+    assert index_uuids(agent_messages("a"), [anthropic]) == {}

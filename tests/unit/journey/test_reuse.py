@@ -450,7 +450,7 @@ async def test_an_encoded_image_is_held_for_every_consumer_and_a_sent_one_for_it
     held = journey.pipeline.held
     held.sent(PD2, names.values())
     items = items_of(chat(image("own")))
-    assert held.held(items, names, PD2) == {0} and held.held(items, names, PD) == frozenset()
+    assert held.held(items, names, PD2).held == {0} and held.held(items, names, PD).held == frozenset()
 
 
 def test_a_route_holds_its_instances_from_the_choice_and_lets_go_on_every_path():
@@ -527,7 +527,7 @@ def door_turn(door: str, n: int, tools: bool, held: HeldMedia):
     normalised, _ = DOORS[door].parse(orjson.dumps(agent_turn(door, n, tools)), ReadOptions())
     names = media_names(normalised.body, normalised.items)
     assert names is not None
-    plan = plan_encode(normalised.items, held=held.held(normalised.items, names, PD), raw=ALL, last_resort=False)
+    plan = plan_encode(normalised.items, held=held.held(normalised.items, names, PD).held, raw=ALL, last_resort=False)
     held.encoded(names[item.index] for item in plan.encode)
     return normalised, plan
 

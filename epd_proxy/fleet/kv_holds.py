@@ -1,0 +1,45 @@
+"""What the KV index says an instance holds of a request's media: the one question placement
+(routing.PrefixAffinity) and reuse (held.decide_held) ask of it.
+
+An instance is one or more data-parallel ranks, each an engine of the index (kv_index.py). Per
+media item the answer is the deepest prefix through it that any fresh rank holds (in blocks), 0
+when every rank is fresh and none holds one, and None when the index cannot say: no rank is
+fresh, or the fresh ones hold nothing while another is stale. The callers fall back to what this
+process saw for a None.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from epd_proxy.fleet.kv_index import KvIndex
+
+# (instance URL, media uuids, the ranks to ask or None for all it publishes) -> an answer per uuid.
+MediaDepths = Callable[[str, Sequence[str], Sequence[int] | None], list[int | None]]
+
+
+def over_ranks(per_rank: Sequence[Sequence[int] | None], count: int) -> list[int | None]:
+    """Each item's answer for the instance from its ranks' answers (None: a rank not fresh)."""
+    fresh = [answers for answers in per_rank if answers is not None]
+    if not fresh:
+        return [None] * count
+    whole = len(fresh) == len(per_rank)
+    out: list[int | None] = []
+    for i in range(count):
+        best = max(answers[i] for answers in fresh)
+        out.append(best if best or whole else None)
+    return out
+
+
+class KvHolds:
+    """`MediaDepths` over one index; `ranks` says which ranks of an instance are followed."""
+
+    def __init__(self, index: KvIndex, ranks: Callable[[str], Sequence[int]]) -> None:
+        self.index = index
+        self._ranks = ranks
+
+    def __call__(self, url: str, media_ids: Sequence[str], ranks: Sequence[int] | None = None) -> list[int | None]:
+        followed = self._ranks(url) if ranks is None else ranks
+        if not followed or not media_ids:
+            return [None] * len(media_ids)
+        return over_ranks([self.index.media_prefixes((url, rank), media_ids) for rank in followed], len(media_ids))
