@@ -5,7 +5,6 @@ import random
 import pytest
 
 from epd_proxy.fleet.backends import Instance
-from epd_proxy.fleet.kv_holds import over_ranks
 from epd_proxy.fleet.routing import (
     SERVING,
     ContentAffinity,
@@ -178,13 +177,6 @@ def test_the_index_picks_the_deepest_holder_under_the_bound():
     assert index_pick([4, 4, 0], [1, 0, 0], bound=2) == 1  # equals: the less loaded
     assert index_pick([0, 0, 0], [0, 0, 0], bound=2) is None  # none holds any (or none fresh)
     assert index_pick([3, 0], [2, 0], bound=2) is None
-
-
-def test_an_instance_answers_over_its_ranks():
-    assert over_ranks([[0, 2], [3, 0]], 2) == [3, 2]
-    assert over_ranks([[0, 2], None], 2) == [None, 2]  # a stale rank may hold what the fresh one lacks
-    assert over_ranks([None], 2) == [None, None]
-    assert over_ranks([[0, 0]], 2) == [0, 0]
 
 
 class Holds:
