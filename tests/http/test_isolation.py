@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from epd_proxy.tenants import parse_tenants
-from tests.http.test_agent_doors import messages_body
+from tests.http.test_agent_doors import BODIES
 from tests.http.test_tenants import bearer, digest, tenants_file
 from tests.media import chat, image
 
@@ -79,14 +79,17 @@ async def test_prefill_and_decode_both_get_the_isolated_tenants_salt(make_stack,
     assert prefill.body["cache_salt"] == decode.body["cache_salt"] == SALTS["solo"]
 
 
-async def test_the_messages_door_carries_the_isolated_tenants_salt_over_the_clients(make_stack, tmp_path):
+@pytest.mark.parametrize("door", ["responses", "messages"])
+async def test_the_agent_doors_carry_the_isolated_tenants_salt_over_the_clients(make_stack, tmp_path, door):
     stack = await make_stack(encoders=1, tenants_file=tenants_file(tmp_path, TENANTS))
-    body = messages_body("popular", cache_salt="picked-by-the-client")
-    headers = {"x-api-key": "solo-key", "anthropic-version": "2023-06-01"}
-    async with stack.client.post(f"{stack.url}/v1/messages", json=body, headers=headers) as resp:
+    body = BODIES[door]("popular", cache_salt="picked-by-the-client")
+    headers = {"Authorization": "Bearer solo-key", "anthropic-version": "2023-06-01"}
+    async with stack.client.post(f"{stack.url}/v1/{door}", json=body, headers=headers) as resp:
         assert resp.status == 200, await resp.text()
     [to_pd] = stack.pd.requests
     assert to_pd.body["cache_salt"] == SALTS["solo"]
+    if door == "responses":  # the Messages door's consumer names its images itself (docs/keys.md)
+        assert uuids(to_pd.body) and REFERENCE_NAME not in uuids(to_pd.body)
 
 
 @pytest.mark.parametrize("isolated", [False, True])
