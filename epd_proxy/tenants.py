@@ -28,7 +28,9 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 DIGEST = re.compile(r"(?:sha256:)?([0-9a-fA-F]{64})")
 # The longest wait any deadline may ask for (a tenant's, or a client's header).
 MAX_DEADLINE_MS = 3_600_000
-SETTINGS = ("weight", "priority", "deadline_ms", "isolated", "key_sha256")
+SETTINGS = ("weight", "priority", "deadline_ms", "isolated", "salt", "key_sha256")
+# An isolated tenant's secret: long enough that no other tenant can guess it (`openssl rand -hex 32`).
+MIN_SALT_CHARS = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,8 +63,12 @@ class Tenant:
     priority: PriorityRange = NO_PRIORITY
     # How long its requests may wait to start before they are turned away; None: as long as it takes.
     deadline_s: float | None = None
-    # Its media never share an encoder sub-request with another request's.
+    # Its media never share an encoder sub-request with another request's, are named apart from
+    # everyone else's, and its prompts are salted in every engine's prefix cache.
     isolated: bool = False
+    # What an isolated tenant's prompts carry as vLLM's `cache_salt` and its media names are
+    # salted with (`cache_salt_of`); None for every other tenant.
+    cache_salt: str | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,12 +143,21 @@ def _tenant(name: str, table: dict[str, Any], digests: dict[bytes, Tenant]) -> T
     isolated = table.get("isolated", False)
     if not isinstance(isolated, bool):
         raise _bad(f"{where}: isolated must be true or false, got {isolated!r}")
+    secret = table.get("salt")
+    if secret is not None and not isolated:
+        raise _bad(f"{where}: salt is read only for an isolated tenant (set isolated = true, or remove it)")
+    if isolated and secret is None:
+        raise _bad(f"{where}: an isolated tenant needs a salt, a secret of its own (make one: openssl rand -hex 32)")
+    if secret is not None and not (isinstance(secret, str) and len(secret) >= MIN_SALT_CHARS):
+        # The value is not repeated: it is a secret.
+        raise _bad(f"{where}: salt must be a string of at least {MIN_SALT_CHARS} characters")
     tenant = Tenant(
         name,
         float(weight),
         PriorityRange(*priority),
         None if deadline_ms is None else deadline_ms / 1000,
         isolated,
+        None if secret is None else cache_salt_of(name, secret),
     )
     keys = table.get("key_sha256", [])
     if not isinstance(keys, list):
@@ -157,6 +172,14 @@ def _tenant(name: str, table: dict[str, Any], digests: dict[bytes, Tenant]) -> T
             raise _bad(f"{where}: key_sha256[{n}] is listed twice (also for tenant {digests[digest].name!r})")
         digests[digest] = tenant
     return tenant
+
+
+def cache_salt_of(name: str, secret: str) -> str:
+    """An isolated tenant's salt: a digest of its name and its secret from the file, so every
+    worker and replica reading the same file salts alike (a per-process key would not), the secret
+    itself never reaches an engine, and one secret pasted under two names still salts two ways.
+    Hex digits: within what vLLM accepts as a `cache_salt` (128 characters, no '@', '/', '\\')."""
+    return hashlib.sha256(b"epd-proxy cache salt\0%s\0%s" % (name.encode(), secret.encode())).hexdigest()
 
 
 def _is_int(value: Any) -> bool:
@@ -214,6 +237,14 @@ def clamp_priority(body: dict[str, Any], allowed: PriorityRange) -> None:
     if type(value) is not int:
         raise BadRequest("priority must be an integer")
     body["priority"] = allowed.clamp(value)
+
+
+def salt_prompt(body: dict[str, Any], tenant: Tenant) -> None:
+    """An isolated tenant's `cache_salt` on the body every language-model engine gets, in place of
+    any its client sent: the client cannot step out of its tenant's prefix cache. Other tenants'
+    clients keep their own salt, which only narrows what their prompts share."""
+    if tenant.cache_salt is not None:
+        body["cache_salt"] = tenant.cache_salt
 
 
 @dataclass(frozen=True)

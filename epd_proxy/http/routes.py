@@ -53,7 +53,7 @@ from epd_proxy.journey.splice import Spliced
 from epd_proxy.journey.trace import Trace, account
 from epd_proxy.ops import tracing
 from epd_proxy.proxy import STATE, ProxyState
-from epd_proxy.tenants import DEFAULT, Tenant, clamp_priority
+from epd_proxy.tenants import DEFAULT, Tenant, clamp_priority, salt_prompt
 
 # The name operators' log filters know; logs.py turns it up for --log-requests.
 log = logging.getLogger("epd_proxy.app")
@@ -208,7 +208,9 @@ async def serve(request: web.Request, door: Door) -> web.StreamResponse:
             tracing.lap(trace.spans, "read_body", trace.started, **{"http.request.body.size": len(raw)})
         # With splice, `raw` lives on in `spliced` (the media are slices of it) and the parsed
         # body holds only the skeleton; otherwise the parsed body holds the media and raw goes.
-        normalised, spliced = await parse_body(door, raw, state.parse_options)
+        # An isolated tenant's media are named apart from everyone else's as they are read.
+        options = state.parse_options.salted(tenant.cache_salt if tenant is not None else None)
+        normalised, spliced = await parse_body(door, raw, options)
         del raw
         body, items = normalised.body, normalised.items
         trace.items = len(items)
@@ -223,7 +225,7 @@ async def serve(request: web.Request, door: Door) -> web.StreamResponse:
         with state.admission.admit(wait):
             if any(item.fetch for item in normalised.items):
                 with trace.stage("fetch_media"):
-                    normalised = await fetch_media(normalised, state.media, door, state.parse_options.digest)
+                    normalised = await fetch_media(normalised, state.media, door, options.digest)
             # From here on only the pipeline holds the body, and it lets go once decode commits.
             job = ClientBody(normalised.body, normalised.items, spliced)
             del normalised, body, items, spliced
@@ -286,6 +288,8 @@ def arrive(
     allowed = tenant.priority.within(config.priority_range) if tenant is not None else config.priority_range
     if allowed is not None:
         clamp_priority(body, allowed)
+    if tenant is not None:
+        salt_prompt(body, tenant)
     deadline = request_deadline(request.headers.get(DEADLINE_HEADER), tenant.deadline_s if tenant else None)
     if deadline is None and not state.admission.limit:
         return None

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import blake3
@@ -126,16 +126,12 @@ KIND_TAG = {"image_url": b"", "video_url": b"video:", "audio_url": b"audio:", "i
 
 
 def _sha256_hex(data: bytes | memoryview, tag: bytes) -> str:
-    if not tag:
-        return hashlib.sha256(data).hexdigest()
     hasher = hashlib.sha256(tag)
     hasher.update(data)
     return hasher.hexdigest()
 
 
 def _blake3_hex(data: bytes | memoryview, tag: bytes) -> str:
-    if not tag:
-        return blake3.blake3(data).hexdigest()
     return blake3.blake3(tag).update(data).hexdigest()
 
 
@@ -157,10 +153,19 @@ class ReadOptions:
     media_hash: str = "sha256"
     # Smaller media strings are parsed in place, not lifted out of the body (splice.py).
     lift_min_bytes: int = LIFT_MIN_BYTES
+    # An isolated tenant's cache salt (tenants.py): its media are named by it and their bytes, so
+    # no cache keyed by name matches another tenant's entry. Empty: the reference proxy's names.
+    salt: str = ""
 
     @property
     def digest(self) -> Digest:
-        return MEDIA_HASHES[self.media_hash]
+        named = MEDIA_HASHES[self.media_hash]
+        # Ahead of the kind's tag: no unsalted name's input begins so (see KIND_TAG).
+        salted = b"salt:%s:" % self.salt.encode()
+        return (lambda data, tag: named(data, salted + tag)) if self.salt else named
+
+    def salted(self, salt: str | None) -> ReadOptions:
+        return replace(self, salt=salt) if salt else self
 
     def check_media_count(self, found: int) -> None:
         """Before one more media item joins the `found` ones: a 400 past the limit."""

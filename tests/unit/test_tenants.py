@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 
 import pytest
 
@@ -23,6 +24,9 @@ def digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+SALT = "0123456789abcdef" * 4
+
+
 EXAMPLE = f"""
 [default]
 weight = 1
@@ -34,6 +38,7 @@ weight = 4
 priority = [-5, 5]
 deadline_ms = 2000
 isolated = true
+salt = "{SALT}"
 key_sha256 = ["{digest("acme-key")}", "sha256:{digest("acme-key-2").upper()}"]
 
 [tenants.batch]
@@ -74,6 +79,9 @@ def test_an_empty_file_is_one_default_tenant_that_may_not_move_its_priority():
         ("[tenants.acme]\ndeadline_ms = 0", "deadline_ms must be an integer within 1..3600000"),
         ("[tenants.acme]\ndeadline_ms = 99999999", "deadline_ms must be an integer within 1..3600000"),
         ("[tenants.acme]\nisolated = 1", "isolated must be true or false"),
+        ("[tenants.acme]\nisolated = true", "an isolated tenant needs a salt"),
+        ("[tenants.acme]\nisolated = true\nsalt = 'short'", "salt must be a string of at least 32"),
+        (f"[tenants.acme]\nsalt = {SALT!r}", "salt is read only for an isolated tenant"),
         ("[tenants.acme]\nkey_sha256 = ['acme-key']", "is not a SHA-256 digest"),
         ("[tenants.acme]\nkey_sha256 = 'ab'", "key_sha256 must be a list"),
         (f"[tenants.a]\nkey_sha256 = ['{digest('k')}']\n[tenants.b]\nkey_sha256 = ['{digest('k')}']", "twice"),
@@ -93,6 +101,19 @@ def test_a_bad_file_is_refused_with_what_is_wrong(text, complaint):
 def test_a_key_is_never_stored_only_its_digest():
     tenants = parse_tenants(EXAMPLE)
     assert "acme-key" not in repr(tenants)
+
+
+def test_an_isolated_tenants_cache_salt_comes_from_its_secret_and_name_the_same_in_every_process():
+    tenants = parse_tenants(EXAMPLE)
+    acme = tenants.named["acme"]
+    salt = acme.cache_salt
+    # What vLLM takes (validate_cache_salt): at most 128 characters, none of '@', '/', '\\', NUL.
+    assert salt is not None and re.fullmatch(r"[0-9a-f]{64}", salt)
+    assert SALT not in salt and SALT not in repr(tenants), "the secret itself never leaves the file"
+    assert parse_tenants(EXAMPLE).named["acme"].cache_salt == salt, "every worker and replica derives the same"
+    renamed = parse_tenants(EXAMPLE.replace("[tenants.acme]", "[tenants.acme2]")).named["acme2"]
+    assert renamed.cache_salt not in (None, salt), "one secret under two names salts two ways"
+    assert tenants.named["batch"].cache_salt is None and tenants.default.cache_salt is None
 
 
 def test_a_reload_takes_a_good_file_and_keeps_the_old_tenants_on_a_bad_one(tmp_path):

@@ -267,3 +267,15 @@ def test_media_is_forwarded_in_the_canonical_form_its_identity_names():
     assert item.uuid == hashlib.sha256(b"data:image/png;base64,QUJDRA==").hexdigest()
     clean = image("A")
     assert items_of(chat(clean))[0].part is clean
+
+
+def test_an_isolated_tenants_salt_names_the_same_bytes_apart_and_no_salt_keeps_the_reference_name():
+    part = image("A")
+    url = part["image_url"]["url"].encode()
+    plain = items_of(chat(part))[0].uuid
+    assert plain == hashlib.sha256(url).hexdigest()
+    one, two = (normalise_request(chat(part), ReadOptions(salt=s)).items[0].uuid for s in ("s1" * 32, "s2" * 32))
+    assert len({plain, one, two}) == 3
+    assert normalise_request(chat(part), ReadOptions(salt="s1" * 32)).items[0].uuid == one, "stable"
+    fast = normalise_request(chat(part), ReadOptions(media_hash="blake3", salt="s1" * 32)).items[0].uuid
+    assert fast not in (one, blake3.blake3(url).hexdigest())

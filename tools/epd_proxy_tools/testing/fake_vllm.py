@@ -329,9 +329,10 @@ class PrefixCache:
         self.capacity = capacity
         self._chains: OrderedDict[bytes, None] = OrderedDict()
 
-    def cached(self, pieces: list[tuple[str, int, str]]) -> int:
-        """How many leading pieces were cached; all of them are from now on."""
-        chain = b""
+    def cached(self, pieces: list[tuple[str, int, str]], salt: str | None = None) -> int:
+        """How many leading pieces were cached; all of them are from now on. vLLM folds a
+        request's `cache_salt` into its first block only, and every later block chains on it."""
+        chain = b"" if salt is None else b"salt\0" + salt.encode()
         hits = 0
         missed = False
         for key, *_ in pieces:
@@ -617,7 +618,7 @@ class FakeVLLM:
         tag = (exchange.headers.get("x-request-id") or "?")[:1]
         self.counts.requests[tag] += 1
         self.counts.bytes_in[tag] += len(raw)
-        if self.role != "encode" and (problem := _sampling_problem(body)):
+        if self.role != "encode" and (problem := _sampling_problem(body) or _cache_salt_problem(body)):
             # vLLM's SamplingParams validation: a 400 before anything runs.
             return _engine_error(problem, status=400)
         self.active += 1
@@ -771,12 +772,12 @@ class FakeVLLM:
         comes from prefill. With KV events on, the block cache of `fake_kv_events` decides what
         was cached, in tokens, and says so on the ZMQ socket."""
         served = None
+        salt = body.get("cache_salt")  # checked on arrival: a string or None
         if self.kv is not None:
             prompt = tokenize(resolved.pieces)
             limit = body.get("max_completion_tokens") or body.get("max_tokens")
             generated = list(answer.encode())[: limit if isinstance(limit, int) and limit > 0 else None]
-            salt = body.get("cache_salt")
-            served = self.kv.serve(prompt, generated, salt if isinstance(salt, str) else None)
+            served = self.kv.serve(prompt, generated, salt)
         if self.role == "decode":
             hit = len(resolved.pieces)
         elif served is not None:
@@ -784,7 +785,7 @@ class FakeVLLM:
             self.counts.prompt_tokens[tag] += served.prompt_tokens
             self.counts.cached_tokens[tag] += served.cached_tokens
         else:
-            hit = self.prefix.cached(resolved.pieces)
+            hit = self.prefix.cached(resolved.pieces, salt)
             self.counts.prompt_tokens[tag] += sum(tokens for _, tokens, _ in resolved.pieces)
             self.counts.cached_tokens[tag] += sum(tokens for _, tokens, _ in resolved.pieces[:hit])
         for position in resolved.raw:
@@ -1077,6 +1078,18 @@ def _sampling_problem(body: dict[str, Any]) -> str | None:
     min_tokens = body.get("min_tokens") or 0
     if isinstance(limit, int) and isinstance(min_tokens, int) and min_tokens > limit:
         return f"min_tokens must be less than or equal to max_tokens={limit}, got {min_tokens}."
+    return None
+
+
+def _cache_salt_problem(body: dict[str, Any]) -> str | None:
+    """vLLM's request models check `cache_salt` before anything runs (validate_cache_salt)."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt:
+        return "Parameter 'cache_salt' must be a non-empty string if provided."
+    if len(salt) > 128 or any(char in "@/\\\0" for char in salt):
+        return "Parameter 'cache_salt' must be at most 128 characters and must not contain '@', '/', '\\\\', or NUL."
     return None
 
 

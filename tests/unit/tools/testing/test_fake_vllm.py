@@ -148,3 +148,22 @@ async def test_items_are_counted_against_the_limits_before_any_is_loaded_as_vllm
     unlimited = await FakeVLLM("pd", ECStore()).chat(_Exchange(body))
     assert unlimited.status == 400
     assert orjson.loads(unlimited.body)["error"]["message"].startswith("Invalid data URL 'data:no-comma'")
+
+
+async def test_a_cache_salt_keeps_a_prompt_out_of_another_salts_prefix_as_vllm_does():
+    """vLLM folds `cache_salt` into the first block's hash only (kv_cache_utils.py), and every
+    later block chains on it: the same prompt under two salts shares nothing."""
+    pd = FakeVLLM("pd", ECStore())
+    for salt in (None, "tenant-a", "tenant-a", "tenant-b"):
+        body = _turn("a") if salt is None else {**_turn("a"), "cache_salt": salt}
+        assert (await pd.chat(_Exchange(body))).status == 200
+    # Only the second "tenant-a" request found its prefix (the whole prompt) cached.
+    assert pd.counts.prefix_items["m"] == 1
+    assert pd.counts.cached_tokens["m"] == pd.counts.prompt_tokens["m"] // 4
+
+
+@pytest.mark.parametrize("salt", ["", 7, "a/b", "x" * 129])
+async def test_a_cache_salt_vllm_refuses_is_a_400(salt):
+    answer = await FakeVLLM("pd", ECStore()).chat(_Exchange({**_turn("a"), "cache_salt": salt}))
+    assert answer.status == 400
+    assert "cache_salt" in orjson.loads(answer.body)["error"]["message"]
