@@ -76,3 +76,38 @@ def test_pd_publishes_the_blocks_of_an_image_under_the_uuid_the_proxy_sent(stack
         assert replayed[0] == [frames.topic, frames.seq.to_bytes(8, "big"), frames.payload]
     finally:
         tap.close()
+
+
+def _status_of_pd(stack) -> dict:
+    with urllib.request.urlopen(stack.proxy_url + "/status.json", timeout=30) as resp:
+        status = json.loads(resp.read())
+    rows = [row for row in status["roster"] if row["url"] == stack.pd_url]
+    return rows[0]["kv_events"] or {"state": "none", "blocks": 0}
+
+
+def _index_reuses(stack) -> float:
+    with urllib.request.urlopen(stack.proxy_url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    wanted = 'epd_prefix_decisions_total{decision="reuse",source="index"}'
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(wanted))
+
+
+def test_the_proxy_follows_the_pd_and_leaves_it_an_image_its_prefix_holds(stack):
+    """The proxy found the PD's events when it joined; once turn 2 has stored blocks past turn 1's
+    image, turn 3 leaves that image to the PD because the index says its prefix holds it."""
+    eventually_sync(lambda: _status_of_pd(stack)["state"] == "fresh", timeout=60, what="the PD's events never fresh")
+    part = {"type": "image_url", "image_url": {"url": make_image(9_872)}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": f"turn one {time.time_ns()}: describe."}, part]}]
+    for follow_up in ("and its colours?", "and its shape?"):
+        before = _status_of_pd(stack)["blocks"]
+        answer = chat_ok(stack.proxy_url, {**media_body([]), "messages": messages})
+        reply = {"role": "assistant", "content": answer["choices"][0]["message"]["content"]}
+        messages += [reply, {"role": "user", "content": follow_up}]
+        eventually_sync(
+            lambda before=before: _status_of_pd(stack)["blocks"] > before,
+            timeout=60,
+            what="the turn's blocks never reached the proxy's index",
+        )
+    reused = _index_reuses(stack)
+    chat_ok(stack.proxy_url, {**media_body([]), "messages": messages})
+    assert _index_reuses(stack) == reused + 1
