@@ -47,6 +47,16 @@ def proxy_environment(ours: bool, pairs: Iterable[str] = (), own: Mapping[str, s
     return env
 
 
+def stop_process(proc: subprocess.Popen) -> None:
+    """Ask a started server to stop, and kill it if it has not within 10 s."""
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
 def wait_ready(url: str, proc: subprocess.Popen, deadline_s: float = 60.0) -> None:
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:

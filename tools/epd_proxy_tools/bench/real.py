@@ -34,7 +34,7 @@ from epd_proxy.options import add_arguments, parse_into
 from epd_proxy_tools.bench import chat_load, engines, procs, real_report
 from epd_proxy_tools.bench.engines import BASELINE, DECODE, ENCODE, PD, PREFILL, Engine
 from epd_proxy_tools.bench.flags import OUR_COMMAND, REAL_GROUPS, REAL_QUICK, RealBenchOptions
-from epd_proxy_tools.bench.launch import command_words, http_get, proxy_environment, wait_ready
+from epd_proxy_tools.bench.launch import command_words, http_get, proxy_environment, stop_process, wait_ready
 from epd_proxy_tools.bench.workload import AgentSpec, ChatMixSpec, get_chats
 from epd_proxy_tools.testing.harness import free_port
 
@@ -278,7 +278,7 @@ class RealBench:
                 status.write_bytes(http_get(url + "/status.json"))
         finally:
             if proc is not None:
-                _stop(proc)
+                stop_process(proc)
         deltas = {name: engines.delta(before[name], after[name]) for name in after}
         # The single-instance arm's engine figures are the baseline's own.
         arm_engines = [e for e in self.engines if (e.role == BASELINE) == bool(arm.direct_url)]
@@ -387,15 +387,6 @@ def _parse_cores(spec: str) -> set[int]:
 def _own_cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
 
 
 def _progress(arm: Arm, block: dict[str, Any]) -> None:

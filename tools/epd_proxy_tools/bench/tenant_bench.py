@@ -25,7 +25,7 @@ import orjson
 
 from epd_proxy_tools.bench import tenant_load, tenant_report
 from epd_proxy_tools.bench.flags import FakeBenchOptions, TenantLoadOptions
-from epd_proxy_tools.bench.launch import command_words, http_get, proxy_environment, wait_ready
+from epd_proxy_tools.bench.launch import command_words, http_get, proxy_environment, stop_process, wait_ready
 from epd_proxy_tools.bench.real import Arm
 from epd_proxy_tools.bench.tenant_load import FLOOD, FLOOD_IMAGES, Load, TenantSpec
 from epd_proxy_tools.testing.harness import free_port
@@ -245,12 +245,12 @@ class FakeTenantBench:
                 try:
                     arm.blocks.append(run_block(arm, kind, r, url, plan, requests, tenants))
                 finally:
-                    _stop(proxy)
-                    _stop(fakes)
+                    stop_process(proxy)
+                    stop_process(fakes)
         finally:
             for proc in self.children:
                 if proc.poll() is None:
-                    _stop(proc)
+                    stop_process(proc)
         result = tenant_report.build(arms, plan, tenants, mode="fakes")
         tenant_report.write(self.out, result)
         return result
@@ -287,11 +287,11 @@ def run_real(bench) -> int:
         probe = Plan(seconds, 0, 1, 1.0, 1.0, "", a.interactive_clients, a.seed)
         calibration = tenant_load.requests_for(FLOOD, 4 * encoders + 4, model=bench.model, seed=a.seed + 1, tiny=False)
         bench.reset()
-        proc, url = bench.start_proxy(_real_arm(arms[0]), "calibration")
+        proc, url = bench.start_proxy(arms[0], "calibration")
         try:
             cap = tenant_load.capacity(url + CHAT_PATH, tenants[0], calibration, 2 * encoders)
         finally:
-            _stop(proc)
+            stop_process(proc)
         plan = Plan(
             seconds,
             warm_s=min(5.0, seconds / 4),
@@ -305,11 +305,11 @@ def run_real(bench) -> int:
         requests = _requests(plan, bench.model, tiny=False)
         for arm, kind, r in _interleaved(arms, plan.rounds):
             bench.reset()
-            proc, url = bench.start_proxy(_real_arm(arm), arm.name)
+            proc, url = bench.start_proxy(arm, arm.name)
             try:
                 arm.blocks.append(run_block(arm, kind, r, url, plan, requests, tenants))
             finally:
-                _stop(proc)
+                stop_process(proc)
             # Requests the proxy dropped may still run on the engines: let them finish.
             engine_metrics.settled(bench.engines)
         result = tenant_report.build(arms, plan, tenants, mode="real engines")
@@ -320,18 +320,3 @@ def run_real(bench) -> int:
     print(result["table_md"])
     print(f"results: {bench.out}")
     return 0
-
-
-def _real_arm(arm: Arm):
-    from epd_proxy_tools.bench.real import Arm
-
-    return Arm(arm.name, arm.command, arm.env, ours=arm.ours)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
