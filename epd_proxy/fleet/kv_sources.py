@@ -4,8 +4,9 @@ joins, a feed (kv_events.py) per data-parallel rank, all feeding one index (kv_i
 vLLM 0.32 answers `GET /kv_event_sources` on every `vllm serve` with its publishers' settings per
 data-parallel rank, `{"0": {"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558",
 "topic": "", ...}}`, and `{}` when it publishes none (`entrypoints/serve/instrumentator/basic.py`).
-A `*` host (or `::`, `0.0.0.0`) is where the engine binds: the proxy connects to the instance's own
-host there. `--kv-events-endpoints` replaces the question with the operator's endpoints.
+The proxy connects to the named port on the instance's own host, whatever host the answer names
+(`*` where the engine binds, or the address it bound to), so an engine can point the proxy at no
+other machine. `--kv-events-endpoints` replaces the question with the operator's endpoints.
 
 An instance is asked again when it registers again, and when one of its engines stays stale (it
 may have restarted on other ports); one that publishes nothing, or has no such route, every
@@ -35,7 +36,7 @@ log = logging.getLogger("epd_proxy.kv_sources")
 
 SOURCES_PATH = "/kv_event_sources"
 LM_ROLES = (PREFILL, DECODE, PREFILL_DECODE)
-_WILDCARDS = {"*", "[::]", "::", "0.0.0.0", "[*]"}
+_LOOPBACK = {"127.0.0.1", "localhost", "[::1]"}
 MAX_RANKS = 1024
 RECHECK_S = 60.0
 FIRST_RETRY_S = 1.0
@@ -47,13 +48,18 @@ def engine_host(url: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def on_host(endpoint: str, host: str) -> str:
-    """A tcp endpoint whose host is a wildcard (where the engine binds) on the engine's own host."""
+def on_host(endpoint: str, host: str) -> str | None:
+    """Where to follow a publisher an engine names: its port on the engine's own host, whatever
+    host it names (a wildcard where it binds, or the address it bound `*:0` to), so a backend
+    can send the proxy nowhere else; a local socket only when the engine is on this machine.
+    None for anything else."""
     scheme, _, rest = endpoint.partition("://")
-    if scheme != "tcp":
-        return endpoint
+    if scheme == "ipc":
+        return endpoint if host in _LOOPBACK else None
     address, _, port = rest.rpartition(":")
-    return f"tcp://{host}:{port}" if address in _WILDCARDS else endpoint
+    if scheme != "tcp" or not address or not port.isdigit():
+        return None
+    return f"tcp://{host}:{port}"
 
 
 def at_rank(endpoint: str, rank: int) -> str:
@@ -78,8 +84,11 @@ def read_sources(url: str, body: bytes) -> dict[int, Source]:
         endpoint, replay, topic = (settings.get(k) for k in ("endpoint", "replay_endpoint", "topic"))
         if settings.get("publisher", "zmq") != "zmq" or not isinstance(endpoint, str) or zmq_problem(endpoint):
             continue
+        placed = on_host(endpoint, host)
+        if placed is None:
+            continue
         replay = on_host(replay, host) if isinstance(replay, str) and not zmq_problem(replay) else None
-        out[int(rank_text)] = Source(on_host(endpoint, host), replay, topic if isinstance(topic, str) else "")
+        out[int(rank_text)] = Source(placed, replay, topic if isinstance(topic, str) else "")
     return out
 
 

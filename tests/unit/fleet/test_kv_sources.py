@@ -16,12 +16,18 @@ def answer(**ranks) -> bytes:
     return orjson.dumps({rank.removeprefix("r"): settings for rank, settings in ranks.items()})
 
 
-def test_a_wildcard_host_is_the_instances_own_and_other_hosts_stay():
+def test_an_engine_names_only_a_port_on_its_own_host():
     assert on_host("tcp://*:5557", "10.0.0.7") == "tcp://10.0.0.7:5557"
     assert on_host("tcp://[::]:5557", "[fd00::1]") == "tcp://[fd00::1]:5557"
     assert on_host("tcp://0.0.0.0:5557", "pd-0.svc") == "tcp://pd-0.svc:5557"
-    assert on_host("tcp://10.1.1.1:41234", "pd-0.svc") == "tcp://10.1.1.1:41234"  # `*:0` resolved by vLLM
-    assert on_host("ipc:///tmp/kv", "pd-0") == "ipc:///tmp/kv"
+    # vLLM names the address it bound `*:0` to: the same engine, reached by the name it has here.
+    assert on_host("tcp://10.1.1.1:41234", "pd-0.svc") == "tcp://pd-0.svc:41234"
+    # A backend that lies cannot send the proxy to another host (a metadata service, say).
+    assert on_host("tcp://169.254.169.254:80", "pd-0.svc") == "tcp://pd-0.svc:80"
+    # A local socket is the engine's only when the engine is on this machine.
+    assert on_host("ipc:///tmp/kv", "127.0.0.1") == "ipc:///tmp/kv"
+    assert on_host("ipc:///tmp/kv", "pd-0") is None
+    assert on_host("tcp://*:http", "pd-0") is None
 
 
 def test_vllms_answer_gives_a_source_per_rank():
