@@ -142,9 +142,11 @@ def request_deadline(header: str | None, tenant_s: float | None) -> float | None
     if header is None:
         return tenant_s
     text = header.strip()
-    if not (text.isascii() and text.isdigit()) or int(text) == 0:
+    if not (text.isascii() and text.isdigit()) or not text.strip("0"):
         raise BadRequest(f"{DEADLINE_HEADER} must be a positive integer (milliseconds), got {header[:40]!r}")
-    seconds = min(int(text), MAX_DEADLINE_MS) / 1000
+    # Any number longer than the cap's is past it (and int() refuses over 4300 digits).
+    digits = text.lstrip("0")
+    seconds = (MAX_DEADLINE_MS if len(digits) > len(str(MAX_DEADLINE_MS)) else min(int(digits), MAX_DEADLINE_MS)) / 1000
     return seconds if tenant_s is None or seconds < tenant_s else tenant_s
 
 

@@ -156,7 +156,7 @@ def _with_fetched_sources(block: Any, urls: dict[str, str]) -> Any:
     source = block.get("source")
     if block.get("type") == "image" and isinstance(source, dict) and source.get("type") == "url":
         url = source.get("url")
-        return {**block, "source": {**source, "url": urls[url]}} if url in urls else block
+        return {**block, "source": {**source, "url": urls[url]}} if isinstance(url, str) and url in urls else block
     inner = block.get("content")
     if block.get("type") == "tool_result" and isinstance(inner, list):
         return {**block, "content": [_with_fetched_sources(entry, urls) for entry in inner]}

@@ -159,3 +159,13 @@ def test_the_conversation_opens_through_the_first_user_message(tools):
 def test_the_preamble_is_the_system_prompt_as_vllm_reads_it(system, read):
     body = agent_messages("a", system=system)
     assert messages_conversation(body).preamble == read
+
+
+def test_a_fetched_source_beside_a_source_whose_url_is_not_text_is_put_in_place_alone():
+    from epd_proxy.journey.messages_api import _with_fetched_sources
+
+    fetched = {"type": "image", "source": {"type": "url", "url": "https://ok/a.png"}}
+    odd = {"type": "image", "source": {"type": "url", "url": {"x": 1}}}
+    urls = {"https://ok/a.png": "data:image/png;base64,AA=="}
+    assert _with_fetched_sources(fetched, urls)["source"]["url"] == "data:image/png;base64,AA=="
+    assert _with_fetched_sources(odd, urls) is odd
