@@ -72,7 +72,28 @@ class FetchRules:
         if self.allow_networks.contain(address):
             return True
         ip = ip_of(address)
+        if isinstance(ip, ipaddress.IPv6Address):
+            if ip.is_site_local or ip in _LOCAL_NAT64:
+                return False
+            inner = _carried_ipv4(ip)
+            if inner is not None:
+                return inner.is_global and not inner.is_multicast
         return ip.is_global and not ip.is_multicast
+
+
+# IPv6 prefixes that lead to an IPv4 host, which is what the connection reaches: the well-known
+# NAT64 prefix and IPv4-compatible addresses carry it in their last 32 bits, 6to4 after its
+# prefix; Teredo is not global, so it is refused as it stands. A local-use NAT64 prefix
+# translates somewhere only its network knows.
+_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
+_LOCAL_NAT64 = ipaddress.IPv6Network("64:ff9b:1::/48")
+_IPV4_COMPATIBLE = ipaddress.IPv6Network("::/96")
+
+
+def _carried_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    if ip in _NAT64 or (ip in _IPV4_COMPATIBLE and int(ip) > 1):
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    return ip.sixtofour
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,13 @@ NOT_PUBLIC = [
     "fd00::1",
     "::ffff:127.0.0.1",  # IPv4 loopback written as IPv6
     "::ffff:169.254.169.254",
+    # IPv6 forms that lead to an IPv4 address: NAT64, 6to4, IPv4-compatible, and site-local.
+    "64:ff9b::a9fe:a9fe",
+    "64:ff9b::a00:1",
+    "64:ff9b:1::a00:1",
+    "2002:a9fe:a9fe::1",
+    "::a9fe:a9fe",
+    "fec0::1",
 ]
 
 
@@ -32,6 +39,8 @@ def test_only_public_addresses_are_fetched_by_default(address):
 
 def test_public_addresses_and_allowed_networks_are_fetched():
     assert FetchRules().allows("93.184.215.14") and FetchRules().allows("2606:2800:21f:cb07:6820:80da:af6b:8b2c")
+    # A public IPv4 address reached through NAT64 or 6to4 is public.
+    assert FetchRules().allows("64:ff9b::5db8:d70e") and FetchRules().allows("2002:5db8:d70e::1")
     rules = FetchRules(allow_networks=Networks().parse("127.0.0.0/8,fd00::/8"))
     assert rules.allows("127.0.0.2") and rules.allows("::ffff:127.0.0.1") and rules.allows("fd00::1")
     assert not rules.allows("169.254.169.254") and not rules.allows("::1")
