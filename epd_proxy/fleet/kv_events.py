@@ -57,6 +57,10 @@ STREAM_EVENTS = (GAP_FILLED, GAP_LOST, REPLAY, RESTART, STALE_TURNS, UNDECODABLE
 RECEIVE_QUEUE = 10_000
 # Batches handled between two turns given to the rest of the event loop.
 BATCHES_PER_TURN = 64
+# What a publisher that lies or breaks can make a feed hold: a message (ZMQ drops a larger one
+# unread), and a replay (twice what vLLM buffers by default, 10,000 batches).
+MAX_FRAME_BYTES = 64 * 1024 * 1024
+MAX_REPLAY_BATCHES = 20_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +104,7 @@ class Feed:
         sub = self.context.socket(zmq.SUB)
         sub.setsockopt(zmq.IPV6, 1)
         sub.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
+        sub.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode())
         sub.connect(self.source.endpoint)
         token = self.index.watch(self.engine)
@@ -194,6 +199,7 @@ class Feed:
         assert self.source.replay is not None
         dealer = self.context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.IPV6, 1)
+        dealer.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         dealer.connect(self.source.replay)
         self._replayed = {}
         out: list[tuple[int, Batch]] = []
@@ -217,6 +223,9 @@ class Feed:
                     self._undecodable(str(exc))
                     return None
                 out.append((seq, batch))
+                if len(out) > MAX_REPLAY_BATCHES:
+                    self._undecodable(f"a replay of more than {MAX_REPLAY_BATCHES} batches")
+                    return None
                 self._replayed[seq] = batch.ts
                 if len(out) % BATCHES_PER_TURN == 0:
                     await asyncio.sleep(0)
@@ -228,7 +237,13 @@ class Feed:
 
     # -- applying --------------------------------------------------------------------------------------
     def _apply(self, seq: int, batch: Batch) -> None:
-        applied = self.index.apply(self.engine, batch.events)
+        try:
+            applied = self.index.apply(self.engine, batch.events)
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+            # The wire format takes fields vLLM never sends so (an extra key that is a number):
+            # such a batch is one the proxy cannot read, not a reason for the feed to end.
+            self._undecodable(f"{type(exc).__name__}: {exc}"[:200])
+            return
         self.last = (seq, batch.ts)
         self.index.heard(self.engine)
         self.counts.applied(self.engine[0], applied)

@@ -38,6 +38,8 @@ from epd_proxy.fleet.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored,
 log = logging.getLogger("epd_proxy.kv_index")
 
 FRESH, STALE, NONE = "fresh", "stale", "none"
+MAX_ITEMS_PER_BLOCK = 64
+MAX_ID_CHARS = 256
 EngineId = tuple[str, int]  # (instance URL, data-parallel rank)
 # (medium, KV cache group, the engine's block hash): what the engine's events name a block by.
 _Key = tuple[str | None, int, int | bytes]
@@ -63,9 +65,15 @@ def chain(blocks: Iterable[tuple[Sequence[int], Sequence[Any] | None]]) -> list[
 
 def media_in(extra: Sequence[Any] | None) -> tuple[str, ...]:
     """The media identifiers among one block's extra keys (the `[identifier, offset]` pairs)."""
-    if not extra:
+    if not isinstance(extra, list | tuple):
         return ()
-    return tuple(key[0] for key in extra if isinstance(key, list | tuple) and len(key) == 2 and isinstance(key[0], str))
+    # vLLM's identifiers are the proxy's uuids (64 hex digits) or its own hashes: a longer one, or
+    # more than a block's worth of items, comes from a publisher that is not vLLM.
+    return tuple(
+        key[0]
+        for key in extra[:MAX_ITEMS_PER_BLOCK]
+        if isinstance(key, list | tuple) and len(key) == 2 and isinstance(key[0], str) and len(key[0]) <= MAX_ID_CHARS
+    )
 
 
 @dataclass(slots=True, eq=False)

@@ -84,3 +84,30 @@ def test_a_batch_that_cannot_be_read_drops_the_view_and_the_next_rebuilds_it():
     assert counts.seen[UNDECODABLE] == 2
     made.receive(frames(2, 200))
     assert index.state(ENGINE) == FRESH and index.prefix_blocks(ENGINE, chain(blocks(200))) == 1
+
+
+def test_extra_keys_vllm_never_sends_are_no_media_and_the_feed_goes_on():
+    made, index, counts = feed()
+    made.receive(frames(0, 0))
+    # Extra keys that are a number, or an identifier no uuid is as long as: the wire format is not
+    # that strict, and the feed used to end on the first.
+    odd = BlockStored(
+        block_hashes=[9], token_ids=[1, 2, 3, 4], block_size=BS, medium="GPU", extra_keys=[[7, ["x" * 300, 0]]]
+    )
+    assert made.receive([b"", seq_bytes(1), msgspec.msgpack.encode(Batch(1.0, [odd]))]) is None
+    assert index.state(ENGINE) == FRESH and UNDECODABLE not in counts.seen
+    assert index.media_holders("x" * 300) == []
+    made.receive(frames(2, 200))
+    assert index.prefix_blocks(ENGINE, chain(blocks(200))) == 1
+
+
+def test_a_batch_the_index_cannot_apply_drops_the_view_and_the_feed_goes_on(monkeypatch):
+    made, index, counts = feed()
+    made.receive(frames(0, 0))
+    apply = index.apply
+    monkeypatch.setattr(index, "apply", lambda engine, events: (_ for _ in ()).throw(TypeError("odd")))
+    assert made.receive(frames(1, 100)) is None
+    assert counts.seen[UNDECODABLE] == 1 and index.state(ENGINE) == STALE and made.last is None
+    monkeypatch.setattr(index, "apply", apply)
+    made.receive(frames(2, 200))
+    assert index.state(ENGINE) == FRESH and index.prefix_blocks(ENGINE, chain(blocks(200))) == 1
