@@ -48,6 +48,8 @@ class FetchRules:
 
     timeout_s: float = 30.0
     max_bytes: int = 32 * 1024 * 1024
+    # All of one request's media URLs together (--max-body-bytes).
+    request_bytes: int = 64 * 1024 * 1024
     max_redirects: int = 5
     allow_networks: IPNetworks = IPNetworks()
     # Empty: any host name.
@@ -60,6 +62,7 @@ class FetchRules:
         return cls(
             timeout_s=config.media_fetch_timeout_s,
             max_bytes=config.media_fetch_max_bytes,
+            request_bytes=config.max_body_bytes,
             max_redirects=config.media_fetch_max_redirects,
             allow_networks=config.media_fetch_allow_networks,
             allowed_domains=frozenset(config.allowed_media_domains),
@@ -157,6 +160,9 @@ def _lifetime(headers: Any, ttl_s: float) -> float | None:
     return max(0.0, min(max_age - age, ttl_s))
 
 
+PER_HOST = 16
+
+
 class MediaFetcher:
     """Fetches for the whole server: one client session, one cache, the fetches under way."""
 
@@ -192,7 +198,8 @@ class MediaFetcher:
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(resolver=_GuardedResolver(self.rules)),
+                # One slow origin holds at most a few of the process's connections.
+                connector=aiohttp.TCPConnector(resolver=_GuardedResolver(self.rules), limit_per_host=PER_HOST),
                 cookie_jar=aiohttp.DummyCookieJar(),
                 headers={"User-Agent": f"epd-proxy/{__version__}"},
                 trust_env=False,

@@ -44,6 +44,42 @@ def as_data_url(fetched: Fetched, item: MediaItem, url: str) -> str:
     return f"data:{media_type};base64,{pybase64.b64encode(fetched.data).decode('ascii')}"
 
 
+# URLs of one request fetched at once: a request of hundreds of URLs neither holds hundreds of
+# connections nor pulls hundreds of media bodies into memory together.
+FETCHES_PER_REQUEST = 8
+
+
+async def _fetch_within_budget(fetcher: MediaFetcher, urls: list[str]) -> list[Fetched]:
+    """Each URL's bytes, a few at a time; a BadRequest once they add up to more than a request
+    body may hold (`--max-body-bytes`: media by URL cost what the same media inline would), and
+    the fetches not yet done are dropped."""
+    budget = fetcher.rules.request_bytes
+    total = 0
+    gate = asyncio.Semaphore(FETCHES_PER_REQUEST)
+
+    async def one(url: str) -> Fetched:
+        nonlocal total
+        async with gate:
+            if total > budget:
+                raise _over(budget)
+            fetched = await fetcher.fetch(url)
+        total += len(fetched.data)
+        if total > budget:
+            raise _over(budget)
+        return fetched
+
+    tasks = [asyncio.ensure_future(one(url)) for url in urls]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _over(budget: int) -> BadRequest:
+    return BadRequest(f"the request's media URLs hold more than {budget} bytes in all (--max-body-bytes)")
+
+
 async def fetch_media(
     normalised: NormalisedRequest, fetcher: MediaFetcher, door: Door, digest: Digest
 ) -> NormalisedRequest:
@@ -54,7 +90,7 @@ async def fetch_media(
     if not remote:
         return normalised
     urls = list(dict.fromkeys(item.fetch for item in remote if item.fetch))
-    got = dict(zip(urls, await asyncio.gather(*(fetcher.fetch(url) for url in urls))))
+    got = dict(zip(urls, await _fetch_within_budget(fetcher, urls)))
     items = list(normalised.items)
     moved: list[tuple[MediaItem, str]] = []
     for item in remote:

@@ -8,12 +8,12 @@ import hashlib
 
 import pytest
 
-from epd_proxy.calls.media import Fetched
+from epd_proxy.calls.media import Fetched, FetchRules
 from epd_proxy.errors import BadRequest
 from epd_proxy.journey.doors import CHAT
 from epd_proxy.journey.extract import normalise_request
 from epd_proxy.journey.messages_api import MESSAGES, normalise_messages
-from epd_proxy.journey.remote import fetch_media
+from epd_proxy.journey.remote import FETCHES_PER_REQUEST, fetch_media
 from epd_proxy.journey.responses_api import RESPONSES, normalise_responses
 from tests.media import chat
 
@@ -21,12 +21,18 @@ URL = "https://media.example/a"
 
 
 class Origin:
-    def __init__(self, data: bytes = b"bytes", media_type: str = "image/png") -> None:
+    def __init__(self, data: bytes = b"bytes", media_type: str = "image/png", request_bytes: int = 1 << 20) -> None:
         self.answer = Fetched(data, media_type)
         self.asked: list[str] = []
+        self.rules = FetchRules(request_bytes=request_bytes)
+        self.at_once = self.most_at_once = 0
 
     async def fetch(self, url: str) -> Fetched:
         self.asked.append(url)
+        self.at_once += 1
+        self.most_at_once = max(self.most_at_once, self.at_once)
+        await asyncio.sleep(0.001)
+        self.at_once -= 1
         return self.answer
 
 
@@ -74,3 +80,15 @@ def test_responses_and_messages_bodies_hold_the_bytes_where_they_held_the_url():
     moved = {"type": "image", "source": {"type": "url", "url": url}}
     assert out.body["messages"][0]["content"] == [moved, {**result, "content": [moved]}]
     assert [item.part["image_url"]["url"] for item in out.items] == [url, url]
+
+
+def test_a_request_fetches_a_few_urls_at_a_time_and_no_more_bytes_than_a_body_may_hold():
+    many = chat(*({"type": "image_url", "image_url": {"url": f"{URL}?{i}"}} for i in range(40)))
+    origin = Origin(b"x" * 10)
+    fetched(normalise_request(many), CHAT, origin)
+    assert len(origin.asked) == 40 and origin.most_at_once == FETCHES_PER_REQUEST
+    # 40 URLs of 10 bytes against a budget of 100: refused, and the fetches stop.
+    small = Origin(b"x" * 10, request_bytes=100)
+    with pytest.raises(BadRequest, match="more than 100 bytes"):
+        fetched(normalise_request(many), CHAT, small)
+    assert len(small.asked) < 40
