@@ -125,8 +125,11 @@ class EncodeStep:
     ) -> list[Encoded]:
         """Each group's answer, in the order of `groups`."""
         trace.encoder_requests += len(groups)
-        # An isolated tenant's media never share a sub-request: no key, no sharing.
-        key = coalesce_key(body, FORWARDED_FIELDS, consumer_zmq) if self.coalesce and not trace.isolated else None
+        key = coalesce_key(body, FORWARDED_FIELDS, consumer_zmq) if self.coalesce else None
+        if key is not None and trace.isolated:
+            # An isolated tenant's media share a sub-request with no other request's, yet wait in
+            # the queue like everyone's: sent at once, its flood would take the encoders.
+            key += f"|{trace.tenant}|{trace.request_id}".encode()
         return await _all_or_first_failure(
             [self._send_group(body, items, group, consumer_zmq, trace, dumps, key) for group in groups]
         )

@@ -108,3 +108,22 @@ async def test_past_its_deadline_the_tenant_over_its_share_gets_the_429_and_the_
     metrics = await stack.metrics()
     assert 'epd_requests_shed_total{reason="share",tenant="a"} 1.0' in metrics
     assert 'reason="deadline"' not in metrics
+
+
+async def test_an_isolated_tenants_flood_waits_its_turn_too_and_shares_with_no_one(make_stack, tmp_path):
+    # Isolation keeps a tenant's media out of others' sub-requests, not out of the queue: sent at
+    # once, its flood would take the encoder from everyone.
+    path = tmp_path / "tenants.toml"
+    path.write_text(TENANTS.replace("[tenants.a]\n", '[tenants.a]\nisolated = true\nsalt = "' + "s" * 40 + '"\n'))
+    stack = await make_stack(encoders=1, tenants_file=str(path), consumer_encode=False)
+    stack.encoders[0].faults.delay_s = SLOW_S
+    assert (await answer(stack, "a", "warm"))[0] == 200
+    flooded = await flood(stack, "a", 8)
+    lane = stack.state.lanes.all()[0]
+    lone = asyncio.create_task(answer(stack, "b", "b0"))
+    await eventually(lambda: len(lane.work.waiting) == 7, what="b's group queued behind a's six")
+    results = await asyncio.gather(*flooded, lone)
+    assert [status for status, _, _ in results] == [200] * 9
+    order = sent_order(stack)[3:]
+    assert order.index("b0") <= 1, order
+    assert not [seen for seen in stack.encoders[0].requests if seen.headers["x-request-id"].startswith("shared-")]
