@@ -39,6 +39,7 @@ log = logging.getLogger("epd_proxy.kv_index")
 
 FRESH, STALE, NONE = "fresh", "stale", "none"
 MAX_ITEMS_PER_BLOCK = 64
+CHAINS_PER_MEDIA = 32
 MAX_ID_CHARS = 256
 EngineId = tuple[str, int]  # (instance URL, data-parallel rank)
 # (medium, KV cache group, the engine's block hash): what the engine's events name a block by.
@@ -91,7 +92,8 @@ class _Engine:
     # Oldest first (a reuse moves an entry to the end): our name and the stamp of its store.
     entries: dict[_Key, tuple[bytes, int]] = field(default_factory=dict)
     held: dict[bytes, _Held] = field(default_factory=dict)
-    media: dict[str, set[bytes]] = field(default_factory=dict)
+    # Per media id the blocks holding it, oldest first (a dict kept as an ordered set).
+    media: dict[str, dict[bytes, None]] = field(default_factory=dict)
     heard_at: float | None = None
     trouble: str | None = None
     # Whether the view covers the engine's whole history: it was built from the engine's first
@@ -222,7 +224,7 @@ class KvIndex:
                 if block is None:
                     block = held[name] = _Held(parent, media_in(extra))
                     for media_id in block.media:
-                        record.media.setdefault(media_id, set()).add(name)
+                        record.media.setdefault(media_id, {})[name] = None
                 block.refs += 1
             entries[key] = (name, next(self._stamps))
             if parent is not None and (above := held.get(parent)) is not None and above.media:
@@ -240,7 +242,7 @@ class KvIndex:
         del record.held[name]
         for media_id in block.media:
             names = record.media[media_id]
-            names.discard(name)
+            names.pop(name, None)
             if not names:
                 del record.media[media_id]
 
@@ -329,7 +331,9 @@ class KvIndex:
         answers = []
         for media_id in media_ids:
             best = 0
-            for name in record.media.get(media_id, ()):
+            # The newest blocks only: a tenant that sends one image after many texts builds many
+            # chains through it, and no request should walk them all.
+            for name in itertools.islice(reversed(record.media.get(media_id, {})), CHAINS_PER_MEDIA):
                 if media_id in record.held[name].closes:
                     best = max(best, _whole_depth(record.held, name, depths))
             answers.append(best)

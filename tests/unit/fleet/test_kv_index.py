@@ -3,7 +3,7 @@ the test moves: our own block names, prefixes, media, removal, clears, staleness
 
 from __future__ import annotations
 
-from epd_proxy.fleet.kv_index import FRESH, NONE, STALE, KvIndex, block_name, chain, media_in
+from epd_proxy.fleet.kv_index import CHAINS_PER_MEDIA, FRESH, NONE, STALE, KvIndex, block_name, chain, media_in
 from epd_proxy.fleet.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored
 
 BS = 4
@@ -197,3 +197,16 @@ def test_media_prefixes_answer_each_item_and_share_the_walk_up_its_chain():
     index.apply(A, [BlockRemoved(block_hashes=[3], medium="GPU", group_idx=0)])
     assert index.media_prefixes(A, ["img-2", "img-1"]) == [0, 2]
     assert fresh_index(B).media_prefixes(A, ["img-1"]) is None
+
+
+def test_an_image_on_many_chains_is_looked_for_on_the_newest_only():
+    index = fresh_index(A)
+    # The oldest chain holds the image deepest (after 8 blocks of text), then 40 others each hold
+    # it after one block of text of their own: a request walks the newest CHAINS_PER_MEDIA.
+    deep = blocks(10, start=0, media={8: [["img", 0]]})
+    index.apply(A, [stored(list(range(1, 11)), deep)])
+    for i in range(40):
+        shallow = blocks(3, start=1000 * (i + 1), media={1: [["img", 0]]})
+        index.apply(A, [stored([100 * (i + 1) + k for k in range(3)], shallow)])
+    assert index.media_prefixes(A, ["img"]) == [2]
+    assert 40 >= CHAINS_PER_MEDIA
