@@ -16,6 +16,7 @@ import hashlib
 
 import pytest
 
+from epd_proxy.journey.extract import content_uuid
 from epd_proxy_tools.local.up import example_body
 
 from .e2e_helpers import (
@@ -42,7 +43,13 @@ fresh_image = image_source(range(50_000, 60_000))
 
 
 def sha(url: str) -> str:
+    """An image's name: the reference proxy's."""
     return hashlib.sha256(url.encode()).hexdigest()
+
+
+def video_name(url: str) -> str:
+    """A video's name: its bytes under the video kind's tag, never the same bytes' image name."""
+    return content_uuid(video_part(url), "video_url")
 
 
 def new_entries(st, before: dict[str, bool]) -> dict[str, bool]:
@@ -77,8 +84,8 @@ def test_one_video(stack, fidelity):
     fidelity.check("one video", got, chat_ok(stack.baseline_url, body))
     assert settled_encoder_total(stack.encoder_urls, before_enc + 1) == before_enc + 1
     new = new_entries(stack, before_store)
-    assert new == {sha(v): True}, new
-    assert sha(v) in loaded_hashes(stack.log_path("pd")), "PD did not load E's video embedding"
+    assert new == {video_name(v): True}, new
+    assert video_name(v) in loaded_hashes(stack.log_path("pd")), "PD did not load E's video embedding"
 
 
 def test_video_between_two_images(stack, fidelity):
@@ -93,7 +100,7 @@ def test_video_between_two_images(stack, fidelity):
     fidelity.check("image, video, image", got, chat_ok(stack.baseline_url, body))
     assert after_enc - before_enc == 2
     new = new_entries(stack, before_store)
-    assert new == {sha(a): True, sha(v): True, sha(b): True}, new
+    assert new == {sha(a): True, video_name(v): True, sha(b): True}, new
     assert set(new) <= set(loaded_hashes(stack.log_path("pd")))
 
 
@@ -108,7 +115,7 @@ def test_same_video_twice(stack, fidelity):
     fidelity.check("the same video twice", got, want)
     # one sub-request per occurrence, one stored embedding, both placeholders filled from it
     assert after_enc - before_enc == 2
-    assert new_entries(stack, before_store) == {sha(v): True}
+    assert new_entries(stack, before_store) == {video_name(v): True}
     assert (
         want["usage"]["prompt_tokens"]
         > chat_ok(stack.baseline_url, media_body([video_part(v)]))["usage"]["prompt_tokens"]
@@ -131,7 +138,7 @@ def test_video_options_reach_the_encoders(stack, fidelity):
     # 8 frames of a 4x4 grid (16 tokens) instead of 4 frames of 8x8 (32)
     assert default["usage"]["prompt_tokens"] - got["usage"]["prompt_tokens"] == 16
     new = new_entries(stack, before_store)
-    assert len(new) == 2 and all(new.values()) and sha(a) in new and sha(v) not in new, new
+    assert len(new) == 2 and all(new.values()) and sha(a) in new and video_name(v) not in new, new
     assert set(new) <= set(loaded_hashes(stack.log_path("pd")))
 
 
@@ -178,7 +185,7 @@ def test_prefill_one_video(prefill_stack, fidelity):
     want = baseline_with_ids(st, body)
     fidelity.check("one video", got, want, path=PREFILL, kv=h.describe(want["usage"]["prompt_tokens"]))
     new_ec = new_ec_entries(st, ec_before)
-    assert new_ec == [sha(v)], new_ec
+    assert new_ec == [video_name(v)], new_ec
     assert_handover(st, h, want, media_keys("V", new_ec))
 
 
@@ -203,5 +210,5 @@ def test_prefill_images_and_video_with_options(prefill_stack, fidelity):
     )
     assert settled_encoder_total(st.encoder_urls, enc_before + 2) - enc_before == 2
     new_ec = new_ec_entries(st, ec_before)
-    assert len(new_ec) == 3 and sha(a) in new_ec and sha(b) in new_ec and sha(v) not in new_ec, new_ec
+    assert len(new_ec) == 3 and sha(a) in new_ec and sha(b) in new_ec and video_name(v) not in new_ec, new_ec
     assert_handover(st, h, want, media_keys("AVB", new_ec))
