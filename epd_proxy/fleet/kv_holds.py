@@ -11,11 +11,20 @@ process saw for a None.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from epd_proxy.fleet.kv_index import KvIndex
 
-# (instance URL, media uuids, the ranks to ask or None for all it publishes) -> an answer per uuid.
-MediaDepths = Callable[[str, Sequence[str], Sequence[int] | None], list[int | None]]
+
+class MediaDepths(Protocol):
+    """(instance URL, media uuids, the ranks to ask or None for all it publishes) -> an answer per
+    uuid; and since when the answers are up to date."""
+
+    def __call__(self, url: str, media_ids: Sequence[str], ranks: Sequence[int] | None = None) -> list[int | None]: ...
+
+    def heard_at(self, url: str, ranks: Sequence[int] | None = None) -> float | None:
+        """When every asked rank's feed last caught up with its engine (None: one never did)."""
+        ...
 
 
 def over_ranks(per_rank: Sequence[Sequence[int] | None], count: int) -> list[int | None]:
@@ -43,3 +52,7 @@ class KvHolds:
         if not followed or not media_ids:
             return [None] * len(media_ids)
         return over_ranks([self.index.media_prefixes((url, rank), media_ids) for rank in followed], len(media_ids))
+
+    def heard_at(self, url: str, ranks: Sequence[int] | None = None) -> float | None:
+        times = [self.index.heard_at((url, rank)) for rank in (self._ranks(url) if ranks is None else ranks)]
+        return min(times) if times and None not in times else None  # type: ignore[type-var]

@@ -160,6 +160,11 @@ class KvIndex:
             record.trouble = None
         record.heard_at = self._clock()
 
+    def heard_at(self, engine: EngineId) -> float | None:
+        """When its feed last caught up with the engine (this index's clock), None if never."""
+        record = self._engines.get(engine)
+        return record.heard_at if record is not None else None
+
     def stale(self, engine: EngineId, why: str) -> bool:
         """Its feed cannot vouch for the view until it is heard from again; True if it was fresh."""
         record = self._engines.get(engine)

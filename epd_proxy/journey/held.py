@@ -130,15 +130,18 @@ class HeldMedia:
         self, capacity: int = HELD_ITEMS, ttl_s: float = HELD_TTL_S, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self._encoded: Recall[str, bool] = Recall(capacity, ttl_s, clock)
-        self._sent: Recall[tuple[str, str], bool] = Recall(capacity, ttl_s, clock)
+        # When each was sent: the KV index may contradict a send only once it caught up since.
+        self._sent: Recall[tuple[str, str], float] = Recall(capacity, ttl_s, clock)
+        self._clock = clock
 
     def encoded(self, names: Iterable[str]) -> None:
         for name in names:
             self._encoded.put(name, True)
 
     def sent(self, consumer: str, names: Iterable[str]) -> None:
+        now = self._clock()
         for name in names:
-            self._sent.put((consumer, name), True)
+            self._sent.put((consumer, name), now)
 
     def held(
         self,
@@ -146,11 +149,20 @@ class HeldMedia:
         names: Mapping[int, str],
         consumer: str,
         depth: Mapping[int, int | None] | None = None,
+        heard_at: float | None = None,
     ) -> Holding:
         """What of `items` the consumer can take without an encoder (`decide_held`), `depth` the
-        KV index's answers: images only (audio and video are encoded again: their decode on the
-        consumer costs what a repeat encode does)."""
+        KV index's answers, up to date since `heard_at` (this record's clock): images only (audio
+        and video are encoded again: their decode on the consumer costs what a repeat encode does)."""
         images = [item.index for item in items if item.is_image]
         encoded = {i for i in images if names[i] in self._encoded}
-        sent = {i for i in images if (consumer, names[i]) in self._sent}
-        return decide_held(images, encoded, sent, depth or {})
+        sent_at = {i: self._sent.get((consumer, names[i])) for i in images}
+        sent = {i for i, at in sent_at.items() if at is not None}
+        depth = dict(depth or {})
+        for i in sent:
+            at = sent_at[i]
+            if at is not None and not depth.get(i) and (heard_at is None or heard_at <= at):
+                # The index has not caught up with the consumer since the send (the next turn
+                # often comes before its events): its "not held" means "not heard yet".
+                depth[i] = None
+        return decide_held(images, encoded, sent, depth)

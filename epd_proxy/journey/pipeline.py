@@ -359,11 +359,13 @@ class Pipeline:
         if not (names and self.reuse):
             return Known(names)
         depth: dict[int, int | None] = {}
+        heard_at = None
         if self.kv_holds is not None and (uuids := index_uuids(job.body, job.items)):
             # A pinned replica alone holds what this request finds there.
             ranks = (route.dp_rank,) if route.dp_rank is not None and route.pinned is route.consumer else None
             depth = dict(zip(uuids, self.kv_holds(route.consumer.url, list(uuids.values()), ranks)))
-        holding = self.held.held(job.items, names, route.consumer.url, depth)
+            heard_at = self.kv_holds.heard_at(route.consumer.url, ranks)
+        holding = self.held.held(job.items, names, route.consumer.url, depth, heard_at)
         self.metrics.decided("reuse", INDEX, holding.by_index)
         self.metrics.decided("reuse", RECORD, holding.by_record)
         self.metrics.decided("encode_again", INDEX, holding.lost)

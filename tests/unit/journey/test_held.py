@@ -90,9 +90,10 @@ def test_the_consumers_kv_index_decides_where_it_is_fresh_and_the_record_where_i
 
 def test_the_record_feeds_the_rule_and_only_images_are_held():
     items, names = named(chat(image("a"), image("b"), audio("c")))
-    held = HeldMedia()
+    clock = Clock()
+    held = HeldMedia(clock=clock)
     held.sent(PD, [names[1]])
-    holding = held.held(items, names, PD, {0: 3, 1: 0, 2: 4})
+    holding = held.held(items, names, PD, {0: 3, 1: 0, 2: 4}, heard_at=clock.now + 0.1)
     assert holding.held == {0} and holding.lost == 1
 
 
@@ -104,3 +105,17 @@ def test_only_images_named_by_the_proxys_uuid_are_asked_of_the_index():
     assert index_uuids({**body, "mm_processor_kwargs": {"size": 1}}, items) == {}
     (anthropic,) = normalise_messages(agent_messages("a")).items
     assert index_uuids(agent_messages("a"), [anthropic]) == {}
+
+
+def test_an_index_that_has_not_caught_up_with_a_send_does_not_overrule_it():
+    # The next turn often comes before the consumer's events for this one: "not held" then only
+    # means "not heard yet" (real vLLM, a conversation whose PD encoded each turn's image itself).
+    items, names = named(chat(image("a")))
+    clock = Clock()
+    held = HeldMedia(clock=clock)
+    clock.now = 10.0
+    held.sent(PD, [names[0]])
+    for before_the_send in (None, 9.0, 10.0):
+        assert held.held(items, names, PD, {0: 0}, heard_at=before_the_send).held == {0}
+    holding = held.held(items, names, PD, {0: 0}, heard_at=10.5)
+    assert holding.held == frozenset() and holding.lost == 1
