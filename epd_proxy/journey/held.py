@@ -122,6 +122,14 @@ class Known:
     held: frozenset[int] = frozenset()
 
 
+# How long after a send the KV index must have caught up with the consumer before its "not held"
+# overrules the send: the consumer publishes a prompt's blocks about when it answers the first
+# token, and a batch can reach the proxy later than one the engine published before it reached
+# this one. Sooner, an eviction or restart costs the consumer an encode of its own, never a wrong
+# answer.
+INDEX_CATCH_UP_S = 2.0
+
+
 class HeldMedia:
     """The names the fleet holds as far as this process saw: encoded (the EC store, every
     consumer) and sent (one consumer's own caches), each bounded and ageing (fleet/recall.py)."""
@@ -161,7 +169,7 @@ class HeldMedia:
         depth = dict(depth or {})
         for i in sent:
             at = sent_at[i]
-            if at is not None and not depth.get(i) and (heard_at is None or heard_at <= at):
+            if at is not None and not depth.get(i) and (heard_at is None or heard_at < at + INDEX_CATCH_UP_S):
                 # The index has not caught up with the consumer since the send (the next turn
                 # often comes before its events): its "not held" means "not heard yet".
                 depth[i] = None

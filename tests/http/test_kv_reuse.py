@@ -5,10 +5,13 @@ restarts, an image the record knows only as sent there is encoded again by an en
 
 from __future__ import annotations
 
+import time
+
 from epd_proxy.fleet.backends import PREFILL_DECODE
 from epd_proxy.fleet.routing import PrefixAffinity
 from epd_proxy.journey.doors import CHAT
 from epd_proxy.journey.extract import normalise_request
+from epd_proxy.journey.held import INDEX_CATCH_UP_S
 from epd_proxy.journey.reuse import conversation_key
 from epd_proxy_tools.testing.fake_kv_events import KvEventsOptions
 from epd_proxy_tools.testing.polling import eventually
@@ -95,11 +98,18 @@ async def test_after_the_pd_restarts_an_image_known_only_as_sent_there_is_encode
     # The second process takes turn 0's image from the PD's prefix: it knows it as sent there only.
     await content_of(second, turn_body(0, 1))
     await holds(second, url, 0, 1)
+    sent = time.monotonic()
     pd.restart_engine()
+    # The index overrules what the proxy sent only once it caught up with the PD well after the
+    # send (held.INDEX_CATCH_UP_S): its heartbeat replays bring that moment.
     await eventually(
-        lambda: second.state.kv_index.size((url, 0)) == 0 and engines_fresh(second, [url]),
-        timeout=20,
-        what="the second proxy never saw the PD restart",
+        lambda: (
+            second.state.kv_index.size((url, 0)) == 0
+            and engines_fresh(second, [url])
+            and (second.state.kv_index.heard_at((url, 0)) or 0.0) > sent + INDEX_CATCH_UP_S
+        ),
+        timeout=30,
+        what="the second proxy never caught up with the restarted PD",
     )
     encoded = total(first.encoders, "images")
     await content_of(second, turn_body(0, 2))

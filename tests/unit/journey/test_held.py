@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from epd_proxy.journey.extract import normalise_request
-from epd_proxy.journey.held import HeldMedia, decide_held, index_uuids, media_names
+from epd_proxy.journey.held import INDEX_CATCH_UP_S, HeldMedia, decide_held, index_uuids, media_names
 from epd_proxy.journey.messages_api import normalise_messages
 from tests.media import agent_messages, audio, chat, image
 
@@ -93,7 +93,7 @@ def test_the_record_feeds_the_rule_and_only_images_are_held():
     clock = Clock()
     held = HeldMedia(clock=clock)
     held.sent(PD, [names[1]])
-    holding = held.held(items, names, PD, {0: 3, 1: 0, 2: 4}, heard_at=clock.now + 0.1)
+    holding = held.held(items, names, PD, {0: 3, 1: 0, 2: 4}, heard_at=clock.now + INDEX_CATCH_UP_S)
     assert holding.held == {0} and holding.lost == 1
 
 
@@ -115,7 +115,8 @@ def test_an_index_that_has_not_caught_up_with_a_send_does_not_overrule_it():
     held = HeldMedia(clock=clock)
     clock.now = 10.0
     held.sent(PD, [names[0]])
-    for before_the_send in (None, 9.0, 10.0):
-        assert held.held(items, names, PD, {0: 0}, heard_at=before_the_send).held == {0}
-    holding = held.held(items, names, PD, {0: 0}, heard_at=10.5)
+    # Heard before the send, or too soon after it to vouch for it.
+    for too_soon in (None, 9.0, 10.0, 10.0 + INDEX_CATCH_UP_S / 2):
+        assert held.held(items, names, PD, {0: 0}, heard_at=too_soon).held == {0}
+    holding = held.held(items, names, PD, {0: 0}, heard_at=10.0 + INDEX_CATCH_UP_S)
     assert holding.held == frozenset() and holding.lost == 1
