@@ -134,10 +134,8 @@ class Feed:
             self._undecodable(f"{len(frames)} frames")
             return None
         seq = read_seq(frames[1])
-        try:
-            batch = decode(frames[2])
-        except Undecodable as exc:
-            self._undecodable(str(exc))
+        batch = self._read(frames[2])
+        if batch is None:
             return None
         if self.last is None:
             self._rebuild(seq, batch, complete=seq == 0)
@@ -217,10 +215,8 @@ class Feed:
                 if frames[2] == END_SEQ:
                     return out
                 seq = read_seq(frames[2])
-                try:
-                    batch = decode(frames[3])
-                except Undecodable as exc:
-                    self._undecodable(str(exc))
+                batch = self._read(frames[3])
+                if batch is None:
                     return None
                 out.append((seq, batch))
                 if len(out) > MAX_REPLAY_BATCHES:
@@ -234,6 +230,14 @@ class Feed:
             return None
         finally:
             dealer.close(linger=0)
+
+    def _read(self, payload: bytes) -> Batch | None:
+        """A batch as the wire carries it; None (the view dropped) when it cannot be read."""
+        try:
+            return decode(payload)
+        except Undecodable as exc:
+            self._undecodable(str(exc))
+            return None
 
     # -- applying --------------------------------------------------------------------------------------
     def _apply(self, seq: int, batch: Batch) -> None:

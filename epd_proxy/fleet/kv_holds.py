@@ -55,4 +55,5 @@ class KvHolds:
 
     def heard_at(self, url: str, ranks: Sequence[int] | None = None) -> float | None:
         times = [self.index.heard_at((url, rank)) for rank in (self._ranks(url) if ranks is None else ranks)]
-        return min(times) if times and None not in times else None  # type: ignore[type-var]
+        known = [at for at in times if at is not None]
+        return min(known) if known and len(known) == len(times) else None

@@ -25,9 +25,9 @@ key_sha256 = ["{hashlib.sha256(b"b-key").hexdigest()}"]
 """
 
 
-async def tenant_stack(make_stack, tmp_path):
+async def tenant_stack(make_stack, tmp_path, tenants: str = TENANTS):
     path = tmp_path / "tenants.toml"
-    path.write_text(TENANTS)
+    path.write_text(tenants)
     stack = await make_stack(encoders=1, tenants_file=str(path), consumer_encode=False)
     stack.encoders[0].faults.delay_s = SLOW_S
     return stack
@@ -56,10 +56,10 @@ async def flood(stack, tenant: str, count: int) -> list[asyncio.Task]:
     return tasks
 
 
-async def test_a_tenants_request_queued_behind_anothers_flood_is_sent_before_the_floods_later_groups(
-    make_stack, tmp_path
-):
-    stack = await tenant_stack(make_stack, tmp_path)
+async def b_after_a_flood(stack) -> list[str]:
+    """Tenant a floods eight image requests, then b sends one that queues behind a's six: every
+    request answered, the order the encoder received the queued ones in (after the warm-up and
+    the two sent at once)."""
     assert (await answer(stack, "a", "warm"))[0] == 200  # the encoder's speed, measured
     flooded = await flood(stack, "a", 8)
     lane = stack.state.lanes.all()[0]
@@ -67,7 +67,14 @@ async def test_a_tenants_request_queued_behind_anothers_flood_is_sent_before_the
     await eventually(lambda: len(lane.work.waiting) == 7, what="b's group queued behind a's six")
     results = await asyncio.gather(*flooded, lone)
     assert [status for status, _, _ in results] == [200] * 9
-    order = sent_order(stack)[3:]  # after the warm-up and the two sent at once
+    return sent_order(stack)[3:]
+
+
+async def test_a_tenants_request_queued_behind_anothers_flood_is_sent_before_the_floods_later_groups(
+    make_stack, tmp_path
+):
+    stack = await tenant_stack(make_stack, tmp_path)
+    order = await b_after_a_flood(stack)
     # b starts level with a (idle time banks nothing): at most one of a's queued groups goes
     # first, then b, whose counter is now below a's; FIFO would have sent it last.
     assert order.index("b0") <= 1, order
@@ -113,17 +120,8 @@ async def test_past_its_deadline_the_tenant_over_its_share_gets_the_429_and_the_
 async def test_an_isolated_tenants_flood_waits_its_turn_too_and_shares_with_no_one(make_stack, tmp_path):
     # Isolation keeps a tenant's media out of others' sub-requests, not out of the queue: sent at
     # once, its flood would take the encoder from everyone.
-    path = tmp_path / "tenants.toml"
-    path.write_text(TENANTS.replace("[tenants.a]\n", '[tenants.a]\nisolated = true\nsalt = "' + "s" * 40 + '"\n'))
-    stack = await make_stack(encoders=1, tenants_file=str(path), consumer_encode=False)
-    stack.encoders[0].faults.delay_s = SLOW_S
-    assert (await answer(stack, "a", "warm"))[0] == 200
-    flooded = await flood(stack, "a", 8)
-    lane = stack.state.lanes.all()[0]
-    lone = asyncio.create_task(answer(stack, "b", "b0"))
-    await eventually(lambda: len(lane.work.waiting) == 7, what="b's group queued behind a's six")
-    results = await asyncio.gather(*flooded, lone)
-    assert [status for status, _, _ in results] == [200] * 9
-    order = sent_order(stack)[3:]
+    isolated = TENANTS.replace("[tenants.a]\n", '[tenants.a]\nisolated = true\nsalt = "' + "s" * 40 + '"\n')
+    stack = await tenant_stack(make_stack, tmp_path, isolated)
+    order = await b_after_a_flood(stack)
     assert order.index("b0") <= 1, order
     assert not [seen for seen in stack.encoders[0].requests if seen.headers["x-request-id"].startswith("shared-")]
