@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from epd_proxy import __version__
 from epd_proxy import options as options_module
 from epd_proxy.config import GROUPS, Config, ConfigError, options
-from epd_proxy.http.workers import serve
+from epd_proxy.http.workers import hold_hangups, release_hangups, serve
 
 DESCRIPTION = """\
 epd-proxy: an OpenAI-compatible front door for encoder-disaggregated (EPD) multimodal serving on
@@ -106,6 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from epd_proxy_tools.bench.runner import main as bench_main
 
         return bench_main(rest)
+    hold_hangups()  # `serve` reads the tenants file again on SIGHUP: one sent while it starts must wait, not kill it
     args = parser.parse_args(argv)
     try:
         config = config_from_args(args, os.environ)
@@ -119,6 +120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             require_sdk()
     except ConfigError as exc:
         args.usage_error(str(exc))
+    if not config.tenants_file:
+        release_hangups()
     try:
         serve(config)
     except OSError as exc:  # typically the port is taken: a message, not a traceback

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -120,10 +121,12 @@ async def start(
     return runner, Listening(await runner.listen(host, port, reuse_port))
 
 
-def run(app: web.Application, limits: ClientLimits, **where: Any) -> None:
+def run(
+    app: web.Application, limits: ClientLimits, signals_ready: Callable[[], None] | None = None, **where: Any
+) -> None:
     """`web.run_app` with the client limits, listening where `start`'s keywords say (host, port,
     reuse_port, shared); returns on SIGTERM or SIGINT after a graceful shutdown. With a tenants
-    file, SIGHUP reads it again."""
+    file, SIGHUP reads it again; `signals_ready` is called once the handlers are in place."""
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -133,6 +136,8 @@ def run(app: web.Application, limits: ClientLimits, **where: Any) -> None:
         state = app.get(STATE)
         if state is not None and state.tenants is not None:
             loop.add_signal_handler(signal.SIGHUP, state.reload_tenants)
+        if signals_ready is not None:
+            signals_ready()
         runner, site = await start(app, limits, **where)
         logging.getLogger("epd_proxy").info("serving on %s", site.name)
         try:

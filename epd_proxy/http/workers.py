@@ -17,6 +17,19 @@ from epd_proxy.config import Config
 log = logging.getLogger("epd_proxy.workers")
 
 
+def hold_hangups() -> None:
+    """Keep a SIGHUP pending instead of letting its default action end a process still starting:
+    a tenants file reload asked for before the handler exists happens once it does
+    (`release_hangups`). Processes forked meanwhile inherit the hold, so a worker is covered from
+    its first instruction."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+
+
+def release_hangups() -> None:
+    """Deliver a held SIGHUP to whatever handles it now (the default action, without a tenants file)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
+
+
 def _run_worker(config: Config, reuse_port: bool, connections=None) -> None:
     # Here, not at the top: cli.py imports this module, and `--help`, `up` and `bench` need none of it.
     from epd_proxy.http import server
@@ -38,7 +51,16 @@ def _run_worker(config: Config, reuse_port: bool, connections=None) -> None:
     gc.freeze()
     gc.set_threshold(50_000, 20, 100)
     limits = server.ClientLimits.from_config(config)
-    server.run(app, limits, host=config.host, port=config.port, reuse_port=reuse_port, shared=connections)
+    # A SIGHUP held since the command line was read (cli.main) is a reload from here on.
+    server.run(
+        app,
+        limits,
+        signals_ready=release_hangups,
+        host=config.host,
+        port=config.port,
+        reuse_port=reuse_port,
+        shared=connections,
+    )
 
 
 # The exit status of a worker that could not open the port: another would fail the same way.
@@ -109,6 +131,8 @@ class _Supervisor:
         try:
             for slot in range(len(self._procs)):
                 self._start(slot)
+            # Held since the command line was read (cli.main): now each worker exists to pass it on to.
+            release_hangups()
             while not self._stopping:
                 timeout = max(0.0, min(self._due.values()) - time.monotonic()) if self._due else None
                 wait([p.sentinel for p in self._procs if p is not None] + [self._wake_r], timeout)
@@ -137,7 +161,11 @@ class _Supervisor:
     def _start(self, slot: int) -> None:
         worker = self._connections.worker(slot)
         proc = self._ctx.Process(target=_worker, args=(self._config, worker), daemon=False)
-        proc.start()
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+        try:
+            proc.start()  # the worker holds SIGHUP until its own handler is in place (server.run)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
         self._procs[slot], self._started[slot] = proc, time.monotonic()
 
     def _reap(self, slot: int, proc) -> None:

@@ -240,6 +240,56 @@ async def test_with_workers_sighup_reaches_every_worker(tmp_path):
         assert served.proc.poll() is None
 
 
+def _holds_hangups(pid: int) -> bool:
+    """Whether the process `pid` has SIGHUP blocked (pending, not lost) right now."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            blocked = next(line for line in status if line.startswith("SigBlk:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(int(blocked.split()[1], 16) & (1 << (signal.SIGHUP - 1)))
+
+
+async def _hang_up_while_starting(proc: subprocess.Popen, pid_of=lambda proc: proc.pid) -> None:
+    """SIGHUP to `proc` at a moment its server (found by `pid_of`) is still starting."""
+    await eventually(
+        lambda: _holds_hangups(pid_of(proc) or 0), timeout=30, interval=0.001, what="the starting server holds SIGHUP"
+    )
+    os.kill(proc.pid, signal.SIGHUP)
+
+
+async def _reloads(url: str) -> float:
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as resp:
+        for line in (await resp.text()).splitlines():
+            if line.startswith('epd_tenants_reloads_total{outcome="ok"}'):
+                return float(line.split()[-1])
+    return 0.0
+
+
+async def test_a_sighup_while_the_proxy_starts_is_a_reload_once_it_serves(tmp_path):
+    async with serve_process("--tenants", tenants_file(tmp_path), starting=_hang_up_while_starting) as served:
+        await eventually(lambda: _is(_reloads(served.url), 1.0), what="the early SIGHUP read the file again")
+        assert served.proc.poll() is None
+
+
+def _a_worker(proc: subprocess.Popen) -> int | None:
+    try:
+        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as children:
+            pids = children.read().split()
+    except OSError:
+        return None
+    return int(pids[0]) if pids else None
+
+
+async def test_with_workers_a_sighup_while_they_start_reaches_each_once_it_serves(tmp_path):
+    async def hang_up(proc: subprocess.Popen) -> None:
+        await _hang_up_while_starting(proc, _a_worker)
+
+    async with serve_process("--tenants", tenants_file(tmp_path), "--workers", "2", starting=hang_up) as served:
+        await eventually(lambda: _is(_reloads(served.url), 2.0), timeout=30, what="both workers read the file again")
+        assert served.proc.poll() is None
+
+
 async def _is(value, expected) -> bool:
     return await value == expected
 

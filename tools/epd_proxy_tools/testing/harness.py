@@ -14,7 +14,7 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -277,11 +277,15 @@ class Served:
 
 @contextlib.asynccontextmanager
 async def serve_process(
-    *flags: str, stop_within_s: float = 20.0, env: dict[str, str] | None = None
+    *flags: str,
+    stop_within_s: float = 20.0,
+    env: dict[str, str] | None = None,
+    starting: Callable[[subprocess.Popen], Awaitable[None]] | None = None,
 ) -> AsyncIterator[Served]:
     """`epd-proxy serve` over a fake E and a fake PD, once it answers /health; on the way out the
     process gets SIGTERM and must exit within `stop_within_s`, then the fakes stop. `env` is
-    added to this process's environment."""
+    added to this process's environment; `starting` is awaited with the process as soon as it is
+    spawned, before it answers."""
     fakes = Fakes()
     encoder, e_url = await fakes.start("encode")
     pd, pd_url = await fakes.start("pd")
@@ -289,6 +293,8 @@ async def serve_process(
     urls = ("--encode-servers-urls", e_url, "--decode-servers-urls", pd_url)
     process = ProxyProcess(client, *urls, "--log-level", "WARNING", *flags, env=env)
     try:
+        if starting is not None:
+            await starting(process.proc)
         await process.healthy()
         yield Served(process, encoder, e_url, pd)
     finally:
