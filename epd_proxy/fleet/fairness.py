@@ -114,7 +114,7 @@ class Ledger:
         account = self._accounts.get(tenant)
         floor = self._floor()
         standing = max(account.encoder_v if account is not None else 0.0, floor[0] if floor is not None else 0.0)
-        return lambda work: work.tenant != tenant and self.rank(work.tenant) > standing
+        return lambda work: tenant not in work.tenants and min(map(self.rank, work.tenants)) > standing
 
     def lead(self, tenant: str) -> tuple[float, float]:
         """How far `tenant` (as if active now) is ahead of the least-served active tenant."""

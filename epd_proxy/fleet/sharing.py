@@ -125,16 +125,22 @@ def take_batch(waiting: deque[Any], limit: int, rank: Callable[[str | None], flo
     return batch
 
 
+def standing(work: Any, rank: Callable[[str | None], float]) -> float:
+    """A waiting group's place by fairness: that of the least served among the tenants whose
+    requests wait for it (`work.tenants`)."""
+    return min(map(rank, work.tenants))
+
+
 def _fairest(waiting: deque[Any], rank: Callable[[str | None], float]) -> Any:
     """Off the queue: the first waiting group of the least-served tenant (fairness.Ledger.rank)
     among those of the first priority class (the queue is ordered by priority)."""
     first = waiting[0]
-    best, best_rank = 0, rank(first.tenant)
+    best, best_rank = 0, standing(first, rank)
     for n, work in enumerate(waiting):
         if work.priority != first.priority:
             break
-        if n and work.tenant != first.tenant:
-            value = rank(work.tenant)
+        if n and work.tenants != first.tenants:
+            value = standing(work, rank)
             if value < best_rank:
                 best, best_rank = n, value
     head = waiting[best]

@@ -119,6 +119,12 @@ class Work:
     def tenant(self) -> str | None:
         return self.trace.tenant
 
+    @property
+    def tenants(self) -> tuple[str | None, ...]:
+        """Whose turn in the queue it is: its request's tenant, and those of the requests waiting
+        for its encodes."""
+        return (self.trace.tenant, *self.trace.riders) if self.trace.riders else (self.trace.tenant,)
+
     def move(self) -> None:
         if self.timer is not None:
             self.timer.cancel()

@@ -6,6 +6,10 @@ the engine's identifier and its connector handle) under a transfer id of its own
 encoder had answered. Coalescing (coalesce.py) puts several requests' images in one sub-request
 but sends each of them; this sends an image once.
 
+A request waiting for another's encode lends that request its tenant's standing in the encoder
+queue (Trace.riders): the group is sent when the least served of the tenants waiting for it is
+due, not at its owner's later turn. Its owner alone is charged the encoder time, as the one send.
+
 Another request's failure never fails this one: when the encode it waited for fails, is
 cancelled (its client went away) or reports nothing for the item, the item is encoded by this
 request itself. If that encoder had received the media and failed them, the media are not handed
@@ -48,7 +52,10 @@ class InFlight:
     """The names this process's requests are encoding now, each with the future its outcome lands in."""
 
     def __init__(self) -> None:
-        self._pending: dict[str, asyncio.Future[Outcome]] = {}
+        # Per name: the future its outcome lands in, and the trace of the request encoding it.
+        self._pending: dict[str, tuple[asyncio.Future[Outcome], Trace]] = {}
+        # Requests waiting now for another's encode of one of their items.
+        self.waiting = 0
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -70,39 +77,48 @@ class InFlight:
             name = names.get(item.index)
             pending = self._pending.get(name) if name is not None else None
             if pending is not None and name not in claimed:
-                joined.append((item, pending))
+                future, owner = pending
+                joined.append((item, future))
+                if trace.tenant is not None and trace.tenant != owner.tenant:
+                    owner.riders.add(trace.tenant)
                 continue
             own.append(item)  # a repeat within the request goes in its own sub-request
             if name is not None and pending is None:
-                claimed[name] = self._pending[name] = loop.create_future()
+                claimed[name] = loop.create_future()
+                self._pending[name] = (claimed[name], trace)
+        self.waiting += bool(joined)
         try:
-            matches = await encode(own) if own else Matches()
-        except BaseException as exc:
-            self._settle(claimed, dict.fromkeys(claimed, exc))
-            raise
-        by_name = {names[item.index]: matches.items.get(item.index) for item in own if item.index in names}
-        self._settle(claimed, {name: _share(by_name.get(name), matches) for name in claimed})
-        again: list[MediaItem] = []
-        for item, pending in joined:
-            # Shielded: this request going away must not cancel the future others wait on too.
-            outcome = await asyncio.shield(pending)
-            if isinstance(outcome, Share):
-                matches.items[item.index] = ItemMatch(outcome.metadata, outcome.ec_mm_hash, transfer_id())
-                if outcome.handle is not None:
-                    matches.handles.setdefault(outcome.ec_mm_hash, outcome.handle)
-                continue
-            if failed_holding_media(outcome) and trace.media_failed_on is None:
-                trace.media_failed_on = getattr(outcome, "backend", None) or "another request's encoder"
-            again.append(item)
-        if again:
-            alone = await encode(again)
-            matches.items.update(alone.items)
-            matches.handles.update(alone.handles)
-        return matches
+            try:
+                matches = await encode(own) if own else Matches()
+            except BaseException as exc:
+                self._settle(claimed, dict.fromkeys(claimed, exc))
+                raise
+            by_name = {names[item.index]: matches.items.get(item.index) for item in own if item.index in names}
+            self._settle(claimed, {name: _share(by_name.get(name), matches) for name in claimed})
+            again: list[MediaItem] = []
+            for item, waited_for in joined:
+                # Shielded: this request going away must not cancel the future others wait on too.
+                outcome = await asyncio.shield(waited_for)
+                if isinstance(outcome, Share):
+                    matches.items[item.index] = ItemMatch(outcome.metadata, outcome.ec_mm_hash, transfer_id())
+                    if outcome.handle is not None:
+                        matches.handles.setdefault(outcome.ec_mm_hash, outcome.handle)
+                    continue
+                if failed_holding_media(outcome) and trace.media_failed_on is None:
+                    trace.media_failed_on = getattr(outcome, "backend", None) or "another request's encoder"
+                again.append(item)
+            if again:
+                alone = await encode(again)
+                matches.items.update(alone.items)
+                matches.handles.update(alone.handles)
+            return matches
+        finally:
+            self.waiting -= bool(joined)
 
     def _settle(self, claimed: dict[str, asyncio.Future[Outcome]], outcomes: Mapping[str, Outcome]) -> None:
         for name, future in claimed.items():
-            if self._pending.get(name) is future:
+            pending = self._pending.get(name)
+            if pending is not None and pending[0] is future:
                 del self._pending[name]
             if not future.done():
                 future.set_result(outcomes[name])

@@ -32,6 +32,9 @@ class Trace:
     # Its tenant (--tenants; None without), and whether its media may share a sub-request.
     tenant: str | None = None
     isolated: bool = False
+    # Tenants of other requests waiting for this one's encodes of their images (inflight.py): its
+    # queued groups stand where the least served of them all stands.
+    riders: set[str] = field(default_factory=set)
     items: int = 0
     attempts: int = 0
     # Encoder sub-requests that carried this request's items (shared ones included), and the

@@ -33,13 +33,14 @@ async def tenant_stack(make_stack, tmp_path, tenants: str = TENANTS):
     return stack
 
 
-async def answer(stack, tenant: str, name: str, deadline_ms: int | None = None):
+async def answer(stack, tenant: str, name: str, deadline_ms: int | None = None, picture: str | None = None):
     """One image request of `tenant`, its own coalescing key (a session id), so every group is a
-    sub-request of its own and the order the encoder sees is the queue's."""
+    sub-request of its own and the order the encoder sees is the queue's; its image is drawn from
+    `picture`, by default its own `name`."""
     headers = {"Authorization": f"Bearer {tenant}-key", "x-request-id": name}
     if deadline_ms is not None:
         headers["x-request-deadline-ms"] = str(deadline_ms)
-    async with await stack.chat(chat(image(name), session_id=name), headers=headers) as resp:
+    async with await stack.chat(chat(image(picture or name), session_id=name), headers=headers) as resp:
         return resp.status, resp.headers.get("Retry-After"), orjson.loads(await resp.read())
 
 
@@ -90,6 +91,23 @@ async def test_a_tenants_request_queued_behind_anothers_flood_is_sent_before_the
     assert set(tenants) == {"a", "b"} and tenants["b"]["weight"] == 2.0
     assert tenants["a"]["encoder_s"] > tenants["b"]["encoder_s"] > 0
     assert tenants["a"]["output_tokens"] > 0 and tenants["a"]["inflight"] == 0
+
+
+async def test_a_request_waiting_for_anothers_encode_of_its_image_lifts_that_group_to_its_own_standing(
+    make_stack, tmp_path
+):
+    stack = await tenant_stack(make_stack, tmp_path)
+    assert (await answer(stack, "a", "warm"))[0] == 200
+    flooded = await flood(stack, "a", 8)
+    # b's image is the one a's last queued group carries: b waits for that encode instead of
+    # sending the image again, and must not wait at a's place in the queue for it.
+    joined = asyncio.create_task(answer(stack, "b", "b0", picture="a7"))
+    await eventually(lambda: stack.state.pipeline.in_flight.waiting == 1, what="b waits for a7's encode")
+    results = await asyncio.gather(*flooded, joined)
+    assert [status for status, _, _ in results] == [200] * 9
+    order = sent_order(stack)[3:]
+    assert "b0" not in order, "b's image was encoded once, in a7's sub-request"
+    assert order.index("a7") <= 1, order
 
 
 async def test_past_its_deadline_the_tenant_over_its_share_gets_the_429_and_the_other_is_served(make_stack, tmp_path):

@@ -110,6 +110,19 @@ def test_within_a_priority_the_least_served_tenants_group_goes_first_and_batchin
     assert take_batch(queue, 8, lambda tenant: 0.0)[0].name == "a1"
 
 
+def test_a_group_another_tenants_request_waits_for_stands_where_that_tenant_stands():
+    ranks = {"a": 5.0, "b": 1.0, "c": 3.0}
+    queue = deque([W(None, 1, "c1", tenant="c"), W(None, 1, "a1", tenant="a", riders=("b",))])
+    assert take_batch(queue, 8, ranks.__getitem__)[0].name == "a1", "b waits for a1: b's standing, ahead of c"
+    ledger = Ledger()
+    for tenant in ranks:
+        ledger.began(tenant, 1.0)
+    for tenant, seconds in ranks.items():
+        ledger.charge_encoder(tenant, seconds)
+    goes_after_c = ledger.behind("c")
+    assert goes_after_c(W(None, 1, "a2", tenant="a")) and not goes_after_c(W(None, 1, "a1", tenant="a", riders=("b",)))
+
+
 def test_fairness_never_jumps_a_priority_class():
     lane = Lane("e")
     lane.queued(W(None, 1, "a-urgent", priority=-1, tenant="a"))

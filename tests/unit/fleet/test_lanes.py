@@ -79,6 +79,11 @@ class W:
     priority: int = 0
     moved: bool = False
     tenant: str | None = None
+    riders: tuple[str, ...] = ()
+
+    @property
+    def tenants(self) -> tuple[str | None, ...]:
+        return (self.tenant, *self.riders)
 
     @property
     def cost(self) -> float:
