@@ -15,7 +15,9 @@ claim on the fleet. The encoder queue serves, within a priority class, the waiti
 tenant with the smallest encoder counter first (`Ledger.rank`); nothing waits for a share, so a
 tenant alone gets the whole fleet. A tenant is over its share (`Ledger.share`) when its counter
 leads the smallest active one by more than SLACK_S encoder-seconds or SLACK_TOKENS tokens: when
-the fleet is past a deadline, its requests are the ones turned away with 429.
+the fleet is past a deadline, its requests are the ones turned away with 429. While tenants
+compete, an encoder sub-request carries at most CONTENDED_GROUP_ITEMS items, so the next group
+due waits for a short sub-request to end, not for a flood's whole request.
 
 One ledger per process: with `--workers`, each worker keeps its own.
 """
@@ -31,6 +33,11 @@ SLACK_S = 2.0
 # The same for weighted tokens (computed prompt plus output): a few long answers.
 SLACK_TOKENS = 16384
 WITHIN, OVER = "within", "over"
+# While two or more tenants have requests in flight, an encoder sub-request carries at most this
+# many items (Lanes.group_cap): a less-served tenant's group that arrives waits for the encoder's
+# short sub-requests to end, not for a flood's whole request. A group of a few images is still
+# one vision batch on the encoder, and each more sub-request costs it one fixed cost.
+CONTENDED_GROUP_ITEMS = 2
 
 # Told of each charge: tenant, encoder seconds, computed prompt tokens, output tokens.
 OnCharge = Callable[[str, float, int, int], None]
@@ -86,6 +93,10 @@ class Ledger:
         account = self._accounts.get(tenant)
         if account is not None and account.active:
             account.active -= 1
+
+    def contended(self) -> bool:
+        """Whether more than one tenant has requests in flight."""
+        return sum(1 for account in self._accounts.values() if account.active) > 1
 
     def charge_encoder(self, tenant: str, seconds: float) -> None:
         account = self._account(tenant)

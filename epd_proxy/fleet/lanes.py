@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from epd_proxy.fleet.backends import Instance
-from epd_proxy.fleet.fairness import Ledger
+from epd_proxy.fleet.fairness import CONTENDED_GROUP_ITEMS, Ledger
 from epd_proxy.fleet.sharing import Sharing, take_batch
 from epd_proxy.fleet.speed import PRIOR_FIXED_RATIO, Speed
 
@@ -403,6 +403,13 @@ class Lanes:
     def worked_s(self) -> float:
         """Seconds every encoder spent on this proxy's sub-requests, those that left included."""
         return self._departed_worked_s + sum(lane.speed.worked_s for lane in self._lanes.values())
+
+    def group_cap(self, max_batch: int) -> int:
+        """The most items one sub-request may carry now (0: no limit): `max_batch`, and while
+        tenants compete (--tenants) at most fairness.CONTENDED_GROUP_ITEMS."""
+        if self.fairness is None or not self.fairness.contended():
+            return max_batch
+        return min(max_batch, CONTENDED_GROUP_ITEMS) if max_batch else CONTENDED_GROUP_ITEMS
 
     def charge(self, lane: Lane, tenant: str | None, cost: float, members: int = 1) -> None:
         """With --tenants, `tenant` is charged its part of a sub-request to `lane`: its media's

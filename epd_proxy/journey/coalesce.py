@@ -197,7 +197,7 @@ class Coalescer:
         options = self.sender.options
         fairness = self.lanes.fairness
         works = lane.next_batch(
-            options.max_batch_size,
+            self.lanes.group_cap(options.max_batch_size),
             self.sender.clock(),
             options.timeouts.total,
             None if fairness is None else fairness.rank,

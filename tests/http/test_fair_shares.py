@@ -9,7 +9,7 @@ import hashlib
 
 import orjson
 
-from epd_proxy.fleet.fairness import OVER
+from epd_proxy.fleet.fairness import CONTENDED_GROUP_ITEMS, OVER
 from epd_proxy_tools.testing.polling import eventually
 from tests.media import chat, image
 
@@ -108,6 +108,40 @@ async def test_a_request_waiting_for_anothers_encode_of_its_image_lifts_that_gro
     order = sent_order(stack)[3:]
     assert "b0" not in order, "b's image was encoded once, in a7's sub-request"
     assert order.index("a7") <= 1, order
+
+
+async def sub_request_sizes(stack, tenant: str, name: str, images: int) -> list[int]:
+    """The images in each sub-request one request `name` of `tenant` with `images` images made."""
+    before = len(stack.encoders[0].requests)
+    headers = {"Authorization": f"Bearer {tenant}-key"}
+    body = chat(*(image(f"{name}-{n}") for n in range(images)))
+    async with await stack.chat(body, headers=headers) as resp:
+        assert resp.status == 200, await resp.text()
+    return [images_in(seen.body) for seen in stack.encoders[0].requests[before:]]
+
+
+def images_in(body: dict) -> int:
+    return sum(
+        part.get("type") == "image_url"
+        for message in body["messages"]
+        if isinstance(message["content"], list)
+        for part in message["content"]
+    )
+
+
+async def test_while_tenants_compete_a_sub_request_carries_a_quantum_so_another_tenant_waits_behind_little(
+    make_stack, tmp_path
+):
+    stack = await tenant_stack(make_stack, tmp_path)
+    stack.encoders[0].faults.delay_s = 0
+    # Alone, a tenant's images bound for one encoder go in one sub-request.
+    assert await sub_request_sizes(stack, "a", "alone", 5) == [5]
+    # With b's request in flight, a's go a quantum at a time.
+    stack.state.lanes.fairness.began("b", 2.0)
+    sizes = await sub_request_sizes(stack, "a", "beside-b", 5)
+    assert sum(sizes) == 5 and max(sizes) == CONTENDED_GROUP_ITEMS, sizes
+    stack.state.lanes.fairness.ended("b")
+    assert await sub_request_sizes(stack, "a", "alone-again", 6) == [6]
 
 
 async def test_past_its_deadline_the_tenant_over_its_share_gets_the_429_and_the_other_is_served(make_stack, tmp_path):

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from epd_proxy.fleet.backends import ENCODE, Instance
-from epd_proxy.fleet.fairness import OVER, SLACK_S, SLACK_TOKENS, WITHIN, Ledger
+from epd_proxy.fleet.fairness import CONTENDED_GROUP_ITEMS, OVER, SLACK_S, SLACK_TOKENS, WITHIN, Ledger
 from epd_proxy.fleet.lanes import Lane, Lanes
 from epd_proxy.fleet.sharing import take_batch
 from tests.unit.fleet.test_lanes import W
@@ -191,3 +191,16 @@ def test_a_new_request_goes_ahead_of_groups_of_tenants_served_more_than_its_own(
     # One idle or never seen stands at the floor (b's 1.0): ahead of a's groups, not of b's.
     behind_new = ledger.behind("c")
     assert behind_new(W(None, 1, tenant="a")) and not behind_new(W(None, 1, tenant="b"))
+
+
+def test_a_sub_request_carries_a_quantum_only_while_tenants_compete():
+    ledger = Ledger()
+    lanes = Lanes(ledger)
+    ledger.began("a", 1.0)
+    assert not ledger.contended() and lanes.group_cap(0) == 0 and lanes.group_cap(8) == 8
+    ledger.began("b", 1.0)
+    assert ledger.contended()
+    assert lanes.group_cap(0) == CONTENDED_GROUP_ITEMS and lanes.group_cap(1) == 1
+    ledger.ended("b")
+    assert lanes.group_cap(0) == 0
+    assert Lanes().group_cap(8) == 8, "without --tenants nothing changes"
