@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from epd_proxy import options as options_module
-from epd_proxy.addresses import IPNetworks, KvEndpoints, Networks, Server, check_topology
-from epd_proxy.fetch_flags import MEDIA, MediaFetchFlags
+from epd_proxy.addresses import KvEndpoints, Server, check_topology
+from epd_proxy.fetch_flags import MEDIA
 from epd_proxy.options import Choice, Choices, ConfigError, Count, Kind, Number, Option, Real, Seconds, Switch, Text  # noqa: F401 (ConfigError: callers catch it from here)
 from epd_proxy.reference_flags import OURS, REFERENCE
-from epd_proxy.tenants import PriorityRange, PriorityRangeKind, TenantsPath
+from epd_proxy.tenants import TenantFlags
 
 # Names a user may pick, here so that the configuration needs no component (which keys them by these).
 MEDIA_HASH_NAMES = ("sha256", "blake3")
@@ -34,7 +34,7 @@ def option(default: Any, kind: Kind, help: str, **declaration: Any) -> Any:  # i
 
 
 @dataclass(frozen=True, slots=True)
-class Config(MediaFetchFlags):
+class Config(TenantFlags):
     """`serve`'s whole configuration: the reference proxy's flags (`ReferenceFlags`), then ours."""
 
     ejection_time_s: float = option(
@@ -289,35 +289,6 @@ class Config(MediaFetchFlags):
         flag="--api-key",
         env="EPD_API_KEY",
         metavar="KEY",
-    )
-    tenants_file: str = option(
-        "",
-        TenantsPath(),
-        "the tenants file (TOML): each tenant's hashed keys, weight, priority range, deadline; read again on "
-        "SIGHUP; see [Keys and tenants](keys.md#tenants)",
-        flag="--tenants",
-    )
-    tenant_header: str = option(
-        "",
-        Text(),
-        "the request header a gateway names the tenant in, trusted only from `--trusted-proxies`; needs `--tenants`",
-        flag="--tenant-header",
-        metavar="NAME",
-    )
-    trusted_proxies: IPNetworks = option(
-        IPNetworks(),
-        Networks(),
-        "comma list of addresses or CIDR blocks whose connections may name the tenant in `--tenant-header`",
-        flag="--trusted-proxies",
-        shown="none",
-    )
-    priority_range: PriorityRange | None = option(
-        None,
-        PriorityRangeKind(),
-        "clamp every request's `priority` into LO..HI (a tenant's own range is clamped into it); unset = as sent; "
-        "see [Security](security.md)",
-        flag="--priority-range",
-        shown="unset",
     )
     backend_api_key: str = option(
         "",

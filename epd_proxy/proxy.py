@@ -30,6 +30,7 @@ from epd_proxy.fleet.report import HealthReport
 from epd_proxy.fleet.roster import open_roster
 from epd_proxy.fleet.routing import Policies, RoutingPolicy, make_policy, make_serving_policy
 from epd_proxy.fleet.scheduler import ExpectedFinish
+from epd_proxy.fleet.windows import Windows
 from epd_proxy.journey.admission import Admission, Backlog, Encoder, Wait, predicted_wait
 from epd_proxy.journey.extract import ReadOptions
 from epd_proxy.journey.pipeline import Pipeline
@@ -83,6 +84,9 @@ def build_pipeline(
         consumer_encode_after_s=config.consumer_encode_after_s,
         no_raw_media=frozenset(MODALITIES if config.text_only_consumers else config.no_raw_media),
         kv_holds=kv_holds,
+        windows=Windows(config.consumer_window, lanes.fairness)
+        if lanes and lanes.fairness and config.consumer_window
+        else None,
     )
 
 

@@ -119,6 +119,11 @@ class Ledger:
         account = self._accounts.get(tenant) if tenant is not None else None
         return account.encoder_v if account is not None else 0.0
 
+    def token_rank(self, tenant: str | None) -> float:
+        """Where `tenant`'s requests stand in a consumer's window (windows.py): its weighted tokens."""
+        account = self._accounts.get(tenant) if tenant is not None else None
+        return account.tokens_v if account is not None else 0.0
+
     def behind(self, tenant: str) -> Callable[[Any], bool]:
         """Which queued groups a new request of `tenant` goes ahead of: other tenants' that have
         been served more than it (as if it were active now, so lifted to the floor)."""

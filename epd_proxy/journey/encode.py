@@ -190,7 +190,9 @@ class EncodeStep:
             lane = self.lanes.of(encoder)
             if lane.busy():
                 future = asyncio.get_running_loop().create_future()
-                work = Work(key, group_items, body, consumer_zmq, trace, dumps, future, _priority(body), route.moves)
+                work = Work(
+                    key, group_items, body, consumer_zmq, trace, dumps, future, request_priority(body), route.moves
+                )
                 return await self.coalescer.wait_to_share(lane, work)
         return await self._send_alone(encoder, group_items, body, consumer_zmq, trace, dumps, route.moves)
 
@@ -405,7 +407,7 @@ async def _all_or_first_failure(coros: list) -> list:
     return [task.result() for task in tasks]
 
 
-def _priority(body: dict[str, Any]) -> int:
+def request_priority(body: dict[str, Any]) -> int:
     """vLLM's `priority` (an int, 0 by default); anything else vLLM refuses, and it waits as 0."""
     value = body.get("priority", 0)
     return value if type(value) is int else 0

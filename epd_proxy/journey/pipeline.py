@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractAsyncContextManager, contextmanager, nullcontext
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, TypeVar
 
@@ -25,9 +25,10 @@ from epd_proxy.fleet.kv_holds import MediaDepths
 from epd_proxy.fleet.lanes import Lanes
 from epd_proxy.fleet.registry import Registry
 from epd_proxy.fleet.routing import INDEX, RECORD, Policies, PrefixAffinity, ServingPolicy
+from epd_proxy.fleet.windows import Windows
 from epd_proxy.journey.decode import DecodeAnswer, EngineCall, hold_head, open_decode
 from epd_proxy.journey.doors import CHAT, Door
-from epd_proxy.journey.encode import EncodeStep
+from epd_proxy.journey.encode import EncodeStep, request_priority
 from epd_proxy.journey.extract import MediaItem
 from epd_proxy.journey.held import HeldMedia, Known, index_uuids, media_names
 from epd_proxy.journey.inflight import InFlight
@@ -157,6 +158,8 @@ class Pipeline:
     in_flight: InFlight = field(default_factory=InFlight)
     # What each consumer's KV events say it holds (kv_holds.py); None without KV events.
     kv_holds: MediaDepths | None = None
+    # With --tenants: how many requests each consumer prefills at once while tenants compete.
+    windows: Windows | None = None
 
     def __post_init__(self) -> None:
         self.encode = EncodeStep(
@@ -232,6 +235,14 @@ class Pipeline:
         self.health.succeeded(instance)
         return result
 
+    def _turn(
+        self, consumer: Instance | None, trace: Trace, body: dict[str, Any]
+    ) -> AbstractAsyncContextManager[object]:
+        """A place in `consumer`'s prefill window (fleet/windows.py), while tenants compete."""
+        if self.windows is None or consumer is None:
+            return nullcontext()
+        return self.windows.turn(consumer.url, trace.tenant, request_priority(body))
+
     def _answered(self, instance: Instance, status: int, message: str, trace: Trace) -> None:
         if status >= 500:
             if instance.url in trace.charged_5xx:
@@ -274,9 +285,10 @@ class Pipeline:
                     with trace.stage("prefill", route.prefill, attempt=attempt):
                         route.hold_prefill()  # again on a retry
                         try:
-                            kv = await self._call(
-                                route.prefill, run_prefill(self.upstream, to_prefill, door.prefill_body), trace
-                            )
+                            async with self._turn(route.prefill, trace, prepared):
+                                kv = await self._call(
+                                    route.prefill, run_prefill(self.upstream, to_prefill, door.prefill_body), trace
+                                )
                         finally:
                             route.release_prefill()
                     if kv:
@@ -285,19 +297,21 @@ class Pipeline:
                     route.decoder, decode_body, decode_headers, self.decode_timeouts, job.dumps, door.path
                 )
                 with trace.stage("decode", route.decoder, attempt=attempt) as decoding:
-                    answer = await self._call(route.decoder, open_decode(self.upstream, to_decode), trace)
-                    in_band = None
-                    if answer.streaming:
-                        # vLLM answers a stream's headers before its engine runs: the first token
-                        # is a later moment of its own.
-                        decoding.event("headers")
-                        try:
-                            in_band = await self._call(route.decoder, hold_head(answer), trace)
-                        except BaseException:
-                            answer.release()
-                            raise
-                        if in_band is None:
-                            decoding.event("first_token")
+                    # A PD prefills too: its window holds the request until the first token.
+                    async with self._turn(None if route.prefill else route.decoder, trace, prepared):
+                        answer = await self._call(route.decoder, open_decode(self.upstream, to_decode), trace)
+                        in_band = None
+                        if answer.streaming:
+                            # vLLM answers a stream's headers before its engine runs: the first token
+                            # is a later moment of its own.
+                            decoding.event("headers")
+                            try:
+                                in_band = await self._call(route.decoder, hold_head(answer), trace)
+                            except BaseException:
+                                answer.release()
+                                raise
+                            if in_band is None:
+                                decoding.event("first_token")
                 if in_band is not None and attempt < attempts:
                     answer.release()
                     self._note_retry(trace, "decode", "reported an error in its stream", in_band.get("message"))

@@ -144,6 +144,42 @@ async def test_while_tenants_compete_a_sub_request_carries_a_quantum_so_another_
     assert await sub_request_sizes(stack, "a", "alone-again", 6) == [6]
 
 
+async def text_answer(stack, tenant: str, name: str) -> int:
+    headers = {"Authorization": f"Bearer {tenant}-key", "x-request-id": name}
+    async with await stack.chat(chat(stream=True), headers=headers) as resp:
+        await resp.read()
+        return resp.status
+
+
+async def test_while_tenants_compete_the_pd_is_sent_a_window_of_prompts_and_the_least_served_tenant_goes_next(
+    make_stack, tmp_path
+):
+    path = tmp_path / "tenants.toml"
+    path.write_text(TENANTS)
+    stack = await make_stack(encoders=1, tenants_file=str(path), consumer_window=1)
+    stack.pd.faults.delay_s = 0.3
+    ledger = stack.state.lanes.fairness
+    ledger.began("b", 2.0)  # a request of b's runs all along: the tenants compete
+    ledger.began("a", 1.0)
+    ledger.charge_tokens("a", 4000, 0)  # and a has been served more
+    flooded = [asyncio.create_task(text_answer(stack, "a", f"a{n}")) for n in range(4)]
+    windows = stack.state.pipeline.windows
+    await eventually(lambda: windows.waiting() == 3, what="one of a's prompts on the PD, three waiting for it")
+    lone = asyncio.create_task(text_answer(stack, "b", "b0"))
+    await eventually(lambda: windows.waiting() == 4, what="b's prompt waiting too")
+    assert await asyncio.gather(*flooded, lone) == [200] * 5
+    order = [seen.headers["x-request-id"].split(":")[0] for seen in stack.pd.requests]
+    # First come, first served would have sent b's last.
+    assert order[1] == "b0" and sorted(order) == ["a0", "a1", "a2", "a3", "b0"], order
+    # Alone, a tenant is never held back: all four of a's at once.
+    ledger.ended("b")
+    stack.pd.requests.clear()
+    flooded = [asyncio.create_task(text_answer(stack, "a", f"alone{n}")) for n in range(4)]
+    await eventually(lambda: len(stack.pd.requests) == 4, what="all four of a's on the PD at once")
+    assert windows.waiting() == 0 and await asyncio.gather(*flooded) == [200] * 4
+    ledger.ended("a")
+
+
 async def test_past_its_deadline_the_tenant_over_its_share_gets_the_429_and_the_other_is_served(make_stack, tmp_path):
     stack = await tenant_stack(make_stack, tmp_path)
     ledger = stack.state.lanes.fairness

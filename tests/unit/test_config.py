@@ -270,5 +270,11 @@ def test_the_configuration_depends_on_no_component():
         "epd_proxy.reference_flags",
     }
     assert _imported_from_the_package(addresses) == {"epd_proxy.options"}
-    assert _imported_from_the_package(tenants) == {"epd_proxy.options", "epd_proxy.errors"}
+    assert _imported_from_the_package(tenants) == {
+        "epd_proxy.options",
+        "epd_proxy.errors",
+        "epd_proxy.addresses",
+        "epd_proxy.fetch_flags",
+        "epd_proxy.reference_flags",
+    }
     assert _imported_from_the_package(options) == set()

@@ -11,7 +11,7 @@ from epd_proxy.errors import ProxyError
 from epd_proxy.fleet.backends import DECODE, ENCODE, PREFILL
 from epd_proxy.fleet.routing import LeastLoaded
 from epd_proxy.fleet.scheduler import ExpectedFinish
-from epd_proxy.journey.encode import _priority
+from epd_proxy.journey.encode import request_priority
 from epd_proxy.journey.extract import normalise_request
 from epd_proxy.journey.plan import plan_groups
 from epd_proxy.journey.trace import Trace
@@ -71,7 +71,7 @@ async def test_a_5xx_fails_over_to_the_other_encoder_and_a_4xx_does_not():
 @pytest.mark.parametrize(("given", "waits_as"), [(None, 0), (3, 3), (-2, -2), ("1", 0), (True, 0), (1.5, 0)])
 def test_a_groups_queue_priority_is_vllms_integer_priority_or_zero(given, waits_as):
     body = {} if given is None else {"priority": given}
-    assert _priority(body) == waits_as
+    assert request_priority(body) == waits_as
 
 
 DNS_NAME = "dns://enc.test:8000"

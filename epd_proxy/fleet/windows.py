@@ -1,0 +1,119 @@
+"""While tenants compete (--tenants), how many requests each consumer prefills at once, and who
+is sent to it next.
+
+vLLM schedules a consumer's waiting prompts first come, first served, so a flood's prompts, once
+sent, all run before an interactive tenant's next one. While two or more tenants have requests in
+flight, the proxy sends each consumer (a PD, or a prefill in E+P+D) at most `--consumer-window`
+requests that have not produced their first token yet. The others wait in the proxy, and the next
+to go is the one of the best `priority`, then of the tenant with the fewest weighted tokens
+(fairness.Ledger.token_rank), then the oldest. A tenant alone never waits here: idle share is not
+held back.
+
+A streamed request leaves the window at its first token; a non-streamed one (and an E+P+D
+prefill) when its answer arrives, which for vLLM is when it is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from epd_proxy.fleet.fairness import Ledger
+
+DEFAULT_WINDOW = 4
+
+
+@dataclass(eq=False, slots=True)
+class _Waiter:
+    priority: int
+    tenant: str | None
+    order: int
+    future: asyncio.Future[None]
+
+
+@dataclass(eq=False)
+class Window:
+    """One consumer's requests in prefill (`open`) and those waiting to be sent to it."""
+
+    size: int
+    ledger: Ledger
+    open: int = 0
+    waiting: list[_Waiter] = field(default_factory=list)
+
+    def _next(self) -> _Waiter:
+        rank = self.ledger.token_rank
+        return min(self.waiting, key=lambda w: (w.priority, rank(w.tenant), w.order))
+
+    def _admit(self) -> None:
+        while self.waiting and (self.open < self.size or not self.ledger.contended()):
+            waiter = self._next()
+            self.waiting.remove(waiter)
+            self.open += 1
+            waiter.future.set_result(None)
+
+    async def enter(self, tenant: str | None, priority: int, order: int) -> None:
+        if not self.waiting and (self.open < self.size or not self.ledger.contended()):
+            self.open += 1
+            return
+        waiter = _Waiter(priority, tenant, order, asyncio.get_running_loop().create_future())
+        self.waiting.append(waiter)
+        try:
+            await waiter.future
+        except asyncio.CancelledError:
+            if waiter in self.waiting:
+                self.waiting.remove(waiter)
+            else:  # admitted as it was cancelled: the place goes to the next
+                self.leave()
+            raise
+
+    def leave(self) -> None:
+        self.open -= 1
+        self._admit()
+
+
+class Turn:
+    """A request's place in a consumer's window; `done` gives it up before the block ends (at the
+    first token of a stream)."""
+
+    __slots__ = ("_window",)
+
+    def __init__(self, window: Window | None) -> None:
+        self._window = window
+
+    def done(self) -> None:
+        window, self._window = self._window, None
+        if window is not None:
+            window.leave()
+
+
+class Windows:
+    """Every consumer's window, by URL (`--consumer-window`; 0 turns them off)."""
+
+    def __init__(self, size: int, ledger: Ledger) -> None:
+        self.size = size
+        self.ledger = ledger
+        self._windows: dict[str, Window] = {}
+        self._order = itertools.count()
+
+    def of(self, url: str) -> Window:
+        window = self._windows.get(url)
+        if window is None:
+            window = self._windows[url] = Window(self.size, self.ledger)
+        return window
+
+    @contextlib.asynccontextmanager
+    async def turn(self, url: str, tenant: str | None, priority: int) -> AsyncIterator[Turn]:
+        """Wait for a place in `url`'s window, and hold it for the block (or until `Turn.done`)."""
+        window = self.of(url)
+        await window.enter(tenant, priority, next(self._order))
+        turn = Turn(window)
+        try:
+            yield turn
+        finally:
+            turn.done()
+
+    def waiting(self) -> int:
+        return sum(len(window.waiting) for window in self._windows.values())
