@@ -8,6 +8,7 @@ import asyncio
 import hashlib
 
 import orjson
+import pytest
 
 from epd_proxy.fleet.fairness import CONTENDED_GROUP_ITEMS, OVER
 from epd_proxy_tools.testing.polling import eventually
@@ -151,13 +152,16 @@ async def text_answer(stack, tenant: str, name: str) -> int:
         return resp.status
 
 
+@pytest.mark.parametrize("prefills", [0, 1], ids=["pd", "e+p+d"])
 async def test_while_tenants_compete_the_pd_is_sent_a_window_of_prompts_and_the_least_served_tenant_goes_next(
-    make_stack, tmp_path
+    make_stack, tmp_path, prefills
 ):
     path = tmp_path / "tenants.toml"
     path.write_text(TENANTS)
-    stack = await make_stack(encoders=1, tenants_file=str(path), consumer_window=1)
-    stack.pd.faults.delay_s = 0.3
+    stack = await make_stack(encoders=1, prefills=prefills, tenants_file=str(path), consumer_window=1)
+    # The consumer that prefills: the PD, or in E+P+D the prefill instance.
+    prefilling = stack.prefills[0] if prefills else stack.pd
+    prefilling.faults.delay_s = 0.3
     ledger = stack.state.lanes.fairness
     ledger.began("b", 2.0)  # a request of b's runs all along: the tenants compete
     ledger.began("a", 1.0)
@@ -168,14 +172,14 @@ async def test_while_tenants_compete_the_pd_is_sent_a_window_of_prompts_and_the_
     lone = asyncio.create_task(text_answer(stack, "b", "b0"))
     await eventually(lambda: windows.waiting() == 4, what="b's prompt waiting too")
     assert await asyncio.gather(*flooded, lone) == [200] * 5
-    order = [seen.headers["x-request-id"].split(":")[0] for seen in stack.pd.requests]
+    order = [seen.headers["x-request-id"].split(":")[0] for seen in prefilling.requests]
     # First come, first served would have sent b's last.
     assert order[1] == "b0" and sorted(order) == ["a0", "a1", "a2", "a3", "b0"], order
     # Alone, a tenant is never held back: all four of a's at once.
     ledger.ended("b")
-    stack.pd.requests.clear()
+    prefilling.requests.clear()
     flooded = [asyncio.create_task(text_answer(stack, "a", f"alone{n}")) for n in range(4)]
-    await eventually(lambda: len(stack.pd.requests) == 4, what="all four of a's on the PD at once")
+    await eventually(lambda: len(prefilling.requests) == 4, what="all four of a's on the consumer at once")
     assert windows.waiting() == 0 and await asyncio.gather(*flooded) == [200] * 4
     ledger.ended("a")
 
