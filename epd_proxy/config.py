@@ -176,7 +176,7 @@ class Config(TenantFlags):
     kv_index_max_blocks: int = option(
         250_000,
         Count(1),
-        "KV cache blocks the proxy tracks over all engines, in each worker (about 0.3 KB each); beyond it the "
+        "KV cache blocks the proxy tracks over all engines, in each worker (about 0.7 KB each); beyond it the "
         "oldest go first",
         flag="--kv-index-max-blocks",
     )

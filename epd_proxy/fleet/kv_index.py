@@ -81,6 +81,8 @@ def media_in(extra: Sequence[Any] | None) -> tuple[str, ...]:
 class _Held:
     parent: bytes | None
     media: tuple[str, ...]
+    # Its place on its chain, 1 for a prompt's first block: a name stands for its whole prefix.
+    depth: int
     # Engine entries naming this block: one per KV cache group and medium that stores it.
     refs: int = 0
     # Media items known to end in this block: a stored child of it does not hold them.
@@ -227,7 +229,8 @@ class KvIndex:
             if old is None or old[0] != name:
                 block = held.get(name)
                 if block is None:
-                    block = held[name] = _Held(parent, media_in(extra))
+                    depth = held[parent].depth + 1 if parent is not None else 1
+                    block = held[name] = _Held(parent, media_in(extra), depth)
                     for media_id in block.media:
                         record.media.setdefault(media_id, {})[name] = None
                 block.refs += 1
@@ -332,37 +335,56 @@ class KvIndex:
         record = self._fresh(engine)
         if record is None:
             return None
+        held = record.held
         depths: dict[bytes, int] = {}
         answers = []
         for media_id in media_ids:
-            best = 0
             # The newest blocks only: a tenant that sends one image after many texts builds many
-            # chains through it, and no request should walk them all.
-            for name in itertools.islice(reversed(record.media.get(media_id, {})), CHAINS_PER_MEDIA):
-                if media_id in record.held[name].closes:
-                    best = max(best, _whole_depth(record.held, name, depths))
+            # chains through it, and no request should walk them all. The deepest whole chain is
+            # the answer, so they are tried deepest first and the first whole one ends the search
+            # (a popular image lies on a chain of every conversation it opened).
+            chains = record.media.get(media_id)
+            if not chains:
+                # Most engines hold none of a request's images: a fleet of many costs a lookup each.
+                answers.append(0)
+                continue
+            ends = [
+                held[name]
+                for name in itertools.islice(reversed(chains), CHAINS_PER_MEDIA)
+                if media_id in held[name].closes
+            ]
+            ends.sort(key=_by_depth, reverse=True)
+            best = 0
+            for block in ends:
+                if _whole_depth(held, block, depths):
+                    best = block.depth
+                    break
             answers.append(best)
         return answers
 
 
-def _whole_depth(held: dict[bytes, _Held], name: bytes, depths: dict[bytes, int]) -> int:
-    """How many blocks the chain ending in `name` holds from the prompt's start, 0 when a block on
+def _by_depth(block: _Held) -> int:
+    return block.depth
+
+
+def _whole_depth(held: dict[bytes, _Held], block: _Held, depths: dict[bytes, int]) -> int:
+    """How many blocks the chain ending in `block` holds from the prompt's start, 0 when a block on
     it is missing; `depths` keeps each block's answer (-1 for a broken chain) for the next call."""
     path: list[bytes] = []
-    current: bytes | None = name
+    current = block.parent
     base = 0
     while current is not None:
         known = depths.get(current)
         if known is not None:
             base = known
             break
-        block = held.get(current)
-        if block is None:
+        above = held.get(current)
+        if above is None:
             base = -1
             break
         path.append(current)
-        current = block.parent
-    for above in reversed(path):
+        current = above.parent
+    for name in reversed(path):
         base = base + 1 if base >= 0 else -1
-        depths[above] = base
-    return max(base, 0)
+        depths[name] = base
+    return base + 1 if base >= 0 else 0

@@ -210,3 +210,13 @@ def test_an_image_on_many_chains_is_looked_for_on_the_newest_only():
         index.apply(A, [stored([100 * (i + 1) + k for k in range(3)], shallow)])
     assert index.media_prefixes(A, ["img"]) == [2]
     assert 40 >= CHAINS_PER_MEDIA
+
+
+def test_the_deepest_whole_chain_through_an_image_answers_though_a_deeper_one_is_broken():
+    index = fresh_index(A)
+    index.apply(A, [stored(list(range(1, 11)), blocks(10, start=0, media={8: [["img", 0]]}))])
+    index.apply(A, [stored([21, 22, 23], blocks(3, start=5000, media={1: [["img", 0]]}))])
+    assert index.media_prefixes(A, ["img"]) == [9]
+    index.apply(A, [BlockRemoved(block_hashes=[5], medium="GPU", group_idx=0)])
+    # The chain holding the image at its 9th block lost its 5th; the other holds it at its 2nd.
+    assert index.media_prefixes(A, ["img"]) == [2]
