@@ -239,11 +239,12 @@ class ProxyState:
             problem = self.tenants.reload()
             self.metrics.tenants_reloads.labels("ok" if problem is None else "refused").inc()
 
-    def wait_at_arrival(self, largest_item: float, tenant: str | None = None) -> Wait:
+    def wait_at_arrival(self, largest_item: float, tenant: str | None = None, priority: int = 0) -> Wait:
         """The wait a request of `tenant` whose largest media item costs `largest_item` is
         predicted now (admission.predicted_wait), from the encoders' lanes and the consumers in
         rotation. An encoder not yet measured adds nothing: its speed is a guess. With --tenants,
-        groups queued for tenants served more than its own go after it, so they are left out."""
+        groups queued for tenants served more than its own go after it, so they are left out, and
+        while tenants compete the consumers' windows count what goes before it there."""
         pipeline = self.pipeline
         assert pipeline is not None, "start() builds the pipeline before the server takes requests"
         encoders: tuple[Encoder, ...] = ()
@@ -260,12 +261,15 @@ class ProxyState:
             )
         autoscale, config = self.metrics.autoscale, self.config
         served = autoscale.arrived[DECODE] if autoscale is not None else 0
+        windows = pipeline.windows
+        consumers = pipeline.candidates(PREFILL) or pipeline.decoders()
         backlog = Backlog(
             encoders,
             tuple(consumer.inflight for consumer in pipeline.decoders()),
             config.autoscale_concurrency,
             autoscale.busy_s[DECODE] / served if autoscale is not None and served else 0.0,
             config.consumer_encode_after_s if config.consumer_encode else None,
+            windows.wait_s([c.url for c in consumers], tenant, priority) if windows is not None else 0.0,
         )
         return predicted_wait(backlog, largest_item)
 

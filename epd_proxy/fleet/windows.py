@@ -10,7 +10,9 @@ to go is the one of the best `priority`, then of the tenant with the fewest weig
 held back.
 
 A streamed request leaves the window at its first token; a non-streamed one (and an E+P+D
-prefill) when its answer arrives, which for vLLM is when it is done.
+prefill) when its answer arrives, which for vLLM is when it is done. How long places are held
+(an average over the last ones) predicts a new request's wait for one at arrival (`wait_s`), so a
+request that cannot start within its deadline is answered at once (journey/admission.py).
 """
 
 from __future__ import annotations
@@ -18,12 +20,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from epd_proxy.fleet.fairness import Ledger
 
 DEFAULT_WINDOW = 4
+# Weight of the newest hold in the average hold time.
+HOLD_EWMA = 0.2
 
 
 @dataclass(eq=False, slots=True)
@@ -42,6 +47,20 @@ class Window:
     ledger: Ledger
     open: int = 0
     waiting: list[_Waiter] = field(default_factory=list)
+    # Seconds a place is held, on average (0 until one was given back).
+    hold_s: float = 0.0
+
+    def wait_s(self, tenant: str | None, priority: int) -> float:
+        """The wait a request of `tenant` arriving now is predicted for a place here: the places
+        taken before it (those that go first, and one more for itself) beyond the free ones,
+        given back `size` at a time every `hold_s`."""
+        if not self.hold_s or not self.ledger.contended():
+            return 0.0
+        rank = self.ledger.token_rank
+        standing = (priority, rank(tenant))
+        ahead = sum(1 for w in self.waiting if (w.priority, rank(w.tenant)) <= standing)
+        short = ahead + 1 - (self.size - self.open)
+        return short * self.hold_s / self.size if short > 0 else 0.0
 
     def _next(self) -> _Waiter:
         rank = self.ledger.token_rank
@@ -69,8 +88,10 @@ class Window:
                 self.leave()
             raise
 
-    def leave(self) -> None:
+    def leave(self, held_s: float | None = None) -> None:
         self.open -= 1
+        if held_s is not None:
+            self.hold_s = held_s if not self.hold_s else self.hold_s + HOLD_EWMA * (held_s - self.hold_s)
         self._admit()
 
 
@@ -78,15 +99,16 @@ class Turn:
     """A request's place in a consumer's window; `done` gives it up before the block ends (at the
     first token of a stream)."""
 
-    __slots__ = ("_window",)
+    __slots__ = ("_window", "_since")
 
     def __init__(self, window: Window | None) -> None:
         self._window = window
+        self._since = time.monotonic()
 
     def done(self) -> None:
         window, self._window = self._window, None
         if window is not None:
-            window.leave()
+            window.leave(time.monotonic() - self._since)
 
 
 class Windows:
@@ -117,3 +139,7 @@ class Windows:
 
     def waiting(self) -> int:
         return sum(len(window.waiting) for window in self._windows.values())
+
+    def wait_s(self, urls: Sequence[str], tenant: str | None, priority: int) -> float:
+        """The shortest predicted wait for a place among the consumers `urls` (`Window.wait_s`)."""
+        return min((self.of(url).wait_s(tenant, priority) for url in urls), default=0.0)

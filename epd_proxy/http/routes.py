@@ -44,6 +44,7 @@ from epd_proxy.journey.admission import (
     turned_away,
 )
 from epd_proxy.journey.doors import CHAT, Door
+from epd_proxy.journey.encode import request_priority
 from epd_proxy.journey.extract import MediaItem, NormalisedRequest, ReadOptions, parse_json_body
 from epd_proxy.journey.messages_api import MESSAGES
 from epd_proxy.journey.pipeline import ClientBody
@@ -280,10 +281,9 @@ def _usage(fairness: Ledger | None, tenant: str | None) -> Callable[[Usage], Non
 def arrive(
     state: ProxyState, request: web.Request, tenant: Tenant | None, body: dict, items: list[MediaItem]
 ) -> Callable[[], float] | None:
-    """A request as it arrives, before anything queues it: its `priority` clamped into its
-    tenant's range (and --priority-range), and turned away at once if it cannot start within its
-    deadline. Returns how to predict its wait in seconds, for the Retry-After of --max-inflight
-    (None when there is no limit to refuse it)."""
+    """A request as it arrives: its `priority` clamped into its tenant's range (and --priority-range),
+    and turned away at once if it cannot start within its deadline. Returns how to predict its wait
+    in seconds, for the Retry-After of --max-inflight (None when there is no limit to refuse it)."""
     config = state.config
     allowed = tenant.priority.within(config.priority_range) if tenant is not None else config.priority_range
     if allowed is not None:
@@ -297,7 +297,7 @@ def arrive(
     if deadline is not None:
         fairness = state.lanes.fairness
         share = WITHIN if fairness is None or tenant is None else fairness.share(tenant.name)
-        wait = state.wait_at_arrival(largest, tenant.name if tenant is not None else None)
+        wait = state.wait_at_arrival(largest, tenant.name if tenant is not None else None, request_priority(body))
         shed = shed_decision(wait, deadline, share)
         if shed is not None:
             raise turned_away(shed, wait.seconds, deadline)

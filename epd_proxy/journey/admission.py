@@ -58,6 +58,8 @@ class Backlog:
     service_s: float = 0.0
     # Past this backlog media go raw to the consumer (--consumer-encode-after); None: they never do.
     raw_after_s: float | None = None
+    # While tenants compete, the wait for a place in the least-waited consumer's window (fleet/windows.py).
+    window_s: float = 0.0
 
 
 class Wait(NamedTuple):
@@ -86,7 +88,9 @@ def predicted_wait(backlog: Backlog, largest_item: float) -> Wait:
         ahead = min(backlog.consumers) - backlog.consumer_slots + 1
         if ahead > 0:
             queue = ahead * backlog.service_s / backlog.consumer_slots
-            return Wait(encode if encode > queue else queue, True)
+            encode, queued = max(encode, queue), True
+    if backlog.window_s > encode:
+        encode, queued = backlog.window_s, True
     return Wait(encode, queued)
 
 

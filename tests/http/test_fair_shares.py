@@ -145,8 +145,10 @@ async def test_while_tenants_compete_a_sub_request_carries_a_quantum_so_another_
     assert await sub_request_sizes(stack, "a", "alone-again", 6) == [6]
 
 
-async def text_answer(stack, tenant: str, name: str) -> int:
+async def text_answer(stack, tenant: str, name: str, deadline_ms: int | None = None) -> int:
     headers = {"Authorization": f"Bearer {tenant}-key", "x-request-id": name}
+    if deadline_ms is not None:
+        headers["x-request-deadline-ms"] = str(deadline_ms)
     async with await stack.chat(chat(stream=True), headers=headers) as resp:
         await resp.read()
         return resp.status
@@ -182,6 +184,34 @@ async def test_while_tenants_compete_the_pd_is_sent_a_window_of_prompts_and_the_
     await eventually(lambda: len(prefilling.requests) == 4, what="all four of a's on the consumer at once")
     assert windows.waiting() == 0 and await asyncio.gather(*flooded) == [200] * 4
     ledger.ended("a")
+
+
+async def test_a_request_that_would_wait_past_its_deadline_for_a_consumer_window_is_answered_at_once(
+    make_stack, tmp_path
+):
+    path = tmp_path / "tenants.toml"
+    path.write_text(TENANTS)
+    stack = await make_stack(encoders=1, tenants_file=str(path), consumer_window=1)
+    stack.pd.faults.delay_s = 0.5
+    ledger = stack.state.lanes.fairness
+    ledger.began("b", 2.0)
+    assert await text_answer(stack, "a", "warm") == 200  # a place's hold, measured: about 0.5 s
+    ledger.charge_tokens("a", 4000, 0)
+    flooded = [asyncio.create_task(text_answer(stack, "a", f"a{n}")) for n in range(3)]
+    windows = stack.state.pipeline.windows
+    await eventually(lambda: windows.waiting() == 2, what="one of a's on the PD, two waiting")
+    # Three places' holds before a's next one can start: far past its 0.6 s, it is answered at once.
+    assert await text_answer(stack, "a", "late", deadline_ms=600) == 503
+    # b's goes before a's waiting ones: one hold, within its deadline.
+    assert await text_answer(stack, "b", "b0", deadline_ms=800) == 200
+    assert await asyncio.gather(*flooded) == [200] * 3
+    ledger.ended("b")
+    assert "late" not in [seen.headers["x-request-id"].split(":")[0] for seen in stack.pd.requests]
+    metrics = await stack.metrics()
+    assert 'epd_requests_shed_total{reason="deadline",tenant="a"} 1.0' in metrics
+    assert not [
+        line for line in metrics.splitlines() if line.startswith("epd_requests_shed_total") and 'tenant="b"' in line
+    ]
 
 
 async def test_past_its_deadline_the_tenant_over_its_share_gets_the_429_and_the_other_is_served(make_stack, tmp_path):

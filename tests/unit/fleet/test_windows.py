@@ -90,3 +90,31 @@ async def test_a_waiter_cancelled_as_it_is_admitted_hands_its_place_on():
         await first
     await asyncio.wait_for(second, 1)
     assert window.open == 1
+
+
+async def test_the_wait_predicted_for_a_place_counts_what_goes_first_and_the_measured_hold():
+    windows = Windows(2, competing(a=100, b=0))
+    window = windows.of("pd")
+    assert window.wait_s("a", 0) == 0.0, "nothing measured yet"
+    window.hold_s = 1.0
+    for n in range(2):
+        await window.enter("a", 0, n)
+    queued = [asyncio.create_task(window.enter("a", 0, 2 + n)) for n in range(4)]
+    await settle()
+    # a's four waiting go before a new one of a's: five places short, two given back a second.
+    assert window.wait_s("a", 0) == pytest.approx(2.5)
+    # b, less served, goes before all of them: one place short.
+    assert window.wait_s("b", 0) == pytest.approx(0.5)
+    assert windows.wait_s(["pd", "idle"], "a", 0) == 0.0, "another consumer has room"
+    for task in queued:
+        task.cancel()
+    await asyncio.gather(*queued, return_exceptions=True)
+
+
+def test_a_place_given_back_updates_the_average_hold():
+    window = Windows(1, competing(a=0)).of("pd")
+    window.open = 2
+    window.leave(2.0)
+    assert window.hold_s == 2.0
+    window.leave(1.0)
+    assert window.hold_s == pytest.approx(1.8)

@@ -99,6 +99,14 @@ def test_a_full_consumer_makes_a_request_wait_for_a_slot():
     assert predicted_wait(both, largest_item=1.0) == Wait(pytest.approx(1.5), True)
 
 
+def test_while_tenants_compete_the_wait_for_a_consumer_window_is_part_of_the_wait():
+    # The encoders would be done in 0.6 s, a place in a consumer's window frees in 2 s: 2 s.
+    fleet = backlog((0.0, 0.1, 0.5), window_s=2.0)
+    assert predicted_wait(fleet, largest_item=1.0) == Wait(pytest.approx(2.0), True)
+    # Encoding takes longer than the window's wait: the encoding's.
+    assert predicted_wait(backlog((3.0, 0.1, 0.5), window_s=2.0), 1.0) == Wait(pytest.approx(3.6), True)
+
+
 def test_a_request_that_cannot_start_within_its_deadline_is_a_503_with_the_seconds_to_retry_after():
     shed = shed_decision(Wait(7.2, True), deadline_s=2.0, share=WITHIN)
     assert shed is not None and (shed.status, shed.reason, shed.retry_after_s) == (503, DEADLINE, 6)
