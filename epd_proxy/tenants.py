@@ -316,10 +316,10 @@ class TenantFlags(MediaFetchFlags):
         shown="none",
     )
     consumer_window: int = _option(
-        4,
+        0,
         Count(0),
         "with `--tenants`, while two or more tenants have requests in flight: requests each PD (or E+P+D prefill) "
-        "is sent before their first token, the rest waiting in the proxy, least-served tenant first; 0 = no limit; "
+        "is sent before their first token, the rest waiting in the proxy, least-served tenant first; 0 = off; "
         "see [Keys and tenants](keys.md#fair-shares)",
         flag="--consumer-window",
     )

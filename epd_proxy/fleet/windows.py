@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 
 from epd_proxy.fleet.fairness import Ledger
 
-DEFAULT_WINDOW = 4
 # Weight of the newest hold in the average hold time.
 HOLD_EWMA = 0.2
 
