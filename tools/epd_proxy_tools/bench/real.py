@@ -385,6 +385,10 @@ class RealBench:
         if self.canonical:
             same = sum(1 for r in ok if self.canonical.get((r.conversation, r.turn)) == r.answer)
             block["exact"] = same
+            # Which turns differ, to tell batching's changes from a routing fault afterwards.
+            block["differing"] = sorted(
+                [r.conversation, r.turn] for r in ok if self.canonical.get((r.conversation, r.turn)) != r.answer
+            )
             block["exact_rate"] = same / sent if sent else None
         return block
 
