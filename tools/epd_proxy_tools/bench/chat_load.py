@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+import uuid
 from dataclasses import dataclass
 
 import aiohttp
@@ -85,12 +86,19 @@ def carries_a_token(data: bytes) -> bool:
     return False
 
 
+def turn_request_id(conversation: int, turn: int) -> str:
+    """The `x-request-id` of one turn: named by conversation and turn, so a proxy's request log
+    shows where each turn of a conversation went; unique, as vLLM takes it for its own id."""
+    return f"c{conversation}-t{turn}-{uuid.uuid4().hex[:8]}"
+
+
 async def _send(session: aiohttp.ClientSession, url: str, body: bytes, conversation: int, turn: int) -> Result:
     started = time.perf_counter()
     result = Result(conversation, turn, started, started, 0)
     events: list[bytes] = []
     try:
-        async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
+        headers = {"Content-Type": "application/json", "x-request-id": turn_request_id(conversation, turn)}
+        async with session.post(url, data=body, headers=headers) as resp:
             result.status = resp.status
             if resp.status != 200:
                 result.error = (await resp.read())[:300].decode(errors="replace")

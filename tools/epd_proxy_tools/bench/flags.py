@@ -270,6 +270,40 @@ class RealBenchOptions(TenantLoadOptions):
         False, Switch(), "E+P+D: a prefill and a decode instead of PD", flag="--prefill", group=LOCAL_STACK
     )
     pds: int = option(1, Count(1), "PD instances (prefill instances with `--prefill`)", flag="--pds", group=LOCAL_STACK)
+    # The default KV blocks (65,536 tokens, 32 MiB for the tiny
+    # model): the tests' 128 (4,096 tokens) holds two long prompts, so at concurrency 16 the language
+    # model would queue for KV space and evict every conversation's prefix between its turns, which a
+    # GPU's cache of hundreds of thousands of tokens does not; prefix reuse is measured on a cache that
+    # holds the load's conversations, as a real one would.
+    kv_blocks: int = option(
+        2048,
+        Count(1),
+        "KV blocks of every PD, prefill, decode and the baseline (vLLM `--num-gpu-blocks-override`); few enough "
+        "blocks evict sessions between their turns",
+        flag="--kv-blocks",
+        group=LOCAL_STACK,
+    )
+    max_model_len: int = option(
+        2048, Count(1), "vLLM `--max-model-len` of every server", flag="--max-model-len", group=LOCAL_STACK
+    )
+    restart_after: float | None = option(
+        None,
+        Real("S", 0),
+        "stop one consumer (`--restart-name`) this many seconds into every measured proxy block and start it "
+        "again on its port; the block goes on meanwhile",
+        flag="--restart-after",
+        group=LOCAL_STACK,
+        shown="no restart",
+    )
+    restart_name: str | None = option(
+        None,
+        Text(),
+        "the instance `--restart-after` restarts",
+        flag="--restart-name",
+        group=LOCAL_STACK,
+        metavar="NAME",
+        shown="the last PD (prefill with `--prefill`)",
+    )
     stack_dir: Path = option(
         Path("work/bench-stack"), Folder(), "the stack's work folder", flag="--stack-dir", group=LOCAL_STACK
     )
@@ -318,10 +352,35 @@ class RealBenchOptions(TenantLoadOptions):
         0.25, Real("SHARE", 0), "share of image slots from popular images", flag="--popular-share", group=LOAD
     )
     max_images: int = option(12, Count(1), "most images in one request", flag="--max-images", group=LOAD)
+    steps: int | None = option(
+        None,
+        Count(1),
+        "`--workload agent`: steps in every session",
+        flag="--steps",
+        group=LOAD,
+        shown="6-10, drawn per session",
+    )
+    preamble_chars: int = option(
+        0,
+        Count(0),
+        "`--workload agent`: a system prompt with tool definitions of this many characters that every session "
+        "opens with (the tiny model makes about a token of each)",
+        flag="--preamble-chars",
+        group=LOAD,
+        shown="a one-line system prompt",
+    )
+    shared_screens: int = option(
+        0,
+        Count(0),
+        "`--workload agent`: each session's first screenshot is one of this many that every session draws from",
+        flag="--shared-screens",
+        group=LOAD,
+        shown="every screenshot new",
+    )
     workload: str = option(
         "mix",
         Choice(("mix", "agent", "tenants")),
-        "`mix`: MUIRBench-like chats; `agent`: sessions of 6-10 steps, each adding one screenshot and re-sending "
+        "`mix`: MUIRBench-like chats; `agent`: sessions of 6-10 steps (`--steps`), each adding one screenshot and re-sending "
         "the history; `tenants`: a flooding tenant and an interactive one (see the tenants workload options)",
         flag="--workload",
         group=LOAD,

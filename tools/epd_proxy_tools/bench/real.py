@@ -23,6 +23,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -34,17 +35,12 @@ from epd_proxy.options import add_arguments, parse_into
 from epd_proxy_tools.bench import chat_load, engines, procs, real_report
 from epd_proxy_tools.bench.engines import BASELINE, DECODE, ENCODE, PD, PREFILL, Engine
 from epd_proxy_tools.bench.flags import OUR_COMMAND, REAL_GROUPS, REAL_QUICK, RealBenchOptions
+from epd_proxy_tools.bench.kv_counts import KvEventCounter, Tally
 from epd_proxy_tools.bench.launch import command_words, http_get, proxy_environment, stop_process, wait_ready
 from epd_proxy_tools.bench.workload import AgentSpec, ChatMixSpec, get_chats
 from epd_proxy_tools.testing.harness import free_port
 
 SINGLE = "single-instance"
-# KV blocks of every PD, prefill, decode and the baseline (65,536 tokens, 32 MiB for the tiny
-# model): the tests' 128 (4,096 tokens) holds two long prompts, so at concurrency 16 the language
-# model would queue for KV space and evict every conversation's prefix between its turns, which a
-# GPU's cache of hundreds of thousands of tokens does not; prefix reuse is measured on a cache that
-# holds the load's conversations, as a real one would.
-BENCH_KV_BLOCKS = 2048
 
 
 @dataclass
@@ -128,6 +124,8 @@ class RealBench:
         self.resets = not args.no_reset
         self.canonical: dict[tuple[int, int], chat_load.Answer] = {}
         self.think = think_range(args)
+        self.cores: dict[str, str] = {}
+        self.kv_counter: KvEventCounter | None = None
 
     # -- engines ---------------------------------------------------------------------------------
     def start_engines(self) -> None:
@@ -147,14 +145,20 @@ class RealBench:
                 work_dir=a.stack_dir,
                 # Four servers starting on a shared 2-core machine can take minutes.
                 health_timeout=900.0,
-                num_gpu_blocks_pd=BENCH_KV_BLOCKS,
+                num_gpu_blocks_pd=a.kv_blocks,
+                max_model_len=a.max_model_len,
             )
             self.stack = LocalStack(config, progress_stream=sys.stderr)
             self.stack.start(tty=False)
             st = self.stack
             for line in st.kv_events_summary():
                 sys.stderr.write(f"[bench] KV events: {line}\n")
+            host = "127.0.0.1" if st.config.host in ("0.0.0.0", "::") else st.config.host
+            self.kv_counter = KvEventCounter(
+                {name: f"tcp://{host}:{ports.events}" for name, ports in st.kv_event_ports().items()}
+            )
             cores = assign_cores(a.encoders, True, sorted(os.sched_getaffinity(0)), prefill=a.prefill, consumers=a.pds)
+            self.cores = cores
             for m in st.instances:
                 kind = m.name.split("-")[0]
                 role = {"pd": PD, "prefill": PREFILL, "decode": DECODE, "baseline": BASELINE}.get(kind, ENCODE)
@@ -241,6 +245,37 @@ class RealBench:
         wait_ready(url + "/v1/models", proc)
         return proc, url
 
+    # -- a consumer restarted mid-block ------------------------------------------------------------
+    def restart_target(self) -> str | None:
+        a = self.args
+        if a.restart_after is None:
+            return None
+        if self.stack is None:
+            raise SystemExit("--restart-after needs --stack: the bench restarts an instance it started")
+        names = [e.name for e in self.engines if e.role in (PD, PREFILL)]
+        name = a.restart_name or names[-1]
+        if name not in {e.name for e in self.engines}:
+            raise SystemExit(f"--restart-name {name!r} is none of the stack's instances: {', '.join(names)}")
+        return name
+
+    def restart_later(self, name: str, delay: float, block_over: threading.Event, record: dict) -> None:
+        """Stop `name` `delay` seconds in (unless the block is over by then) and start it again on its
+        port; `record` keeps its counters at the stop and at the start, so the block's deltas span both
+        of its lives."""
+        if block_over.wait(delay):
+            return
+        engine = next(e for e in self.engines if e.name == name)
+        record["at_stop"] = engine.scrape()
+        stopped = time.perf_counter()
+        assert self.stack is not None
+        self.stack.restart(name)
+        record["down_s"] = time.perf_counter() - stopped
+        proc = self.stack.by_name(name).proc
+        engine.pid = proc.pid if proc is not None else None
+        if engine.pid is not None and not self.args.no_pin and name in self.cores:
+            procs.pin_tree(engine.pid, _parse_cores(self.cores[name]))
+        record["at_start"] = engine.scrape()
+
     # -- blocks ----------------------------------------------------------------------------------
     def drive(self, url: str, conversations: list[list[bytes]], level: tuple[str, float]) -> list[chat_load.Result]:
         kind, value = level
@@ -262,24 +297,51 @@ class RealBench:
             if warmup:
                 self.drive(url, warmup, ("concurrency", max(1, min(len(warmup), _closed(level)))))
             before = engines.settled(self.engines)
+            kv_before = self.kv_counter.snapshot() if self.kv_counter else {}
             proxy_before = procs.tree_cpu_split(proc.pid) if proc else (0.0, 0.0)
             harness_before = _own_cpu()
             cores_before = procs.core_busy()
+            block_over, restarted = threading.Event(), {}
+            # Measured blocks only: the engines' first-request blocks (round -1) stay whole.
+            target = self.restart_target() if proc is not None and round_no >= 0 else None
+            restarter = None
+            if target is not None:
+                delay = float(self.args.restart_after or 0.0)
+                restarter = threading.Thread(
+                    target=self.restart_later, args=(target, delay, block_over, restarted), daemon=True
+                )
+                restarter.start()
             started = time.perf_counter()
             results = self.drive(url, measured, level)
             wall = time.perf_counter() - started
+            block_over.set()
+            if restarter is not None:
+                # The next block starts on a whole fleet; a restart still under way is waited for.
+                restarter.join()
             harness = _own_cpu() - harness_before
             cores_after = procs.core_busy()
             proxy_after = procs.tree_cpu_split(proc.pid) if proc else (0.0, 0.0)
             after = engines.settled(self.engines)
+            kv_after = self.kv_counter.snapshot() if self.kv_counter else {}
             if arm.ours:
                 # What the scheduler saw by the block's end, to tell a bad round's cause afterwards.
                 status = self.out / f"status-{arm.name}-{level[0]}{level[1]:g}-round{round_no}.json"
                 status.write_bytes(http_get(url + "/status.json"))
+                # Its own counters too: what placed each request and why (epd_prefix_decisions_total).
+                status.with_name(status.name.replace("status-", "metrics-")).with_suffix(".txt").write_bytes(
+                    http_get(url + "/metrics")
+                )
         finally:
             if proc is not None:
                 stop_process(proc)
         deltas = {name: engines.delta(before[name], after[name]) for name in after}
+        if "at_stop" in restarted:
+            # Counters start from zero in the new process: its life before the stop plus its life since.
+            old = engines.delta(before[target], restarted["at_stop"])
+            new = engines.delta(restarted["at_start"], after[target])
+            deltas[target] = {key: old.get(key, 0.0) + new[key] for key in new}
+        # The single instance publishes no events: the consumers' counts are not its own.
+        kv = {} if arm.direct_url else {n: kv_after[n].minus(kv_before.get(n, Tally())) for n in kv_after}
         # The single-instance arm's engine figures are the baseline's own.
         arm_engines = [e for e in self.engines if (e.role == BASELINE) == bool(arm.direct_url)]
         if arm.direct_url:
@@ -297,6 +359,9 @@ class RealBench:
             "requests": sent,
             "answered": len(ok),
             "failed": sent - len(ok),
+            # Answered with an error; the rest of `failed` were never sent, as a client whose turn
+            # failed ends its conversation.
+            "errored": len(results) - len(ok),
             "errors": sorted({r.error or f"HTTP {r.status}" for r in results if not r.ok})[:5],
             "wall_s": wall,
             "req_per_s": len(ok) / wall if wall else 0.0,
@@ -309,11 +374,21 @@ class RealBench:
             "engines": engines.summarise(arm_engines, {e.name: deltas[e.name] for e in arm_engines}, len(ok)),
             # Each engine's own counter deltas, for checking the figures above.
             "engine_deltas": {name: {k: v for k, v in d.items() if v} for name, d in deltas.items()},
+            "kv_blocks_stored": sum(t.stored for t in kv.values()) if kv else None,
+            "kv_blocks_removed": sum(t.removed for t in kv.values()) if kv else None,
+            "restart": {"instance": target, "down_s": restarted.get("down_s")} if "at_stop" in restarted else None,
         }
+        stored = block["kv_blocks_stored"]
+        block["eviction_rate"] = block["kv_blocks_removed"] / stored if stored else None
+        block["kv_blocks_removed_per_request"] = block["kv_blocks_removed"] / len(ok) if kv and ok else None
         block["proxy_cpu_ms_per_request"] /= max(1, len(ok))
         if self.canonical:
             same = sum(1 for r in ok if self.canonical.get((r.conversation, r.turn)) == r.answer)
             block["exact"] = same
+            # Which turns differ, to tell batching's changes from a routing fault afterwards.
+            block["differing"] = sorted(
+                [r.conversation, r.turn] for r in ok if self.canonical.get((r.conversation, r.turn)) != r.answer
+            )
             block["exact_rate"] = same / sent if sent else None
         return block
 
@@ -336,7 +411,14 @@ class RealBench:
         self.start_engines()
         try:
             if a.workload == "agent":
-                spec = AgentSpec(seed=a.seed, conversations=a.conversations, model=self.model)
+                spec = AgentSpec(
+                    seed=a.seed,
+                    conversations=a.conversations,
+                    model=self.model,
+                    steps=a.steps,
+                    preamble_chars=a.preamble_chars,
+                    shared_screens=a.shared_screens,
+                )
             else:
                 spec = ChatMixSpec(
                     seed=a.seed,
@@ -368,6 +450,8 @@ class RealBench:
             real_report.write(self.out, result, chart=not a.no_chart)
             return result
         finally:
+            if self.kv_counter is not None:
+                self.kv_counter.close()
             if self.stack is not None:
                 self.stack.stop()
 

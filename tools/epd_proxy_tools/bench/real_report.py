@@ -64,9 +64,11 @@ def summarise_arm(blocks: list[dict[str, Any]]) -> dict[str, Any]:
         "rounds": len(blocks),
         "requests": sum(b["requests"] for b in blocks),
         "failed": sum(b["failed"] for b in blocks),
+        "errored": sum(b.get("errored", b["failed"]) for b in blocks),
         "errors": sorted({e for b in blocks for e in b["errors"]})[:5],
         "req_per_s": _spread([b["req_per_s"] for b in blocks]),
         "latency_p50_ms": _ms(_pct(latencies, 0.5)),
+        "latency_p90_ms": _ms(_pct(latencies, 0.9)),
         "latency_p99_ms": _ms(_pct(latencies, 0.99)),
         "latency_p99_ms_rounds": _spread([_ms(_pct(b["latency_s"], 0.99)) for b in blocks]),
         "ttft_p50_ms": _ms(_pct(ttfts, 0.5)),
@@ -74,6 +76,10 @@ def summarise_arm(blocks: list[dict[str, Any]]) -> dict[str, Any]:
         "proxy_cpu_ms_per_request": _spread([b["proxy_cpu_ms_per_request"] for b in blocks]),
         "harness_core_share": _spread([b["harness_core_share"] for b in blocks]),
         "other_load_cores": _spread([b.get("other_load_cores") for b in blocks]),
+        "eviction_rate": _spread([b.get("eviction_rate") for b in blocks]),
+        "kv_blocks_removed_per_request": _spread([b.get("kv_blocks_removed_per_request") for b in blocks]),
+        "restarts": sum(1 for b in blocks if b.get("restart")),
+        "restart_down_s": _spread([(b.get("restart") or {}).get("down_s") for b in blocks]),
     }
     for key in ENGINE_KEYS:
         values = [b["engines"].get(key) for b in blocks]
@@ -132,6 +138,7 @@ def build(bench, arms: list, levels: list[tuple[str, float]], mix) -> dict[str, 
                 row["vs_first"] = {
                     "arm": first,
                     "req_per_s": _ratio(row["req_per_s"]["median"], base["req_per_s"]["median"]),
+                    "latency_p90": _ratio(row["latency_p90_ms"], base["latency_p90_ms"]),
                     "latency_p99": _ratio(row["latency_p99_ms"], base["latency_p99_ms"]),
                     "ttft_p50": _ratio(row["ttft_p50_ms"], base["ttft_p50_ms"]),
                     **{name: _ratio(_median_of(row, key), _median_of(base, key)) for name, key in RATIOS.items()},
@@ -190,19 +197,20 @@ def table(result: dict[str, Any]) -> str:
         f"{result['rounds']} interleaved round(s); engine caches "
         + ("emptied before every block" if result["caches_reset_between_blocks"] else "NOT emptied between blocks"),
         "",
-        "| level | arm | req/s (min-max) | p50 ms | p99 ms | TTFT p50 / p99 ms | E sub-req / req | images / sub-req "
-        "| E cache hits | answers exact | failed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| level | arm | req/s (min-max) | p50 ms | p90 ms | p99 ms | TTFT p50 / p99 ms | E sub-req / req "
+        "| images / sub-req | E cache hits | answers exact | failed (errors) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         level = f"{'c' if r['level'][0] == 'concurrency' else 'rate'} {r['level'][1]:g}"
         exact = "-" if r.get("exact_rate") is None else f"{100 * r['exact_rate']:.0f}%"
         lines.append(
             f"| {level} | {r['arm']}{' **FLAGGED**' if r['flag'] else ''} | {_range(r['req_per_s'])} "
-            f"| {_f(r['latency_p50_ms'], '{:.0f}')} | {_f(r['latency_p99_ms'], '{:.0f}')} "
+            f"| {_f(r['latency_p50_ms'], '{:.0f}')} | {_f(r['latency_p90_ms'], '{:.0f}')} "
+            f"| {_f(r['latency_p99_ms'], '{:.0f}')} "
             f"| {_f(r['ttft_p50_ms'], '{:.0f}')} / {_f(r['ttft_p99_ms'], '{:.0f}')} "
             f"| {_med(r, 'encoder_subrequests_per_request', '{:.2f}')} | {_med(r, 'images_per_subrequest', '{:.2f}')} "
-            f"| {_med(r, 'encoder_cache_hit_share', '{:.0%}')} | {exact} | {r['failed']} |"
+            f"| {_med(r, 'encoder_cache_hit_share', '{:.0%}')} | {exact} | {r['failed']} ({r['errored']}) |"
         )
     lines += [
         "",
@@ -230,10 +238,12 @@ def table(result: dict[str, Any]) -> str:
     lines += [
         "",
         "Work done per request: images sent to the encoders, the first language-model stage's prompt tokens "
-        "and those it computed (not from its prefix cache or a KV transfer), its prefix-cache hit share:",
+        "and those it computed (not from its prefix cache or a KV transfer), its prefix-cache hit share; the "
+        "consumers' cached blocks evicted (their KV events' BlockRemoved) per request and per block stored:",
         "",
-        "| level | arm | images to encoders / req | prompt tokens / req | computed / req | prefix-cache hits |",
-        "|---|---|---|---|---|---|",
+        "| level | arm | images to encoders / req | prompt tokens / req | computed / req | prefix-cache hits "
+        "| blocks evicted / req | evicted / stored | restarts (down s) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         level = f"{'c' if r['level'][0] == 'concurrency' else 'rate'} {r['level'][1]:g}"
@@ -241,7 +251,9 @@ def table(result: dict[str, Any]) -> str:
             f"| {level} | {r['arm']} | {_med(r, 'encoder_images_per_request', '{:.2f}')} "
             f"| {_med(r, 'prompt_tokens_per_request', '{:.0f}')} "
             f"| {_med(r, 'prompt_tokens_computed_per_request', '{:.0f}')} "
-            f"| {_med(r, 'prefix_cache_hit_share', '{:.0%}')} |"
+            f"| {_med(r, 'prefix_cache_hit_share', '{:.0%}')} "
+            f"| {_med(r, 'kv_blocks_removed_per_request', '{:.1f}')} | {_med(r, 'eviction_rate', '{:.0%}')} "
+            f"| {r['restarts']} ({_med(r, 'restart_down_s', '{:.0f}')}) |"
         )
     compared = [r for r in result["rows"] if r.get("vs_first")]
     if compared:
@@ -249,9 +261,9 @@ def table(result: dict[str, Any]) -> str:
             "",
             "Against the first arm at the same level (ratios of medians):",
             "",
-            "| level | arm | vs | req/s | p99 | TTFT p50 | images to encoders | prompt tokens computed "
+            "| level | arm | vs | req/s | p90 | p99 | TTFT p50 | images to encoders | prompt tokens computed "
             "| encoder CPU / req | all engines CPU / req | proxy CPU / req | req/s ranges |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in compared:
             v = r["vs_first"]
@@ -259,7 +271,8 @@ def table(result: dict[str, Any]) -> str:
             sep = {True: "separate", False: "overlap", None: "-"}[v["req_per_s_ranges_separate"]]
             lines.append(
                 f"| {level} | {r['arm']} | {v['arm']} | {_f(v['req_per_s'], '{:.2f}x')} "
-                f"| {_f(v['latency_p99'], '{:.2f}x')} | {_f(v['ttft_p50'], '{:.2f}x')} "
+                f"| {_f(v['latency_p90'], '{:.2f}x')} | {_f(v['latency_p99'], '{:.2f}x')} "
+                f"| {_f(v['ttft_p50'], '{:.2f}x')} "
                 f"| {_f(v['encoder_images'], '{:.2f}x')} | {_f(v['prompt_tokens_computed'], '{:.2f}x')} "
                 f"| {_f(v['encoder_cpu'], '{:.2f}x')} | {_f(v['engine_cpu'], '{:.2f}x')} "
                 f"| {_f(v['proxy_cpu'], '{:.2f}x')} | {sep} |"

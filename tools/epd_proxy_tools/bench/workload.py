@@ -351,13 +351,42 @@ def generate_chats(spec: ChatMixSpec) -> ChatMix:
 
 AGENT_SYSTEM = "You operate a web browser for the user. Each step shows the current screen."
 AGENT_STEPS = ("Open the settings page.", "Find the search box.", "Type the order number.", "Press the button.")
+# What an agent framework puts before the first step besides its system prompt: its tools,
+# described in text. Cycled through (numbered) until the preamble reaches its length.
+AGENT_TOOLS = (
+    ("click", "x: int, y: int", "press the primary button at pixel (x, y) of the current screen"),
+    ("type_text", "text: str", "type the text into the element that has the keyboard focus"),
+    ("scroll", "dx: int, dy: int", "scroll the page under the pointer by dx, dy pixels"),
+    ("key", "combo: str", "press a key combination such as ctrl+l or enter"),
+    ("wait", "seconds: float", "do nothing for a while so the page can finish loading"),
+    ("open_url", "url: str", "load the address in the current tab"),
+)
+
+
+def agent_preamble(chars: int) -> str:
+    """The system prompt and tool definitions every session opens with, about `chars` characters
+    long (the tiny model's tokenizer makes about one token of each); the bare system prompt for 0."""
+    lines = [AGENT_SYSTEM]
+    if chars <= len(AGENT_SYSTEM):
+        return AGENT_SYSTEM
+    lines.append("Tools (answer with exactly one call per step):")
+    n = 0
+    while sum(map(len, lines)) + len(lines) < chars:
+        name, params, does = AGENT_TOOLS[n % len(AGENT_TOOLS)]
+        lines.append(f"- {name}_{n}({params}): {does}.")
+        n += 1
+    return "\n".join(lines)[:chars]
 
 
 @dataclass(frozen=True)
 class AgentSpec:
     """Agent sessions: each step adds one screenshot and re-sends the whole history with the
     agent's earlier replies, as computer-use agents do. 224x224 is 64 image tokens on the tiny
-    model, so ten steps stay inside the local stack's --max-model-len."""
+    model, so ten steps stay inside the local stack's --max-model-len.
+
+    With `steps`, every session has exactly that many; `preamble_chars` makes the system message a
+    shared preamble of tool definitions that long; with `shared_screens` K, each session's first
+    screenshot is one of K screenshots every session draws from (the app's start page)."""
 
     kind: ClassVar[str] = "agent"
     seed: int = 1234
@@ -369,16 +398,34 @@ class AgentSpec:
     max_image_bytes: int = 40_000
     max_tokens: int = 16
     model: str = MODEL
+    steps: int | None = None
+    preamble_chars: int = 0
+    shared_screens: int = 0
+
+
+def _shared_screens(spec: AgentSpec) -> list[str]:
+    # Their own generator: sessions draw the same bodies as without them, apart from the first screen.
+    rng = random.Random(f"shared-screens-{spec.seed}")
+    return [
+        _data_url(_textured_jpeg(rng, spec.screen, spec.min_image_bytes, spec.max_image_bytes))
+        for _ in range(spec.shared_screens)
+    ]
 
 
 def generate_agent_sessions(spec: AgentSpec) -> ChatMix:
     rng = random.Random(spec.seed)
+    system = agent_preamble(spec.preamble_chars) if spec.preamble_chars else AGENT_SYSTEM
+    shared = _shared_screens(spec)
     conversations, image_counts = [], []
     for _ in range(spec.conversations):
-        messages: list[dict] = [{"role": "system", "content": AGENT_SYSTEM}]
+        messages: list[dict] = [{"role": "system", "content": system}]
         bodies, counts = [], []
-        for turn in range(rng.randint(spec.min_turns, spec.max_turns)):
-            screen = _data_url(_textured_jpeg(rng, spec.screen, spec.min_image_bytes, spec.max_image_bytes))
+        steps = spec.steps or rng.randint(spec.min_turns, spec.max_turns)
+        for turn in range(steps):
+            if turn == 0 and shared:
+                screen = rng.choice(shared)
+            else:
+                screen = _data_url(_textured_jpeg(rng, spec.screen, spec.min_image_bytes, spec.max_image_bytes))
             if turn:
                 messages.append({"role": "assistant", "content": f"Done step {turn}. Next?"})
             step = {"type": "text", "text": f"Step {turn + 1}: {rng.choice(AGENT_STEPS)}"}

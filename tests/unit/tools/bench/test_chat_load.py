@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from epd_proxy_tools.bench.chat_load import Answer, Result, arrival_times, carries_a_token, read_answer
+from epd_proxy.http.request_id import request_id
+from epd_proxy_tools.bench.chat_load import (
+    Answer,
+    Result,
+    arrival_times,
+    carries_a_token,
+    read_answer,
+    turn_request_id,
+)
 
 ROLE = b'{"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}'
 TOKEN = b'{"choices":[{"index":0,"delta":{"content":"ab"}}]}'
@@ -37,3 +45,9 @@ def test_open_loop_arrivals_are_seeded_increasing_and_at_the_rate():
     assert times == arrival_times(2000, rate=50.0, seed=3) != arrival_times(2000, rate=50.0, seed=4)
     assert all(a <= b for a, b in zip(times, times[1:]))
     assert 35 < len(times) / times[-1] < 65
+
+
+def test_each_turn_is_sent_under_an_id_naming_its_conversation_and_turn_that_a_proxy_keeps():
+    first, again = turn_request_id(12, 3), turn_request_id(12, 3)
+    assert first.startswith("c12-t3-") and first != again
+    assert request_id({"x-request-id": first}).value == first

@@ -15,9 +15,11 @@ from epd_proxy_tools.bench.engines import ENCODE, PD, Engine
 from epd_proxy_tools.bench.flags import RealBenchOptions
 from epd_proxy_tools.bench.real import think_range
 from epd_proxy_tools.bench.workload import (
+    AGENT_SYSTEM,
     EARLIER_REPLY,
     AgentSpec,
     ChatMixSpec,
+    agent_preamble,
     generate_agent_sessions,
     generate_chats,
 )
@@ -279,3 +281,51 @@ def test_a_local_url_is_traced_to_the_process_listening_on_it():
         assert engines.listening_pid(f"http://127.0.0.1:{port}") == os.getpid()
     assert engines.listening_pid(f"http://127.0.0.1:{port}") is None
     assert engines.listening_pid("http://encoder-0.encoders.svc:8000") is None
+
+
+def _screens(body: dict) -> list[str]:
+    return [p["image_url"]["url"] for m in body["messages"] if isinstance(m["content"], list) for p in m["content"][1:]]
+
+
+def test_agent_sessions_of_a_fixed_length_share_a_preamble_and_a_few_first_screens():
+    spec = AgentSpec(seed=5, conversations=12, steps=10, preamble_chars=1500, shared_screens=4)
+    mix = generate_agent_sessions(spec)
+    assert [len(turns) for turns in mix.conversations] == [10] * 12
+    firsts, preambles = set(), set()
+    for turns in mix.conversations:
+        bodies = [orjson.loads(b) for b in turns]
+        system = bodies[0]["messages"][0]
+        assert system["role"] == "system" and len(system["content"]) == 1500
+        assert all(b["messages"][0] == system for b in bodies)
+        preambles.add(system["content"])
+        firsts.add(_screens(bodies[0])[0])
+        later = [s for s in _screens(bodies[-1])[1:]]
+        assert len(set(later)) == 9 and not set(later) & firsts
+        assert all(b["max_tokens"] == 16 for b in bodies)
+    assert len(preambles) == 1
+    # Every session's first screen is one of the four shared ones, and 12 sessions use more than one.
+    assert 1 < len(firsts) <= 4
+    other_seed = generate_agent_sessions(AgentSpec(seed=6, conversations=2, steps=2, shared_screens=4))
+    assert not {_screens(orjson.loads(t[0]))[0] for t in other_seed.conversations} & firsts
+
+
+def test_agent_sessions_without_the_new_fields_are_the_bodies_they_always_were():
+    plain = generate_agent_sessions(AgentSpec(seed=5, conversations=3))
+    explicit = generate_agent_sessions(AgentSpec(seed=5, conversations=3, steps=None, preamble_chars=0))
+    assert plain.conversations == explicit.conversations
+    assert orjson.loads(plain.conversations[0][0])["messages"][0]["content"] == AGENT_SYSTEM
+
+
+def test_the_preamble_is_the_system_prompt_and_tool_definitions_cut_to_length():
+    text = agent_preamble(1500)
+    assert len(text) == 1500 and text.startswith(AGENT_SYSTEM) and "click_0(x: int, y: int)" in text
+    assert agent_preamble(10) == AGENT_SYSTEM
+
+
+def test_the_agent_flags_reach_the_workload_and_the_stack():
+    options = RealBenchOptions(
+        stack=True, workload="agent", steps=10, preamble_chars=1500, shared_screens=4, kv_blocks=256
+    )
+    assert (options.steps, options.preamble_chars, options.shared_screens, options.kv_blocks) == (10, 1500, 4, 256)
+    defaults = RealBenchOptions(stack=True)
+    assert (defaults.kv_blocks, defaults.max_model_len, defaults.restart_after) == (2048, 2048, None)
