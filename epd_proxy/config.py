@@ -14,6 +14,7 @@ from epd_proxy.addresses import KvEndpoints, Server, check_topology
 from epd_proxy.fetch_flags import MEDIA
 from epd_proxy.options import Choice, Choices, ConfigError, Count, Kind, Number, Option, Real, Seconds, Switch, Text  # noqa: F401 (ConfigError: callers catch it from here)
 from epd_proxy.reference_flags import OURS, REFERENCE
+from epd_proxy.reference_flags import ours_option as option
 from epd_proxy.tenants import TenantFlags
 
 # Names a user may pick, here so that the configuration needs no component (which keys them by these).
@@ -27,10 +28,6 @@ MODALITIES = ("image", "audio", "video")  # vLLM's names, as in --limit-mm-per-p
 HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")
 CLIENTS = "client side (slow and greedy clients)"
 GROUPS = (REFERENCE, OURS, CLIENTS, MEDIA)  # the sections of `epd-proxy serve --help`, in this order
-
-
-def option(default: Any, kind: Kind, help: str, **declaration: Any) -> Any:  # in `OURS` unless told
-    return options_module.option(default, kind, help, **{"group": OURS, **declaration})
 
 
 @dataclass(frozen=True, slots=True)

@@ -262,14 +262,17 @@ class ProxyState:
         autoscale, config = self.metrics.autoscale, self.config
         served = autoscale.arrived[DECODE] if autoscale is not None else 0
         windows = pipeline.windows
-        consumers = pipeline.candidates(PREFILL) or pipeline.decoders()
+        window_s = 0.0
+        if windows is not None:
+            consumers = pipeline.candidates(PREFILL) or pipeline.decoders()
+            window_s = windows.wait_s([c.url for c in consumers], tenant, priority)
         backlog = Backlog(
             encoders,
             tuple(consumer.inflight for consumer in pipeline.decoders()),
             config.autoscale_concurrency,
             autoscale.busy_s[DECODE] / served if autoscale is not None and served else 0.0,
             config.consumer_encode_after_s if config.consumer_encode else None,
-            windows.wait_s([c.url for c in consumers], tenant, priority) if windows is not None else 0.0,
+            window_s,
         )
         return predicted_wait(backlog, largest_item)
 

@@ -20,6 +20,10 @@ def reference_option(default: Any, kind: Kind, help: str, **declaration: Any) ->
     return options_module.option(default, kind, help, **{"group": REFERENCE, **declaration})
 
 
+def ours_option(default: Any, kind: Kind, help: str, **declaration: Any) -> Any:  # in `OURS` unless told
+    return options_module.option(default, kind, help, **{"group": OURS, **declaration})
+
+
 @dataclass(frozen=True, slots=True)
 class ReferenceFlags:
     host: str = reference_option(

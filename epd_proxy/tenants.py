@@ -16,12 +16,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from epd_proxy import options as options_module
 from epd_proxy.addresses import IPNetworks, Networks
 from epd_proxy.errors import BadRequest
 from epd_proxy.fetch_flags import MediaFetchFlags
 from epd_proxy.options import ConfigError, Count, Kind, Text
-from epd_proxy.reference_flags import OURS
+from epd_proxy.reference_flags import ours_option
 
 log = logging.getLogger("epd_proxy.tenants")
 
@@ -285,37 +284,33 @@ class TenantsPath(Kind):
         return None
 
 
-def _option(default: Any, kind: Kind, help: str, **declaration: Any) -> Any:  # in `OURS` unless told
-    return options_module.option(default, kind, help, **{"group": OURS, **declaration})
-
-
 @dataclass(frozen=True, slots=True)
 class TenantFlags(MediaFetchFlags):
     """The tenants' flags, the next part of `serve`'s configuration (config.Config), declared as
     every option is (options.py)."""
 
-    tenants_file: str = _option(
+    tenants_file: str = ours_option(
         "",
         TenantsPath(),
         "the tenants file (TOML): each tenant's hashed keys, weight, priority range, deadline; read again on "
         "SIGHUP; see [Keys and tenants](keys.md#tenants)",
         flag="--tenants",
     )
-    tenant_header: str = _option(
+    tenant_header: str = ours_option(
         "",
         Text(),
         "the request header a gateway names the tenant in, trusted only from `--trusted-proxies`; needs `--tenants`",
         flag="--tenant-header",
         metavar="NAME",
     )
-    trusted_proxies: IPNetworks = _option(
+    trusted_proxies: IPNetworks = ours_option(
         IPNetworks(),
         Networks(),
         "comma list of addresses or CIDR blocks whose connections may name the tenant in `--tenant-header`",
         flag="--trusted-proxies",
         shown="none",
     )
-    consumer_window: int = _option(
+    consumer_window: int = ours_option(
         0,
         Count(0),
         "with `--tenants`, while two or more tenants have requests in flight: requests each PD (or E+P+D prefill) "
@@ -323,7 +318,7 @@ class TenantFlags(MediaFetchFlags):
         "see [Keys and tenants](keys.md#fair-shares)",
         flag="--consumer-window",
     )
-    priority_range: PriorityRange | None = _option(
+    priority_range: PriorityRange | None = ours_option(
         None,
         PriorityRangeKind(),
         "clamp every request's `priority` into LO..HI (a tenant's own range is clamped into it); unset = as sent; "

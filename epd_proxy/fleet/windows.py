@@ -65,15 +65,19 @@ class Window:
         rank = self.ledger.token_rank
         return min(self.waiting, key=lambda w: (w.priority, rank(w.tenant), w.order))
 
+    def _room(self) -> bool:
+        """Whether a place is free, or there is no limit now (a tenant alone)."""
+        return self.open < self.size or not self.ledger.contended()
+
     def _admit(self) -> None:
-        while self.waiting and (self.open < self.size or not self.ledger.contended()):
+        while self.waiting and self._room():
             waiter = self._next()
             self.waiting.remove(waiter)
             self.open += 1
             waiter.future.set_result(None)
 
     async def enter(self, tenant: str | None, priority: int, order: int) -> None:
-        if not self.waiting and (self.open < self.size or not self.ledger.contended()):
+        if not self.waiting and self._room():
             self.open += 1
             return
         waiter = _Waiter(priority, tenant, order, asyncio.get_running_loop().create_future())
@@ -94,22 +98,6 @@ class Window:
         self._admit()
 
 
-class Turn:
-    """A request's place in a consumer's window; `done` gives it up before the block ends (at the
-    first token of a stream)."""
-
-    __slots__ = ("_window", "_since")
-
-    def __init__(self, window: Window | None) -> None:
-        self._window = window
-        self._since = time.monotonic()
-
-    def done(self) -> None:
-        window, self._window = self._window, None
-        if window is not None:
-            window.leave(time.monotonic() - self._since)
-
-
 class Windows:
     """Every consumer's window, by URL (`--consumer-window`; 0 turns them off)."""
 
@@ -126,19 +114,20 @@ class Windows:
         return window
 
     @contextlib.asynccontextmanager
-    async def turn(self, url: str, tenant: str | None, priority: int) -> AsyncIterator[Turn]:
-        """Wait for a place in `url`'s window, and hold it for the block (or until `Turn.done`)."""
+    async def turn(self, url: str, tenant: str | None, priority: int) -> AsyncIterator[None]:
+        """Wait for a place in `url`'s window, and hold it for the block."""
         window = self.of(url)
         await window.enter(tenant, priority, next(self._order))
-        turn = Turn(window)
+        since = time.monotonic()
         try:
-            yield turn
+            yield
         finally:
-            turn.done()
+            window.leave(time.monotonic() - since)
 
     def waiting(self) -> int:
         return sum(len(window.waiting) for window in self._windows.values())
 
     def wait_s(self, urls: Sequence[str], tenant: str | None, priority: int) -> float:
         """The shortest predicted wait for a place among the consumers `urls` (`Window.wait_s`)."""
-        return min((self.of(url).wait_s(tenant, priority) for url in urls), default=0.0)
+        windows = [self._windows.get(url) for url in urls]
+        return min((w.wait_s(tenant, priority) if w is not None else 0.0 for w in windows), default=0.0)
