@@ -121,8 +121,7 @@ class Work:
 
     @property
     def tenants(self) -> tuple[str | None, ...]:
-        """Whose turn in the queue it is: its request's tenant, and those of the requests waiting
-        for its encodes."""
+        """Whose turn in the queue it is: its request's tenant and those waiting for its encodes."""
         return (self.trace.tenant, *self.trace.riders) if self.trace.riders else (self.trace.tenant,)
 
     def move(self) -> None:
@@ -207,7 +206,19 @@ class Coalescer:
             # one is sent, must already count it.
             for work in works:
                 self.lanes.charge(lane, work.tenant, work.cost, len(works))
+                self._charge_riders(lane, work, len(works))
         return self._batch(works)
+
+    def _charge_riders(self, lane: Lane, work: Work, members: int) -> None:
+        """Each tenant `work` stood for pays for the items it waits for, once; paid up, it lifts no more."""
+        riders = work.trace.riders
+        for tenant, owed in list(riders.items()):
+            paid = min(owed, work.cost)
+            self.lanes.charge(lane, tenant, paid, members)
+            if owed > paid:
+                riders[tenant] = owed - paid
+            else:
+                del riders[tenant]
 
     @staticmethod
     def _batch(works: list[Work]) -> Batch:

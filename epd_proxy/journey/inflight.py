@@ -8,7 +8,9 @@ but sends each of them; this sends an image once.
 
 A request waiting for another's encode lends that request its tenant's standing in the encoder
 queue (Trace.riders): the group is sent when the least served of the tenants waiting for it is
-due, not at its owner's later turn. Its owner alone is charged the encoder time, as the one send.
+due, not at its owner's later turn. A queued group sent so is charged to its owner and, for the
+items each waits for, to the tenants it was lifted for: a tenant cannot lift another's work
+ahead for free.
 
 Another request's failure never fails this one: when the encode it waited for fails, is
 cancelled (its client went away) or reports nothing for the item, the item is encoded by this
@@ -80,7 +82,7 @@ class InFlight:
                 future, owner = pending
                 joined.append((item, future))
                 if trace.tenant is not None and trace.tenant != owner.tenant:
-                    owner.riders.add(trace.tenant)
+                    owner.riders[trace.tenant] = owner.riders.get(trace.tenant, 0.0) + item.cost
                 continue
             own.append(item)  # a repeat within the request goes in its own sub-request
             if name is not None and pending is None:

@@ -32,9 +32,10 @@ class Trace:
     # Its tenant (--tenants; None without), and whether its media may share a sub-request.
     tenant: str | None = None
     isolated: bool = False
-    # Tenants of other requests waiting for this one's encodes of their images (inflight.py): its
-    # queued groups stand where the least served of them all stands.
-    riders: set[str] = field(default_factory=set)
+    # Tenants of other requests waiting for this one's encodes of their images (inflight.py), each
+    # with the image-equivalents it waits for and has not been charged yet: its queued groups stand
+    # where the least served of them all stands, and whoever a group was lifted for pays its part.
+    riders: dict[str, float] = field(default_factory=dict)
     items: int = 0
     attempts: int = 0
     # Encoder sub-requests that carried this request's items (shared ones included), and the

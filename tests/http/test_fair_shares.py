@@ -109,6 +109,8 @@ async def test_a_request_waiting_for_anothers_encode_of_its_image_lifts_that_gro
     order = sent_order(stack)[3:]
     assert "b0" not in order, "b's image was encoded once, in a7's sub-request"
     assert order.index("a7") <= 1, order
+    # The group went at b's standing, so b pays for the image it waited for: no free lift.
+    assert stack.state.lanes.fairness.view(("b",))["b"]["encoder_s"] > 0
 
 
 async def sub_request_sizes(stack, tenant: str, name: str, images: int) -> list[int]:
