@@ -26,6 +26,10 @@ class MediaDepths(Protocol):
         """When every asked rank's feed last caught up with its engine (None: one never did)."""
         ...
 
+    def block_size(self, url: str) -> int:
+        """Tokens per block on the instance (0: not known yet)."""
+        ...
+
 
 def over_ranks(per_rank: Sequence[Sequence[int] | None], count: int) -> list[int | None]:
     """Each item's answer for the instance from its ranks' answers (None: a rank not fresh)."""
@@ -57,3 +61,6 @@ class KvHolds:
         times = [self.index.heard_at((url, rank)) for rank in (self._ranks(url) if ranks is None else ranks)]
         known = [at for at in times if at is not None]
         return min(known) if known and len(known) == len(times) else None
+
+    def block_size(self, url: str) -> int:
+        return max((self.index.block_size((url, rank)) for rank in self._ranks(url)), default=0)

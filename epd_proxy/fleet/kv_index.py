@@ -101,6 +101,8 @@ class _Engine:
     # Whether the view covers the engine's whole history: it was built from the engine's first
     # batch on (or from a clear), with nothing lost since.
     complete: bool = False
+    # Tokens per block, as its last stored batch said (0: none stored yet).
+    block_size: int = 0
 
 
 @dataclass(slots=True)
@@ -217,6 +219,7 @@ class KvIndex:
         if size <= 0 or len(tokens) < size * len(event.block_hashes):
             done.orphans += len(event.block_hashes)
             return
+        record.block_size = size
         for i, block_hash in enumerate(event.block_hashes):
             extra = extras[i] if i < len(extras) else None
             name = block_name(parent, tokens[i * size : (i + 1) * size], extra)
@@ -302,6 +305,11 @@ class KvIndex:
     def size(self, engine: EngineId) -> int:
         record = self._engines.get(engine)
         return len(record.entries) if record is not None else 0
+
+    def block_size(self, engine: EngineId) -> int:
+        """Tokens per block on the engine, 0 before it stored one."""
+        record = self._engines.get(engine)
+        return record.block_size if record is not None else 0
 
     def prefix_blocks(self, engine: EngineId, names: Sequence[bytes]) -> int | None:
         """How many of a prompt's leading blocks (names from `chain`) the engine holds; None

@@ -13,10 +13,12 @@ import math
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Protocol, TypedDict
 
 from epd_proxy.fleet.backends import Instance
 from epd_proxy.fleet.kv_holds import MediaDepths
+from epd_proxy.fleet.prefill_cost import Prompt, cheapest, claim, seconds_per_token
 from epd_proxy.fleet.recall import Recall
 from epd_proxy.fleet.scheduler import ExpectedFinish
 
@@ -25,8 +27,8 @@ from epd_proxy.fleet.scheduler import ExpectedFinish
 LAST_TURNS = 16384
 LAST_TURN_TTL_S = 600.0
 # What decided a conversation's placement (epd_prefix_decisions_total{decision="placement"}): the
-# KV index, where its last turn ran, or its key's walk round the ring.
-INDEX, RECORD, HASH = "index", "record", "hash"
+# KV index, where its last turn ran, its key's home on the ring, or the work queued on those.
+INDEX, RECORD, HASH, LOAD = "index", "record", "hash", "load"
 
 
 class RoutingPolicy(Protocol):
@@ -160,6 +162,15 @@ class ContentAffinity:
     def _bound(self, total: int, n: int) -> int:
         return math.ceil(self.load_factor * (total + 1) / n)
 
+    def _members(self, key: str) -> list[int]:
+        """Each candidate once, in the order the key's walk round the ring meets them."""
+        n, seen = len(self._ring_for), dict[int, None]()
+        for owner in self._walk(key):
+            seen.setdefault(owner)
+            if len(seen) == n:
+                break
+        return list(seen)
+
     def _walk(self, key: str) -> Iterator[int]:
         """The candidates in the order the key meets them going round the ring from its point."""
         start = bisect.bisect(self._points, self._hash(key)) % len(self._points)
@@ -182,72 +193,90 @@ def bounded_pick(loads: Sequence[int], walk: Iterable[int], bound: int, preferre
     return home
 
 
-def index_pick(depths: Sequence[int], loads: Sequence[int], bound: int) -> int | None:
-    """The candidate holding the deepest prefix through the request's media (pure): `depths` per
-    candidate (0: holds none, or its KV index is not fresh), among those under the load `bound`;
-    the less loaded of equals, then the first. None: none holds any under the bound."""
-    best = None
-    for i, (depth, load) in enumerate(zip(depths, loads)):
-        if depth > 0 and load < bound and (best is None or (depth, -load) > (depths[best], -loads[best])):
-            best = i
-    return best
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where one request goes, the work it brings there (prefill_cost.claim, in tokens), and what
+    decided it."""
+
+    instance: Instance
+    claim: float
+    source: str
 
 
 class PrefixAffinity(ContentAffinity):
-    """Every turn of a conversation to the prefill / PD instance that ran its last turn.
+    """Each request to the prefill / PD instance where its first token comes soonest: the work
+    queued there plus the part of its prompt the instance does not hold, in seconds at the
+    instance's measured prefill speed (fleet/prefill_cost.py).
 
     vLLM's prefix-cache block hashes fold in the multimodal identifiers, which are the proxy's
     uuids (vllm/v1/core/kv_cache_utils.py): turn k+1 where turn k ran reuses its KV, image tokens
-    included. The key (the conversation's opening, the same on every turn) is hashed with bounded
-    load like an encoder's content uuid, so a hot conversation spills to the next instance on the
-    ring instead of piling onto its home. Where each key's last turn went is remembered
-    (`last_turns`, bounded and ageing): the next turn goes there while it is under the bound and
-    in rotation, so a turn that spilled moves its conversation once, not back to the home and
-    away again. Every worker and replica computes the same home from the same key and members;
-    each remembers only the spills it made itself (docs/prefix-routing.md).
-    A request with no conversation to continue (key None) goes by load.
-
-    With KV events followed (`holds`, the index's answer per instance and media uuid), a
-    candidate under the bound holding a deeper prefix through the request's images comes first
-    (`index_pick`): the engines' own state, the same in every worker and replica, and aware of
-    evictions. `decided` hears what decided each placement (INDEX, RECORD or HASH)."""
+    included. What an instance holds of a request comes from its KV events where they say
+    (`holds`: the deepest prefix through the request's images, the same answer in every worker
+    and replica, aware of evictions); else from where the conversation's last turn ran here
+    (`last_turns`, bounded and ageing, with that turn's size); else the key (the conversation's
+    opening, the same on every turn) is taken to be held at its home on the ring, which every
+    worker and replica computes alike. Among equal costs the holder wins, then the key's walk
+    round the ring. A request with no conversation to continue (key None) goes by load.
+    `decided` hears what decided each placement (INDEX, RECORD, HASH, or LOAD when the work
+    queued on the holder moved it)."""
 
     holds: MediaDepths | None = None
     decided: Callable[[str], None] | None = None
 
     def __init__(
         self,
-        load_factor: float = 1.25,
         remember: int = LAST_TURNS,
         ttl_s: float = LAST_TURN_TTL_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        super().__init__(load_factor=load_factor)
+        super().__init__()
         self._by_load = LeastLoaded()
-        self.last_turns: Recall[str, str] = Recall(remember, ttl_s, clock)
+        self.clock = clock
+        # Per conversation key: (the instance its last turn ran on, that turn's prompt tokens).
+        self.last_turns: Recall[str, tuple[str, float]] = Recall(remember, ttl_s, clock)
 
     def choose(
-        self, candidates: Sequence[Instance], keys: Sequence[str | None], media: Sequence[str] = ()
+        self, candidates: Sequence[Instance], keys: Sequence[str | None], prompt: Prompt | None = None
     ) -> list[Instance]:
-        """`media`: the request's image uuids as its consumer's KV events name them (one key)."""
-        known = [key for key in keys if key is not None]
-        if len(known) < len(keys):
+        if any(key is None for key in keys):
             return self._by_load.choose(candidates, keys)
+        return [self.place(candidates, key, prompt or Prompt(0.0)).instance for key in keys if key is not None]
+
+    def place(self, candidates: Sequence[Instance], key: str, prompt: Prompt) -> Placement:
+        self._ring(candidates)
+        held, preferred, source = self._held(candidates, key, prompt)
+        speeds = seconds_per_token([c.prefill_speed for c in candidates], self.clock())
+        claims = [claim(prompt.tokens, cached) for cached in held]
+        costs = [speed * (c.prefill_queue + work) for speed, c, work in zip(speeds, candidates, claims)]
+        order = [preferred, *(i for i in self._members(key) if i != preferred)]
+        chosen = cheapest(costs, order)
+        if chosen != preferred:
+            source = LOAD
+        self.last_turns.put(key, (candidates[chosen].url, prompt.tokens))
+        if self.decided is not None:
+            self.decided(source)
+        return Placement(candidates[chosen], claims[chosen], source)
+
+    def _held(self, candidates: Sequence[Instance], key: str, prompt: Prompt) -> tuple[list[float], int, str]:
+        """The tokens of the prompt each candidate is taken to hold, the one holding most, and
+        what says so."""
+        held = [0.0] * len(candidates)
+        if prompt.media and self.holds is not None:
+            for i, c in enumerate(candidates):
+                depth = max((d or 0 for d in self.holds(c.url, prompt.media, None)), default=0)
+                held[i] = min(prompt.tokens, float(depth * self.holds.block_size(c.url)))
+            deepest = max(range(len(candidates)), key=held.__getitem__)
+            if held[deepest] > 0:
+                return held, deepest, INDEX
+        record = self.last_turns.get(key)
         where = {c.url: i for i, c in enumerate(candidates)}
-        preferred = [where.get(self.last_turns.get(key) or "") for key in known]
-        sources = [RECORD] * len(known)
-        if media and self.holds is not None and len(known) == 1:
-            depths = [max((d or 0 for d in self.holds(c.url, media, None)), default=0) for c in candidates]
-            loads = [c.inflight for c in candidates]
-            holder = index_pick(depths, loads, self._bound(sum(loads), len(candidates)))
-            if holder is not None:
-                preferred[0], sources[0] = holder, INDEX
-        picks = self._place(candidates, known, preferred)
-        for key, pick, prefer, source in zip(known, picks, preferred, sources):
-            self.last_turns.put(key, pick.url)
-            if self.decided is not None:
-                self.decided(source if prefer is not None and candidates[prefer] is pick else HASH)
-        return picks
+        if record is not None and record[0] in where:
+            last = where[record[0]]
+            held[last] = min(prompt.tokens, record[1])
+            return held, last, RECORD
+        home = next(self._walk(key))
+        held[home] = prompt.tokens
+        return held, home, HASH
 
 
 POLICIES: dict[str, Callable[[], RoutingPolicy]] = {

@@ -25,9 +25,11 @@ STALE_S = 5.0
 class Speed:
     """One encoder's speed estimate and the time it spent on our answered sub-requests."""
 
-    __slots__ = ("fixed_s", "item_s", "samples", "last_done", "worked_s", "_k", "_t")
+    __slots__ = ("fixed_s", "item_s", "samples", "last_done", "worked_s", "fixed_ratio", "_k", "_t")
 
-    def __init__(self) -> None:
+    def __init__(self, fixed_ratio: float = PRIOR_FIXED_RATIO) -> None:
+        # A sample's fixed part, in units of its cost (a prefill's claim holds its own).
+        self.fixed_ratio = fixed_ratio
         # Estimated seconds per sub-request and per image-equivalent; None until the first answer.
         self.fixed_s: float | None = None
         self.item_s: float | None = None
@@ -59,10 +61,10 @@ class Speed:
         self.worked_s += held
         self.samples += 1
         weight = max(SMOOTHING, 1.0 / self.samples)
-        self._k += weight * (cost + PRIOR_FIXED_RATIO - self._k)
+        self._k += weight * (cost + self.fixed_ratio - self._k)
         self._t += weight * (held - self._t)
         self.item_s = self._t / self._k
-        self.fixed_s = PRIOR_FIXED_RATIO * self.item_s
+        self.fixed_s = self.fixed_ratio * self.item_s
 
     def stale(self, now: float) -> bool:
         """Measured, but unheard from for STALE_S at `now` (the lane adds: and idle)."""

@@ -19,7 +19,6 @@ from epd_proxy.calls.upstream import NoAnswer, Timeouts
 from epd_proxy.config import Config
 from epd_proxy.errors import ErrorAnswer, InternalError, ProxyError
 from epd_proxy.fleet.backends import DECODE
-from epd_proxy.fleet.fairness import Ledger
 from epd_proxy.fleet.registry import normalize_url, parse_registration
 from epd_proxy.http.auth import (
     CHANGE_FLEET,
@@ -47,9 +46,9 @@ from epd_proxy.journey.doors import CHAT, Door
 from epd_proxy.journey.encode import request_priority
 from epd_proxy.journey.extract import MediaItem, NormalisedRequest, ReadOptions, parse_json_body
 from epd_proxy.journey.messages_api import MESSAGES
-from epd_proxy.journey.pipeline import ClientBody
-from epd_proxy.journey.relay import ABORTED, CLIENT_GONE, Usage, relay
+from epd_proxy.journey.relay import ABORTED, CLIENT_GONE, relay
 from epd_proxy.journey.remote import fetch_media
+from epd_proxy.journey.route import ClientBody, text_chars
 from epd_proxy.journey.splice import Spliced
 from epd_proxy.journey.trace import Trace, account
 from epd_proxy.ops import tracing
@@ -212,6 +211,7 @@ async def serve(request: web.Request, door: Door) -> web.StreamResponse:
         # An isolated tenant's media are named apart from everyone else's as they are read.
         options = state.parse_options.salted(tenant.cache_salt if tenant is not None else None)
         normalised, spliced = await parse_body(door, raw, options)
+        chars = text_chars(len(raw), normalised.items, spliced)
         del raw
         body, items = normalised.body, normalised.items
         trace.items = len(items)
@@ -228,7 +228,7 @@ async def serve(request: web.Request, door: Door) -> web.StreamResponse:
                 with trace.stage("fetch_media"):
                     normalised = await fetch_media(normalised, state.media, door, options.digest)
             # From here on only the pipeline holds the body, and it lets go once decode commits.
-            job = ClientBody(normalised.body, normalised.items, spliced)
+            job = ClientBody(normalised.body, normalised.items, spliced, chars)
             del normalised, body, items, spliced
             pipeline = state.pipeline
             assert pipeline is not None, "start() builds the pipeline before the server takes requests"
@@ -242,7 +242,7 @@ async def serve(request: web.Request, door: Door) -> web.StreamResponse:
                             answer,
                             {"x-request-id": rid.value},
                             door,
-                            None if counted is None else _usage(fairness, counted),
+                            pipeline.usage(job, counted),
                         )
                     outcomes: dict[str, int | str] = {ABORTED: "aborted", CLIENT_GONE: 499}
                     status = outcomes.get(trace.outcome, answer.status)
@@ -269,13 +269,6 @@ async def serve(request: web.Request, door: Door) -> web.StreamResponse:
         if fairness is not None and counted is not None:
             fairness.ended(counted)
         account(state.metrics, trace, status)
-
-
-def _usage(fairness: Ledger | None, tenant: str | None) -> Callable[[Usage], None] | None:
-    """With --tenants, what charges the tokens an answer reports to its request's tenant."""
-    if fairness is None or tenant is None:
-        return None
-    return lambda used: fairness.charge_tokens(tenant, used.prompt, used.output)
 
 
 def arrive(

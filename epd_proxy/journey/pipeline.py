@@ -10,21 +10,21 @@ previous attempt's transfer ids, EC handles or KV block ids.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Iterator, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager, contextmanager, nullcontext
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, TypeVar
 
-import orjson
-
-from epd_proxy.calls.upstream import REFUSED_ANSWER, NoAnswer, Payload, Timeouts, Upstream
-from epd_proxy.errors import BadRequest, ErrorAnswer, ProxyError
+from epd_proxy.calls.upstream import REFUSED_ANSWER, NoAnswer, Timeouts, Upstream
+from epd_proxy.errors import ErrorAnswer, ProxyError
 from epd_proxy.fleet.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE, Instance
 from epd_proxy.fleet.health import Health, counts_against_instance
 from epd_proxy.fleet.kv_holds import MediaDepths
 from epd_proxy.fleet.lanes import Lanes
+from epd_proxy.fleet.prefill_cost import Prompt, PromptSize
 from epd_proxy.fleet.registry import Registry
-from epd_proxy.fleet.routing import INDEX, RECORD, Policies, PrefixAffinity, ServingPolicy
+from epd_proxy.fleet.routing import INDEX, RECORD, Policies, PrefixAffinity
 from epd_proxy.fleet.windows import Windows
 from epd_proxy.journey.decode import DecodeAnswer, EngineCall, hold_head, open_decode
 from epd_proxy.journey.doors import CHAT, Door
@@ -35,6 +35,7 @@ from epd_proxy.journey.inflight import InFlight
 from epd_proxy.journey.match import Matches, match_groups
 from epd_proxy.journey.plan import plan_groups
 from epd_proxy.journey.prefill import run_prefill
+from epd_proxy.journey.relay import Usage
 from epd_proxy.journey.reuse import (
     EncodePlan,
     consumer_may_encode,
@@ -43,7 +44,7 @@ from epd_proxy.journey.reuse import (
     raw_modalities,
     swamped,
 )
-from epd_proxy.journey.splice import Spliced
+from epd_proxy.journey.route import ClientBody, Route, choose
 from epd_proxy.journey.subrequest import EncodeOptions
 from epd_proxy.journey.trace import Trace
 from epd_proxy.ops.metrics import Metrics
@@ -51,82 +52,6 @@ from epd_proxy.ops.metrics import Metrics
 log = logging.getLogger("epd_proxy.pipeline")
 DP_RANK_HEADER = "X-data-parallel-rank"
 T = TypeVar("T")
-
-
-@dataclass(slots=True)
-class Route:
-    decoder: Instance
-    prefill: Instance | None
-    # The instance whose data-parallel replica is pinned; it alone gets X-data-parallel-rank.
-    pinned: Instance
-    dp_rank: int | None
-    # Where the encoders push (Mooncake): an address of the EC consumer's pinned replica.
-    consumer_zmq: str | None
-    # Whether this route counts in the prefill instance's load now (`held`).
-    prefill_held: bool = False
-
-    @property
-    def consumer(self) -> Instance:
-        """The instance that reads the media and holds the prompt's prefix: prefill in E+P+D."""
-        return self.prefill or self.decoder
-
-    @contextmanager
-    def held(self) -> Iterator[None]:
-        """The chosen instances count as loaded (`Instance.inflight`, what the policies read) from
-        the choice on, not from when their call starts: an E+P+D request's prefill is called only
-        after its encode, and requests chosen meanwhile must see it taken. Decode is held to the
-        end of the answer, prefill until its call ends (`pipeline.open` lets it go)."""
-        self.decoder.inflight += 1
-        self.hold_prefill()
-        try:
-            yield
-        finally:
-            self.decoder.inflight -= 1
-            self.release_prefill()
-
-    def hold_prefill(self) -> None:
-        if self.prefill is not None and not self.prefill_held:
-            self.prefill.inflight += 1
-            self.prefill_held = True
-
-    def release_prefill(self) -> None:
-        if self.prefill is not None and self.prefill_held:
-            self.prefill.inflight -= 1
-            self.prefill_held = False
-
-
-@dataclass(slots=True)
-class ClientBody:
-    """The client's parsed body and its media items, held only while a retry may still need them:
-    a multi-image body is megabytes of base64 that a long stream must not keep alive."""
-
-    body: dict[str, Any] | None
-    items: Sequence[MediaItem] = ()
-    # With splice, the client's buffer the body's media tokens point into (see splice.py).
-    spliced: Spliced | None = None
-
-    def release(self) -> None:
-        self.body = None
-        self.items = ()
-        self.spliced = None
-
-    def dumps(self, obj: Any) -> Payload:
-        """A body for a backend: media go out as the client's own bytes where they were spliced."""
-        try:
-            return self.spliced.dumps(obj) if self.spliced is not None else orjson.dumps(obj)
-        except orjson.JSONEncodeError as exc:
-            # Only the client's own values can be unwritable: JSON nested deeper than orjson
-            # writes (254 levels), which orjson reads (1024) and vLLM might too.
-            raise BadRequest(f"the request cannot be forwarded: it nests too deeply ({exc})") from None
-
-
-def _choose(
-    policy: ServingPolicy, candidates: Sequence[Instance], keys: Sequence[str | None], media: Sequence[str]
-) -> Instance:
-    """One pick; the request's image uuids go to a policy that reads the KV index."""
-    if media and isinstance(policy, PrefixAffinity):
-        return policy.choose(candidates, keys, media)[0]
-    return policy.choose(candidates, keys)[0]
 
 
 def _unavailable(message: str) -> ProxyError:
@@ -160,6 +85,8 @@ class Pipeline:
     kv_holds: MediaDepths | None = None
     # With --tenants: how many requests each consumer prefills at once while tenants compete.
     windows: Windows | None = None
+    # How many tokens a prompt takes, learnt from the usage answers report.
+    prompt_size: PromptSize = field(default_factory=PromptSize)
 
     def __post_init__(self) -> None:
         self.encode = EncodeStep(
@@ -188,32 +115,52 @@ class Pipeline:
         return self.candidates(PREFILL_DECODE) or self.candidates(DECODE)
 
     def choose_route(self, request_id: str, job: ClientBody | None = None, door: Door = CHAT) -> Route:
-        """The consumer that holds the conversation's prefix (prefix_affinity), or by load; in
-        E+P+D the prefix is prefill's, and a split decode instance goes by load. Where the
-        conversation lies in the body is the `door`'s to say."""
-        keys: tuple[str | None, ...] = (request_id,)
-        media: Sequence[str] = ()
-        if self._keyed and job is not None and job.body is not None:
-            keys = (conversation_key(job.body.get("model"), door.conversation(job.body), job.items),)
-            if self.kv_holds is not None and job.items:
-                media = list(index_uuids(job.body, job.items).values())
+        """The consumer where the request's first token comes soonest (prefix_affinity: what it
+        holds of the prompt, and the work queued on it), or by load; in E+P+D the prefix is
+        prefill's, and a split decode instance goes by load. Where the conversation lies in the
+        body is the `door`'s to say."""
+        key: str | None = request_id
+        prompt = Prompt(0.0)
+        if job is not None and job.body is not None:
+            tokens = self.prompt_size.tokens(job.text_chars, job.media_cost)
+            media = list(index_uuids(job.body, job.items).values()) if self.kv_holds is not None else []
+            prompt = Prompt(tokens, media)
+            if self._keyed:
+                key = conversation_key(job.body.get("model"), door.conversation(job.body), job.items)
         candidates = self.decoders()
         if not candidates:
             raise _unavailable("no live decode instance")
         combined = candidates[0].role == PREFILL_DECODE
-        decoder = _choose(self.policies[DECODE], candidates, keys if combined else (None,), media if combined else ())
+        decoder, work = choose(self.policies[DECODE], candidates, key if combined else None, prompt)
         prefill = None
         if decoder.role == DECODE:
             prefills = self.candidates(PREFILL)
             if not prefills:
                 raise _unavailable("no live prefill instance for the standalone decode instance")
-            prefill = _choose(self.policies[PREFILL], prefills, keys, media)
+            prefill, work = choose(self.policies[PREFILL], prefills, key, prompt)
         # Dynamic mode pins the EC consumer (prefill in E+P+D, else the decoder) as registered;
         # static mode's replica flags describe the decode servers, as in the reference.
         pinned = (prefill or decoder) if self.fleet.dynamic else decoder
         dp_rank = pinned.next_dp_rank() if pinned.dp_size > 1 else None
         consumer_zmq = pinned.zmq_addrs[dp_rank or 0] if pinned.zmq_addrs else None
-        return Route(decoder, prefill, pinned, dp_rank, consumer_zmq)
+        return Route(decoder, prefill, pinned, dp_rank, consumer_zmq, claim=work)
+
+    def usage(self, job: ClientBody, tenant: str | None) -> Callable[[Usage], None] | None:
+        """What hears the tokens an answer reports: its tenant's charge (with --tenants, `tenant`
+        counted in the ledger), and the prompt sizes placement estimates (prefix_affinity)."""
+        fairness = self.lanes.fairness if self.lanes is not None and tenant is not None else None
+        sized = self._keyed and job.media_cost > 0
+        if fairness is None and not sized:
+            return None
+        chars, cost = job.text_chars, job.media_cost
+
+        def heard(used: Usage) -> None:
+            if fairness is not None and tenant is not None:
+                fairness.charge_tokens(tenant, used.prompt, used.output)
+            if sized:
+                self.prompt_size.observe(chars, cost, used.prompt + used.cached)
+
+        return heard
 
     async def _call(self, instance: Instance, call: Awaitable[T], trace: Trace) -> T:
         """Await a backend call, feeding its outcome to passive outlier detection: a transport
@@ -286,9 +233,11 @@ class Pipeline:
                         route.hold_prefill()  # again on a retry
                         try:
                             async with self._turn(route.prefill, trace, prepared):
+                                sent = time.monotonic()
                                 kv = await self._call(
                                     route.prefill, run_prefill(self.upstream, to_prefill, door.prefill_body), trace
                                 )
+                                route.prefilled(sent, time.monotonic())
                         finally:
                             route.release_prefill()
                     if kv:
@@ -299,6 +248,7 @@ class Pipeline:
                 with trace.stage("decode", route.decoder, attempt=attempt) as decoding:
                     # A PD prefills too: its window holds the request until the first token.
                     async with self._turn(None if route.prefill else route.decoder, trace, prepared):
+                        sent = time.monotonic()
                         answer = await self._call(route.decoder, open_decode(self.upstream, to_decode), trace)
                         in_band = None
                         if answer.streaming:
@@ -312,6 +262,8 @@ class Pipeline:
                                 raise
                             if in_band is None:
                                 decoding.event("first_token")
+                        if in_band is None:
+                            route.prefilled(sent, time.monotonic())
                 if in_band is not None and attempt < attempts:
                     answer.release()
                     self._note_retry(trace, "decode", "reported an error in its stream", in_band.get("message"))

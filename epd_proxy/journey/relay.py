@@ -97,6 +97,8 @@ class Usage(NamedTuple):
 
     prompt: int
     output: int
+    # The prompt's tokens found in the prefix cache (left out of `prompt`).
+    cached: int = 0
 
 
 def read_usage(data: bytes) -> Usage | None:
@@ -136,7 +138,7 @@ def _tokens(used: dict) -> Usage | None:
     if not all(type(v) is int and v >= 0 for v in (prompt, output)):
         return None
     cached = cached if type(cached) is int and 0 <= cached <= prompt else 0
-    return Usage(prompt - cached, output)
+    return Usage(prompt - cached, output, cached)
 
 
 def _report(usage: Callable[[Usage], None], data: bytes) -> None:

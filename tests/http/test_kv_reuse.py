@@ -74,9 +74,9 @@ async def test_a_new_proxy_sends_the_next_turn_where_the_index_says_its_prefix_i
     home = PrefixAffinity().choose(members, [key])[0].url
     (other,) = [url for url in urls if url != home]
     busy = next(m for m in first.state.fleet.members(PREFILL_DECODE) if m.url == home)
-    busy.inflight = 10
+    busy.prefill_queue = 1e6
     await content_of(first, turn_body(0, 0))
-    busy.inflight = 0
+    busy.prefill_queue = 0.0
     assert len(pds[other].requests) == 1 and not pds[home].requests
     await holds(second, other, 0, 0)
 

@@ -96,9 +96,9 @@ async def test_a_turn_that_spilled_moves_its_conversation_once(make_stack):
     fakes = dict(zip(stack.backend_urls["d"], stack.consumers))
     await content_of(stack, turn_body(0, 0))
     (home,) = [url for url, fake in fakes.items() if fake.requests]
-    instances[home].inflight = 10  # the home is loaded past the bound: turn 1 spills
+    instances[home].prefill_queue = 1e6  # work queued at the home outweighs its prefix: turn 1 moves
     await content_of(stack, turn_body(0, 1))
-    instances[home].inflight = 0
+    instances[home].prefill_queue = 0.0
     (moved,) = [url for url, fake in fakes.items() if url != home and fake.requests]
     for n in (2, 3):
         await content_of(stack, turn_body(0, n))

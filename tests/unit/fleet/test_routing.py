@@ -5,6 +5,7 @@ import random
 import pytest
 
 from epd_proxy.fleet.backends import Instance
+from epd_proxy.fleet.prefill_cost import FIXED_TOKENS, Prompt
 from epd_proxy.fleet.routing import (
     SERVING,
     ContentAffinity,
@@ -14,7 +15,6 @@ from epd_proxy.fleet.routing import (
     RandomChoice,
     RoundRobin,
     bounded_pick,
-    index_pick,
     make_policy,
     make_serving_policy,
 )
@@ -121,47 +121,71 @@ class Clock:
         return self.now
 
 
-def test_a_conversation_that_spilled_stays_where_its_last_turn_ran():
-    members = pds(3)
-    policy = PrefixAffinity()
-    home = policy.choose(members, ["conv"])[0]
-    home.inflight = 5  # far over 1.25x the mean: turn 2 spills
-    spilled = policy.choose(members, ["conv"])[0]
-    assert spilled is not home
-    home.inflight = 0
-    # Turn 3: its prefix is where turn 2 ran, not at the idle home.
-    assert [policy.choose(members, ["conv"])[0] for _ in range(3)] == [spilled] * 3
+def place(policy, members, key, tokens=1000.0, media=()):
+    return policy.place(members, key, Prompt(tokens, media))
 
 
-def test_the_last_turns_instance_is_left_over_its_load_bound_or_out_of_rotation():
+def test_a_conversation_stays_with_its_prefix_until_the_work_queued_there_outweighs_it():
     members = pds(3)
     policy = PrefixAffinity()
-    first = policy.choose(members, ["conv"])[0]
-    first.inflight = 5
-    second = policy.choose(members, ["conv"])[0]
+    home = place(policy, members, "conv").instance
+    home.prefill_queue = 900.0  # less than the 1,000 tokens it holds: the conversation stays
+    assert place(policy, members, "conv").instance is home
+    home.prefill_queue = 1200.0  # more: recomputing the prompt elsewhere is sooner
+    spilled = place(policy, members, "conv")
+    assert spilled.instance is not home and spilled.source == "load"
+    assert spilled.claim == FIXED_TOKENS + 1000.0  # it holds none of the prompt
+    home.prefill_queue = 0.0
+    # Turn 3: its prefix (turn 2's 1,000 tokens) is where turn 2 ran, not at the idle home.
+    turn = place(policy, members, "conv", tokens=1100.0)
+    assert (turn.instance, turn.source, turn.claim) == (spilled.instance, "record", FIXED_TOKENS + 100.0)
+    assert [place(policy, members, "conv", tokens=1200.0).instance for _ in range(3)] == [spilled.instance] * 3
+
+
+def test_a_slower_consumer_is_left_when_recomputing_elsewhere_is_sooner():
+    members = pds(2)
+    clock = Clock()
+    policy = PrefixAffinity(clock=clock)
+    clock.now = 19991.0
+    holder = place(policy, members, "conv").instance
+    other = next(m for m in members if m is not holder)
+    # Measured over many first tokens: the holder takes 10 ms per token, the other 1 ms.
+    for n in range(1000):
+        holder.prefill_speed.observe(1000.0, 20.0 * n, 20.0 * n + 10.0)
+        other.prefill_speed.observe(1000.0, 20.0 * n + 9.0, 20.0 * n + 10.0)
+    # 100 new tokens on the holder: 1.64 s; all 1,100 on the other: 1.16 s.
+    assert place(policy, members, "conv", tokens=1100.0).instance is other
+
+
+def test_the_last_turns_instance_out_of_rotation_leaves_the_key_to_its_home():
+    members = pds(3)
+    policy = PrefixAffinity()
+    first = place(policy, members, "conv").instance
+    first.prefill_queue = 5000.0
+    second = place(policy, members, "conv").instance
     assert second is not first
-    # Out of rotation (not a candidate): the key's own walk round the ring decides.
+    # Out of rotation (not a candidate): the key's own home round the ring holds it.
     rest = [m for m in members if m is not second]
-    first.inflight = 0
-    assert policy.choose(rest, ["conv"])[0] is first
+    first.prefill_queue = 0.0
+    assert place(policy, rest, "conv").instance is first
 
 
 def test_a_remembered_placement_is_bounded_and_ages():
     members = pds(2)
     clock = Clock()
     policy = PrefixAffinity(remember=2, ttl_s=60.0, clock=clock)
-    home = policy.choose(members, ["conv"])[0]
+    home = place(policy, members, "conv").instance
     other = next(m for m in members if m is not home)
-    home.inflight = 4
-    assert policy.choose(members, ["conv"])[0] is other
-    home.inflight = 0
+    home.prefill_queue = 5000.0
+    assert place(policy, members, "conv").instance is other
+    home.prefill_queue = 0.0
     clock.now = 61.0
-    assert policy.choose(members, ["conv"])[0] is home  # forgotten: back to the key's home
-    home.inflight = 4
-    policy.choose(members, ["conv"])  # spills to `other` again, remembered
-    home.inflight = 0
-    policy.choose(members, ["a"]), policy.choose(members, ["b"])  # two newer keys push it out
-    assert len(policy.last_turns) == 2 and policy.choose(members, ["conv"])[0] is home
+    assert place(policy, members, "conv").instance is home  # forgotten: back to the key's home
+    home.prefill_queue = 5000.0
+    place(policy, members, "conv")  # spills to `other` again, remembered
+    home.prefill_queue = 0.0
+    place(policy, members, "a"), place(policy, members, "b")  # two newer keys push it out
+    assert len(policy.last_turns) == 2 and place(policy, members, "conv").instance is home
 
 
 def test_a_bounded_pick_takes_the_preferred_under_the_bound_else_walks_the_ring():
@@ -169,14 +193,6 @@ def test_a_bounded_pick_takes_the_preferred_under_the_bound_else_walks_the_ring(
     assert bounded_pick([0, 1, 0], [2, 0, 1], bound=1, preferred=1) == 2
     assert bounded_pick([1, 1, 0], [0, 1, 2], bound=1) == 2
     assert bounded_pick([1, 1, 1], [1, 0, 2], bound=1, preferred=2) == 1  # all at the bound: the home
-
-
-def test_the_index_picks_the_deepest_holder_under_the_bound():
-    assert index_pick([0, 3, 5], [0, 0, 0], bound=2) == 2
-    assert index_pick([0, 3, 5], [0, 0, 2], bound=2) == 1  # the deepest is at the bound
-    assert index_pick([4, 4, 0], [1, 0, 0], bound=2) == 1  # equals: the less loaded
-    assert index_pick([0, 0, 0], [0, 0, 0], bound=2) is None  # none holds any (or none fresh)
-    assert index_pick([3, 0], [2, 0], bound=2) is None
 
 
 class Holds:
@@ -189,25 +205,33 @@ class Holds:
         known = self.depths.get(url)
         return [None if known is None else known.get(m, 0) for m in media]
 
+    def block_size(self, url):
+        return 16
 
-def test_a_conversation_goes_where_the_index_says_its_images_are_within_the_bound():
+
+def test_a_conversation_goes_where_the_index_says_its_images_are_unless_queued_work_outweighs_them():
     members = pds(3)
     decided: list[str] = []
     home = PrefixAffinity().choose(members, ["conv"])[0]
     holder = next(m for m in members if m is not home)
     policy = PrefixAffinity()
     policy.decided = decided.append
-    policy.holds = Holds({m.url: ({"img-1": 4} if m is holder else {}) for m in members})
-    # A new process: no record, the hash says `home`; the index knows where the prefix is.
-    assert policy.choose(members, ["conv"], ["img-1", "img-2"])[0] is holder
-    # Past the bound the holder is left, and the record (where the last turn ran) is too.
-    holder.inflight = 5
-    assert policy.choose(members, ["conv"], ["img-1"])[0] is home
-    holder.inflight = 0
-    # Not fresh anywhere, or held nowhere: today's rule (the record: the last turn ran at home).
+    policy.holds = Holds({m.url: ({"img-1": 20} if m is holder else {}) for m in members})
+    # A new process: no record, the hash says `home`; the index knows where the prefix is:
+    # 20 blocks of 16 tokens.
+    first = place(policy, members, "conv", 1000.0, ["img-1", "img-2"])
+    assert (first.instance, first.claim) == (holder, FIXED_TOKENS + 1000.0 - 320.0)
+    # Work queued on the holder past what it holds moves the request; the index still says where
+    # the prefix is, so the home gets no credit: the least queued of the others.
+    holder.prefill_queue = 400.0
+    home.prefill_queue = 10.0
+    moved = place(policy, members, "conv", 1000.0, ["img-1"]).instance
+    assert moved is not holder and moved is not home
+    holder.prefill_queue = home.prefill_queue = 0.0
+    # Not fresh anywhere, or held nowhere: where the last turn ran (recorded) holds it.
     policy.holds = Holds({})
-    assert policy.choose(members, ["conv"], ["img-1"])[0] is home
+    assert place(policy, members, "conv", 1000.0, ["img-1"]).instance is moved
     policy.holds = Holds({m.url: {} for m in members})
-    assert policy.choose(members, ["conv"], ["img-1"])[0] is home
-    assert PrefixAffinity().choose(members, ["other"], ["img-1"])  # no index: as before
-    assert decided == ["index", "hash", "record", "record"]
+    assert place(policy, members, "conv", 1000.0, ["img-1"]).instance is moved
+    assert PrefixAffinity().choose(members, ["other"], Prompt(10.0, ["img-1"]))  # no index: as before
+    assert decided == ["index", "load", "record", "record"]

@@ -200,7 +200,7 @@ async def test_a_json_answer_read_whole_is_released_to_the_pool():
     assert answer.answer.released
 
 
-# -- the usage an answer reports (fair shares, with --tenants) ----------------------------------
+# -- the usage an answer reports (fair shares with --tenants, prompt sizes for placement) ------------
 
 from epd_proxy.journey.relay import Usage, read_usage  # noqa: E402
 
@@ -210,16 +210,16 @@ CHAT_USAGE = {"prompt_tokens": 120, "completion_tokens": 7, "prompt_tokens_detai
 @pytest.mark.parametrize(
     "data, expected",
     [
-        (orjson.dumps({"choices": [], "usage": CHAT_USAGE}), Usage(20, 7)),
+        (orjson.dumps({"choices": [], "usage": CHAT_USAGE}), Usage(20, 7, 100)),
         # Messages and Responses spell it as input and output tokens; Responses' stream nests it.
         (orjson.dumps({"type": "message", "usage": {"input_tokens": 9, "output_tokens": 4}}), Usage(9, 4)),
         (
             b'event: response.completed\ndata: {"response":{"usage":{"input_tokens":5,"output_tokens":2,'
             b'"input_tokens_details":{"cached_tokens":1}}}}\n\n',
-            Usage(4, 2),
+            Usage(4, 2, 1),
         ),
         # A stream's usage event before [DONE].
-        (TOKEN + b'data: {"choices":[],"usage":' + orjson.dumps(CHAT_USAGE) + b"}\n\n" + DONE, Usage(20, 7)),
+        (TOKEN + b'data: {"choices":[],"usage":' + orjson.dumps(CHAT_USAGE) + b"}\n\n" + DONE, Usage(20, 7, 100)),
         # None reported, or nothing sane: nothing is charged.
         (TOKEN + DONE, None),
         (orjson.dumps({"usage": {"prompt_tokens": -5, "completion_tokens": 1}}), None),
@@ -248,4 +248,4 @@ async def test_relay_reports_the_usage_of_a_complete_answer_only():
     ):
         request = make_mocked_request("POST", CHAT.path, writer=Wire())
         await relay(request, decode_answer(reply), EXTRA, CHAT, heard.append)
-    assert heard == [Usage(20, 7), Usage(20, 7)]
+    assert heard == [Usage(20, 7, 100), Usage(20, 7, 100)]

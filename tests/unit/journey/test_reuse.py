@@ -233,12 +233,12 @@ def test_prefix_affinity_sends_a_key_to_one_home_whatever_the_order_or_the_proce
     assert spread == {PD, PD2, "http://pd3"}
 
 
-def test_prefix_affinity_spills_past_its_load_bound_and_goes_by_load_without_a_key():
+def test_prefix_affinity_spills_when_work_is_queued_on_its_home_and_goes_by_load_without_a_key():
     members = pds(PD, PD2)
     policy = PrefixAffinity()
     home = policy.choose(members, ["conv"])[0]
     other = next(m for m in members if m is not home)
-    home.inflight = 3  # over 1.25x the mean of (3 + 0 + 1) / 2
+    home.prefill_queue, home.inflight = 1000.0, 3
     assert policy.choose(members, ["conv"])[0] is other
     assert policy.choose(members, [None])[0] is other
 
@@ -262,9 +262,9 @@ async def test_every_turn_goes_to_the_pd_that_ran_the_conversation_so_far():
 async def test_a_turn_goes_where_its_conversations_last_turn_ran_not_back_to_the_home():
     journey = affine(decode_urls=(PD, PD2, "http://pd3"))
     home = journey.pipeline.choose_route("r1", job_of(conversation(*TURNS[:1]))).decoder
-    home.inflight = 5  # busy: turn 2 spills to another PD
+    home.prefill_queue = 1e6  # busy: turn 2 spills to another PD
     moved = journey.pipeline.choose_route("r2", job_of(conversation(*TURNS[:2]))).decoder
-    home.inflight = 0
+    home.prefill_queue = 0.0
     assert moved is not home
     assert journey.pipeline.choose_route("r3", job_of(conversation(*TURNS))).decoder is moved
 

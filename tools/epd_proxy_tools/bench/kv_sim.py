@@ -17,7 +17,7 @@ one takes its place; the live ones start at random steps, with histories no PD e
 
 Per request the proxy's own per-request calls are timed (journey/pipeline.py's choose_route and
 _known, past the conversation key): `PrefixAffinity.choose` over every PD with the KV index's
-answers (`KvHolds`, `index_pick`), then the chosen consumer's answers for the request's images,
+answers (`KvHolds`) and the prefill cost of each (fleet/prefill_cost.py), then the chosen consumer's answers for the request's images,
 `index_uuids`, `media_names` and `HeldMedia.held` (`decide_held`). The chosen PD serves the
 request; its events go out as batches, each run of one event type a batch of its own so that
 stores and removals are timed apart, and the feed applies them. Everything timed is process CPU
@@ -26,7 +26,8 @@ request per session, longer (up to two per session) until every PD has evicted. 
 process's CPU time costs a system call: the mean of an empty span is taken off every span. Index
 memory is the size of every object the index holds (a walk of its references, each counted once;
 `--tracemalloc` also sums the allocations made by the index's code still alive, slower). Load:
-the last `--in-flight-per-pd` x PDs requests count as in flight where they went.
+the last `--in-flight-per-pd` x PDs requests count as in flight where they went, their prefill
+work queued there.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ from epd_proxy.fleet.kv_events import Feed, Source
 from epd_proxy.fleet.kv_holds import KvHolds
 from epd_proxy.fleet.kv_index import KvIndex
 from epd_proxy.fleet.kv_wire import seq_bytes
-from epd_proxy.fleet.routing import INDEX, PrefixAffinity
+from epd_proxy.fleet.prefill_cost import Prompt as PromptEstimate
+from epd_proxy.fleet.routing import INDEX, Placement, PrefixAffinity
 from epd_proxy.journey.extract import MediaItem, Place, content_uuid
 from epd_proxy.journey.held import HeldMedia, index_uuids, media_names
 from epd_proxy_tools.testing.fake_kv_events import (
@@ -87,7 +89,7 @@ class Settings:
     max_index_blocks: int = 250_000
     shared_first_screenshots: int = SHARED_FIRST_SCREENSHOTS
     # Requests in flight per PD on average: the last `pds * this` requests count as in flight
-    # where they went, so the load bound of placement applies.
+    # where they went, their prefill work queued there as placement weighs it.
     in_flight_per_pd: int = 4
     seed: int = 0
     tracemalloc: bool = False
@@ -304,7 +306,7 @@ class Fleet:
         self.seqs = [0] * settings.pds
         self.evicting = [False] * settings.pds
         self.served = [0] * settings.pds
-        self.in_flight: deque[int] = deque()
+        self.in_flight: deque[tuple[int, float]] = deque()
         ranks = {instance.url: (0,) for instance in self.instances}
         self.holds = KvHolds(self.index, lambda url: ranks.get(url, ()))
         self.placement = PrefixAffinity(clock=self.clock)
@@ -316,24 +318,29 @@ class Fleet:
         # Taken off every timed span.
         self.bias = timer_bias()
 
-    def started(self, pd: int) -> None:
-        """The request holds its PD until `in_flight_per_pd * pds` later requests have started."""
+    def started(self, pd: int, claim: float) -> None:
+        """The request holds its PD, and its prefill work stays queued there, until
+        `in_flight_per_pd * pds` later requests have started."""
         self.instances[pd].inflight += 1
-        self.in_flight.append(pd)
+        self.instances[pd].prefill_queue += claim
+        self.in_flight.append((pd, claim))
         if len(self.in_flight) > self.settings.in_flight_per_pd * self.settings.pds:
-            self.instances[self.in_flight.popleft()].inflight -= 1
+            done, work = self.in_flight.popleft()
+            self.instances[done].inflight -= 1
+            self.instances[done].prefill_queue -= work
 
     def _decided(self, source: str) -> None:
         self.decided_by = source
 
-    def route(self, session: Session, items: list[MediaItem]) -> tuple[int, float, float, int]:
-        """The proxy's per-request calls: the PD, CPU seconds of placement and of the held
-        decision, and how many images it takes as held."""
+    def route(self, session: Session, items: list[MediaItem], tokens: int) -> tuple[Placement, int, float, float, int]:
+        """The proxy's per-request calls: the placement and its PD, CPU seconds of placement and
+        of the held decision, and how many images it takes as held."""
         body: dict[str, Any] = {"model": MODEL}
         key = f"session {session.id}"
         started = time.process_time()
         uuids = list(index_uuids(body, items).values())
-        chosen = self.placement.choose(self.instances, (key,), uuids)[0]
+        placement = self.placement.place(self.instances, key, PromptEstimate(float(tokens), uuids))
+        chosen = placement.instance
         placed = time.process_time()
         names = media_names(body, items) or {}
         by_index = index_uuids(body, items)
@@ -345,7 +352,7 @@ class Fleet:
         self.held.encoded(names[i] for i in range(len(items)) if i not in holding.held)
         bias = self.bias
         pd = int(chosen.url[len("http://pd") : -len(":8000")])
-        return pd, placed - started - bias, done - placed - bias, len(holding.held)
+        return placement, pd, placed - started - bias, done - placed - bias, len(holding.held)
 
     def serve(self, pd: int, prompt: Prompt, answer: list[int], result: Result | None) -> tuple[int, int | None]:
         """The PD serves the request and its events reach the proxy: the prompt tokens it found
@@ -385,10 +392,10 @@ def step(fleet: Fleet, workload: Workload, result: Result | None) -> None:
     items = media_items(uuids)
     fleet.clock.now += SECONDS_PER_REQUEST
     fleet.decided_by = None
-    pd, placement_s, held_s, held = fleet.route(session, items)
+    placement, pd, placement_s, held_s, held = fleet.route(session, items, len(prompt.tokens))
     kept = session.last_pd is not None and session.last_hash is not None
     kept = kept and fleet.holds_prompt(session.last_pd, session.last_hash)  # type: ignore[arg-type]
-    fleet.started(pd)
+    fleet.started(pd, placement.claim)
     cached, last_hash = fleet.serve(pd, prompt, answer, result)
     if result is not None:
         result.decisions += 1

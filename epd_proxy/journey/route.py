@@ -1,0 +1,142 @@
+"""A request's route through the consumers, and the client's body it carries: the choice of
+prefill / decode instance (pipeline.Pipeline.choose_route) and what that choice holds on them
+until the request's first token and its end."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from epd_proxy.calls.upstream import Payload
+from epd_proxy.errors import BadRequest
+from epd_proxy.fleet.backends import Instance
+from epd_proxy.fleet.prefill_cost import Prompt, claim
+from epd_proxy.fleet.routing import PrefixAffinity, ServingPolicy
+from epd_proxy.journey.extract import MediaItem, media_url
+from epd_proxy.journey.splice import Spliced
+
+
+@dataclass(slots=True)
+class Route:
+    decoder: Instance
+    prefill: Instance | None
+    # The instance whose data-parallel replica is pinned; it alone gets X-data-parallel-rank.
+    pinned: Instance
+    dp_rank: int | None
+    # Where the encoders push (Mooncake): an address of the EC consumer's pinned replica.
+    consumer_zmq: str | None
+    # The prefill work the request brings its consumer (fleet/prefill_cost.py), in tokens.
+    claim: float = 0.0
+    # Whether this route counts in the prefill instance's load now (`held`), and whether its claim
+    # is still queued on the consumer (until its first token).
+    prefill_held: bool = False
+    claimed: bool = False
+
+    @property
+    def consumer(self) -> Instance:
+        """The instance that reads the media and holds the prompt's prefix: prefill in E+P+D."""
+        return self.prefill or self.decoder
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """The chosen instances count as loaded (`Instance.inflight` and the consumer's
+        `prefill_queue`, what the policies read) from the choice on, not from when their call
+        starts: an E+P+D request's prefill is called only after its encode, and requests chosen
+        meanwhile must see it taken. Decode is held to the end of the answer, prefill until its
+        call ends (`pipeline.open` lets it go), the claim until the first token (`prefilled`)."""
+        self.decoder.inflight += 1
+        self.hold_prefill()
+        self.consumer.prefill_queue += self.claim
+        self.claimed = True
+        try:
+            yield
+        finally:
+            self.decoder.inflight -= 1
+            self.release_prefill()
+            self._unclaim()
+
+    def hold_prefill(self) -> None:
+        if self.prefill is not None and not self.prefill_held:
+            self.prefill.inflight += 1
+            self.prefill_held = True
+
+    def release_prefill(self) -> None:
+        if self.prefill is not None and self.prefill_held:
+            self.prefill.inflight -= 1
+            self.prefill_held = False
+
+    def prefilled(self, sent: float, done: float) -> None:
+        """The consumer, called at `sent`, gave the first token at `done`: its claim is worked off,
+        and what it took measures the consumer's speed (once per request: a retry's first token
+        came after another attempt's work)."""
+        if self.claimed:
+            self.consumer.prefill_speed.observe(self.claim, sent, done)
+        self._unclaim()
+
+    def _unclaim(self) -> None:
+        if self.claimed:
+            self.consumer.prefill_queue -= self.claim
+            self.claimed = False
+
+
+@dataclass(slots=True)
+class ClientBody:
+    """The client's parsed body and its media items, held only while a retry may still need them:
+    a multi-image body is megabytes of base64 that a long stream must not keep alive."""
+
+    body: dict[str, Any] | None
+    items: Sequence[MediaItem] = ()
+    # With splice, the client's buffer the body's media tokens point into (see splice.py).
+    spliced: Spliced | None = None
+    # The characters of the client's body that are not media (`text_chars`): its prompt's text.
+    text_chars: int = 0
+    # Its media's image-equivalents (fleet/cost.py), kept when the items are let go.
+    media_cost: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.media_cost = sum(item.cost for item in self.items)
+
+    def release(self) -> None:
+        self.body = None
+        self.items = ()
+        self.spliced = None
+
+    def dumps(self, obj: Any) -> Payload:
+        """A body for a backend: media go out as the client's own bytes where they were spliced."""
+        try:
+            return self.spliced.dumps(obj) if self.spliced is not None else orjson.dumps(obj)
+        except orjson.JSONEncodeError as exc:
+            # Only the client's own values can be unwritable: JSON nested deeper than orjson
+            # writes (254 levels), which orjson reads (1024) and vLLM might too.
+            raise BadRequest(f"the request cannot be forwarded: it nests too deeply ({exc})") from None
+
+
+def text_chars(size: int, items: Sequence[MediaItem], spliced: Spliced | None) -> int:
+    """A body's characters less its media's URLs, as the client sent it (before the proxy fetched
+    any http media): what its prompt's text tokens are estimated from."""
+    media = 0
+    for item in items:
+        url = media_url(item.part, item.kind) or _audio_data(item.part.get(item.kind))
+        lifted = spliced.bytes_of(url) if spliced is not None else None
+        media += len(lifted) if lifted is not None else len(url)
+    return max(0, size - media)
+
+
+def _audio_data(value: Any) -> str:
+    data = value.get("data") if isinstance(value, dict) else None
+    return data if isinstance(data, str) else ""
+
+
+def choose(
+    policy: ServingPolicy, candidates: Sequence[Instance], key: str | None, prompt: Prompt
+) -> tuple[Instance, float]:
+    """One pick and the prefill work it brings there; a policy that weighs prefill costs is told
+    the request's prompt."""
+    if key is not None and isinstance(policy, PrefixAffinity):
+        placement = policy.place(candidates, key, prompt)
+        return placement.instance, placement.claim
+    return policy.choose(candidates, (key,))[0], claim(prompt.tokens, 0.0)

@@ -1,0 +1,68 @@
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from epd_proxy.fleet.backends import DECODE, PREFILL, PREFILL_DECODE, Instance
+from epd_proxy.fleet.prefill_cost import FIXED_TOKENS, Prompt
+from epd_proxy.fleet.routing import LeastLoaded, PrefixAffinity
+from epd_proxy.journey.extract import ReadOptions, normalise_request, parse_request
+from epd_proxy.journey.route import ClientBody, Route, choose, text_chars
+
+IMAGE = "data:image/png;base64," + "A" * 4096
+
+
+def chat(*parts):
+    return {"model": "m", "messages": [{"role": "user", "content": list(parts)}]}
+
+
+def image(url=IMAGE):
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def test_a_pds_claim_is_queued_from_the_choice_to_its_first_token():
+    pd = Instance("http://pd", PREFILL_DECODE)
+    route = Route(pd, None, pd, None, None, claim=500.0)
+    with route.held():
+        assert (pd.inflight, pd.prefill_queue) == (1, 500.0)
+        route.prefilled(10.0, 10.5)
+        assert (pd.inflight, pd.prefill_queue) == (1, 0.0)
+        route.prefilled(11.0, 12.0)  # a retry's first token measures nothing more
+    assert (pd.inflight, pd.prefill_queue) == (0, 0.0)
+    assert pd.prefill_speed.samples == 1 and pd.prefill_speed.item_s == pytest.approx(0.001)
+
+
+def test_in_epd_the_claim_is_the_prefills_and_a_failed_request_gives_it_back():
+    prefill, decode = Instance("http://p", PREFILL), Instance("http://d", DECODE)
+    route = Route(decode, prefill, prefill, None, None, claim=300.0)
+    with pytest.raises(RuntimeError), route.held():
+        assert (prefill.prefill_queue, decode.prefill_queue) == (300.0, 0.0)
+        raise RuntimeError("the encoders failed")
+    assert prefill.prefill_queue == 0.0 and prefill.prefill_speed.samples == 0
+
+
+def test_the_text_of_a_body_leaves_its_media_out_spliced_or_not():
+    audio = {"type": "input_audio", "input_audio": {"data": "B" * 900, "format": "wav"}}
+    raw = orjson.dumps(chat({"type": "text", "text": "hello"}, image(), audio))
+    whole, spliced = parse_request(raw, ReadOptions(lift_min_bytes=10**9))
+    assert spliced is None
+    assert text_chars(len(raw), whole.items, None) == len(raw) - len(IMAGE) - 900
+    lifted, spliced = parse_request(raw)
+    assert spliced is not None
+    assert text_chars(len(raw), lifted.items, spliced) == len(raw) - len(IMAGE) - 900
+
+
+def test_a_body_keeps_its_media_cost_when_its_items_are_let_go():
+    body = chat(image(), image(IMAGE + "AAAA"))
+    job = ClientBody(body, normalise_request(body).items, text_chars=100)
+    job.release()
+    assert job.media_cost == 2.0 and job.text_chars == 100
+
+
+def test_a_prefix_policy_is_told_the_prompt_and_the_others_claim_it_whole():
+    pds = [Instance(f"http://pd{i}", PREFILL_DECODE) for i in range(2)]
+    chosen, work = choose(PrefixAffinity(), pds, "conv", Prompt(1000.0))
+    assert work == FIXED_TOKENS  # its home is taken to hold the conversation
+    assert choose(LeastLoaded(), pds, "r1", Prompt(1000.0))[1] == FIXED_TOKENS + 1000.0
+    assert choose(PrefixAffinity(), pds, None, Prompt(1000.0))[1] == FIXED_TOKENS + 1000.0
+    assert chosen in pds
