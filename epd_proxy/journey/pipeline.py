@@ -54,6 +54,15 @@ DP_RANK_HEADER = "X-data-parallel-rank"
 T = TypeVar("T")
 
 
+def _headers(route: Route, request_id: str) -> tuple[dict[str, str], dict[str, str]]:
+    """Prefill's and decode's headers: the pinned instance alone is told its replica."""
+    headers = {"x-request-id": request_id, "Content-Type": "application/json"}
+    if route.dp_rank is None:
+        return headers, headers
+    pinned = {**headers, DP_RANK_HEADER: str(route.dp_rank)}
+    return (pinned, headers) if route.pinned is route.prefill else (headers, pinned)
+
+
 def _unavailable(message: str) -> ProxyError:
     return ProxyError(503, message, stage="route", error_type="service_unavailable")
 
@@ -114,11 +123,13 @@ class Pipeline:
         """Where a request's answer comes from: combined PD instances first, else split decoders."""
         return self.candidates(PREFILL_DECODE) or self.candidates(DECODE)
 
-    def choose_route(self, request_id: str, job: ClientBody | None = None, door: Door = CHAT) -> Route:
+    def choose_route(
+        self, request_id: str, job: ClientBody | None = None, door: Door = CHAT, avoid: Sequence[Instance] = ()
+    ) -> Route:
         """The consumer where the request's first token comes soonest (prefix_affinity: what it
         holds of the prompt, and the work queued on it), or by load; in E+P+D the prefix is
         prefill's, and a split decode instance goes by load. Where the conversation lies in the
-        body is the `door`'s to say."""
+        body is the `door`'s to say. Instances in `avoid` are not chosen."""
         key: str | None = request_id
         prompt = Prompt(0.0)
         if job is not None and job.body is not None:
@@ -127,14 +138,14 @@ class Pipeline:
             prompt = Prompt(tokens, media)
             if self._keyed:
                 key = conversation_key(job.body.get("model"), door.conversation(job.body), job.items)
-        candidates = self.decoders()
+        candidates = [c for c in self.decoders() if c not in avoid]
         if not candidates:
             raise _unavailable("no live decode instance")
         combined = candidates[0].role == PREFILL_DECODE
         decoder, work = choose(self.policies[DECODE], candidates, key if combined else None, prompt)
         prefill = None
         if decoder.role == DECODE:
-            prefills = self.candidates(PREFILL)
+            prefills = [c for c in self.candidates(PREFILL) if c not in avoid]
             if not prefills:
                 raise _unavailable("no live prefill instance for the standalone decode instance")
             prefill, work = choose(self.policies[PREFILL], prefills, key, prompt)
@@ -205,21 +216,16 @@ class Pipeline:
         consumer's 500, or a stream that reports an error in-band before generating anything,
         which is how vLLM reports the same failure once it has answered 200.
         """
-        headers = {"x-request-id": trace.request_id, "Content-Type": "application/json"}
-        prefill_headers = decode_headers = headers
-        if route.dp_rank is not None:
-            pinned_headers = {**headers, DP_RANK_HEADER: str(route.dp_rank)}
-            if route.pinned is route.prefill:
-                prefill_headers = pinned_headers
-            else:
-                decode_headers = pinned_headers
-        push_mode = route.consumer_zmq is not None
         known = self._known(job, route)
         attempts = self.decode_retries + 1
         attempt = 0
+        # Consumers that took no byte of this request (refused, or no connection in time).
+        unreached: list[Instance] = []
         while True:
             attempt += 1
             trace.attempts = attempt
+            prefill_headers, decode_headers = _headers(route, trace.request_id)
+            push_mode = route.consumer_zmq is not None
             matches = await self._encode(job, route, trace, known)
             with trace.stage("rewrite"):
                 prepared = door.consumer_body(job.body, job.items, matches, rewrite=self.rewrite, push_mode=push_mode)
@@ -282,6 +288,31 @@ class Pipeline:
                 if exc.status != 500 or attempt == attempts:
                     raise
                 self._note_retry(trace, exc.stage, "answered 500", exc.message)
+            except NoAnswer as exc:
+                # A consumer that read none of the request (stopped, restarting, its connection
+                # slots full) cannot have been broken by it: the request goes to another, as
+                # aiohttp and httpcore resend only what was never sent. One that may have read it
+                # is not tried again anywhere: the request may be what broke it.
+                gone = next((c for c in (route.prefill, route.decoder) if c is not None and c.url == exc.backend), None)
+                if exc.sent or gone is None:
+                    raise
+                unreached.append(gone)
+                try:
+                    elsewhere = self.choose_route(trace.request_id, job, door, avoid=unreached)
+                except ProxyError:
+                    raise exc from None
+                self.metrics.retries.labels(exc.stage).inc()
+                log.warning(
+                    "request %s: %s %s took none of it (%s); it goes to %s instead",
+                    trace.request_id,
+                    exc.stage,
+                    exc.backend,
+                    exc.reason,
+                    elsewhere.consumer.url,
+                )
+                route.move(elsewhere)
+                known = self._known(job, route)
+                attempt -= 1  # the move is not one of the retries a failed answer is allowed
 
     async def _encode(self, job: ClientBody, route: Route, trace: Trace, known: Known) -> Matches:
         """Encode what the consumer cannot reuse. When the encoders fail (after failover), the

@@ -35,6 +35,7 @@ class Route:
     # is still queued on the consumer (until its first token).
     prefill_held: bool = False
     claimed: bool = False
+    holding: bool = False
 
     @property
     def consumer(self) -> Instance:
@@ -48,16 +49,33 @@ class Route:
         starts: an E+P+D request's prefill is called only after its encode, and requests chosen
         meanwhile must see it taken. Decode is held to the end of the answer, prefill until its
         call ends (`pipeline.open` lets it go), the claim until the first token (`prefilled`)."""
-        self.decoder.inflight += 1
-        self.hold_prefill()
-        self.consumer.prefill_queue += self.claim
-        self.claimed = True
+        self._take()
         try:
             yield
         finally:
-            self.decoder.inflight -= 1
-            self.release_prefill()
-            self._unclaim()
+            self._leave()
+
+    def move(self, to: Route) -> None:
+        """The request leaves its instances for `to`'s (held from now, if these were)."""
+        holding = self.holding
+        if holding:
+            self._leave()
+        self.decoder, self.prefill, self.pinned = to.decoder, to.prefill, to.pinned
+        self.dp_rank, self.consumer_zmq, self.claim = to.dp_rank, to.consumer_zmq, to.claim
+        if holding:
+            self._take()
+
+    def _take(self) -> None:
+        self.decoder.inflight += 1
+        self.hold_prefill()
+        self.consumer.prefill_queue += self.claim
+        self.claimed = self.holding = True
+
+    def _leave(self) -> None:
+        self.decoder.inflight -= 1
+        self.release_prefill()
+        self._unclaim()
+        self.holding = False
 
     def hold_prefill(self) -> None:
         if self.prefill is not None and not self.prefill_held:

@@ -253,6 +253,80 @@ async def test_no_answer_from_decode_is_not_retried(kind):
     assert journey.trace.attempts == 1
 
 
+PD2, P2 = "http://pd2", "http://p2"
+
+
+class FirstCandidate:
+    """A policy that takes the first candidate it is offered: which instance a request tries
+    first, and where it goes when that one is avoided, are known."""
+
+    def choose(self, candidates, keys):
+        return [candidates[0] for _ in keys]
+
+
+def in_order(**fields) -> Journey:
+    return Journey(policies={ENCODE: RoundRobin(), PREFILL: FirstCandidate(), DECODE: FirstCandidate()}, **fields)
+
+
+async def run_held(journey, body, request_id="req-1"):
+    """As `serve` runs a request: its route held from the choice to the end."""
+    job = ClientBody(body, normalise_request(body).items)
+    route = journey.pipeline.choose_route(request_id, job)
+    journey.trace = Trace(request_id)
+    with route.held():
+        answer = await journey.pipeline.open(job, route, journey.trace)
+        loads = {
+            m.url: (m.inflight, m.prefill_queue)
+            for role in (PREFILL, DECODE, PREFILL_DECODE)
+            for m in journey.fleet.members(role)
+        }
+    return route, answer, loads
+
+
+@pytest.mark.parametrize("kind", [REFUSED, CONNECT_TIMEOUT])
+async def test_a_pd_that_took_none_of_the_request_hands_it_to_another(kind):
+    journey = in_order(decode_urls=(PD, PD2), decode_retries=0)
+    first, other = PD, PD2
+    journey.script(first, Reply(fails=kind))
+    journey.script(other, STREAM)
+    route, answer, loads = await run_held(journey, chat())
+    assert answer.status == 200 and route.decoder.url == other
+    assert len(journey.upstream.to(first)) == len(journey.upstream.to(other)) == 1
+    # While it was answered the request counted on the PD it moved to, and on that one alone.
+    assert loads[first] == (0, 0.0) and loads[other][0] == 1
+    assert all(m.inflight == 0 and m.prefill_queue == 0 for m in journey.fleet.members(PREFILL_DECODE))
+    assert journey.metric("epd_retries_total", stage="decode") == 1
+
+
+async def test_a_pd_that_may_have_read_the_request_is_not_handed_another_copy():
+    journey = in_order(decode_urls=(PD, PD2), decode_retries=3)
+    journey.script(PD, Reply(fails=HEADERS_TIMEOUT))
+    with pytest.raises(NoAnswer):
+        await run_held(journey, chat())
+    assert len(journey.upstream.sent) == 1
+
+
+async def test_every_pd_refusing_ends_with_the_first_refusal_each_tried_once():
+    journey = Journey(decode_urls=(PD, PD2))
+    journey.script(PD, Reply(fails=REFUSED))
+    journey.script(PD2, Reply(fails=REFUSED))
+    with pytest.raises(NoAnswer) as failed:
+        await run_held(journey, chat())
+    assert failed.value.kind == REFUSED
+    assert sorted(sent.url for sent in journey.upstream.sent) == [PD, PD2]
+
+
+async def test_in_epd_a_prefill_that_took_none_of_the_request_hands_it_to_another():
+    journey = in_order(decode_urls=(D,), prefill_urls=(P, P2))
+    first, other = P, P2
+    journey.script(first, Reply(fails=REFUSED))
+    journey.script(other, json_reply({"kv_transfer_params": KV}))
+    journey.script(D, STREAM)
+    route, answer, _ = await run_held(journey, chat())
+    assert answer.status == 200 and route.prefill.url == other
+    assert journey.upstream.to(D)[0].body["kv_transfer_params"] == KV
+
+
 async def test_an_in_band_error_before_anything_generated_is_retried_and_the_first_stream_let_go():
     journey = Journey(decode_retries=1)
     journey.script(PD, stream_reply(ROLE, VLLM_ERROR, DONE), STREAM)
