@@ -29,6 +29,10 @@ LAST_TURN_TTL_S = 600.0
 # What decided a conversation's placement (epd_prefix_decisions_total{decision="placement"}): the
 # KV index, where its last turn ran, its key's home on the ring, or the work queued on those.
 INDEX, RECORD, HASH, LOAD = "index", "record", "hash", "load"
+# How long a placed turn counts as held where it went though the KV index has not shown it there:
+# its prefill's blocks are published within a second of its first token on vLLM, which a turn
+# with a long encode and a queued prefill reaches only seconds after it was placed.
+SPECULATIVE_S = 10.0
 
 
 class RoutingPolicy(Protocol):
@@ -232,8 +236,9 @@ class PrefixAffinity(ContentAffinity):
         super().__init__()
         self._by_load = LeastLoaded()
         self.clock = clock
-        # Per conversation key: (the instance its last turn ran on, that turn's prompt tokens).
-        self.last_turns: Recall[str, tuple[str, float]] = Recall(remember, ttl_s, clock)
+        # Per conversation key: the instance its last turn ran on, that turn's prompt tokens, and
+        # when it was placed.
+        self.last_turns: Recall[str, tuple[str, float, float]] = Recall(remember, ttl_s, clock)
 
     def choose(
         self, candidates: Sequence[Instance], keys: Sequence[str | None], prompt: Prompt | None = None
@@ -252,26 +257,32 @@ class PrefixAffinity(ContentAffinity):
         chosen = cheapest(costs, order)
         if chosen != preferred:
             source = LOAD
-        self.last_turns.put(key, (candidates[chosen].url, prompt.tokens))
+        self.last_turns.put(key, (candidates[chosen].url, prompt.tokens, self.clock()))
         if self.decided is not None:
             self.decided(source)
         return Placement(candidates[chosen], claims[chosen], source)
 
     def _held(self, candidates: Sequence[Instance], key: str, prompt: Prompt) -> tuple[list[float], int, str]:
         """The tokens of the prompt each candidate is taken to hold, the one holding most, and
-        what says so."""
+        what says so. A turn placed in the last SPECULATIVE_S is taken to be held where it went
+        even where the index has not heard of it yet: its blocks are stored only once its prefill
+        ran, and a next turn sent meanwhile (an agent's parallel tool calls, a retry) must not go
+        back to where the index last saw the conversation."""
         held = [0.0] * len(candidates)
+        where = {c.url: i for i, c in enumerate(candidates)}
+        record = self.last_turns.get(key)
+        last = where.get(record[0]) if record is not None else None
         if prompt.media and self.holds is not None:
             for i, c in enumerate(candidates):
                 depth = max((d or 0 for d in self.holds(c.url, prompt.media, None)), default=0)
                 held[i] = min(prompt.tokens, float(depth * self.holds.block_size(c.url)))
             deepest = max(range(len(candidates)), key=held.__getitem__)
             if held[deepest] > 0:
-                return held, deepest, INDEX
-        record = self.last_turns.get(key)
-        where = {c.url: i for i, c in enumerate(candidates)}
-        if record is not None and record[0] in where:
-            last = where[record[0]]
+                if record is None or last is None or self.clock() - record[2] > SPECULATIVE_S:
+                    return held, deepest, INDEX
+                held[last] = max(held[last], min(prompt.tokens, record[1]))
+                return (held, deepest, INDEX) if held[deepest] > held[last] else (held, last, RECORD)
+        if record is not None and last is not None:
             held[last] = min(prompt.tokens, record[1])
             return held, last, RECORD
         home = next(self._walk(key))

@@ -8,6 +8,7 @@ from epd_proxy.fleet.backends import Instance
 from epd_proxy.fleet.prefill_cost import FIXED_TOKENS, Prompt
 from epd_proxy.fleet.routing import (
     SERVING,
+    SPECULATIVE_S,
     ContentAffinity,
     LeastLoaded,
     PowerOfTwo,
@@ -214,13 +215,15 @@ def test_a_conversation_goes_where_the_index_says_its_images_are_unless_queued_w
     decided: list[str] = []
     home = PrefixAffinity().choose(members, ["conv"])[0]
     holder = next(m for m in members if m is not home)
-    policy = PrefixAffinity()
+    clock = Clock()
+    policy = PrefixAffinity(clock=clock)
     policy.decided = decided.append
     policy.holds = Holds({m.url: ({"img-1": 20} if m is holder else {}) for m in members})
     # A new process: no record, the hash says `home`; the index knows where the prefix is:
     # 20 blocks of 16 tokens.
     first = place(policy, members, "conv", 1000.0, ["img-1", "img-2"])
     assert (first.instance, first.claim) == (holder, FIXED_TOKENS + 1000.0 - 320.0)
+    clock.now += SPECULATIVE_S + 1  # the index has not shown that turn there
     # Work queued on the holder past what it holds moves the request; the index still says where
     # the prefix is, so the home gets no credit: the least queued of the others.
     holder.prefill_queue = 400.0
@@ -235,3 +238,22 @@ def test_a_conversation_goes_where_the_index_says_its_images_are_unless_queued_w
     assert place(policy, members, "conv", 1000.0, ["img-1"]).instance is moved
     assert PrefixAffinity().choose(members, ["other"], Prompt(10.0, ["img-1"]))  # no index: as before
     assert decided == ["index", "load", "record", "record"]
+
+
+def test_a_turn_just_placed_counts_as_held_where_it_went_until_the_index_could_show_it():
+    members = pds(3)
+    clock = Clock()
+    policy = PrefixAffinity(clock=clock)
+    holder, other, _ = members
+    policy.holds = Holds({m.url: ({"img-1": 20} if m is holder else {}) for m in members})
+    holder.prefill_queue = 5000.0
+    moved = place(policy, members, "conv", 1000.0, ["img-1"])
+    assert moved.instance is not holder
+    holder.prefill_queue = 0.0
+    # The next turn, sent before the moved one's blocks reached the index: where that one went.
+    clock.now += 2.0
+    follows = place(policy, members, "conv", 1100.0, ["img-1", "img-2"])
+    assert (follows.instance, follows.source, follows.claim) == (moved.instance, "record", FIXED_TOKENS + 100.0)
+    # Long after, with the index still showing nothing there (evicted, or it never ran): the index.
+    clock.now += SPECULATIVE_S + 1
+    assert place(policy, members, "conv", 1200.0, ["img-1", "img-2"]).instance is holder
