@@ -278,10 +278,11 @@ class PrefixAffinity(ContentAffinity):
                 held[i] = min(prompt.tokens, float(depth * self.holds.block_size(c.url)))
             deepest = max(range(len(candidates)), key=held.__getitem__)
             if held[deepest] > 0:
-                if record is None or last is None or self.clock() - record[2] > SPECULATIVE_S:
-                    return held, deepest, INDEX
-                held[last] = max(held[last], min(prompt.tokens, record[1]))
-                return (held, deepest, INDEX) if held[deepest] > held[last] else (held, last, RECORD)
+                if record is not None and last is not None and self.clock() - record[2] <= SPECULATIVE_S:
+                    held[last] = max(held[last], min(prompt.tokens, record[1]))
+                    if last != deepest and held[last] >= held[deepest]:
+                        return held, last, RECORD
+                return held, deepest, INDEX
         if record is not None and last is not None:
             held[last] = min(prompt.tokens, record[1])
             return held, last, RECORD
