@@ -76,6 +76,17 @@ def claim(tokens: float, cached: float) -> float:
     return FIXED_TOKENS + max(0.0, tokens - cached)
 
 
+def seconds(speed: float, queued: float, work: float, running: int) -> float:
+    """What placing a request's `work` on a consumer costs, in seconds: its own wait for a first
+    token behind the `queued` work, and the delay its prefill adds to each of the `running`
+    requests there, which share the engine's steps with it (vLLM batches a prefill's chunks with
+    every running decode). Its own wait alone is not enough: moving a conversation away from the
+    instance holding its prefix to one a little less queued recomputes that prefix, and the big
+    claim it leaves there moves the next conversations too; counted as the delay it is to others,
+    a move happens where the gain is real (an idle or far less busy instance)."""
+    return speed * (queued + work * (1 + running))
+
+
 def seconds_per_token(speeds: Sequence[Speed], now: float) -> list[float]:
     """Each consumer's measured speed, drawn toward the mean of the measured by how few first
     tokens it has timed; one not measured (or idle and unheard from for long) counts at that

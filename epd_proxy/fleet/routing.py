@@ -18,7 +18,7 @@ from typing import Protocol, TypedDict
 
 from epd_proxy.fleet.backends import Instance
 from epd_proxy.fleet.kv_holds import MediaDepths
-from epd_proxy.fleet.prefill_cost import Prompt, cheapest, claim, seconds_per_token
+from epd_proxy.fleet.prefill_cost import Prompt, cheapest, claim, seconds, seconds_per_token
 from epd_proxy.fleet.recall import Recall
 from epd_proxy.fleet.scheduler import ExpectedFinish
 
@@ -252,7 +252,9 @@ class PrefixAffinity(ContentAffinity):
         held, preferred, source = self._held(candidates, key, prompt)
         speeds = seconds_per_token([c.prefill_speed for c in candidates], self.clock())
         claims = [claim(prompt.tokens, cached) for cached in held]
-        costs = [speed * (c.prefill_queue + work) for speed, c, work in zip(speeds, candidates, claims)]
+        costs = [
+            seconds(speed, c.prefill_queue, work, c.inflight) for speed, c, work in zip(speeds, candidates, claims)
+        ]
         order = [preferred, *(i for i in self._members(key) if i != preferred)]
         chosen = cheapest(costs, order)
         if chosen != preferred:
