@@ -11,6 +11,7 @@ from epd_proxy.fleet.prefill_cost import (
     cheapest,
     claim,
     prefill_speed,
+    seconds,
     seconds_per_token,
 )
 
@@ -33,6 +34,11 @@ def test_the_tokens_an_image_takes_are_learnt_from_what_answers_report():
     assert size.media_tokens == learnt
     size.observe(4000, 1.0, 10)
     assert size.media_tokens >= 1.0
+
+
+def test_a_placement_costs_its_own_wait_and_the_delay_its_prefill_adds_to_those_running_there():
+    assert seconds(0.001, 1000.0, 200.0, 0) == pytest.approx(1.2)
+    assert seconds(0.001, 1000.0, 200.0, 3) == pytest.approx(1.0 + 0.2 * 4)
 
 
 def test_a_claim_is_the_fixed_part_and_what_the_consumer_does_not_hold():

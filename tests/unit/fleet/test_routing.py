@@ -143,6 +143,19 @@ def test_a_conversation_stays_with_its_prefix_until_the_work_queued_there_outwei
     assert [place(policy, members, "conv", tokens=1200.0).instance for _ in range(3)] == [spilled.instance] * 3
 
 
+def test_a_crowded_holder_keeps_its_conversation_from_a_slightly_less_busy_instance_not_from_an_idle_one():
+    members = pds(3)
+    policy = PrefixAffinity()
+    holder = place(policy, members, "conv", tokens=1800.0).instance
+    busy, idle = (m for m in members if m is not holder)
+    holder.inflight, holder.prefill_queue = 6, 2000.0
+    busy.inflight, idle.inflight = 5, 5
+    # Recomputing 1,800 tokens beside 5 running requests costs more than waiting behind 2,000.
+    assert place(policy, members, "conv", tokens=2000.0).instance is holder
+    idle.inflight = 0
+    assert place(policy, members, "conv", tokens=2000.0).instance is idle
+
+
 def test_a_slower_consumer_is_left_when_recomputing_elsewhere_is_sooner():
     members = pds(2)
     clock = Clock()
