@@ -65,6 +65,17 @@ class PromptSize:
         self.media_tokens += MEDIA_SMOOTHING * (sample - self.media_tokens)
 
 
+@dataclass(slots=True)
+class Turn:
+    """One placed request as its conversation's record keeps it: where it went, its prompt's
+    tokens, and when its first token came (None before: its prompt is not in that engine's cache
+    yet, and a sibling sent meanwhile, with the same opening, finds none of it there)."""
+
+    url: str
+    tokens: float
+    prefilled_at: float | None = None
+
+
 def prefill_speed() -> Speed:
     """One consumer's prefill speed: seconds per token of claim (FIXED_TOKENS included), from
     each request's claim and the time from its call to its first token."""

@@ -18,7 +18,7 @@ from typing import Protocol, TypedDict
 
 from epd_proxy.fleet.backends import Instance
 from epd_proxy.fleet.kv_holds import MediaDepths
-from epd_proxy.fleet.prefill_cost import Prompt, cheapest, claim, seconds, seconds_per_token
+from epd_proxy.fleet.prefill_cost import Prompt, Turn, cheapest, claim, seconds, seconds_per_token
 from epd_proxy.fleet.recall import Recall
 from epd_proxy.fleet.scheduler import ExpectedFinish
 
@@ -29,9 +29,8 @@ LAST_TURN_TTL_S = 600.0
 # What decided a conversation's placement (epd_prefix_decisions_total{decision="placement"}): the
 # KV index, where its last turn ran, its key's home on the ring, or the work queued on those.
 INDEX, RECORD, HASH, LOAD = "index", "record", "hash", "load"
-# How long a placed turn counts as held where it went though the KV index has not shown it there:
-# its prefill's blocks are published within a second of its first token on vLLM, which a turn
-# with a long encode and a queued prefill reaches only seconds after it was placed.
+# How long after its first token a turn counts as held where it went though the KV index has not
+# shown it there: vLLM publishes a prefill's blocks within a second of its first token.
 SPECULATIVE_S = 10.0
 
 
@@ -205,6 +204,8 @@ class Placement:
     instance: Instance
     claim: float
     source: str
+    # The record of it, which the pipeline marks prefilled at its first token.
+    turn: Turn
 
 
 class PrefixAffinity(ContentAffinity):
@@ -236,9 +237,8 @@ class PrefixAffinity(ContentAffinity):
         super().__init__()
         self._by_load = LeastLoaded()
         self.clock = clock
-        # Per conversation key: the instance its last turn ran on, that turn's prompt tokens, and
-        # when it was placed.
-        self.last_turns: Recall[str, tuple[str, float, float]] = Recall(remember, ttl_s, clock)
+        # Per conversation key: its last turn here.
+        self.last_turns: Recall[str, Turn] = Recall(remember, ttl_s, clock)
 
     def choose(
         self, candidates: Sequence[Instance], keys: Sequence[str | None], prompt: Prompt | None = None
@@ -259,34 +259,40 @@ class PrefixAffinity(ContentAffinity):
         chosen = cheapest(costs, order)
         if chosen != preferred:
             source = LOAD
-        self.last_turns.put(key, (candidates[chosen].url, prompt.tokens, self.clock()))
+        turn = Turn(candidates[chosen].url, prompt.tokens)
+        self.last_turns.put(key, turn)
         if self.decided is not None:
             self.decided(source)
-        return Placement(candidates[chosen], claims[chosen], source)
+        return Placement(candidates[chosen], claims[chosen], source, turn)
 
     def _held(self, candidates: Sequence[Instance], key: str, prompt: Prompt) -> tuple[list[float], int, str]:
         """The tokens of the prompt each candidate is taken to hold, the one holding most, and
-        what says so. A turn placed in the last SPECULATIVE_S is taken to be held where it went
-        even where the index has not heard of it yet: its blocks are stored only once its prefill
-        ran, and a next turn sent meanwhile (an agent's parallel tool calls, a retry) must not go
-        back to where the index last saw the conversation."""
+        what says so. The last turn placed here holds its prompt where it went once its first
+        token came, and for SPECULATIVE_S after that it counts even where the index has not shown
+        it yet (its blocks reach the index a moment later, and a next turn sent meanwhile must
+        not follow the index back to where the conversation was). A last turn still without its
+        first token holds nothing yet: requests sent at once with the same opening are siblings,
+        not one conversation's turns, and spread by load."""
         held = [0.0] * len(candidates)
         where = {c.url: i for i, c in enumerate(candidates)}
         record = self.last_turns.get(key)
-        last = where.get(record[0]) if record is not None else None
+        last = where.get(record.url) if record is not None else None
+        done = record.prefilled_at if record is not None else None
         if prompt.media and self.holds is not None:
             for i, c in enumerate(candidates):
                 depth = max((d or 0 for d in self.holds(c.url, prompt.media, None)), default=0)
                 held[i] = min(prompt.tokens, float(depth * self.holds.block_size(c.url)))
             deepest = max(range(len(candidates)), key=held.__getitem__)
             if held[deepest] > 0:
-                if record is not None and last is not None and self.clock() - record[2] <= SPECULATIVE_S:
-                    held[last] = max(held[last], min(prompt.tokens, record[1]))
-                    if last != deepest and held[last] >= held[deepest]:
-                        return held, last, RECORD
+                if record is not None and last is not None and done is not None:
+                    if self.clock() - done <= SPECULATIVE_S:
+                        held[last] = max(held[last], min(prompt.tokens, record.tokens))
+                        if last != deepest and held[last] >= held[deepest]:
+                            return held, last, RECORD
                 return held, deepest, INDEX
         if record is not None and last is not None:
-            held[last] = min(prompt.tokens, record[1])
+            if done is not None:
+                held[last] = min(prompt.tokens, record.tokens)
             return held, last, RECORD
         home = next(self._walk(key))
         held[home] = prompt.tokens

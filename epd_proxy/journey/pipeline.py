@@ -142,19 +142,19 @@ class Pipeline:
         if not candidates:
             raise _unavailable("no live decode instance")
         combined = candidates[0].role == PREFILL_DECODE
-        decoder, work = choose(self.policies[DECODE], candidates, key if combined else None, prompt)
+        decoder, work, turn = choose(self.policies[DECODE], candidates, key if combined else None, prompt)
         prefill = None
         if decoder.role == DECODE:
             prefills = [c for c in self.candidates(PREFILL) if c not in avoid]
             if not prefills:
                 raise _unavailable("no live prefill instance for the standalone decode instance")
-            prefill, work = choose(self.policies[PREFILL], prefills, key, prompt)
+            prefill, work, turn = choose(self.policies[PREFILL], prefills, key, prompt)
         # Dynamic mode pins the EC consumer (prefill in E+P+D, else the decoder) as registered;
         # static mode's replica flags describe the decode servers, as in the reference.
         pinned = (prefill or decoder) if self.fleet.dynamic else decoder
         dp_rank = pinned.next_dp_rank() if pinned.dp_size > 1 else None
         consumer_zmq = pinned.zmq_addrs[dp_rank or 0] if pinned.zmq_addrs else None
-        return Route(decoder, prefill, pinned, dp_rank, consumer_zmq, claim=work)
+        return Route(decoder, prefill, pinned, dp_rank, consumer_zmq, claim=work, turn=turn)
 
     def usage(self, job: ClientBody, tenant: str | None) -> Callable[[Usage], None] | None:
         """What hears the tokens an answer reports: its tenant's charge (with --tenants, `tenant`

@@ -14,7 +14,7 @@ import orjson
 from epd_proxy.calls.upstream import Payload
 from epd_proxy.errors import BadRequest
 from epd_proxy.fleet.backends import Instance
-from epd_proxy.fleet.prefill_cost import Prompt, claim
+from epd_proxy.fleet.prefill_cost import Prompt, Turn, claim
 from epd_proxy.fleet.routing import PrefixAffinity, ServingPolicy
 from epd_proxy.journey.extract import MediaItem, media_url
 from epd_proxy.journey.splice import Spliced
@@ -29,8 +29,10 @@ class Route:
     dp_rank: int | None
     # Where the encoders push (Mooncake): an address of the EC consumer's pinned replica.
     consumer_zmq: str | None
-    # The prefill work the request brings its consumer (fleet/prefill_cost.py), in tokens.
+    # The prefill work the request brings its consumer (fleet/prefill_cost.py), in tokens, and
+    # its conversation's record of it (prefix_affinity), told of its first token.
     claim: float = 0.0
+    turn: Turn | None = None
     # Whether this route counts in the prefill instance's load now (`held`), and whether its claim
     # is still queued on the consumer (until its first token).
     prefill_held: bool = False
@@ -61,7 +63,7 @@ class Route:
         if holding:
             self._leave()
         self.decoder, self.prefill, self.pinned = to.decoder, to.prefill, to.pinned
-        self.dp_rank, self.consumer_zmq, self.claim = to.dp_rank, to.consumer_zmq, to.claim
+        self.dp_rank, self.consumer_zmq, self.claim, self.turn = to.dp_rank, to.consumer_zmq, to.claim, to.turn
         if holding:
             self._take()
 
@@ -93,6 +95,8 @@ class Route:
         came after another attempt's work)."""
         if self.claimed:
             self.consumer.prefill_speed.observe(self.claim, sent, done)
+        if self.turn is not None and self.turn.prefilled_at is None:
+            self.turn.prefilled_at = done
         self._unclaim()
 
     def _unclaim(self) -> None:
@@ -151,10 +155,10 @@ def _audio_data(value: Any) -> str:
 
 def choose(
     policy: ServingPolicy, candidates: Sequence[Instance], key: str | None, prompt: Prompt
-) -> tuple[Instance, float]:
-    """One pick and the prefill work it brings there; a policy that weighs prefill costs is told
-    the request's prompt."""
+) -> tuple[Instance, float, Turn | None]:
+    """One pick, the prefill work it brings there and its record; a policy that weighs prefill
+    costs is told the request's prompt."""
     if key is not None and isinstance(policy, PrefixAffinity):
         placement = policy.place(candidates, key, prompt)
-        return placement.instance, placement.claim
-    return policy.choose(candidates, (key,))[0], claim(prompt.tokens, 0.0)
+        return placement.instance, placement.claim, placement.turn
+    return policy.choose(candidates, (key,))[0], claim(prompt.tokens, 0.0), None

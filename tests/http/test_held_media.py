@@ -109,5 +109,5 @@ async def test_an_epd_prefill_counts_as_busy_from_the_moment_it_is_chosen(make_s
     gate.set()
     await requests
     served = sorted(sum(p.counts.requests.values()) for p in stack.prefills)
-    # The load bound (1.25x the mean) holds as it does for PDs: about 15 and 9.
+    # None had its first token when the others were placed: they spread by load, about 12 and 12.
     assert sum(served) == 24 and served[0] >= 8, served

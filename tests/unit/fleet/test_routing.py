@@ -122,8 +122,12 @@ class Clock:
         return self.now
 
 
-def place(policy, members, key, tokens=1000.0, media=()):
-    return policy.place(members, key, Prompt(tokens, media))
+def place(policy, members, key, tokens=1000.0, media=(), prefilled=True):
+    """A turn placed and, unless told, run to its first token at once."""
+    placement = policy.place(members, key, Prompt(tokens, media))
+    if prefilled:
+        placement.turn.prefilled_at = policy.clock()
+    return placement
 
 
 def test_a_conversation_stays_with_its_prefix_until_the_work_queued_there_outweighs_it():
@@ -141,6 +145,21 @@ def test_a_conversation_stays_with_its_prefix_until_the_work_queued_there_outwei
     turn = place(policy, members, "conv", tokens=1100.0)
     assert (turn.instance, turn.source, turn.claim) == (spilled.instance, "record", FIXED_TOKENS + 100.0)
     assert [place(policy, members, "conv", tokens=1200.0).instance for _ in range(3)] == [spilled.instance] * 3
+
+
+def test_requests_sent_at_once_with_one_opening_spread_until_the_first_has_its_first_token():
+    members = pds(2)
+    policy = PrefixAffinity()
+    first = place(policy, members, "conv", prefilled=False)
+    first.instance.prefill_queue += first.claim
+    # A sibling with the same opening: nothing of it is cached yet, so it goes by load.
+    sibling = place(policy, members, "conv", prefilled=False)
+    assert sibling.instance is not first.instance and sibling.claim == FIXED_TOKENS + 1000.0
+    sibling.instance.prefill_queue += sibling.claim
+    # Once a turn has its first token, the next turn finds its prompt where it ran.
+    sibling.turn.prefilled_at = policy.clock()
+    follows = place(policy, members, "conv", tokens=1100.0)
+    assert (follows.instance, follows.claim) == (sibling.instance, FIXED_TOKENS + 100.0)
 
 
 def test_a_crowded_holder_keeps_its_conversation_from_a_slightly_less_busy_instance_not_from_an_idle_one():

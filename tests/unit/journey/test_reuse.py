@@ -465,8 +465,9 @@ def test_a_route_holds_its_instances_from_the_choice_and_lets_go_on_every_path()
             route = journey.pipeline.choose_route(f"r{n}", job_of(body))
             holding.enter_context(route.held())
             routes.append(route)
-        # The same opening: to its home while under the load bound, then the other prefill.
-        assert sorted(p.inflight for p in journey.fleet.members(PREFILL)) == [3, 5]
+        # The same opening, sent at once: none has its first token, so none holds anything the
+        # others could reuse, and they spread by load over both prefills.
+        assert sorted(p.inflight for p in journey.fleet.members(PREFILL)) == [4, 4]
     assert all(m.inflight == 0 for role in (PREFILL, DECODE) for m in journey.fleet.members(role))
 
 

@@ -4,7 +4,7 @@ import orjson
 import pytest
 
 from epd_proxy.fleet.backends import DECODE, PREFILL, PREFILL_DECODE, Instance
-from epd_proxy.fleet.prefill_cost import FIXED_TOKENS, Prompt
+from epd_proxy.fleet.prefill_cost import FIXED_TOKENS, Prompt, Turn
 from epd_proxy.fleet.routing import LeastLoaded, PrefixAffinity
 from epd_proxy.journey.extract import ReadOptions, normalise_request, parse_request
 from epd_proxy.journey.route import ClientBody, Route, choose, text_chars
@@ -22,10 +22,12 @@ def image(url=IMAGE):
 
 def test_a_pds_claim_is_queued_from_the_choice_to_its_first_token():
     pd = Instance("http://pd", PREFILL_DECODE)
-    route = Route(pd, None, pd, None, None, claim=500.0)
+    turn = Turn(pd.url, 1000.0)
+    route = Route(pd, None, pd, None, None, claim=500.0, turn=turn)
     with route.held():
         assert (pd.inflight, pd.prefill_queue) == (1, 500.0)
         route.prefilled(10.0, 10.5)
+        assert turn.prefilled_at == 10.5  # its conversation's next turn finds it there
         assert (pd.inflight, pd.prefill_queue) == (1, 0.0)
         route.prefilled(11.0, 12.0)  # a retry's first token measures nothing more
     assert (pd.inflight, pd.prefill_queue) == (0, 0.0)
@@ -61,8 +63,9 @@ def test_a_body_keeps_its_media_cost_when_its_items_are_let_go():
 
 def test_a_prefix_policy_is_told_the_prompt_and_the_others_claim_it_whole():
     pds = [Instance(f"http://pd{i}", PREFILL_DECODE) for i in range(2)]
-    chosen, work = choose(PrefixAffinity(), pds, "conv", Prompt(1000.0))
+    chosen, work, turn = choose(PrefixAffinity(), pds, "conv", Prompt(1000.0))
     assert work == FIXED_TOKENS  # its home is taken to hold the conversation
-    assert choose(LeastLoaded(), pds, "r1", Prompt(1000.0))[1] == FIXED_TOKENS + 1000.0
-    assert choose(PrefixAffinity(), pds, None, Prompt(1000.0))[1] == FIXED_TOKENS + 1000.0
+    assert turn is not None and (turn.url, turn.tokens, turn.prefilled_at) == (chosen.url, 1000.0, None)
+    assert choose(LeastLoaded(), pds, "r1", Prompt(1000.0))[1:] == (FIXED_TOKENS + 1000.0, None)
+    assert choose(PrefixAffinity(), pds, None, Prompt(1000.0))[1:] == (FIXED_TOKENS + 1000.0, None)
     assert chosen in pds

@@ -397,6 +397,7 @@ def step(fleet: Fleet, workload: Workload, result: Result | None) -> None:
     kept = kept and fleet.holds_prompt(session.last_pd, session.last_hash)  # type: ignore[arg-type]
     fleet.started(pd, placement.claim)
     cached, last_hash = fleet.serve(pd, prompt, answer, result)
+    placement.turn.prefilled_at = fleet.clock.now
     if result is not None:
         result.decisions += 1
         result.placement_cpu_s += placement_s
