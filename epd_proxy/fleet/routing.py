@@ -249,13 +249,14 @@ class PrefixAffinity(ContentAffinity):
 
     def place(self, candidates: Sequence[Instance], key: str, prompt: Prompt) -> Placement:
         self._ring(candidates)
-        held, preferred, source = self._held(candidates, key, prompt)
+        members = self._members(key)
+        held, preferred, source = self._held(candidates, key, prompt, home=members[0])
         speeds = seconds_per_token([c.prefill_speed for c in candidates], self.clock())
         claims = [claim(prompt.tokens, cached) for cached in held]
         costs = [
             seconds(speed, c.prefill_queue, work, c.inflight) for speed, c, work in zip(speeds, candidates, claims)
         ]
-        order = [preferred, *(i for i in self._members(key) if i != preferred)]
+        order = [preferred, *(i for i in members if i != preferred)]
         chosen = cheapest(costs, order)
         if chosen != preferred:
             source = LOAD
@@ -265,9 +266,11 @@ class PrefixAffinity(ContentAffinity):
             self.decided(source)
         return Placement(candidates[chosen], claims[chosen], source, turn)
 
-    def _held(self, candidates: Sequence[Instance], key: str, prompt: Prompt) -> tuple[list[float], int, str]:
+    def _held(
+        self, candidates: Sequence[Instance], key: str, prompt: Prompt, home: int
+    ) -> tuple[list[float], int, str]:
         """The tokens of the prompt each candidate is taken to hold, the one holding most, and
-        what says so. The last turn placed here holds its prompt where it went once its first
+        what says so (`home`: the key's first candidate round the ring). The last turn placed here holds its prompt where it went once its first
         token came, and for SPECULATIVE_S after that it counts even where the index has not shown
         it yet (its blocks reach the index a moment later, and a next turn sent meanwhile must
         not follow the index back to where the conversation was). A last turn still without its
@@ -294,7 +297,6 @@ class PrefixAffinity(ContentAffinity):
             if done is not None:
                 held[last] = min(prompt.tokens, record.tokens)
             return held, last, RECORD
-        home = next(self._walk(key))
         held[home] = prompt.tokens
         return held, home, HASH
 

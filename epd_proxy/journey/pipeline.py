@@ -132,12 +132,12 @@ class Pipeline:
         body is the `door`'s to say. Instances in `avoid` are not chosen."""
         key: str | None = request_id
         prompt = Prompt(0.0)
-        if job is not None and job.body is not None:
+        # Only prefix_affinity weighs a prompt; the other policies go by load alone.
+        if self._keyed and job is not None and job.body is not None:
             tokens = self.prompt_size.tokens(job.text_chars, job.media_cost)
             media = list(index_uuids(job.body, job.items).values()) if self.kv_holds is not None else []
             prompt = Prompt(tokens, media)
-            if self._keyed:
-                key = conversation_key(job.body.get("model"), door.conversation(job.body), job.items)
+            key = conversation_key(job.body.get("model"), door.conversation(job.body), job.items)
         candidates = [c for c in self.decoders() if c not in avoid]
         if not candidates:
             raise _unavailable("no live decode instance")
