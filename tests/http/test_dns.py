@@ -330,9 +330,10 @@ async def test_an_instance_that_dies_without_notice_fails_a_bounded_number_of_re
         statuses = await traffic.stop()
     failed = traffic.sent - statuses[200]
     print(f"\n{traffic.sent} requests, {failed} failed when a PD died without notice: {dict(statuses)}")
-    # What was under way on it, plus what chose it before outlier detection ejected it
-    # (--fail-threshold 3 transport failures, up to CONCURRENCY - 1 of them at once).
-    assert 1 <= failed <= 2 * CONCURRENCY + 3, traffic.failures
+    # Only what was under way on it when it died can fail (none may have been): a request it
+    # refused before outlier detection ejected it goes to the other PD (pipeline: a consumer that
+    # took none of the request hands it on), so the bound is what the old rule allowed.
+    assert failed <= 2 * CONCURRENCY + 3, traffic.failures
     assert set(statuses) <= {200, 502}, traffic.failures
 
 
