@@ -52,6 +52,8 @@ class PromptSize:
 
     def __init__(self) -> None:
         self.media_tokens = PRIOR_MEDIA_TOKENS
+        # Answers with media whose prompt tokens were learnt from (status.json `prompt_size`).
+        self.heard = 0
 
     def tokens(self, text_chars: int, media_cost: float) -> float:
         return text_chars / CHARS_PER_TOKEN + media_cost * self.media_tokens
@@ -63,6 +65,10 @@ class PromptSize:
         low, high = MEDIA_TOKENS_BOUNDS
         sample = min(high, max(low, (prompt_tokens - text_chars / CHARS_PER_TOKEN) / media_cost))
         self.media_tokens += MEDIA_SMOOTHING * (sample - self.media_tokens)
+        self.heard += 1
+
+    def view(self) -> dict[str, float]:
+        return {"media_tokens": round(self.media_tokens, 1), "answers_heard": self.heard}
 
 
 @dataclass(slots=True)

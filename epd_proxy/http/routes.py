@@ -232,6 +232,7 @@ async def serve(request: web.Request, door: Door) -> web.StreamResponse:
             del normalised, body, items, spliced
             pipeline = state.pipeline
             assert pipeline is not None, "start() builds the pipeline before the server takes requests"
+            listener = pipeline.usage(job, counted, door)
             route = pipeline.choose_route(rid.value, job, door)
             with route.held():
                 answer = await pipeline.open(job, route, trace, door)
@@ -242,7 +243,7 @@ async def serve(request: web.Request, door: Door) -> web.StreamResponse:
                             answer,
                             {"x-request-id": rid.value},
                             door,
-                            pipeline.usage(job, counted),
+                            listener,
                         )
                     outcomes: dict[str, int | str] = {ABORTED: "aborted", CLIENT_GONE: 499}
                     status = outcomes.get(trace.outcome, answer.status)

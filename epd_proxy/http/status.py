@@ -167,6 +167,8 @@ def snapshot(state: ProxyState) -> dict[str, Any]:
             if state.kv_index is not None
             else None
         ),
+        # What placement estimates a prompt's size from: tokens per image-equivalent, as learnt.
+        "prompt_size": state.pipeline.prompt_size.view() if state.pipeline is not None else None,
         "tenants": tenants(state),
         "window": state.metrics.recent.summary(),
         "totals": _totals(state.metrics),

@@ -2,9 +2,10 @@
 
 Every door runs the same journey (encode, prefill, decode, retries); a door decides everything
 that depends on its API's shape: how the client's body is read for media (`parse`), where its
-conversation opens (`conversation`: what prefix affinity keys on), what the consumer is sent (`consumer_body`, `prefill_body`) on which path, and the
-shape of the errors the proxy itself makes: as an HTTP answer, and in-band when a stream breaks
-after its 200 (`stream_error`). Its `name` labels metrics and the request log, its `path` traces.
+conversation opens (`conversation`: what prefix affinity keys on), what the consumer is sent
+(`consumer_body`, `prefill_body`) on which path, what it is asked to report (`ask_usage`), and
+the shape of the errors the proxy itself makes: as an HTTP answer, and in-band when a stream
+breaks after its 200 (`stream_error`). Its `name` labels metrics and the request log, its `path` traces.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from epd_proxy.journey.match import Matches
 from epd_proxy.journey.prefill import prefill_request
 from epd_proxy.journey.rewrite import ec_item_list, rewrite_request, transfer_params
 from epd_proxy.journey.splice import Spliced
+from epd_proxy.journey.stream_usage import UnaskedUsage, ask_chat_usage
 
 ConsumerBody = Callable[..., dict[str, Any]]
 # (body, each fetched item with the `data:` URL of its bytes) -> the body holding those bytes
@@ -82,6 +84,10 @@ def chat_conversation(body: dict[str, Any]) -> Conversation:
     return conversation_of(body.get("messages"), user=_role_is("user"))
 
 
+def usage_always_reported(body: dict[str, Any]) -> UnaskedUsage | None:
+    return None
+
+
 def chat_media_in_body(body: dict[str, Any], moved: Sequence[tuple[MediaItem, str]]) -> dict[str, Any]:
     return {**body, "messages": with_urls(body["messages"], moved)}
 
@@ -105,6 +111,9 @@ class Door:
     stream_error: Callable[[ProxyError, Relayed], bytes] = chat_stream_error
     # Where fetched media go in this door's body.
     media_in_body: MediaInBody = chat_media_in_body
+    # (body) -> the edit that hides the usage the proxy asked for in `body` (changed in place), for
+    # an API whose answers report usage only when asked.
+    ask_usage: Callable[[dict[str, Any]], UnaskedUsage | None] = usage_always_reported
 
     def error(self, exc: ProxyError) -> bytes | None:
         """The body of an error answer, or None to answer in the proxy's own shape.
@@ -135,7 +144,9 @@ def with_handles(
     return out
 
 
-CHAT = Door("chat", CHAT_PATH, parse_request, _chat_consumer_body, prefill_request, chat_conversation)
+CHAT = Door(
+    "chat", CHAT_PATH, parse_request, _chat_consumer_body, prefill_request, chat_conversation, ask_usage=ask_chat_usage
+)
 
 
 def error_fields(exc: ProxyError) -> tuple[str, str]:

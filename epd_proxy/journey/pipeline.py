@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, TypeVar
@@ -35,7 +35,7 @@ from epd_proxy.journey.inflight import InFlight
 from epd_proxy.journey.match import Matches, match_groups
 from epd_proxy.journey.plan import plan_groups
 from epd_proxy.journey.prefill import run_prefill
-from epd_proxy.journey.relay import Usage
+from epd_proxy.journey.relay import Listener, Usage
 from epd_proxy.journey.reuse import (
     EncodePlan,
     consumer_may_encode,
@@ -156,12 +156,13 @@ class Pipeline:
         consumer_zmq = pinned.zmq_addrs[dp_rank or 0] if pinned.zmq_addrs else None
         return Route(decoder, prefill, pinned, dp_rank, consumer_zmq, claim=work, turn=turn)
 
-    def usage(self, job: ClientBody, tenant: str | None) -> Callable[[Usage], None] | None:
+    def usage(self, job: ClientBody, tenant: str | None, door: Door = CHAT) -> Listener | None:
         """What hears the tokens an answer reports: its tenant's charge (with --tenants, `tenant`
-        counted in the ledger), and the prompt sizes placement estimates (prefix_affinity)."""
+        counted in the ledger), and the prompt sizes placement estimates (prefix_affinity). Where
+        someone listens, the consumer is asked to report them (`door.ask_usage`, on the body)."""
         fairness = self.lanes.fairness if self.lanes is not None and tenant is not None else None
         sized = self._keyed and job.media_cost > 0
-        if fairness is None and not sized:
+        if (fairness is None and not sized) or job.body is None:
             return None
         chars, cost = job.text_chars, job.media_cost
 
@@ -171,7 +172,7 @@ class Pipeline:
             if sized:
                 self.prompt_size.observe(chars, cost, used.prompt + used.cached)
 
-        return heard
+        return Listener(heard, door.ask_usage(job.body))
 
     async def _call(self, instance: Instance, call: Awaitable[T], trace: Trace) -> T:
         """Await a backend call, feeding its outcome to passive outlier detection: a transport

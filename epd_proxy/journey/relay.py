@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import orjson
@@ -13,6 +14,7 @@ from epd_proxy.calls.sse import EventTooLarge, Framer
 from epd_proxy.errors import BackendUnreachable, ProxyError
 from epd_proxy.journey.decode import DecodeAnswer
 from epd_proxy.journey.doors import Door, Relayed
+from epd_proxy.journey.stream_usage import UnaskedUsage
 
 log = logging.getLogger("epd_proxy.relay")
 
@@ -34,19 +36,21 @@ async def relay(
     answer: DecodeAnswer,
     extra_headers: dict[str, str],
     door: Door,
-    usage: Callable[[Usage], None] | None = None,
+    listener: Listener | None = None,
 ) -> tuple[web.StreamResponse, str]:
     """Chunks are forwarded as they arrive, never decoded, so multibyte characters and SSE framing
-    reach the client exactly as vLLM wrote them. A JSON answer is read whole first, so one that
-    breaks off is still a real HTTP error (BackendUnreachable, raised to the caller). A stream
-    that breaks ends with `door`'s in-band error. `usage` hears the tokens a complete answer
-    reports it used, when it reports them (`read_usage`)."""
+    reach the client exactly as vLLM wrote them (less the usage only the proxy asked for). A JSON
+    answer is read whole first, so one that breaks off is still a real HTTP error
+    (BackendUnreachable, raised to the caller). A stream that breaks ends with `door`'s in-band
+    error. The `listener` hears the tokens a complete answer reports it used, when it reports
+    them (`read_usage`)."""
     headers = {"Content-Type": answer.content_type, **extra_headers}
     if not answer.streaming:
         body = answer.held + b"".join([chunk async for chunk in answer.chunks])
-        if usage is not None and answer.status == 200:
-            _report(usage, body)
+        if listener is not None and answer.status == 200:
+            _report(listener.heard, body)
         return web.Response(status=answer.status, body=body, headers=headers), COMPLETE
+    unasked = listener.unasked if listener is not None else None
     response = web.StreamResponse(status=answer.status, headers={**headers, "Cache-Control": "no-cache"})
     # Only whole events go out, whatever the line ends: if decode breaks off, the error event must
     # not be glued to half an event the client could not parse.
@@ -58,25 +62,29 @@ async def relay(
     try:
         await response.prepare(request)
         try:
-            ready = framer.feed(answer.held)
+            ready = _edited(framer.feed(answer.held), unasked)
             if ready:
                 last = ready
                 errored = _has_error(ready)
                 await response.write(ready)
             async for chunk in answer.chunks:
-                ready = framer.feed(chunk)
+                ready = _edited(framer.feed(chunk), unasked)
                 if ready:
                     previous, last = last, ready
                     errored = errored or _has_error(ready)
                     await response.write(ready)
         except BackendUnreachable as exc:
+            await _write_held(response, unasked)
             return await _end_in_band(response, door, exc, Relayed(answer.held, last), extra_headers), ABORTED
         except EventTooLarge as exc:
-            if exc.ready:
-                last = exc.ready
-                await response.write(exc.ready)
+            ready = _edited(exc.ready, unasked)
+            if ready:
+                last = ready
+                await response.write(ready)
+            await _write_held(response, unasked)
             failure = _too_large(exc, answer.backend)
             return await _end_in_band(response, door, failure, Relayed(answer.held, last), extra_headers), ABORTED
+        await _write_held(response, unasked)
         pending = framer.pending
         if pending:
             errored = errored or _has_error(pending)
@@ -85,11 +93,21 @@ async def relay(
     except ConnectionResetError:
         # aiohttp's ClientConnectionResetError: the client went away while we wrote to it.
         return response, CLIENT_GONE
-    if usage is not None and not errored:
+    if listener is not None and not errored:
         # The usage event comes last before [DONE], which may arrive on its own.
-        _report(usage, previous + last + pending)
+        _report(listener.heard, unasked.heard if unasked is not None else previous + last + pending)
     # vLLM's own error event ends a stream that failed: relayed as sent, counted as aborted.
     return response, ABORTED if errored else COMPLETE
+
+
+def _edited(ready: bytes, unasked: UnaskedUsage | None) -> bytes:
+    return unasked.feed(ready) if unasked is not None and ready else ready
+
+
+async def _write_held(response: web.StreamResponse, unasked: UnaskedUsage | None) -> None:
+    held = unasked.end() if unasked is not None else b""
+    if held:
+        await response.write(held)
 
 
 class Usage(NamedTuple):
@@ -99,6 +117,15 @@ class Usage(NamedTuple):
     output: int
     # The prompt's tokens found in the prefix cache (left out of `prompt`).
     cached: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Listener:
+    """What hears the tokens an answer reports (`heard`), and the edit that hides from the client the
+    usage the proxy asked for on its behalf (the door's `ask_usage`)."""
+
+    heard: Callable[[Usage], None]
+    unasked: UnaskedUsage | None = None
 
 
 def read_usage(data: bytes) -> Usage | None:

@@ -8,8 +8,10 @@ runs after it).
 from __future__ import annotations
 
 import hashlib
+import json
 import sys
 import time
+import urllib.request
 
 import blake3
 import pytest
@@ -28,6 +30,7 @@ from .e2e_helpers import (
     extra_proxy,
     image_source,
     loaded_hashes,
+    media_body,
     post_json,
     settled_encoder_total,
     store_entries,
@@ -179,6 +182,54 @@ def test_streaming_through_proxy_matches(stack, fidelity):
     assert usage is not None
     assert usage.prompt_tokens == want["usage"]["prompt_tokens"]
     assert usage.completion_tokens == want["usage"]["completion_tokens"]
+
+
+def status(url: str) -> dict:
+    with urllib.request.urlopen(url.rstrip("/") + "/status.json", timeout=30) as resp:
+        return json.loads(resp.read())
+
+
+def raw_stream(url: str, body: dict) -> list[dict]:
+    """The events of a chat stream as vLLM (or the proxy) wrote them, [DONE] as None."""
+    req = urllib.request.Request(
+        url.rstrip("/") + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        raw = resp.read()
+    assert raw.endswith(b"\n\n"), raw[-200:]
+    data = [event.removeprefix(b"data: ") for event in raw.split(b"\n\n")[:-1]]
+    return [None if d == b"[DONE]" else json.loads(d) for d in data]
+
+
+def test_a_stream_without_usage_asked_is_relayed_as_vllm_writes_it_while_the_proxy_hears_its_usage(stack, fidelity):
+    """The proxy asks PD for usage on the client's behalf (prefix_affinity learns prompt sizes
+    from it): the client still gets vLLM's stream without usage, the fingerprint where vLLM puts it."""
+    (a,) = fresh(1)
+    body = chat_body([a], stream=True)
+    heard = status(stack.proxy_url)["prompt_size"]["answers_heard"]
+    got, want = raw_stream(stack.proxy_url, body), raw_stream(stack.baseline_url, body)
+    assert status(stack.proxy_url)["prompt_size"]["answers_heard"] == heard + 1
+    own = raw_stream(stack.pd_url, media_body([], stream=True))[-2]["system_fingerprint"]
+
+    def shape(events: list) -> list:
+        # Ids and times differ between servers; the fingerprint hashes each server's own config.
+        return [
+            e and {k: ("-" if k in ("id", "created", "system_fingerprint") else v) for k, v in e.items()}
+            for e in events
+        ]
+
+    assert shape(got) == shape(want)
+    assert [list(e) for e in got if e] == [list(e) for e in want if e]  # every key, in vLLM's order
+    assert got[-2]["system_fingerprint"] == own and all("usage" not in e for e in got if e)
+    fidelity.record_text(
+        "one image, streamed without usage",
+        "".join(e["choices"][0]["delta"].get("content", "") for e in got if e and e["choices"]),
+        text_of(chat_ok(stack.baseline_url, chat_body([a]))),
+        True,
+    )
 
 
 def test_text_only_skips_encoders(stack, fidelity):

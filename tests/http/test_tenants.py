@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -120,6 +121,34 @@ async def test_priority_is_clamped_in_what_the_encoder_and_the_consumer_receive(
     # vLLM would read a numeric string as an int: refused, not passed on unclamped.
     async with await stack.chat(chat(image("S"), priority="-1000000"), headers=bearer("acme-key")) as resp:
         assert resp.status == 400 and "priority must be an integer" in (await resp.json())["error"]["message"]
+
+
+async def test_a_stream_whose_client_did_not_ask_for_usage_is_charged_and_relayed_as_the_consumer_would_answer(
+    make_stack, tmp_path
+):
+    stack = await make_stack(encoders=1, tenants_file=tenants_file(tmp_path))
+    body = chat(image("U"), stream=True)
+    async with stack.client.post(stack.pd_url + "/v1/chat/completions", json=body) as direct:
+        alone = await direct.read()
+    client = openai_client(stack, "acme-key")
+    stream = await client.chat.completions.create(**body)
+    chunks = [chunk async for chunk in stream]
+    # What the client gets is what it asked for: no usage chunk, and the fingerprint on the last one.
+    assert [chunk.usage for chunk in chunks] == [None] * len(chunks)
+    assert chunks[-1].choices[0].finish_reason == "stop" and chunks[-1].system_fingerprint
+    assert b'"usage"' not in alone and b'"system_fingerprint"' in alone
+    async with stack.client.post(stack.url + "/v1/chat/completions", json=body, headers=bearer("acme-key")) as resp:
+        relayed = await resp.read()
+    assert re.sub(rb"chatcmpl-\d+", b"id", relayed) == re.sub(rb"chatcmpl-\d+", b"id", alone)
+    assert stack.pd.requests[-1].body["stream_options"] == {"include_usage": True, "continuous_usage_stats": False}
+    status = await (await stack.client.get(stack.url + "/status.json")).json()
+    assert status["tenants"]["acme"]["output_tokens"] > 0 and status["tenants"]["acme"]["prompt_tokens"] > 0
+    # And placement learnt the prompt's size from both answers.
+    assert status["prompt_size"]["answers_heard"] == 2
+    # A spelling vLLM would read as false, which would hide the tokens: refused, as `stream` is.
+    loose = chat(image("V"), stream=True, stream_options={"include_usage": "no"})
+    async with stack.client.post(stack.url + "/v1/chat/completions", json=loose, headers=bearer("acme-key")) as resp:
+        assert resp.status == 400 and "include_usage" in (await resp.json())["error"]["message"]
 
 
 async def test_without_tenants_the_global_priority_range_clamps_every_request(make_stack):

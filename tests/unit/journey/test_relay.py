@@ -202,7 +202,8 @@ async def test_a_json_answer_read_whole_is_released_to_the_pool():
 
 # -- the usage an answer reports (fair shares with --tenants, prompt sizes for placement) ------------
 
-from epd_proxy.journey.relay import Usage, read_usage  # noqa: E402
+from epd_proxy.journey.relay import Listener, Usage, read_usage  # noqa: E402
+from epd_proxy.journey.stream_usage import UnaskedUsage  # noqa: E402
 
 CHAT_USAGE = {"prompt_tokens": 120, "completion_tokens": 7, "prompt_tokens_details": {"cached_tokens": 100}}
 
@@ -247,5 +248,42 @@ async def test_relay_reports_the_usage_of_a_complete_answer_only():
         json_reply({"error": {"message": "no"}, "usage": CHAT_USAGE}, status=400),
     ):
         request = make_mocked_request("POST", CHAT.path, writer=Wire())
-        await relay(request, decode_answer(reply), EXTRA, CHAT, heard.append)
+        await relay(request, decode_answer(reply), EXTRA, CHAT, Listener(heard.append))
     assert heard == [Usage(20, 7, 100), Usage(20, 7, 100)]
+
+
+# vLLM's chat stream asked for usage: the chunk ending the choice without the fingerprint, which
+# moved to the usage chunk after it.
+FINISHED = b'data: {"id":"c","choices":[{"index":0,"delta":{},"logprobs":null,"finish_reason":"stop"}]}\n\n'
+FINGERPRINTED = (
+    b'data: {"id":"c","choices":[{"index":0,"delta":{},"logprobs":null,"finish_reason":"stop"}],'
+    b'"system_fingerprint":"vllm-0.32-abc"}\n\n'
+)
+USAGE_CHUNK = (
+    b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":20,"total_tokens":27,"completion_tokens":7},'
+    b'"system_fingerprint":"vllm-0.32-abc"}\n\n'
+)
+
+
+async def test_usage_only_the_proxy_asked_for_is_heard_and_the_client_gets_the_stream_it_asked_for():
+    heard: list[Usage] = []
+    wire = Wire()
+    request = make_mocked_request("POST", CHAT.path, writer=wire)
+    # Cut at odd places, so the finished chunk and the usage chunk arrive apart and in pieces.
+    whole = ROLE + TOKEN + FINISHED + USAGE_CHUNK + DONE
+    pieces = [whole[i : i + 37] for i in range(0, len(whole), 37)]
+    _, outcome = await relay(
+        request, decode_answer(stream_reply(*pieces)), EXTRA, CHAT, Listener(heard.append, UnaskedUsage())
+    )
+    assert outcome == COMPLETE
+    assert wire.sent == ROLE + TOKEN + FINGERPRINTED + DONE
+    assert heard == [Usage(20, 7)]
+
+
+async def test_a_stream_broken_after_its_finished_chunk_still_passes_that_chunk_on():
+    wire = Wire()
+    request = make_mocked_request("POST", CHAT.path, writer=wire)
+    broken = stream_reply(ROLE, TOKEN, FINISHED, breaks=BROKEN)
+    _, outcome = await relay(request, decode_answer(broken), EXTRA, CHAT, Listener(lambda used: None, UnaskedUsage()))
+    assert outcome == ABORTED
+    assert wire.sent.startswith(ROLE + TOKEN + FINISHED + b'data: {"error"')

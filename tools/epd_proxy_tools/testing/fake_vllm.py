@@ -93,6 +93,8 @@ def vllm_part_kind(part: Any) -> str:
 ANSWER_SUFFIX = " héllo wörld 世界 🙂"
 MODELS = {"object": "list", "data": [{"id": "tiny-vlm", "object": "model"}]}
 SSE = "text/event-stream; charset=utf-8"
+# vLLM's default (`--fingerprint-mode full`): its version and a hash of its config.
+FINGERPRINT = "vllm-0.32.0-5f1c0a9e"
 # What aiohttp's json_response sent, which these answers came from.
 JSON_TEXT = "application/json; charset=utf-8"
 
@@ -940,7 +942,7 @@ class FakeVLLM:
             # The body breaks off (or goes silent) after the headers: chunked, in pieces.
             await exchange.start(self.success_status, "application/json")
             return await self._write_paced(exchange, orjson.dumps(completion), cut, stall)
-        return await self._stream(exchange, completion_id, body.get("model"), answer)
+        return await self._stream(exchange, completion_id, body, answer, usage)
 
     async def _answer_natively(
         self, exchange: Exchange, api: str, answer_id: str, body: dict[str, Any], answer: str, usage: dict[str, int]
@@ -975,8 +977,11 @@ class FakeVLLM:
         await exchange.write(b"data: [DONE]\n\n")
         await exchange.end()
 
-    async def _stream(self, exchange: Exchange, completion_id: str, model: Any, answer: str) -> None:
+    async def _stream(
+        self, exchange: Exchange, completion_id: str, body: dict[str, Any], answer: str, usage: dict[str, Any]
+    ) -> None:
         await exchange.start(self.success_status, SSE)
+        model = body.get("model")
         # vLLM's first event carries the role only; generated text follows.
         role = {"role": "assistant", "content": ""}
         events = [
@@ -998,14 +1003,20 @@ class FakeVLLM:
             }
             for i in range(0, len(answer), self.tokens_per_chunk)
         ]
-        events.append(
-            {
-                "id": completion_id,
-                "object": "chat.completion.chunk",
-                "model": model,
-                "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
-            }
-        )
+        finished: dict[str, Any] = {
+            "id": completion_id,
+            "object": "chat.completion.chunk",
+            "model": model,
+            "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+        }
+        events.append(finished)
+        # As vLLM: the fingerprint ends the choice's last chunk, unless usage was asked for; then a
+        # chunk without choices follows with the usage, and the fingerprint moves there.
+        options = body.get("stream_options")
+        if isinstance(options, dict) and options.get("include_usage"):
+            events.append({**finished, "choices": [], "usage": usage, "system_fingerprint": FINGERPRINT})
+        else:
+            finished["system_fingerprint"] = FINGERPRINT
         frames = [b"data: " + orjson.dumps(e) + b"\n\n" for e in events]
         payload = b"".join(frames) + b"data: [DONE]\n\n"
         # The first token comes `first_token_s` after the role event, the rest `answer_s` after it.
