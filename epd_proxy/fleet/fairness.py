@@ -14,8 +14,12 @@ from at least the smallest counter of the active tenants, so time spent idle is 
 claim on the fleet. The encoder queue serves, within a priority class, the waiting group of the
 tenant with the smallest encoder counter first (`Ledger.rank`); nothing waits for a share, so a
 tenant alone gets the whole fleet. A tenant is over its share (`Ledger.share`) when its counter
-leads the smallest active one by more than SLACK_S encoder-seconds or SLACK_TOKENS tokens: when
-the fleet is past a deadline, its requests are the ones turned away with 429. While tenants
+leads the smallest active one by more than SLACK_S encoder-seconds or SLACK_TOKENS tokens, or when
+it asks more of the encoders than its weighted share of them serves (`Ledger.asked`): the
+encoder-seconds its requests bring as they arrive, turned away or not, over the last
+DEMAND_WINDOW_S. Fair queueing keeps a flooding tenant's counter level with the others', so the
+counters alone would call it within its share; what it asks for is what is not. When the fleet is
+past a deadline, such a tenant's requests are the ones turned away with 429. While tenants
 compete, an encoder sub-request carries at most CONTENDED_GROUP_ITEMS items, so the next group
 due waits for a short sub-request to end, not for a flood's whole request.
 
@@ -24,6 +28,7 @@ One ledger per process: with `--workers`, each worker keeps its own.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +38,11 @@ SLACK_S = 2.0
 # The same for weighted tokens (computed prompt plus output): a few long answers.
 SLACK_TOKENS = 16384
 WITHIN, OVER = "within", "over"
+# What a tenant asked of the encoders is a sum that decays with this time constant: its rate over
+# about the last ten seconds, long enough that one large request is not a flood.
+DEMAND_WINDOW_S = 10.0
+# How far above its weighted share of the encoders a tenant may ask before it is over its share.
+DEMAND_SLACK = 0.25
 # While two or more tenants have requests in flight, an encoder sub-request carries at most this
 # many items (Lanes.group_cap): a less-served tenant's group that arrives waits for the encoder's
 # short sub-requests to end, not for a flood's whole request. A group of a few images is still
@@ -46,7 +56,17 @@ OnCharge = Callable[[str, float, int, int], None]
 class Account:
     """One tenant's books: raw totals (for metrics) and weighted counters (for the order)."""
 
-    __slots__ = ("weight", "active", "encoder_v", "tokens_v", "encoder_s", "prompt_tokens", "output_tokens")
+    __slots__ = (
+        "weight",
+        "active",
+        "encoder_v",
+        "tokens_v",
+        "encoder_s",
+        "prompt_tokens",
+        "output_tokens",
+        "asked_s",
+        "asked_at",
+    )
 
     def __init__(self, weight: float) -> None:
         self.weight = weight
@@ -57,6 +77,16 @@ class Account:
         self.encoder_s = 0.0
         self.prompt_tokens = 0
         self.output_tokens = 0
+        # Encoder-seconds asked for, decayed to `asked_at` (DEMAND_WINDOW_S).
+        self.asked_s = 0.0
+        self.asked_at = 0.0
+
+    def asking(self, now: float) -> float:
+        """Encoder-seconds per second it asks for, as of `now`."""
+        if now > self.asked_at:
+            self.asked_s *= math.exp((self.asked_at - now) / DEMAND_WINDOW_S)
+            self.asked_at = now
+        return self.asked_s / DEMAND_WINDOW_S
 
 
 class Ledger:
@@ -140,12 +170,29 @@ class Ledger:
             return 0.0, 0.0
         return max(0.0, account.encoder_v - floor[0]), max(0.0, account.tokens_v - floor[1])
 
-    def share(self, tenant: str) -> str:
-        encoder, tokens = self.lead(tenant)
-        return OVER if encoder > SLACK_S or tokens > SLACK_TOKENS else WITHIN
+    def asked(self, tenant: str, weight: float, encoder_s: float, now: float) -> None:
+        """A request of `tenant` arrived that asks `encoder_s` of the encoders."""
+        account = self._account(tenant, weight)
+        account.asking(now)
+        account.asked_s += encoder_s
 
-    def view(self, names: tuple[str, ...]) -> dict[str, dict[str, Any]]:
-        """Each of `names` (the tenants file's) as /status.json shows it."""
+    def share(self, tenant: str, now: float | None = None, encoders: int = 0) -> str:
+        """Whether `tenant` is over its share: it leads the least-served active tenant, or (given
+        the clock `now` and the live `encoders`) asks more than its weighted share of them serves."""
+        encoder, tokens = self.lead(tenant)
+        if encoder > SLACK_S or tokens > SLACK_TOKENS:
+            return OVER
+        account = self._accounts.get(tenant)
+        if account is None or now is None or encoders <= 0:
+            return WITHIN
+        # Its share among the tenants with requests in flight, itself counted as one of them.
+        weights = sum(a.weight for name, a in self._accounts.items() if a.active and name != tenant)
+        share = account.weight / (weights + account.weight)
+        return OVER if account.asking(now) > (1 + DEMAND_SLACK) * share * encoders else WITHIN
+
+    def view(self, names: tuple[str, ...], now: float | None = None, encoders: int = 0) -> dict[str, dict[str, Any]]:
+        """Each of `names` (the tenants file's) as /status.json shows it (`now` and `encoders` as
+        `share` takes them)."""
         shown = {}
         for name in names:
             account = self._accounts.get(name)
@@ -160,6 +207,7 @@ class Ledger:
                 "output_tokens": account.output_tokens,
                 "lead_encoder_s": round(encoder, 3),
                 "lead_tokens": round(tokens, 1),
-                "share": self.share(name),
+                "asked_encoder_s_per_s": round(account.asking(now), 3) if now is not None else None,
+                "share": self.share(name, now, encoders),
             }
         return shown

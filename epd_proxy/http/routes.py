@@ -284,13 +284,17 @@ def arrive(
         clamp_priority(body, allowed)
     if tenant is not None:
         salt_prompt(body, tenant)
+    fairness = state.lanes.fairness if tenant is not None else None
+    now, encoders = time.perf_counter(), 0
+    if fairness is not None and tenant is not None:
+        asked, encoders = state.asked_of_encoders(sum(item.cost for item in items))
+        fairness.asked(tenant.name, tenant.weight, asked, now)
     deadline = request_deadline(request.headers.get(DEADLINE_HEADER), tenant.deadline_s if tenant else None)
     if deadline is None and not state.admission.limit:
         return None
     largest = max((item.cost for item in items), default=0.0)
     if deadline is not None:
-        fairness = state.lanes.fairness
-        share = WITHIN if fairness is None or tenant is None else fairness.share(tenant.name)
+        share = WITHIN if fairness is None or tenant is None else fairness.share(tenant.name, now, encoders)
         wait = state.wait_at_arrival(largest, tenant.name if tenant is not None else None, request_priority(body))
         shed = shed_decision(wait, deadline, share)
         if shed is not None:

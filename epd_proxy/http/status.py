@@ -12,6 +12,7 @@ import base64
 import hashlib
 import os
 import re
+import time
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
@@ -95,7 +96,7 @@ def tenants(state: ProxyState) -> dict[str, Any]:
     fairness, file = state.lanes.fairness, state.tenants
     if fairness is None or file is None:
         return {}
-    return fairness.view(file.current.names())
+    return fairness.view(file.current.names(), time.perf_counter(), state.asked_of_encoders(0.0)[1])
 
 
 def _samples(metric) -> list:

@@ -9,7 +9,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from epd_proxy.fleet.backends import ENCODE, Instance
-from epd_proxy.fleet.fairness import CONTENDED_GROUP_ITEMS, OVER, SLACK_S, SLACK_TOKENS, WITHIN, Ledger
+from epd_proxy.fleet.fairness import (
+    CONTENDED_GROUP_ITEMS,
+    DEMAND_SLACK,
+    DEMAND_WINDOW_S,
+    OVER,
+    SLACK_S,
+    SLACK_TOKENS,
+    WITHIN,
+    Ledger,
+)
 from epd_proxy.fleet.lanes import Lane, Lanes
 from epd_proxy.fleet.sharing import take_batch
 from tests.unit.fleet.test_lanes import W
@@ -54,6 +63,41 @@ def test_a_tenant_alone_is_never_over_its_share_however_much_it_is_served():
     ledger.charge_tokens("a", 10**6, 10**6)
     assert ledger.share("a") == WITHIN
     assert ledger.share("new") == WITHIN, "one not seen yet is at the floor"
+
+
+def ask_steadily(ledger: Ledger, tenant: str, per_s: float, seconds: float, start: float = 0.0) -> float:
+    """`tenant` asks `per_s` encoder-seconds each second for `seconds` (ten arrivals a second); the time after."""
+    now = start
+    for _ in range(int(seconds * 10)):
+        now += 0.1
+        ledger.asked(tenant, 1.0, per_s / 10, now)
+    return now
+
+
+def test_a_tenant_asking_more_than_its_share_of_the_encoders_is_over_it_though_fair_queueing_keeps_its_counter_level():
+    ledger = Ledger()
+    ledger.began("flood", 1.0)
+    ledger.began("chat", 1.0)
+    # Two encoders, two active tenants of equal weight: a share is one encoder-second per second.
+    now = ask_steadily(ledger, "flood", 10.0, 3 * DEMAND_WINDOW_S)
+    ask_steadily(ledger, "chat", 0.9, 3 * DEMAND_WINDOW_S)
+    assert ledger.lead("flood") == (0.0, 0.0)  # served alike
+    assert ledger.share("flood", now, encoders=2) == OVER
+    assert ledger.share("chat", now, encoders=2) == WITHIN
+    # Without a clock, only the counters speak (as before a request's arrival is known).
+    assert ledger.share("flood") == WITHIN
+    # What it asked fades as it stops asking.
+    assert ledger.share("flood", now + 4 * DEMAND_WINDOW_S, encoders=2) == WITHIN
+
+
+def test_a_tenant_alone_may_ask_for_the_whole_fleet_and_not_more():
+    ledger = Ledger()
+    ledger.began("a", 1.0)
+    now = ask_steadily(ledger, "a", 2 * (1 + DEMAND_SLACK) * 0.9, 3 * DEMAND_WINDOW_S)
+    assert ledger.share("a", now, encoders=2) == WITHIN
+    now = ask_steadily(ledger, "a", 2 * (1 + DEMAND_SLACK) * 1.2, 3 * DEMAND_WINDOW_S, start=now)
+    assert ledger.share("a", now, encoders=2) == OVER
+    assert ledger.view(("a",), now, 2)["a"]["share"] == OVER
 
 
 def test_a_tenant_is_over_once_it_leads_the_least_served_active_one_by_more_than_the_slack():

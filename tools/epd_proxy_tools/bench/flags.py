@@ -62,6 +62,14 @@ class TenantLoadOptions:
         group=TENANTS_GROUP,
         metavar="MS",
     )
+    backlogged_factor: float = option(
+        1.5,
+        Real("X", 0),
+        "in the third block (`both`), the interactive tenant floods too, at this multiple of its weighted "
+        "share: both tenants backlogged, for their shares of the encoders against their weights, and goodput",
+        flag="--backlogged-factor",
+        group=TENANTS_GROUP,
+    )
     interactive_clients: int = option(
         2,
         Count(1),

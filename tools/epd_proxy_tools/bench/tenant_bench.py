@@ -4,7 +4,9 @@
 Each proxy arm runs two kinds of block per round, in a fresh proxy (and, against the fakes, fresh
 fake engines, so no arm inherits another's queue): `alone`, the interactive tenant by itself, and
 `flood`, the same with the flood tenant sending at `--flood-factor` times its weighted share of
-the encoders' capacity. Our proxies get a tenants file with both tenants' key digests (the flood
+the encoders' capacity; and `both`, where the interactive tenant floods too, at
+`--backlogged-factor` times its share, so both are backlogged: their shares of the encoders
+against their weights, and the goodput against the capacity. Our proxies get a tenants file with both tenants' key digests (the flood
 tenant with `--flood-deadline-ms`); `--proxy` arms get only the keys on the requests, which a
 proxy without tenants ignores. Results: `tenants.json`, `tenants.md` (tenant_report.py).
 """
@@ -27,10 +29,11 @@ from epd_proxy_tools.bench import tenant_load, tenant_report
 from epd_proxy_tools.bench.flags import FakeBenchOptions, TenantLoadOptions
 from epd_proxy_tools.bench.launch import command_words, http_get, proxy_environment, stop_process, wait_ready
 from epd_proxy_tools.bench.real import Arm
-from epd_proxy_tools.bench.tenant_load import FLOOD, FLOOD_IMAGES, Load, TenantSpec
+from epd_proxy_tools.bench.tenant_load import FLOOD, FLOOD_IMAGES, INTERACTIVE, Load, TenantSpec
 from epd_proxy_tools.testing.harness import free_port
 
-ALONE, FLOODED = "alone", "flood"
+ALONE, FLOODED, BOTH = "alone", "flood", "both"
+KINDS = (ALONE, FLOODED, BOTH)
 CHAT_PATH = "/v1/chat/completions"
 
 
@@ -46,6 +49,10 @@ class Plan:
     capacity_from: str
     interactive_clients: int
     seed: int
+    # The interactive tenant's own flood in `both` blocks, requests/s.
+    backlog_rate: float = 0.0
+    # What the capacity is in images per second: goodput is counted in images.
+    capacity_images_per_s: float = 0.0
 
 
 def block_seconds(options: TenantLoadOptions, quick: bool) -> float:
@@ -57,9 +64,17 @@ def flood_rate(options: TenantLoadOptions, capacity_rps: float, tenants: tuple[T
     times `--flood-factor`."""
     if options.flood_rate:
         return options.flood_rate
+    return options.flood_factor * _weight_share(tenants, FLOOD) * capacity_rps
+
+
+def backlog_rate(options: TenantLoadOptions, capacity_rps: float, tenants: tuple[TenantSpec, ...]) -> float:
+    """The interactive tenant's arrivals per second when it floods too (`both` blocks)."""
+    return options.backlogged_factor * _weight_share(tenants, INTERACTIVE) * capacity_rps
+
+
+def _weight_share(tenants: tuple[TenantSpec, ...], name: str) -> float:
     weights = {t.name: t.weight for t in tenants}
-    share = weights[FLOOD] / sum(weights.values())
-    return options.flood_factor * share * capacity_rps
+    return weights[name] / sum(weights.values())
 
 
 def fake_capacity_rps(args: FakeBenchOptions, speeds: list[float]) -> float:
@@ -98,14 +113,15 @@ def metrics_of(base_url: str) -> dict[str, dict[str, float]]:
 def run_block(arm: Arm, kind: str, round_no: int, url: str, plan: Plan, requests, tenants) -> dict[str, Any]:
     load = Load(
         plan.seconds,
-        plan.flood_rate if kind == FLOODED else 0.0,
-        plan.interactive_clients,
+        0.0 if kind == ALONE else plan.flood_rate,
+        0 if kind == BOTH else plan.interactive_clients,
+        plan.backlog_rate if kind == BOTH else 0.0,
         drain_s=plan.seconds,
         seed=plan.seed + round_no,
         tenants=tenants,
     )
-    flood, chats = requests
-    sent = tenant_load.run(url + CHAT_PATH, load, flood if kind == FLOODED else [], chats)
+    flood, chats, backlog = requests
+    sent = tenant_load.run(url + CHAT_PATH, load, [] if kind == ALONE else flood, chats, backlog)
     block = {"kind": kind, "round": round_no, "sent": sent, "metrics": metrics_of(url)}
     summary = tenant_report.block_line(block, plan)
     sys.stderr.write(f"[bench] round {round_no + 1} {arm.name} {kind}: {summary}\n")
@@ -116,9 +132,17 @@ def _requests(plan: Plan, model: str, tiny: bool):
     probe = Load(plan.seconds, plan.flood_rate, plan.interactive_clients)
     flood = tenant_load.requests_for(FLOOD, tenant_load.flood_count(probe), model=model, seed=plan.seed, tiny=tiny)
     chats = tenant_load.requests_for(
-        tenant_load.INTERACTIVE, tenant_load.interactive_count(probe), model=model, seed=plan.seed, tiny=tiny
+        INTERACTIVE, tenant_load.interactive_count(probe), model=model, seed=plan.seed, tiny=tiny
     )
-    return flood, chats
+    backlog = tenant_load.requests_for(
+        INTERACTIVE,
+        tenant_load.flood_count(probe, plan.backlog_rate),
+        model=model,
+        seed=plan.seed,
+        tiny=tiny,
+        heavy=True,
+    )
+    return flood, chats, backlog
 
 
 def _arms(tenants_file: Path, variants: tuple[str, ...], proxies: list[Arm]) -> list[Arm]:
@@ -143,10 +167,11 @@ def _write_tenants(out: Path, tenants: tuple[TenantSpec, ...]) -> Path:
 
 
 def _interleaved(arms: list[Arm], rounds: int):
-    """(arm, kind, round) in the order they run: A B C, C B A; each arm's alone block right before its flood."""
+    """(arm, kind, round) in the order they run: A B C, C B A; each arm's blocks one after another,
+    its alone block right before its flood."""
     for r in range(rounds):
         for arm in arms if r % 2 == 0 else arms[::-1]:
-            for kind in (ALONE, FLOODED):
+            for kind in KINDS:
                 yield arm, kind, r
 
 
@@ -236,6 +261,8 @@ class FakeTenantBench:
             capacity_from="the fake encoders' costs (one sub-request per request)",
             interactive_clients=a.interactive_clients,
             seed=a.seed,
+            backlog_rate=backlog_rate(a, cap, tenants),
+            capacity_images_per_s=cap * sum(FLOOD_IMAGES) / 2,
         )
         requests = _requests(plan, "bench-vlm", tiny=True)
         try:
@@ -301,6 +328,8 @@ def run_real(bench) -> int:
             capacity_from=f"{len(calibration)} flood requests, {2 * encoders} at a time, through {arms[0].name}",
             interactive_clients=probe.interactive_clients,
             seed=a.seed,
+            backlog_rate=backlog_rate(a, cap, tenants),
+            capacity_images_per_s=cap * sum(r.images for r in calibration) / len(calibration),
         )
         requests = _requests(plan, bench.model, tiny=False)
         for arm, kind, r in _interleaved(arms, plan.rounds):

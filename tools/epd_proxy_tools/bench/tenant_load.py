@@ -5,7 +5,8 @@ file that names them, their requests, and the client that sends them.
   a rate a multiple of its weighted share of the encoders' capacity: an open loop, because a
   flooding client does not wait for its answers;
 - the *interactive* tenant runs a few chat clients, each sending a one-image question, reading the
-  streamed answer and pausing before the next one.
+  streamed answer and pausing before the next one; or, to keep both tenants backlogged, floods
+  too (`Load.backlog_rate`), with requests of the flood's kind.
 
 Every request's images are distinct bytes (a JPEG comment carries a serial number), so no proxy
 and no engine cache can serve one request's images from another's: the flood costs the encoders
@@ -79,15 +80,20 @@ class Request:
     images: int
 
 
-def requests_for(tenant: str, count: int, *, model: str, seed: int, tiny: bool, first_serial: int = 0) -> list[Request]:
-    """`count` streamed chat requests of `tenant`'s kind, the same for every arm given the seed."""
-    rng = random.Random(f"{seed}-{tenant}")
+def requests_for(
+    tenant: str, count: int, *, model: str, seed: int, tiny: bool, first_serial: int = 0, heavy: bool = False
+) -> list[Request]:
+    """`count` streamed chat requests of `tenant`'s kind (`heavy`: the flood's kind whoever sends
+    them), the same for every arm given the seed."""
+    # Another tenant's flood draws apart from that tenant's chats.
+    rng = random.Random(f"{seed}-{tenant}" + ("-heavy" if heavy and tenant != FLOOD else ""))
+    heavy = heavy or tenant == FLOOD
     sizes = TINY_SIZES if tiny else CHAT_SIZES
     lo, hi = (600, 6_000) if tiny else (8_000, 40_000)
     pictures = [_textured_jpeg(rng, rng.choice(sizes), lo, hi) for _ in range(12)]
     out, serial = [], first_serial
     for _ in range(count):
-        n = rng.randint(*FLOOD_IMAGES) if tenant == FLOOD else 1
+        n = rng.randint(*FLOOD_IMAGES) if heavy else 1
         content: list[dict] = [{"type": "text", "text": rng.choice(QUESTIONS) if n > 1 else "What is in this image?"}]
         for _ in range(n):
             serial += 1
@@ -144,11 +150,13 @@ async def send(session: aiohttp.ClientSession, url: str, tenant: TenantSpec, req
 
 @dataclass
 class Load:
-    """One block's traffic: the flood's rate (0: the interactive tenant alone) and for how long."""
+    """One block's traffic: the flood's rate (0: the interactive tenant alone), the interactive
+    tenant's own flood (0: it chats), and for how long."""
 
     seconds: float
     flood_rate: float
     interactive_clients: int
+    backlog_rate: float = 0.0
     think_s: tuple[float, float] = (0.2, 0.5)
     # How long requests still open when sending stops may take to answer before they are dropped.
     drain_s: float = 10.0
@@ -156,10 +164,12 @@ class Load:
     tenants: tuple[TenantSpec, ...] = field(default_factory=tuple)
 
 
-def flood_count(load: Load) -> int:
-    """Enough flood requests for the block's arrivals, with room for the Poisson draw's spread."""
-    expected = load.flood_rate * load.seconds
-    return int(expected + 4 * expected**0.5 + 8) if load.flood_rate > 0 else 0
+def flood_count(load: Load, rate: float | None = None) -> int:
+    """Enough flood requests for the block's arrivals at `rate` (the flood's), with room for the
+    Poisson draw's spread."""
+    rate = load.flood_rate if rate is None else rate
+    expected = rate * load.seconds
+    return int(expected + 4 * expected**0.5 + 8) if rate > 0 else 0
 
 
 def interactive_count(load: Load) -> int:
@@ -167,7 +177,9 @@ def interactive_count(load: Load) -> int:
     return load.interactive_clients * (int(load.seconds / max(0.05, load.think_s[0])) + 2)
 
 
-async def _drive(url: str, load: Load, flood: list[Request], chats: list[Request]) -> list[Sent]:
+async def _drive(
+    url: str, load: Load, flood: list[Request], chats: list[Request], backlog: list[Request]
+) -> list[Sent]:
     by_name = {t.name: t for t in load.tenants}
     out: list[Sent] = []
     rng = random.Random(load.seed)
@@ -178,18 +190,18 @@ async def _drive(url: str, load: Load, flood: list[Request], chats: list[Request
         stop = origin + load.seconds
         tasks: list[asyncio.Task] = []
 
-        async def flooding() -> None:
-            todo = iter(flood)
+        async def flooding(tenant: TenantSpec, rate: float, requests: list[Request], draw: random.Random) -> None:
+            todo = iter(requests)
             at = origin
-            while load.flood_rate > 0:
-                at += rng.expovariate(load.flood_rate)
+            while rate > 0:
+                at += draw.expovariate(rate)
                 if at >= stop:
                     return
                 await asyncio.sleep(max(0.0, at - time.perf_counter()))
                 request = next(todo, None)
                 if request is None:
                     return
-                tasks.append(asyncio.create_task(send(session, url, by_name[FLOOD], request, out)))
+                tasks.append(asyncio.create_task(send(session, url, tenant, request, out)))
 
         todo_chats = iter(chats)
 
@@ -205,7 +217,10 @@ async def _drive(url: str, load: Load, flood: list[Request], chats: list[Request
                 await asyncio.sleep(pauses.uniform(*load.think_s))
 
         clients = [asyncio.create_task(chatting(c)) for c in range(load.interactive_clients)]
-        await flooding()
+        await asyncio.gather(
+            flooding(by_name[FLOOD], load.flood_rate, flood, rng),
+            flooding(by_name[INTERACTIVE], load.backlog_rate, backlog, random.Random(f"{load.seed}-backlog")),
+        )
         rest = [*clients, *tasks]
         left = max(0.0, stop - time.perf_counter()) + load.drain_s
         _, pending = await asyncio.wait(rest, timeout=left) if rest else (set(), set())
@@ -222,10 +237,12 @@ async def _drive(url: str, load: Load, flood: list[Request], chats: list[Request
     return out
 
 
-def run(url: str, load: Load, flood: list[Request], chats: list[Request]) -> list[Sent]:
+def run(
+    url: str, load: Load, flood: list[Request], chats: list[Request], backlog: list[Request] | None = None
+) -> list[Sent]:
     """Send the block to `url` (a chat completions URL); each request's record, times from the
     block's start. A request without an answer when the drain ends keeps `ended` None."""
-    return asyncio.run(_drive(url, load, flood, chats))
+    return asyncio.run(_drive(url, load, flood, chats, backlog or []))
 
 
 async def _calibrate(url: str, tenant: TenantSpec, requests: list[Request], concurrency: int) -> float:

@@ -21,6 +21,8 @@ from epd_proxy_tools.bench.tenant_load import (
 
 SHED_STATUSES = (429, 503)
 TENANTS = (FLOOD, INTERACTIVE)
+# The block kinds (tenant_bench.py): the interactive tenant alone, beside the flood, and both flooding.
+KINDS = ("alone", "flood", "both")
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -123,6 +125,20 @@ def _counters(metrics: list[dict[str, dict[str, float]]], name: str) -> dict[str
     return out
 
 
+def goodput_images_per_s(blocks: list[dict[str, Any]], plan) -> float:
+    """Images of the requests answered whole, without error, between the warm-up and the end of
+    sending, per second of that window: what the fleet got done for its tenants. A request answered
+    at all was started within its deadline (the proxy turns away the rest at arrival)."""
+    window = (plan.seconds - plan.warm_s) * len(blocks)
+    done = [
+        s
+        for b in blocks
+        for s in b["sent"]
+        if _ok(s) and s.ended is not None and plan.warm_s <= s.ended <= plan.seconds
+    ]
+    return sum(s.images for s in done) / window if window else 0.0
+
+
 def arm_kind(blocks: list[dict[str, Any]], plan) -> dict[str, Any]:
     """One arm's blocks of one kind, pooled over rounds."""
     window = (plan.seconds - plan.warm_s) * len(blocks)
@@ -136,8 +152,12 @@ def arm_kind(blocks: list[dict[str, Any]], plan) -> dict[str, Any]:
         per[t]["encoder_share"] = enc_share[t]
         per[t]["token_share"] = tok_share[t]
     usage = all(per[t]["tokens_from_usage"] for t in TENANTS if per[t]["answered"])
+    goodput = goodput_images_per_s(blocks, plan)
+    capacity = getattr(plan, "capacity_images_per_s", 0.0)
     return {
         "tenants": per,
+        "goodput_images_per_s": goodput,
+        "goodput_of_capacity": goodput / capacity if capacity else None,
         "encoder_share_from": "proxy counters" if enc_counted else "images of the requests not turned away",
         "token_share_from": "proxy counters"
         if tok_counted
@@ -151,7 +171,7 @@ def build(arms, plan, tenants: tuple[TenantSpec, ...], mode: str) -> dict[str, A
     out_arms = []
     for arm in arms:
         kinds = {}
-        for kind in ("alone", "flood"):
+        for kind in KINDS:
             blocks = [b for b in arm.blocks if b["kind"] == kind]
             if blocks:
                 kinds[kind] = arm_kind(blocks, plan)
@@ -239,6 +259,28 @@ def table(result: dict[str, Any]) -> str:
             f"| {arm['name']} | {_ms(alone_f.get('ttft_s_p99'), alone_f.get('ttft_censored', False))} "
             f"| {_ms(flood_f.get('ttft_s_p99'), flood_f.get('ttft_censored', False))} | {ratio_text} |"
         )
+    weights = {t["name"]: t["weight"] for t in result["tenants"]}
+    weight_share = weights[INTERACTIVE] / sum(weights.values())
+    lines += [
+        "",
+        f"Goodput: images of requests answered between the warm-up and the end of sending, per second, against "
+        f"the capacity ({plan.get('capacity_images_per_s', 0):.1f} images/s). In `both` blocks `{INTERACTIVE}` floods "
+        f"too ({plan.get('backlog_rate', 0):.1f} req/s of the flood's kind), so both tenants are backlogged and "
+        f"its share of the encoders is held against its weight's ({100 * weight_share:.0f}%).",
+        "",
+        f"| arm | block | goodput images/s | of capacity | `{INTERACTIVE}` encoder share | its weight's |",
+        "|---|---|---|---|---|---|",
+    ]
+    for arm in result["arms"]:
+        for kind, block in arm["blocks"].items():
+            if kind == "alone":
+                continue
+            of = block.get("goodput_of_capacity")
+            lines.append(
+                f"| {arm['name']} | {kind} | {block.get('goodput_images_per_s', 0):.1f} "
+                f"| {'-' if of is None else f'{100 * of:.0f}%'} "
+                f"| {_share_text(block['tenants'][INTERACTIVE]['encoder_share'])} | {100 * weight_share:.0f}% |"
+            )
     shed_lines = []
     for arm in result["arms"]:
         counted = arm["blocks"].get("flood", {}).get("proxy_shed", {})
