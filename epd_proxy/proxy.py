@@ -8,6 +8,7 @@ create_app (app.py) ties their lifespan to the server's.
 from __future__ import annotations
 
 import asyncio
+import os
 
 from aiohttp import web
 
@@ -30,6 +31,7 @@ from epd_proxy.fleet.report import HealthReport
 from epd_proxy.fleet.roster import open_roster
 from epd_proxy.fleet.routing import Policies, RoutingPolicy, make_policy, make_serving_policy
 from epd_proxy.fleet.scheduler import ExpectedFinish
+from epd_proxy.fleet.siblings import SIBLINGS_ENV, Siblings
 from epd_proxy.fleet.windows import Windows
 from epd_proxy.journey.admission import Admission, Backlog, Encoder, Wait, predicted_wait
 from epd_proxy.journey.extract import ReadOptions
@@ -168,6 +170,8 @@ class ProxyState:
         self.probes: Upstream | None = None
         # Asks each consumer where it publishes KV events, on connections of its own as checks do.
         self.kv_pool: Upstream | None = None
+        # --workers: the other workers of this port, told what this one sees encoded.
+        self.siblings: Siblings | None = None
         self.prober: Prober | None = None
         self.pipeline: Pipeline | None = None
         self.profiling: Profiling | None = None
@@ -207,6 +211,11 @@ class ProxyState:
             self.lanes,
             KvHolds(self.kv_index, self.kv_events.ranks) if self.kv_index and self.kv_events else None,
         )
+        self.siblings = Siblings.join(os.environ.get(SIBLINGS_ENV))
+        if self.siblings is not None:
+            held = self.pipeline.held
+            held.on_encoded = self.siblings.tell
+            self.siblings.listen(held.encoded_elsewhere)
         if self.roster is not None:
             await self.roster.start()
         if self.discovery is not None:
@@ -310,6 +319,8 @@ class ProxyState:
             await asyncio.sleep(1.0)
 
     async def close(self) -> None:
+        if self.siblings is not None:
+            self.siblings.close()
         if self.roster is not None:
             await self.roster.close()
         if self.discovery is not None:

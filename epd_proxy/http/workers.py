@@ -209,8 +209,11 @@ def refuse_a_taken_port(host: str, port: int) -> None:
 
 def serve(config: Config) -> None:
     """`serve`: one process, or `--workers` of them under a supervisor."""
+    from epd_proxy.fleet.siblings import SIBLINGS_ENV
+
     workers = config.workers
     if workers <= 1:
+        os.environ.pop(SIBLINGS_ENV, None)  # a process that serves alone has no siblings
         _run_worker(config, reuse_port=False)  # its plain bind fails on a taken port itself
         return
     refuse_a_taken_port(config.host, config.port)
@@ -228,6 +231,10 @@ def serve(config: Config) -> None:
     if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         metrics_dir = tempfile.mkdtemp(prefix="epd-proxy-metrics-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    # Each worker tells the others the media it sees encoded (fleet/siblings.py), through sockets
+    # in a directory of this user's only.
+    siblings_dir = tempfile.mkdtemp(prefix="epd-proxy-siblings-")
+    os.environ[SIBLINGS_ENV] = siblings_dir
     ctx = multiprocessing.get_context("spawn")
     # --max-client-connections counts the port's connections, whichever worker the kernel picked.
     lock_fd, lock_path = tempfile.mkstemp(prefix="epd-proxy-connections-")
@@ -244,3 +251,4 @@ def serve(config: Config) -> None:
             os.unlink(path)
         if metrics_dir is not None:
             shutil.rmtree(metrics_dir, ignore_errors=True)
+        shutil.rmtree(siblings_dir, ignore_errors=True)
