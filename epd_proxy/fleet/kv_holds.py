@@ -30,6 +30,11 @@ class MediaDepths(Protocol):
         """Tokens per block on the instance (0: not known yet)."""
         ...
 
+    def holding(self, media_ids: Sequence[str]) -> set[str]:
+        """The instances any of whose ranks holds some block of any of the media: every other
+        instance answers 0 or None for each of them."""
+        ...
+
 
 def over_ranks(per_rank: Sequence[Sequence[int] | None], count: int) -> list[int | None]:
     """Each item's answer for the instance from its ranks' answers (None: a rank not fresh)."""
@@ -64,3 +69,6 @@ class KvHolds:
 
     def block_size(self, url: str) -> int:
         return max((self.index.block_size((url, rank)) for rank in self._ranks(url)), default=0)
+
+    def holding(self, media_ids: Sequence[str]) -> set[str]:
+        return {url for url, _ in self.index.holders(media_ids)}

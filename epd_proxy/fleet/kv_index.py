@@ -91,6 +91,7 @@ class _Held:
 
 @dataclass(slots=True, eq=False)
 class _Engine:
+    engine: EngineId
     # Oldest first (a reuse moves an entry to the end): our name and the stamp of its store.
     entries: dict[_Key, tuple[bytes, int]] = field(default_factory=dict)
     held: dict[bytes, _Held] = field(default_factory=dict)
@@ -125,6 +126,9 @@ class KvIndex:
         self.stale_after_s = stale_after_s
         self._clock = clock
         self._engines: dict[EngineId, _Engine] = {}
+        # Per media id the engines holding some block of it: most engines hold none of a
+        # request's images, and a fleet of many must not be asked one by one (`holders`).
+        self._holders: dict[str, dict[EngineId, None]] = {}
         self._stamps = itertools.count()
         self.blocks = 0  # entries over all engines
         self.evictions = 0
@@ -134,7 +138,7 @@ class KvIndex:
         """A feed for `engine` begins: its view starts empty and stale until it is heard from.
         Returns the feed's token for `forget`."""
         self.forget(engine)
-        record = self._engines[engine] = _Engine()
+        record = self._engines[engine] = _Engine(engine)
         return record
 
     def forget(self, engine: EngineId, token: object | None = None) -> None:
@@ -143,6 +147,7 @@ class KvIndex:
         if record is not None and (token is None or token is record):
             del self._engines[engine]
             self.blocks -= len(record.entries)
+            self._let_go(record)
 
     def reset(self, engine: EngineId, *, complete: bool) -> None:
         """The view starts empty: the engine restarted or cleared its cache (`complete`: what
@@ -150,8 +155,21 @@ class KvIndex:
         record = self._engines.get(engine)
         if record is not None:
             self.blocks -= len(record.entries)
+            self._let_go(record)
             record.entries, record.held, record.media = {}, {}, {}
             record.complete = complete
+
+    def _let_go(self, record: _Engine) -> None:
+        """The engine holds none of its media any more."""
+        for media_id in record.media:
+            self._drop_holder(media_id, record.engine)
+
+    def _drop_holder(self, media_id: str, engine: EngineId) -> None:
+        engines = self._holders.get(media_id)
+        if engines is not None:
+            engines.pop(engine, None)
+            if not engines:
+                del self._holders[media_id]
 
     def heard(self, engine: EngineId) -> None:
         """Its feed is up to date with the engine now: a batch in order, or a replay that found
@@ -235,7 +253,11 @@ class KvIndex:
                     depth = held[parent].depth + 1 if parent is not None else 1
                     block = held[name] = _Held(parent, media_in(extra), depth)
                     for media_id in block.media:
-                        record.media.setdefault(media_id, {})[name] = None
+                        blocks = record.media.get(media_id)
+                        if blocks is None:
+                            blocks = record.media[media_id] = {}
+                            self._holders.setdefault(media_id, {})[record.engine] = None
+                        blocks[name] = None
                 block.refs += 1
             entries[key] = (name, next(self._stamps))
             if parent is not None and (above := held.get(parent)) is not None and above.media:
@@ -256,6 +278,7 @@ class KvIndex:
             names.pop(name, None)
             if not names:
                 del record.media[media_id]
+                self._drop_holder(media_id, record.engine)
 
     def _evict(self, count: int) -> int:
         """The `count` oldest entries over all engines, in one pass over each engine's front."""
@@ -326,7 +349,15 @@ class KvIndex:
 
     def media_holders(self, media_id: str) -> list[EngineId]:
         """The fresh engines holding some block of the media item (its uuid)."""
-        return [engine for engine, record in self._engines.items() if media_id in record.media and self._fresh(engine)]
+        return [engine for engine in self._holders.get(media_id, ()) if self._fresh(engine)]
+
+    def holders(self, media_ids: Iterable[str]) -> set[EngineId]:
+        """The engines, fresh or not, holding some block of any of the media items: the others
+        hold no prefix through them (`media_prefixes` answers 0 there, or None when not fresh)."""
+        out: set[EngineId] = set()
+        for media_id in media_ids:
+            out.update(self._holders.get(media_id, ()))
+        return out
 
     def media_prefix(self, engine: EngineId, media_id: str) -> int | None:
         """The longest prefix (in blocks) the engine holds whole that holds every block of the

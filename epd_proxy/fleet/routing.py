@@ -282,9 +282,12 @@ class PrefixAffinity(ContentAffinity):
         last = where.get(record.url) if record is not None else None
         done = record.prefilled_at if record is not None else None
         if prompt.media and self.holds is not None:
+            # Only instances holding some of the images can hold a prefix through them.
+            holding = self.holds.holding(prompt.media)
             for i, c in enumerate(candidates):
-                depth = max((d or 0 for d in self.holds(c.url, prompt.media, None)), default=0)
-                held[i] = min(prompt.tokens, float(depth * self.holds.block_size(c.url)))
+                if c.url in holding:
+                    depth = max((d or 0 for d in self.holds(c.url, prompt.media, None)), default=0)
+                    held[i] = min(prompt.tokens, float(depth * self.holds.block_size(c.url)))
             deepest = max(range(len(candidates)), key=held.__getitem__)
             if held[deepest] > 0:
                 if record is not None and last is not None and done is not None:

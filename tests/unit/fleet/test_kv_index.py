@@ -3,6 +3,9 @@ the test moves: our own block names, prefixes, media, removal, clears, staleness
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from epd_proxy.fleet.kv_index import CHAINS_PER_MEDIA, FRESH, NONE, STALE, KvIndex, block_name, chain, media_in
 from epd_proxy.fleet.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored
 
@@ -220,3 +223,44 @@ def test_the_deepest_whole_chain_through_an_image_answers_though_a_deeper_one_is
     index.apply(A, [BlockRemoved(block_hashes=[5], medium="GPU", group_idx=0)])
     # The chain holding the image at its 9th block lost its 5th; the other holds it at its 2nd.
     assert index.media_prefixes(A, ["img"]) == [2]
+
+
+C = ("http://pd-c:8000", 0)
+IMAGES = ["img-0", "img-1", "img-2"]
+
+
+def image_prompt(first: int, image: str) -> list:
+    """Three blocks from token `first`, the middle one holding `image`."""
+    return blocks(3, start=first, media={1: [[image, 0]]})
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["store", "remove", "clear", "rewatch", "forget"]),
+            st.sampled_from([A, B, C]),
+            st.integers(0, 5),
+            st.sampled_from(IMAGES),
+        ),
+        max_size=40,
+    )
+)
+def test_the_holders_of_each_image_are_exactly_the_engines_holding_a_block_of_it(operations):
+    index = fresh_index(A, B, C, max_blocks=20)
+    for op, engine, n, image in operations:
+        hashes = [10 * n + 1, 10 * n + 2, 10 * n + 3]
+        if op == "store":
+            index.apply(engine, [stored(hashes, image_prompt(1000 * n, image))])
+        elif op == "remove":
+            index.apply(engine, [BlockRemoved(block_hashes=hashes[1:2], medium="GPU", group_idx=0)])
+        elif op == "clear":
+            index.apply(engine, [AllBlocksCleared()])
+        elif op == "rewatch":  # the engine restarted: a new feed
+            index.watch(engine)
+        else:
+            index.forget(engine)
+        for media_id in IMAGES:
+            holding = {e for e, record in index._engines.items() if media_id in record.media}
+            assert index.holders([media_id]) == holding
+    assert index.holders(IMAGES) == {e for e, record in index._engines.items() if record.media}

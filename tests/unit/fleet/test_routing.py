@@ -241,6 +241,9 @@ class Holds:
     def block_size(self, url):
         return 16
 
+    def holding(self, media):
+        return {url for url, known in self.depths.items() if any(known.get(m) for m in media)}
+
 
 def test_a_conversation_goes_where_the_index_says_its_images_are_unless_queued_work_outweighs_them():
     members = pds(3)
