@@ -104,6 +104,9 @@ class _Engine:
     complete: bool = False
     # Tokens per block, as its last stored batch said (0: none stored yet).
     block_size: int = 0
+    # `media_prefixes` answers since the engine last stored or removed a block: a popular image
+    # is held by every engine, and each request would walk its chains on each.
+    answers: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -156,7 +159,7 @@ class KvIndex:
         if record is not None:
             self.blocks -= len(record.entries)
             self._let_go(record)
-            record.entries, record.held, record.media = {}, {}, {}
+            record.entries, record.held, record.media, record.answers = {}, {}, {}, {}
             record.complete = complete
 
     def _let_go(self, record: _Engine) -> None:
@@ -226,6 +229,7 @@ class KvIndex:
     def _store(self, record: _Engine, event: BlockStored, done: Applied) -> None:
         medium, group, size = event.medium, event.group_idx or 0, event.block_size
         entries, held = record.entries, record.held
+        record.answers.clear()
         parent: bytes | None = None
         if event.parent_block_hash is not None:
             entry = entries.get((medium, group, event.parent_block_hash))
@@ -268,6 +272,7 @@ class KvIndex:
             done.stored += 1
 
     def _release(self, record: _Engine, name: bytes) -> None:
+        record.answers.clear()
         block = record.held[name]
         block.refs -= 1
         if block.refs:
@@ -374,10 +379,14 @@ class KvIndex:
         record = self._fresh(engine)
         if record is None:
             return None
-        held = record.held
+        held, known = record.held, record.answers
         depths: dict[bytes, int] = {}
         answers = []
         for media_id in media_ids:
+            answer = known.get(media_id)
+            if answer is not None:
+                answers.append(answer)
+                continue
             # The newest blocks only: a tenant that sends one image after many texts builds many
             # chains through it, and no request should walk them all. The deepest whole chain is
             # the answer, so they are tried deepest first and the first whole one ends the search
@@ -398,6 +407,7 @@ class KvIndex:
                 if _whole_depth(held, block, depths):
                     best = block.depth
                     break
+            known[media_id] = best
             answers.append(best)
         return answers
 

@@ -246,7 +246,7 @@ def image_prompt(first: int, image: str) -> list:
         max_size=40,
     )
 )
-def test_the_holders_of_each_image_are_exactly_the_engines_holding_a_block_of_it(operations):
+def test_the_holders_of_each_image_and_the_answers_kept_follow_every_change(operations):
     index = fresh_index(A, B, C, max_blocks=20)
     for op, engine, n, image in operations:
         hashes = [10 * n + 1, 10 * n + 2, 10 * n + 3]
@@ -263,4 +263,9 @@ def test_the_holders_of_each_image_are_exactly_the_engines_holding_a_block_of_it
         for media_id in IMAGES:
             holding = {e for e, record in index._engines.items() if media_id in record.media}
             assert index.holders([media_id]) == holding
+        for e, record in index._engines.items():
+            # Answers kept between the engine's changes are the answers a fresh walk gives.
+            kept = index.media_prefixes(e, IMAGES)
+            record.answers.clear()
+            assert index.media_prefixes(e, IMAGES) == kept
     assert index.holders(IMAGES) == {e for e, record in index._engines.items() if record.media}
