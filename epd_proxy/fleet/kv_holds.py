@@ -60,6 +60,9 @@ class KvHolds:
         followed = self._ranks(url) if ranks is None else ranks
         if not followed or not media_ids:
             return [None] * len(media_ids)
+        if len(followed) == 1:  # one engine, as most are: its answers are the instance's
+            answers = self.index.media_prefixes((url, followed[0]), media_ids)
+            return [None] * len(media_ids) if answers is None else list(answers)
         return over_ranks([self.index.media_prefixes((url, rank), media_ids) for rank in followed], len(media_ids))
 
     def heard_at(self, url: str, ranks: Sequence[int] | None = None) -> float | None:

@@ -165,15 +165,6 @@ class ContentAffinity:
     def _bound(self, total: int, n: int) -> int:
         return math.ceil(self.load_factor * (total + 1) / n)
 
-    def _members(self, key: str) -> list[int]:
-        """Each candidate once, in the order the key's walk round the ring meets them."""
-        n, seen = len(self._ring_for), dict[int, None]()
-        for owner in self._walk(key):
-            seen.setdefault(owner)
-            if len(seen) == n:
-                break
-        return list(seen)
-
     def _walk(self, key: str) -> Iterator[int]:
         """The candidates in the order the key meets them going round the ring from its point."""
         start = bisect.bisect(self._points, self._hash(key)) % len(self._points)
@@ -249,15 +240,14 @@ class PrefixAffinity(ContentAffinity):
 
     def place(self, candidates: Sequence[Instance], key: str, prompt: Prompt) -> Placement:
         self._ring(candidates)
-        members = self._members(key)
-        held, preferred, source = self._held(candidates, key, prompt, home=members[0])
+        home = next(self._walk(key))
+        held, preferred, source = self._held(candidates, key, prompt, home=home)
         speeds = seconds_per_token([c.prefill_speed for c in candidates], self.clock())
         claims = [claim(prompt.tokens, cached) for cached in held]
         costs = [
             seconds(speed, c.prefill_queue, work, c.inflight) for speed, c, work in zip(speeds, candidates, claims)
         ]
-        order = [preferred, *(i for i in members if i != preferred)]
-        chosen = cheapest(costs, order)
+        chosen = cheapest(costs, preferred, self._walk(key))
         if chosen != preferred:
             source = LOAD
         turn = Turn(candidates[chosen].url, prompt.tokens)

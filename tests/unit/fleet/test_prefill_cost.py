@@ -77,7 +77,16 @@ def test_a_claim_queued_behind_another_measures_only_its_own_time():
     assert speed.item_s == pytest.approx(0.001)
 
 
-def test_the_cheapest_wins_and_equals_go_in_the_order_given():
-    assert cheapest([3.0, 1.0, 2.0], [0, 1, 2]) == 1
-    assert cheapest([1.0, 1.0, 1.0], [2, 0, 1]) == 2
-    assert cheapest([1.0, 0.5, 0.5], [0, 2, 1]) == 2
+def test_the_cheapest_wins_and_equals_go_to_the_preferred_then_in_the_walks_order():
+    assert cheapest([3.0, 1.0, 2.0], 0, [0, 1, 2]) == 1
+    assert cheapest([1.0, 1.0, 1.0], 2, [0, 1]) == 2
+    assert cheapest([1.0, 0.5, 0.5], 0, [0, 2, 1]) == 2
+    # The walk is followed only as far as the first equal of the cheapest.
+    walked: list[int] = []
+
+    def walk():
+        for i in [0, 2, 1, 0, 2, 1]:
+            walked.append(i)
+            yield i
+
+    assert cheapest([1.0, 0.5, 0.5], 0, walk()) == 2 and walked == [0, 2]
