@@ -23,7 +23,8 @@ past a deadline, such a tenant's requests are the ones turned away with 429. Whi
 compete, an encoder sub-request carries at most CONTENDED_GROUP_ITEMS items, so the next group
 due waits for a short sub-request to end, not for a flood's whole request.
 
-One ledger per process: with `--workers`, each worker keeps its own.
+One ledger per process: with `--workers`, each worker keeps its own, and weighs what a tenant
+asks of it against its own part of the encoders (the kernel spreads requests evenly).
 """
 
 from __future__ import annotations
@@ -176,9 +177,10 @@ class Ledger:
         account.asking(now)
         account.asked_s += encoder_s
 
-    def share(self, tenant: str, now: float | None = None, encoders: int = 0) -> str:
+    def share(self, tenant: str, now: float | None = None, encoders: float = 0.0) -> str:
         """Whether `tenant` is over its share: it leads the least-served active tenant, or (given
-        the clock `now` and the live `encoders`) asks more than its weighted share of them serves."""
+        the clock `now` and the `encoders` this ledger's process may count on: with `--workers`,
+        its part of them) asks more than its weighted share of them serves."""
         encoder, tokens = self.lead(tenant)
         if encoder > SLACK_S or tokens > SLACK_TOKENS:
             return OVER
@@ -190,7 +192,9 @@ class Ledger:
         share = account.weight / (weights + account.weight)
         return OVER if account.asking(now) > (1 + DEMAND_SLACK) * share * encoders else WITHIN
 
-    def view(self, names: tuple[str, ...], now: float | None = None, encoders: int = 0) -> dict[str, dict[str, Any]]:
+    def view(
+        self, names: tuple[str, ...], now: float | None = None, encoders: float = 0.0
+    ) -> dict[str, dict[str, Any]]:
         """Each of `names` (the tenants file's) as /status.json shows it (`now` and `encoders` as
         `share` takes them)."""
         shown = {}

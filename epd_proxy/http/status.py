@@ -96,7 +96,8 @@ def tenants(state: ProxyState) -> dict[str, Any]:
     fairness, file = state.lanes.fairness, state.tenants
     if fairness is None or file is None:
         return {}
-    return fairness.view(file.current.names(), time.perf_counter(), state.asked_of_encoders(0.0)[1])
+    encoders = state.asked_of_encoders(0.0)[1] / state.config.workers
+    return fairness.view(file.current.names(), time.perf_counter(), encoders)
 
 
 def _samples(metric) -> list:
