@@ -20,6 +20,9 @@ async def test_stream_is_relayed_byte_for_byte(make_stack):
         assert resp.headers["Content-Type"].startswith("text/event-stream")
         via_proxy = await read_stream(resp)
     forwarded = stack.pd.requests[0].body
+    # The proxy asked for usage on the client's behalf (journey/stream_usage.py) and takes it back
+    # out: the client gets what the PD answers the request as the client sent it.
+    assert forwarded.pop("stream_options") == {"include_usage": True, "continuous_usage_stats": False}
     async with stack.client.post(stack.pd_url + "/v1/chat/completions", json=forwarded) as resp:
         direct = await read_stream(resp)
     via_proxy = via_proxy.replace(b"chatcmpl-0", b"X")
