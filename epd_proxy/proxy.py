@@ -285,17 +285,20 @@ class ProxyState:
         )
         return predicted_wait(backlog, largest_item)
 
-    def asked_of_encoders(self, cost: float) -> tuple[float, int]:
+    def asked_of_encoders(self, cost: float) -> tuple[float, float]:
         """What a request whose media cost `cost` image-equivalents asks of the encoders in seconds,
-        at their mean measured speed (0 before any was measured), and how many encoders serve."""
+        at their mean measured speed (0 before any was measured), and how many of the measured
+        encoders this process may count on: with `--workers`, its part of them, as the kernel
+        spreads the requests evenly."""
         pipeline = self.pipeline
         assert pipeline is not None, "start() builds the pipeline before the server takes requests"
         known = [speed for speed in (self.lanes.of(e).speed.known() for e in pipeline.candidates(ENCODE)) if speed]
+        encoders = len(known) / self.config.workers
         if cost <= 0 or not known:
-            return 0.0, len(known)
+            return 0.0, encoders
         fixed = sum(f for f, _ in known) / len(known)
         item = sum(i for _, i in known) / len(known)
-        return fixed + item * cost, len(known)
+        return fixed + item * cost, encoders
 
     def forget_expired(self) -> None:
         """Dynamic mode: instances out of rotation for longer than --evicted-ttl leave the fleet."""

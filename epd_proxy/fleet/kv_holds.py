@@ -38,6 +38,9 @@ class MediaDepths(Protocol):
 
 def over_ranks(per_rank: Sequence[Sequence[int] | None], count: int) -> list[int | None]:
     """Each item's answer for the instance from its ranks' answers (None: a rank not fresh)."""
+    if len(per_rank) == 1:  # one engine, as most instances are: its answers are the instance's
+        only = per_rank[0]
+        return [None] * count if only is None else list(only)
     fresh = [answers for answers in per_rank if answers is not None]
     if not fresh:
         return [None] * count
@@ -60,9 +63,6 @@ class KvHolds:
         followed = self._ranks(url) if ranks is None else ranks
         if not followed or not media_ids:
             return [None] * len(media_ids)
-        if len(followed) == 1:  # one engine, as most are: its answers are the instance's
-            answers = self.index.media_prefixes((url, followed[0]), media_ids)
-            return [None] * len(media_ids) if answers is None else list(answers)
         return over_ranks([self.index.media_prefixes((url, rank), media_ids) for rank in followed], len(media_ids))
 
     def heard_at(self, url: str, ranks: Sequence[int] | None = None) -> float | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import itertools
 import math
 import random
 import time
@@ -240,14 +241,15 @@ class PrefixAffinity(ContentAffinity):
 
     def place(self, candidates: Sequence[Instance], key: str, prompt: Prompt) -> Placement:
         self._ring(candidates)
-        home = next(self._walk(key))
+        walk = self._walk(key)  # the key is hashed once: its home is the walk's first
+        home = next(walk)
         held, preferred, source = self._held(candidates, key, prompt, home=home)
         speeds = seconds_per_token([c.prefill_speed for c in candidates], self.clock())
         claims = [claim(prompt.tokens, cached) for cached in held]
         costs = [
             seconds(speed, c.prefill_queue, work, c.inflight) for speed, c, work in zip(speeds, candidates, claims)
         ]
-        chosen = cheapest(costs, preferred, self._walk(key))
+        chosen = cheapest(costs, preferred, itertools.chain((home,), walk))
         if chosen != preferred:
             source = LOAD
         turn = Turn(candidates[chosen].url, prompt.tokens)
@@ -260,8 +262,8 @@ class PrefixAffinity(ContentAffinity):
         self, candidates: Sequence[Instance], key: str, prompt: Prompt, home: int
     ) -> tuple[list[float], int, str]:
         """The tokens of the prompt each candidate is taken to hold, the one holding most, and
-        what says so (`home`: the key's first candidate round the ring). The last turn placed here holds its prompt where it went once its first
-        token came, and for SPECULATIVE_S after that it counts even where the index has not shown
+        what says so (`home`: the key's first candidate round the ring). The last turn placed
+        here holds its prompt where it went once its first token came, and for SPECULATIVE_S after that it counts even where the index has not shown
         it yet (its blocks reach the index a moment later, and a next turn sent meanwhile must
         not follow the index back to where the conversation was). A last turn still without its
         first token holds nothing yet: requests sent at once with the same opening are siblings,

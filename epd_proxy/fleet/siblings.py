@@ -64,9 +64,7 @@ class Siblings:
         while True:
             try:
                 datagram = self._sock.recv(1 << 16)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
+            except OSError:  # nothing more to read now (BlockingIOError), or the socket is gone
                 return
             names = [match.decode() for match in _NAME.findall(datagram)]
             if names:

@@ -289,7 +289,6 @@ def arrive(
     if fairness is not None and tenant is not None:
         asked, encoders = state.asked_of_encoders(sum(item.cost for item in items))
         fairness.asked(tenant.name, tenant.weight, asked, now)
-        encoders /= config.workers  # each worker sees its part of the requests
     deadline = request_deadline(request.headers.get(DEADLINE_HEADER), tenant.deadline_s if tenant else None)
     if deadline is None and not state.admission.limit:
         return None

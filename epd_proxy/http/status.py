@@ -96,7 +96,7 @@ def tenants(state: ProxyState) -> dict[str, Any]:
     fairness, file = state.lanes.fairness, state.tenants
     if fairness is None or file is None:
         return {}
-    encoders = state.asked_of_encoders(0.0)[1] / state.config.workers
+    _, encoders = state.asked_of_encoders(0.0)
     return fairness.view(file.current.names(), time.perf_counter(), encoders)
 
 

@@ -148,12 +148,15 @@ class HeldMedia:
 
     def encoded(self, names: Iterable[str]) -> None:
         seen = list(names)
-        self.encoded_elsewhere(seen)
+        self._remember_encoded(seen)
         if self.on_encoded is not None and seen:
             self.on_encoded(seen)
 
     def encoded_elsewhere(self, names: Iterable[str]) -> None:
         """Names another process saw encoded: the EC store holds them for this one too."""
+        self._remember_encoded(names)
+
+    def _remember_encoded(self, names: Iterable[str]) -> None:
         for name in names:
             self._encoded.put(name, True)
 

@@ -153,7 +153,7 @@ def arm_kind(blocks: list[dict[str, Any]], plan) -> dict[str, Any]:
         per[t]["token_share"] = tok_share[t]
     usage = all(per[t]["tokens_from_usage"] for t in TENANTS if per[t]["answered"])
     goodput = goodput_images_per_s(blocks, plan)
-    capacity = getattr(plan, "capacity_images_per_s", 0.0)
+    capacity = plan.capacity_images_per_s
     return {
         "tenants": per,
         "goodput_images_per_s": goodput,
