@@ -67,3 +67,21 @@ def test_dynamic_mode_forgets_instances_out_of_rotation_too_long():
     state.health._clock = lambda: later  # health judges against an injectable clock
     state.forget_expired()
     assert list(state.fleet.all()) == []
+
+
+async def test_what_a_request_asks_of_the_encoders_counts_measured_encoders_and_each_workers_part_of_them():
+    for workers in (1, 2):
+        state = ProxyState(Config(probe_interval_s=0, workers=workers, **STATIC))
+        await state.start()
+        try:
+            assert state.asked_of_encoders(3.0) == (0.0, 0.0)  # no encoder measured: no guess
+            encoder = state.fleet.members(ENCODE)[0]
+            speed = state.lanes.of(encoder).speed
+            speed.observe(2.0, 10.0, 11.0)  # one answer: two image-equivalents in a second
+            fixed, item = speed.known()
+            asked, encoders = state.asked_of_encoders(3.0)
+            assert asked == fixed + 3.0 * item
+            # The other encoder is not counted until measured; a worker counts on its part.
+            assert encoders == 1 / workers
+        finally:
+            await state.close()
