@@ -71,6 +71,8 @@ class CommaList(Kind):
     """A comma list; `none`, `disable` or empty is the empty list."""
 
     http_urls: bool = True
+    # DNS names (`dns://`, `dns+srv://`) are taken where the registry resolves them.
+    dns: bool = True
     metavar: ClassVar[str] = "URLS"
 
     def parse(self, text: str) -> tuple[str, ...]:
@@ -80,6 +82,8 @@ class CommaList(Kind):
         # Here so that a typo is a usage error at startup, not a failure on the first request.
         for url in value if self.http_urls else ():
             if is_dns(url):
+                if not self.dns:
+                    return f"{url!r}: give http:// or https:// URLs here, not DNS names"
                 if problem := dns_problem(url):
                     return problem
                 continue

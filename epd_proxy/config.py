@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from epd_proxy import options as options_module
-from epd_proxy.addresses import KvEndpoints, Server, check_topology
+from epd_proxy.addresses import CommaList, KvEndpoints, Server, check_topology
 from epd_proxy.fetch_flags import MEDIA
 from epd_proxy.options import Choice, Choices, ConfigError, Count, Kind, Number, Option, Real, Seconds, Switch, Text  # noqa: F401 (ConfigError: callers catch it from here)
 from epd_proxy.reference_flags import OURS, REFERENCE
@@ -162,6 +162,16 @@ class Config(TenantFlags):
         "`{host}`; data-parallel rank r on each port + r",
         flag="--kv-events-endpoints",
         shown="asked of each instance",
+    )
+    render_urls: tuple[str, ...] = option(
+        (),
+        CommaList(dns=False),
+        "vLLM render servers (`vllm launch render`, or a `vllm serve --enable-scale-out`) asked for each request's "
+        "token ids before placement, so the KV index is asked about every block of its prompt, not only the ones "
+        "through its images; costs a render per request on that server, see "
+        "[exact matching](prefix-routing.md#exact-matching-through-a-render-server)",
+        flag="--render-urls",
+        shown="none: the prompt is estimated",
     )
     kv_events_stale_after_s: float = option(
         15.0,

@@ -36,6 +36,7 @@ from epd_proxy.fleet.windows import Windows
 from epd_proxy.journey.admission import Admission, Backlog, Encoder, Wait, predicted_wait
 from epd_proxy.journey.extract import ReadOptions
 from epd_proxy.journey.pipeline import Pipeline
+from epd_proxy.journey.render import Renderer
 from epd_proxy.journey.subrequest import EncodeOptions
 from epd_proxy.ops import tracing
 from epd_proxy.ops.autoscale import Autoscale
@@ -86,6 +87,7 @@ def build_pipeline(
         consumer_encode_after_s=config.consumer_encode_after_s,
         no_raw_media=frozenset(MODALITIES if config.text_only_consumers else config.no_raw_media),
         kv_holds=kv_holds,
+        renderer=Renderer(upstream, config.render_urls, metrics) if config.render_urls else None,
         windows=Windows(config.consumer_window, lanes.fairness)
         if lanes and lanes.fairness and config.consumer_window
         else None,

@@ -1,5 +1,7 @@
-"""What the KV index says an instance holds of a request's media: the one question placement
-(routing.PrefixAffinity) and reuse (held.decide_held) ask of it.
+"""What the KV index says an instance holds of a request: the questions placement
+(routing.PrefixAffinity) and reuse (held.decide_held) ask of it. Of a rendered prompt
+(fleet/rendered.py) it says how many of its tokens the instance holds, block by block; of any
+request, how deep a prefix through each of its media items.
 
 An instance is one or more data-parallel ranks, each an engine of the index (kv_index.py). Per
 media item the answer is the deepest prefix through it that any fresh rank holds (in blocks), 0
@@ -14,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from epd_proxy.fleet.kv_index import KvIndex
+from epd_proxy.fleet.rendered import Rendered
 
 
 class MediaDepths(Protocol):
@@ -33,6 +36,11 @@ class MediaDepths(Protocol):
     def holding(self, media_ids: Sequence[str]) -> set[str]:
         """The instances any of whose ranks holds some block of any of the media: every other
         instance answers 0 or None for each of them."""
+        ...
+
+    def prefix_tokens(self, url: str, prompt: Rendered) -> int | None:
+        """The leading tokens of the rendered prompt the instance holds (whole blocks), None when
+        the index cannot say."""
         ...
 
 
@@ -75,3 +83,11 @@ class KvHolds:
 
     def holding(self, media_ids: Sequence[str]) -> set[str]:
         return {url for url, _ in self.index.holders(media_ids)}
+
+    def prefix_tokens(self, url: str, prompt: Rendered) -> int | None:
+        per_rank: list[Sequence[int] | None] = []
+        for rank in self._ranks(url):
+            size = self.index.block_size((url, rank))
+            blocks = self.index.prefix_blocks((url, rank), prompt.names(size))
+            per_rank.append(None if blocks is None else (blocks * size,))
+        return over_ranks(per_rank, 1)[0] if per_rank else None

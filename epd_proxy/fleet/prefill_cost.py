@@ -5,10 +5,11 @@ pipeline feeds it each request's claim and first token.
 
 A fixed bound on requests in flight cannot tell a move that recomputes two thousand cached tokens
 from one that recomputes a hundred, nor an instance queued with long prompts from one queued with
-short ones; seconds can. The proxy does not tokenize, so a prompt's size is estimated from its
-text (CHARS_PER_TOKEN) and media (tokens per image-equivalent, learnt from the usage answers
-report), and what an instance holds of it from the KV index (in blocks of its own size) or, where
-the index cannot say, from where the conversation last ran.
+short ones; seconds can. The proxy does not tokenize: a prompt's size is what a render server
+counted (`--render-urls`), else estimated from its text (CHARS_PER_TOKEN) and media (tokens per
+image-equivalent, learnt from the usage answers report); what an instance holds of it comes from
+the KV index (in blocks of its own size) or, where the index cannot say, from where the
+conversation last ran.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from epd_proxy.fleet.rendered import Rendered
 from epd_proxy.fleet.speed import Speed
 
 # JSON chat text runs about this many characters per token in the tokenizers vLLM serves.
@@ -38,12 +40,15 @@ MEAN_WEIGHT_SAMPLES = 64
 
 @dataclass(frozen=True, slots=True)
 class Prompt:
-    """What placement knows of a request's prompt before rendering it."""
+    """What placement knows of a request's prompt: estimated, or rendered where a render server
+    is configured (its token count then exact)."""
 
-    # Estimated prompt tokens (PromptSize.tokens).
+    # Prompt tokens: the rendered count, else estimated (PromptSize.tokens).
     tokens: float
     # Its images' uuids as the consumers' KV events name them: what the KV index is asked about.
     media: Sequence[str] = ()
+    # Its token ids and items as vLLM renders them: the KV index is asked about its blocks.
+    rendered: Rendered | None = None
 
 
 class PromptSize:

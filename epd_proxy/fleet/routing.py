@@ -28,8 +28,9 @@ from epd_proxy.fleet.scheduler import ExpectedFinish
 LAST_TURNS = 16384
 LAST_TURN_TTL_S = 600.0
 # What decided a conversation's placement (epd_prefix_decisions_total{decision="placement"}): the
-# KV index, where its last turn ran, its key's home on the ring, or the work queued on those.
-INDEX, RECORD, HASH, LOAD = "index", "record", "hash", "load"
+# KV index (EXACT: through the rendered prompt's blocks; INDEX: through its images), where its last
+# turn ran, its key's home on the ring, or the work queued on those.
+EXACT, INDEX, RECORD, HASH, LOAD = "exact", "index", "record", "hash", "load"
 # How long after its first token a turn counts as held where it went though the KV index has not
 # shown it there: vLLM publishes a prefill's blocks within a second of its first token.
 SPECULATIVE_S = 10.0
@@ -273,27 +274,46 @@ class PrefixAffinity(ContentAffinity):
         record = self.last_turns.get(key)
         last = where.get(record.url) if record is not None else None
         done = record.prefilled_at if record is not None else None
-        if prompt.media and self.holds is not None:
-            # Only instances holding some of the images can hold a prefix through them.
-            holding = self.holds.holding(prompt.media)
-            for i, c in enumerate(candidates):
-                if c.url in holding:
-                    depth = max((d or 0 for d in self.holds(c.url, prompt.media, None)), default=0)
-                    held[i] = min(prompt.tokens, float(depth * self.holds.block_size(c.url)))
-            deepest = max(range(len(candidates)), key=held.__getitem__)
-            if held[deepest] > 0:
-                if record is not None and last is not None and done is not None:
-                    if self.clock() - done <= SPECULATIVE_S:
-                        held[last] = max(held[last], min(prompt.tokens, record.tokens))
-                        if last != deepest and held[last] >= held[deepest]:
-                            return held, last, RECORD
-                return held, deepest, INDEX
+        source = self._indexed(candidates, prompt, held)
+        if source is not None:
+            top = max(held)
+            # Among equal holders (a preamble every engine holds), where the conversation last
+            # ran, then the key's home: so new conversations still spread round the ring.
+            deepest = next((i for i in (last, home) if i is not None and held[i] == top), held.index(top))
+            if record is not None and last is not None and done is not None:
+                if self.clock() - done <= SPECULATIVE_S:
+                    held[last] = max(held[last], min(prompt.tokens, record.tokens))
+                    if last != deepest and held[last] >= held[deepest]:
+                        return held, last, RECORD
+            return held, deepest, source
         if record is not None and last is not None:
             if done is not None:
                 held[last] = min(prompt.tokens, record.tokens)
             return held, last, RECORD
         held[home] = prompt.tokens
         return held, home, HASH
+
+    def _indexed(self, candidates: Sequence[Instance], prompt: Prompt, held: list[float]) -> str | None:
+        """Fill in `held` from the KV index and say how (EXACT: the rendered prompt's blocks;
+        INDEX: the deepest prefix through its images), or None when it shows no candidate holding
+        any of the prompt."""
+        if self.holds is None:
+            return None
+        if prompt.rendered is not None:
+            for i, c in enumerate(candidates):
+                held[i] = min(prompt.tokens, float(self.holds.prefix_tokens(c.url, prompt.rendered) or 0))
+            if any(held):
+                return EXACT
+        if prompt.media:
+            # Only instances holding some of the images can hold a prefix through them.
+            holding = self.holds.holding(prompt.media)
+            for i, c in enumerate(candidates):
+                if c.url in holding:
+                    depth = max((d or 0 for d in self.holds(c.url, prompt.media, None)), default=0)
+                    held[i] = min(prompt.tokens, float(depth * self.holds.block_size(c.url)))
+            if any(held):
+                return INDEX
+        return None
 
 
 POLICIES: dict[str, Callable[[], RoutingPolicy]] = {

@@ -233,7 +233,7 @@ async def serve(request: web.Request, door: Door) -> web.StreamResponse:
             pipeline = state.pipeline
             assert pipeline is not None, "start() builds the pipeline before the server takes requests"
             listener = pipeline.usage(job, counted, door)
-            route = pipeline.choose_route(rid.value, job, door)
+            route = await pipeline.place(job, trace, door)
             with route.held():
                 answer = await pipeline.open(job, route, trace, door)
                 try:

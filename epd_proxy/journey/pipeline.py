@@ -36,6 +36,7 @@ from epd_proxy.journey.match import Matches, match_groups
 from epd_proxy.journey.plan import plan_groups
 from epd_proxy.journey.prefill import run_prefill
 from epd_proxy.journey.relay import Listener, Usage
+from epd_proxy.journey.render import Renderer
 from epd_proxy.journey.reuse import (
     EncodePlan,
     consumer_may_encode,
@@ -96,6 +97,8 @@ class Pipeline:
     windows: Windows | None = None
     # How many tokens a prompt takes, learnt from the usage answers report.
     prompt_size: PromptSize = field(default_factory=PromptSize)
+    # With --render-urls: where prompts are rendered before placement.
+    renderer: Renderer | None = None
 
     def __post_init__(self) -> None:
         self.encode = EncodeStep(
@@ -123,6 +126,14 @@ class Pipeline:
         """Where a request's answer comes from: combined PD instances first, else split decoders."""
         return self.candidates(PREFILL_DECODE) or self.candidates(DECODE)
 
+    async def place(self, job: ClientBody, trace: Trace, door: Door = CHAT) -> Route:
+        """`choose_route`, the prompt rendered first where a render server says what the KV index
+        is asked (--render-urls with prefix_affinity and KV events)."""
+        if self.renderer is not None and self._keyed and self.kv_holds is not None and job.rendered is None:
+            with trace.stage("render"):
+                job.rendered = await self.renderer.render(job, door)
+        return self.choose_route(trace.request_id, job, door)
+
     def choose_route(
         self, request_id: str, job: ClientBody | None = None, door: Door = CHAT, avoid: Sequence[Instance] = ()
     ) -> Route:
@@ -134,9 +145,10 @@ class Pipeline:
         prompt = Prompt(0.0)
         # Only prefix_affinity weighs a prompt; the other policies go by load alone.
         if self._keyed and job is not None and job.body is not None:
-            tokens = self.prompt_size.tokens(job.text_chars, job.media_cost)
+            rendered = job.rendered
+            tokens = len(rendered.tokens) if rendered else self.prompt_size.tokens(job.text_chars, job.media_cost)
             media = list(index_uuids(job.body, job.items).values()) if self.kv_holds is not None else []
-            prompt = Prompt(tokens, media)
+            prompt = Prompt(tokens, media, rendered)
             key = conversation_key(job.body.get("model"), door.conversation(job.body), job.items)
         candidates = [c for c in self.decoders() if c not in avoid]
         if not candidates:

@@ -15,6 +15,7 @@ from epd_proxy.calls.upstream import Payload
 from epd_proxy.errors import BadRequest
 from epd_proxy.fleet.backends import Instance
 from epd_proxy.fleet.prefill_cost import Prompt, Turn, claim
+from epd_proxy.fleet.rendered import Rendered
 from epd_proxy.fleet.routing import PrefixAffinity, ServingPolicy
 from epd_proxy.journey.extract import MediaItem, media_url
 from epd_proxy.journey.splice import Spliced
@@ -118,6 +119,8 @@ class ClientBody:
     text_chars: int = 0
     # Its media's image-equivalents (fleet/cost.py), kept when the items are let go.
     media_cost: float = field(init=False)
+    # Its prompt as a render server rendered it (journey/render.py), for placement.
+    rendered: Rendered | None = None
 
     def __post_init__(self) -> None:
         self.media_cost = sum(item.cost for item in self.items)
@@ -126,6 +129,7 @@ class ClientBody:
         self.body = None
         self.items = ()
         self.spliced = None
+        self.rendered = None
 
     def dumps(self, obj: Any) -> Payload:
         """A body for a backend: media go out as the client's own bytes where they were spliced."""

@@ -159,6 +159,13 @@ class Metrics:
             ["decision", "source"],
             registry=r,
         )
+        self.renders = Counter(
+            "epd_render",
+            "Prompts a render server was asked for before placement (--render-urls), by outcome: rendered, or "
+            "failed (placed as without it)",
+            ["outcome"],
+            registry=r,
+        )
         self.retries = Counter(
             "epd_retries", "Whole-pipeline retries after a consumer HTTP 500, by stage", ["stage"], registry=r
         )

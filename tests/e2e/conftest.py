@@ -94,6 +94,8 @@ def stack_config(kind: str) -> StackConfig:
         pd_debug_log=kind in (EPD, AUDIO, TWO_PDS),
         # Pin the spread so 5 images over 2 encoders are exactly 2 sub-requests.
         proxy_args=["--encode-policy", "round_robin", "--log-level", "DEBUG"],
+        # The render endpoints the proxy's exact matching asks (test_e2e_render.py); they only add routes.
+        extra_vllm_args=("--enable-scale-out",) if kind == EPD else (),
         python=sys.executable,
         otlp_traces_endpoint=TRACES.grpc_url,
         extra_env={

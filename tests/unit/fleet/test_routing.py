@@ -6,6 +6,7 @@ import pytest
 
 from epd_proxy.fleet.backends import Instance
 from epd_proxy.fleet.prefill_cost import FIXED_TOKENS, Prompt
+from epd_proxy.fleet.rendered import Rendered
 from epd_proxy.fleet.routing import (
     SERVING,
     SPECULATIVE_S,
@@ -292,3 +293,42 @@ def test_a_turn_just_placed_counts_as_held_where_it_went_until_the_index_could_s
     # Long after, with the index still showing nothing there (evicted, or it never ran): the index.
     clock.now += SPECULATIVE_S + 1
     assert place(policy, members, "conv", 1200.0, ["img-1", "img-2"]).instance is holder
+
+
+class ExactHolds(Holds):
+    """Holds, and per instance URL the tokens of any rendered prompt it holds (absent: not fresh)."""
+
+    def __init__(self, tokens: dict[str, int], depths: dict[str, dict[str, int]] | None = None) -> None:
+        super().__init__(depths or {})
+        self.tokens = tokens
+
+    def prefix_tokens(self, url, prompt):
+        return self.tokens.get(url)
+
+
+def rendered_prompt(tokens: int, media=()) -> Prompt:
+    return Prompt(float(tokens), media, Rendered(list(range(tokens))))
+
+
+def test_a_rendered_prompt_goes_where_the_index_holds_most_of_it_text_and_images_alike():
+    members = pds(3)
+    decided: list[str] = []
+    policy = PrefixAffinity()
+    policy.decided = decided.append
+    # A text-only conversation: no image to ask about, yet the index knows who holds its blocks.
+    policy.holds = ExactHolds({members[0].url: 64, members[1].url: 960, members[2].url: 0})
+    chosen = policy.place(members, "conv", rendered_prompt(1000))
+    assert (chosen.instance, chosen.source, chosen.claim) == (members[1], "exact", FIXED_TOKENS + 40.0)
+    # The images' answer is not asked when the blocks answered; when they show nothing held, it is.
+    policy.holds = ExactHolds({m.url: 0 for m in members}, {members[2].url: {"img": 10}})
+    assert policy.place(members, "conv", rendered_prompt(1000, ["img"])).instance is members[2]
+    assert decided == ["exact", "index"]
+
+
+def test_new_conversations_that_share_a_preamble_every_engine_holds_still_spread_round_the_ring():
+    members = pds(4)
+    policy = PrefixAffinity()
+    policy.holds = ExactHolds({m.url: 512 for m in members})
+    homes = {PrefixAffinity().choose(members, [f"conv-{n}"])[0].url for n in range(40)}
+    placed = {policy.place(members, f"conv-{n}", rendered_prompt(600)).instance.url for n in range(40)}
+    assert placed == homes and len(placed) > 1

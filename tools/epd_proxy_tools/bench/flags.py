@@ -294,6 +294,14 @@ class RealBenchOptions(TenantLoadOptions):
     max_model_len: int = option(
         2048, Count(1), "vLLM `--max-model-len` of every server", flag="--max-model-len", group=LOCAL_STACK
     )
+    render: bool = option(
+        False,
+        Switch(),
+        "also start a vLLM render server; `{render}` in a `--proxy` command is its URL (e.g. "
+        "`--render-urls {render}`), and each block reports its CPU per request",
+        flag="--render",
+        group=LOCAL_STACK,
+    )
     restart_after: float | None = option(
         None,
         Real("S", 0),

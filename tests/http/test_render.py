@@ -1,0 +1,93 @@
+"""Placement from a rendered prompt (--render-urls) against fake PDs that publish vLLM's KV events
+and a fake render server (fake_vllm.py, `scale_out`): a text-only conversation, which has no image
+for the index to be asked about, is followed block by block to wherever it ran, by a proxy process
+that never saw it; a render server that refuses costs nothing but the sharper placement."""
+
+from __future__ import annotations
+
+from epd_proxy.fleet.backends import PREFILL_DECODE
+from epd_proxy.fleet.routing import PrefixAffinity
+from epd_proxy.journey.doors import CHAT
+from epd_proxy.journey.extract import normalise_request
+from epd_proxy.journey.reuse import conversation_key
+from epd_proxy_tools.testing.harness import Fakes
+from epd_proxy_tools.testing.polling import eventually
+from tests.http.test_kv_reuse import OPTIONS, decisions, engines_fresh
+from tests.http.test_reuse import content_of
+
+PREAMBLE = "You are a careful assistant. " * 8
+
+
+def text_turn(n: int) -> dict:
+    messages: list[dict] = [{"role": "system", "content": PREAMBLE}]
+    for k in range(n + 1):
+        messages.append({"role": "user", "content": f"Question {k}: what follows {k * 7}?"})
+        if k < n:
+            messages.append({"role": "assistant", "content": f"The answer to {k} is {k * 7 + 1}."})
+    return {"model": "tiny-vlm", "messages": messages, "max_tokens": 4, "temperature": 0}
+
+
+def renders(stack, outcome: str) -> float:
+    return stack.state.metrics.registry.get_sample_value("epd_render_total", {"outcome": outcome}) or 0.0
+
+
+async def test_a_text_conversation_is_followed_to_where_its_blocks_are_by_a_process_that_never_saw_it(make_stack):
+    fakes = Fakes()
+    render_fake, render_url = await fakes.start("pd", scale_out=True)
+    first = await make_stack(
+        encoders=1, decoders=2, fakes=fakes, consumer_options={"kv_events": OPTIONS}, kv_events_stale_after_s=1.5
+    )
+    urls = first.backend_urls["d"]
+    pds = dict(zip(urls, first.consumers))
+
+    async def another(**options):
+        stack = await make_stack(
+            encoders=0,
+            decoders=0,
+            fakes=first.fakes,
+            encode_urls=tuple(first.backend_urls["e"]),
+            decode_urls=tuple(urls),
+            kv_events_stale_after_s=1.5,
+            **options,
+        )
+        await eventually(lambda: engines_fresh(stack, urls), timeout=20, what="the PDs' KV events never fresh")
+        return stack
+
+    rendering = await another(render_urls=(render_url,))
+    hashing = await another()
+    parsed = normalise_request(text_turn(1))
+    key = conversation_key(parsed.body.get("model"), CHAT.conversation(parsed.body), parsed.items)
+    home = PrefixAffinity().choose(first.state.fleet.members(PREFILL_DECODE), [key])[0].url
+    (other,) = [url for url in urls if url != home]
+    # Turn 0 runs away from the key's home: its home is busy.
+    busy = next(m for m in first.state.fleet.members(PREFILL_DECODE) if m.url == home)
+    busy.prefill_queue = 1e6
+    await content_of(first, text_turn(0))
+    busy.prefill_queue = 0.0
+    assert len(pds[other].requests) == 1 and not pds[home].requests
+    await eventually(
+        lambda: (rendering.state.kv_index.size((other, 0)) or 0) > 0, timeout=20, what="turn 0's blocks never indexed"
+    )
+
+    # The rendering process finds turn 0's blocks on `other` and sends turn 1 there.
+    await content_of(rendering, text_turn(1))
+    assert len(pds[other].requests) == 2 and not pds[home].requests
+    assert decisions(rendering, "placement", "exact") == 1 and renders(rendering, "rendered") == 1
+    assert render_fake.renders == 1
+    # Without a render, a process that never saw the conversation has only the key's hash.
+    await content_of(hashing, text_turn(2))
+    assert len(pds[home].requests) == 1
+    assert decisions(hashing, "placement", "hash") == 1
+
+
+async def test_a_render_server_that_refuses_leaves_the_request_placed_as_without_it(make_stack):
+    fakes = Fakes()
+    _, render_url = await fakes.start("pd")  # started without --enable-scale-out: 403
+    stack = await make_stack(
+        encoders=1, decoders=2, fakes=fakes, consumer_options={"kv_events": OPTIONS}, render_urls=(render_url,)
+    )
+    urls = stack.backend_urls["d"]
+    await eventually(lambda: engines_fresh(stack, urls), timeout=20, what="the PDs' KV events never fresh")
+    for turn in range(2):
+        await content_of(stack, text_turn(turn))
+    assert renders(stack, "failed") == 2 and renders(stack, "rendered") == 0

@@ -1,0 +1,90 @@
+"""A render server asked for a request's prompt before placement (render.py): what it is sent, and
+that nothing it does can fail the request."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from epd_proxy.calls.upstream import CONNECT_TIMEOUT
+from epd_proxy.config import Config
+from epd_proxy.fleet.health import Health
+from epd_proxy.fleet.registry import Registry
+from epd_proxy.fleet.rendered import Item
+from epd_proxy.journey.doors import CHAT
+from epd_proxy.journey.extract import normalise_request
+from epd_proxy.journey.messages_api import MESSAGES
+from epd_proxy.journey.render import Renderer
+from epd_proxy.journey.route import ClientBody
+from epd_proxy.ops.metrics import Metrics
+from tests.media import chat, image
+from tests.unit.scripted_upstream import Reply, ScriptedUpstream, json_reply
+
+R1, R2 = "http://render-1", "http://render-2"
+RENDERED = {
+    "token_ids": [5, 6, 7, 8],
+    "features": {"mm_hashes": {"image": ["u1"]}, "mm_placeholders": {"image": [{"offset": 1, "length": 2}]}},
+}
+
+
+def renderer(upstream) -> tuple[Renderer, Metrics]:
+    config = Config(encode_urls=("http://e",), decode_urls=("http://pd",))
+    fleet = Registry.from_config(config)
+    metrics = Metrics(fleet, Health())
+    return Renderer(upstream, (R1, R2 + "/"), metrics), metrics
+
+
+def counted(metrics: Metrics, outcome: str) -> float:
+    registry: CollectorRegistry = metrics.registry
+    return registry.get_sample_value("epd_render_total", {"outcome": outcome}) or 0.0
+
+
+async def test_the_consumers_body_with_every_item_raw_under_its_name_is_rendered_without_tensors():
+    upstream = ScriptedUpstream()
+    upstream.script(R1, json_reply(RENDERED))
+    upstream.script(R2, json_reply(RENDERED))
+    render, metrics = renderer(upstream)
+    body = chat(image("a"), stream=True)
+    job = ClientBody(body, normalise_request(body).items)
+    first = await render.render(job, CHAT)
+    assert first is not None and list(first.tokens) == [5, 6, 7, 8] and first.items == [Item("u1", 1, 2)]
+    await render.render(job, CHAT)
+    (one,), (_,) = upstream.to(R1), upstream.to(R2)  # the servers in turn
+    assert (one.method, one.path, one.stage) == ("POST", "/v1/chat/completions/render", "render")
+    assert one.body["mm_payload"] == "none"
+    (part,) = [p for p in one.body["messages"][0]["content"] if p["type"] == "image_url"]
+    assert part["uuid"] == job.items[0].uuid and part["image_url"] == body["messages"][0]["content"][1]["image_url"]
+    assert "mm_payload" not in body  # the client's body is not changed
+    assert counted(metrics, "rendered") == 2
+
+
+async def test_each_door_renders_at_its_own_path():
+    upstream = ScriptedUpstream()
+    upstream.script(R1, json_reply(RENDERED))
+    render, _ = renderer(upstream)
+    body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    await render.render(ClientBody(body), MESSAGES)
+    assert upstream.sent[0].path == "/v1/messages/render"
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        json_reply({"error": {"message": "Scale-out endpoints are disabled."}}, 403),
+        json_reply({"token_ids": [1, -1]}),
+        Reply(200, (b"<html>",)),
+        Reply(fails=CONNECT_TIMEOUT),
+    ],
+)
+async def test_a_render_that_fails_or_lies_leaves_the_prompt_unrendered_and_is_counted(reply):
+    upstream = ScriptedUpstream()
+    upstream.script(R1, reply)
+    render, metrics = renderer(upstream)
+    body = chat(image("a"))
+    assert await render.render(ClientBody(body, normalise_request(body).items), CHAT) is None
+    assert counted(metrics, "failed") == 1
+
+
+async def test_a_job_already_let_go_is_not_rendered():
+    render, _ = renderer(ScriptedUpstream())
+    assert await render.render(ClientBody(None), CHAT) is None
