@@ -5,33 +5,49 @@ that never saw it; a render server that refuses costs nothing but the sharper pl
 
 from __future__ import annotations
 
+import pytest
+
 from epd_proxy.fleet.backends import PREFILL_DECODE
 from epd_proxy.fleet.routing import PrefixAffinity
-from epd_proxy.journey.doors import CHAT
-from epd_proxy.journey.extract import normalise_request
+from epd_proxy.journey.doors import CHAT, Door
+from epd_proxy.journey.messages_api import MESSAGES
+from epd_proxy.journey.responses_api import RESPONSES
 from epd_proxy.journey.reuse import conversation_key
 from epd_proxy_tools.testing.harness import Fakes
 from epd_proxy_tools.testing.polling import eventually
 from tests.http.test_kv_reuse import OPTIONS, decisions, engines_fresh
-from tests.http.test_reuse import content_of
 
 PREAMBLE = "You are a careful assistant. " * 8
 
 
-def text_turn(n: int) -> dict:
-    messages: list[dict] = [{"role": "system", "content": PREAMBLE}]
+def text_turn(n: int, door: Door = CHAT) -> dict:
+    """Turn n of a text-only conversation, in the door's own shape."""
+    messages: list[dict] = []
     for k in range(n + 1):
         messages.append({"role": "user", "content": f"Question {k}: what follows {k * 7}?"})
         if k < n:
             messages.append({"role": "assistant", "content": f"The answer to {k} is {k * 7 + 1}."})
-    return {"model": "tiny-vlm", "messages": messages, "max_tokens": 4, "temperature": 0}
+    if door is MESSAGES:
+        return {"model": "tiny-vlm", "system": PREAMBLE, "messages": messages, "max_tokens": 4}
+    if door is RESPONSES:
+        return {"model": "tiny-vlm", "instructions": PREAMBLE, "input": messages, "max_output_tokens": 4}
+    system = {"role": "system", "content": PREAMBLE}
+    return {"model": "tiny-vlm", "messages": [system, *messages], "max_tokens": 4, "temperature": 0}
+
+
+async def answered(stack, door: Door, body: dict) -> None:
+    async with stack.client.post(door.path, json=body) as resp:
+        assert resp.status == 200, await resp.text()
 
 
 def renders(stack, outcome: str) -> float:
     return stack.state.metrics.registry.get_sample_value("epd_render_total", {"outcome": outcome}) or 0.0
 
 
-async def test_a_text_conversation_is_followed_to_where_its_blocks_are_by_a_process_that_never_saw_it(make_stack):
+@pytest.mark.parametrize("door", [CHAT, MESSAGES, RESPONSES], ids=lambda door: door.name)
+async def test_a_text_conversation_is_followed_to_where_its_blocks_are_by_a_process_that_never_saw_it(
+    make_stack, door
+):
     fakes = Fakes()
     render_fake, render_url = await fakes.start("pd", scale_out=True)
     first = await make_stack(
@@ -55,14 +71,14 @@ async def test_a_text_conversation_is_followed_to_where_its_blocks_are_by_a_proc
 
     rendering = await another(render_urls=(render_url,))
     hashing = await another()
-    parsed = normalise_request(text_turn(1))
-    key = conversation_key(parsed.body.get("model"), CHAT.conversation(parsed.body), parsed.items)
+    body = text_turn(1, door)
+    key = conversation_key(body.get("model"), door.conversation(body), [])
     home = PrefixAffinity().choose(first.state.fleet.members(PREFILL_DECODE), [key])[0].url
     (other,) = [url for url in urls if url != home]
     # Turn 0 runs away from the key's home: its home is busy.
     busy = next(m for m in first.state.fleet.members(PREFILL_DECODE) if m.url == home)
     busy.prefill_queue = 1e6
-    await content_of(first, text_turn(0))
+    await answered(first, door, text_turn(0, door))
     busy.prefill_queue = 0.0
     assert len(pds[other].requests) == 1 and not pds[home].requests
     await eventually(
@@ -70,12 +86,12 @@ async def test_a_text_conversation_is_followed_to_where_its_blocks_are_by_a_proc
     )
 
     # The rendering process finds turn 0's blocks on `other` and sends turn 1 there.
-    await content_of(rendering, text_turn(1))
+    await answered(rendering, door, text_turn(1, door))
     assert len(pds[other].requests) == 2 and not pds[home].requests
     assert decisions(rendering, "placement", "exact") == 1 and renders(rendering, "rendered") == 1
     assert render_fake.renders == 1
     # Without a render, a process that never saw the conversation has only the key's hash.
-    await content_of(hashing, text_turn(2))
+    await answered(hashing, door, text_turn(2, door))
     assert len(pds[home].requests) == 1
     assert decisions(hashing, "placement", "hash") == 1
 
@@ -89,5 +105,5 @@ async def test_a_render_server_that_refuses_leaves_the_request_placed_as_without
     urls = stack.backend_urls["d"]
     await eventually(lambda: engines_fresh(stack, urls), timeout=20, what="the PDs' KV events never fresh")
     for turn in range(2):
-        await content_of(stack, text_turn(turn))
+        await answered(stack, CHAT, text_turn(turn))
     assert renders(stack, "failed") == 2 and renders(stack, "rendered") == 0
