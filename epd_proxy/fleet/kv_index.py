@@ -41,6 +41,8 @@ FRESH, STALE, NONE = "fresh", "stale", "none"
 MAX_ITEMS_PER_BLOCK = 64
 CHAINS_PER_MEDIA = 32
 MAX_ID_CHARS = 256
+# Blocks an engine's `whole` memo keeps before it starts again.
+WHOLE_MEMO = 4096
 EngineId = tuple[str, int]  # (instance URL, data-parallel rank)
 # (medium, KV cache group, the engine's block hash): what the engine's events name a block by.
 _Key = tuple[str | None, int, int | bytes]
@@ -107,6 +109,9 @@ class _Engine:
     # `media_prefixes` answers since the engine last stored or removed a block: a popular image
     # is held by every engine, and each request would walk its chains on each.
     answers: dict[str, int] = field(default_factory=dict)
+    # Blocks found held with every block above them, since the engine last dropped a block: most
+    # prompts share their first blocks (a preamble), and every request asks every engine.
+    whole: set[bytes] = field(default_factory=set)
 
 
 @dataclass(slots=True)
@@ -160,6 +165,7 @@ class KvIndex:
             self.blocks -= len(record.entries)
             self._let_go(record)
             record.entries, record.held, record.media, record.answers = {}, {}, {}, {}
+            record.whole = set()
             record.complete = complete
 
     def _let_go(self, record: _Engine) -> None:
@@ -278,6 +284,7 @@ class KvIndex:
         if block.refs:
             return
         del record.held[name]
+        record.whole.clear()
         for media_id in block.media:
             names = record.media[media_id]
             names.pop(name, None)
@@ -341,15 +348,34 @@ class KvIndex:
 
     def prefix_blocks(self, engine: EngineId, names: Sequence[bytes]) -> int | None:
         """How many of a prompt's leading blocks (names from `chain`) the engine holds; None
-        when its state is not fresh."""
+        when its state is not fresh.
+
+        A bisection finds a block held whose next is not; the answer is its depth when every block
+        above it is held too, which `whole` remembers once a walk proved it: a fleet's engines
+        each walked a shared preamble on every request otherwise. A name stands for its whole
+        prefix, so a block proven whole for one prompt is whole for every prompt through it."""
         record = self._fresh(engine)
         if record is None:
             return None
+        held, whole = record.held, record.whole
+        low, high = 0, len(names)
+        while low < high:
+            middle = (low + high) // 2
+            if names[middle] in held:
+                low = middle + 1
+            else:
+                high = middle
+        if low == 0 or names[low - 1] in whole:
+            return low
         count = 0
         for name in names:
-            if name not in record.held:
+            if name not in held:
                 break
             count += 1
+        if count:
+            if len(whole) >= WHOLE_MEMO:
+                whole.clear()
+            whole.add(names[count - 1])
         return count
 
     def media_holders(self, media_id: str) -> list[EngineId]:

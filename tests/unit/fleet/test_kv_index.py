@@ -269,3 +269,34 @@ def test_the_holders_of_each_image_and_the_answers_kept_follow_every_change(oper
             record.answers.clear()
             assert index.media_prefixes(e, IMAGES) == kept
     assert index.holders(IMAGES) == {e for e, record in index._engines.items() if record.media}
+
+
+def branching_prompt(variant: int) -> tuple[list[int], list]:
+    """Six blocks: three every variant shares, then three of its own; the engine's hashes too."""
+    prompt = blocks(3) + blocks(3, start=1000 * (variant + 1))
+    return [1, 2, 3] + [100 * variant + k for k in (4, 5, 6)], prompt
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["store", "remove", "clear"]), st.integers(0, 3), st.integers(0, 5)),
+        max_size=30,
+    )
+)
+def test_the_blocks_held_are_counted_from_the_first_however_blocks_were_dropped(operations):
+    index = fresh_index(A)
+    for op, variant, position in operations:
+        hashes, prompt = branching_prompt(variant)
+        if op == "store":
+            index.apply(A, [stored(hashes, prompt)])
+        elif op == "remove":  # any block, the middle of a chain included
+            index.apply(A, [BlockRemoved(block_hashes=[hashes[position]], medium="GPU", group_idx=0)])
+        else:
+            index.apply(A, [AllBlocksCleared()])
+        held = index._engines[A].held
+        for asked in range(4):
+            names = chain(branching_prompt(asked)[1])
+            walked = next((k for k, name in enumerate(names) if name not in held), len(names))
+            assert index.prefix_blocks(A, names) == walked
+            assert index.prefix_blocks(A, names[:4]) == min(walked, 4)

@@ -1,7 +1,7 @@
 """What following the engines' KV events costs the proxy at fleet scale, without a fleet:
 
     python -m epd_proxy_tools.bench.kv_sim [--pds 4,16,64] [--sessions 1000,10000]
-        [--blocks-per-pd 4096] [--requests 5000] [--json out.json]
+        [--blocks-per-pd 4096] [--requests 5000] [--exact] [--json out.json]
 
 Each PD is the fake vLLM's block pool (testing/fake_kv_events.BlockPool: vLLM's LRU free queue,
 32-token blocks) and its events travel as the fake publishes them (msgpack of vLLM's structs),
@@ -27,7 +27,8 @@ process's CPU time costs a system call: the mean of an empty span is taken off e
 memory is the size of every object the index holds (a walk of its references, each counted once;
 `--tracemalloc` also sums the allocations made by the index's code still alive, slower). Load:
 the last `--in-flight-per-pd` x PDs requests count as in flight where they went, their prefill
-work queued there.
+work queued there. With `--exact`, placement asks about the prompt's blocks, named as
+fleet/rendered.py names a render server's answer (`--render-urls`), the render itself aside.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ from epd_proxy.fleet.kv_holds import KvHolds
 from epd_proxy.fleet.kv_index import KvIndex
 from epd_proxy.fleet.kv_wire import seq_bytes
 from epd_proxy.fleet.prefill_cost import Prompt as PromptEstimate
-from epd_proxy.fleet.routing import INDEX, Placement, PrefixAffinity
+from epd_proxy.fleet.rendered import Item, Rendered
+from epd_proxy.fleet.routing import EXACT, INDEX, Placement, PrefixAffinity
 from epd_proxy.journey.extract import MediaItem, Place, content_uuid
 from epd_proxy.journey.held import HeldMedia, index_uuids, media_names
 from epd_proxy_tools.testing.fake_kv_events import (
@@ -93,6 +95,9 @@ class Settings:
     in_flight_per_pd: int = 4
     seed: int = 0
     tracemalloc: bool = False
+    # Place from the prompt's blocks as a render server would give them (--render-urls), not
+    # through its images: the names are made and looked up in the timed span.
+    exact: bool = False
 
 
 @dataclass
@@ -332,14 +337,20 @@ class Fleet:
     def _decided(self, source: str) -> None:
         self.decided_by = source
 
-    def route(self, session: Session, items: list[MediaItem], tokens: int) -> tuple[Placement, int, float, float, int]:
+    def route(
+        self, session: Session, items: list[MediaItem], prompt: Prompt
+    ) -> tuple[Placement, int, float, float, int]:
         """The proxy's per-request calls: the placement and its PD, CPU seconds of placement and
         of the held decision, and how many images it takes as held."""
         body: dict[str, Any] = {"model": MODEL}
         key = f"session {session.id}"
         started = time.process_time()
         uuids = list(index_uuids(body, items).values())
-        placement = self.placement.place(self.instances, key, PromptEstimate(float(tokens), uuids))
+        rendered = None
+        if self.settings.exact:
+            rendered = Rendered(prompt.tokens, [Item(f.identifier, f.offset, f.length) for f in prompt.features])
+        estimate = PromptEstimate(float(len(prompt.tokens)), uuids, rendered)
+        placement = self.placement.place(self.instances, key, estimate)
         chosen = placement.instance
         placed = time.process_time()
         names = media_names(body, items) or {}
@@ -392,7 +403,7 @@ def step(fleet: Fleet, workload: Workload, result: Result | None) -> None:
     items = media_items(uuids)
     fleet.clock.now += SECONDS_PER_REQUEST
     fleet.decided_by = None
-    placement, pd, placement_s, held_s, held = fleet.route(session, items, len(prompt.tokens))
+    placement, pd, placement_s, held_s, held = fleet.route(session, items, prompt)
     kept = session.last_pd is not None and session.last_hash is not None
     kept = kept and fleet.holds_prompt(session.last_pd, session.last_hash)  # type: ignore[arg-type]
     fleet.started(pd, placement.claim)
@@ -402,7 +413,7 @@ def step(fleet: Fleet, workload: Workload, result: Result | None) -> None:
         result.decisions += 1
         result.placement_cpu_s += placement_s
         result.held_cpu_s += held_s
-        result.placed_by_index += fleet.decided_by == INDEX
+        result.placed_by_index += fleet.decided_by in (INDEX, EXACT)
         result.prefix_kept += kept
         result.prefix_followed += kept and pd == session.last_pd
         result.prompt_tokens += len(prompt.tokens)
@@ -535,6 +546,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tracemalloc", action="store_true", help="also trace the index's allocations (slower CPU)")
+    parser.add_argument(
+        "--exact", action="store_true", help="place from each prompt's blocks, as with --render-urls (the render aside)"
+    )
     parser.add_argument("--json", help="write every run's figures to this file")
     args = parser.parse_args(argv)
     results = []
@@ -552,6 +566,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 in_flight_per_pd=args.in_flight_per_pd,
                 seed=args.seed,
                 tracemalloc=args.tracemalloc,
+                exact=args.exact,
             )
             result, _ = simulate(settings)
             results.append(result)
