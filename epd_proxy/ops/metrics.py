@@ -161,8 +161,8 @@ class Metrics:
         )
         self.renders = Counter(
             "epd_render",
-            "Prompts a render server was asked for before placement (--render-urls), by outcome: rendered, or "
-            "failed (placed as without it)",
+            "Prompts rendered before placement (--render-urls), by outcome: rendered; failed, or skipped (the "
+            "server failed in the last seconds, or has too many renders in flight): placed as without it",
             ["outcome"],
             registry=r,
         )

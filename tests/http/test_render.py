@@ -106,4 +106,5 @@ async def test_a_render_server_that_refuses_leaves_the_request_placed_as_without
     await eventually(lambda: engines_fresh(stack, urls), timeout=20, what="the PDs' KV events never fresh")
     for turn in range(2):
         await answered(stack, CHAT, text_turn(turn))
-    assert renders(stack, "failed") == 2 and renders(stack, "rendered") == 0
+    # The 403 is the server's: it is left alone for a while, and the next request is not held up.
+    assert (renders(stack, "failed"), renders(stack, "skipped"), renders(stack, "rendered")) == (1, 1, 0)

@@ -14,7 +14,7 @@ from epd_proxy.fleet.rendered import Item
 from epd_proxy.journey.doors import CHAT
 from epd_proxy.journey.extract import normalise_request
 from epd_proxy.journey.messages_api import MESSAGES
-from epd_proxy.journey.render import Renderer
+from epd_proxy.journey.render import MAX_INFLIGHT, REST_S, Renderer
 from epd_proxy.journey.route import ClientBody
 from epd_proxy.ops.metrics import Metrics
 from tests.media import chat, image
@@ -27,11 +27,19 @@ RENDERED = {
 }
 
 
-def renderer(upstream) -> tuple[Renderer, Metrics]:
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def renderer(upstream, urls=(R1, R2 + "/"), clock=None) -> tuple[Renderer, Metrics]:
     config = Config(encode_urls=("http://e",), decode_urls=("http://pd",))
     fleet = Registry.from_config(config)
     metrics = Metrics(fleet, Health())
-    return Renderer(upstream, (R1, R2 + "/"), metrics), metrics
+    return Renderer(upstream, urls, metrics, clock or Clock()), metrics
 
 
 def counted(metrics: Metrics, outcome: str) -> float:
@@ -88,3 +96,29 @@ async def test_a_render_that_fails_or_lies_leaves_the_prompt_unrendered_and_is_c
 async def test_a_job_already_let_go_is_not_rendered():
     render, _ = renderer(ScriptedUpstream())
     assert await render.render(ClientBody(None), CHAT) is None
+
+
+async def test_a_server_that_failed_is_left_alone_for_a_while_but_a_request_it_refused_is_its_own():
+    upstream, clock = ScriptedUpstream(), Clock()
+    upstream.script(R1, Reply(fails=CONNECT_TIMEOUT), json_reply({"error": {"message": "bad"}}, 400))
+    upstream.script(R1, json_reply(RENDERED), json_reply(RENDERED))
+    render, metrics = renderer(upstream, (R1,), clock)
+    body = chat(image("a"))
+    job = ClientBody(body, normalise_request(body).items)
+    assert await render.render(job, CHAT) is None
+    # Down: the next requests are placed at once, without waiting out another timeout.
+    assert await render.render(job, CHAT) is None and len(upstream.sent) == 1
+    assert counted(metrics, "skipped") == 1
+    clock.now += REST_S
+    assert await render.render(job, CHAT) is None  # a 400: this request's, not the server's
+    assert await render.render(job, CHAT) is not None
+    assert counted(metrics, "failed") == 2 and counted(metrics, "rendered") == 1
+
+
+async def test_a_server_with_many_renders_in_flight_is_not_asked():
+    upstream = ScriptedUpstream()
+    render, metrics = renderer(upstream, (R1,))
+    body = chat(image("a"))
+    next(render._turn).inflight = MAX_INFLIGHT
+    assert await render.render(ClientBody(body, normalise_request(body).items), CHAT) is None
+    assert not upstream.sent and counted(metrics, "skipped") == 1
