@@ -45,9 +45,7 @@ def renders(stack, outcome: str) -> float:
 
 
 @pytest.mark.parametrize("door", [CHAT, MESSAGES, RESPONSES], ids=lambda door: door.name)
-async def test_a_text_conversation_is_followed_to_where_its_blocks_are_by_a_process_that_never_saw_it(
-    make_stack, door
-):
+async def test_a_text_conversation_is_followed_to_where_its_blocks_are_by_a_process_that_never_saw_it(make_stack, door):
     fakes = Fakes()
     render_fake, render_url = await fakes.start("pd", scale_out=True)
     first = await make_stack(
