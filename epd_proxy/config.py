@@ -168,10 +168,16 @@ class Config(TenantFlags):
         CommaList(dns=False),
         "vLLM render servers (`vllm launch render`, or a `vllm serve --enable-scale-out`) asked for each request's "
         "token ids before placement, so the KV index is asked about every block of its prompt, not only the ones "
-        "through its images; costs a render per request on that server, see "
+        "through its images (needs `prefix_affinity` and KV events); costs a render per request on that server, see "
         "[exact matching](prefix-routing.md#exact-matching-through-a-render-server)",
         flag="--render-urls",
         shown="none: the prompt is estimated",
+    )
+    render_timeout_s: float = option(
+        0.5,
+        Seconds(positive=True),
+        "seconds a render (`--render-urls`) may take before the request is placed without it",
+        flag="--render-timeout",
     )
     kv_events_stale_after_s: float = option(
         15.0,
@@ -399,6 +405,11 @@ class Config(TenantFlags):
         options_module.check(self)
         check_topology(self)
         check_tenancy(self)
+        if self.render_urls and (
+            not self.kv_events or "prefix_affinity" not in (self.prefill_policy, self.decode_policy)
+        ):
+            # Only prefix_affinity asks the KV index what a rendered prompt's blocks are held.
+            raise ConfigError("--render-urls sharpens prefix_affinity from the KV events: it needs both")
 
     @property
     def pool_keep_alive_s(self) -> float | None:

@@ -87,7 +87,9 @@ def build_pipeline(
         consumer_encode_after_s=config.consumer_encode_after_s,
         no_raw_media=frozenset(MODALITIES if config.text_only_consumers else config.no_raw_media),
         kv_holds=kv_holds,
-        renderer=Renderer(upstream, config.render_urls, metrics) if config.render_urls else None,
+        renderer=Renderer(upstream, config.render_urls, metrics, config.render_timeout_s, config.rewrite)
+        if config.render_urls
+        else None,
         windows=Windows(config.consumer_window, lanes.fairness)
         if lanes and lanes.fairness and config.consumer_window
         else None,

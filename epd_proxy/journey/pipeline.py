@@ -129,9 +129,12 @@ class Pipeline:
     async def place(self, job: ClientBody, trace: Trace, door: Door = CHAT) -> Route:
         """`choose_route`, the prompt rendered first where a render server says what the KV index
         is asked (--render-urls with prefix_affinity and KV events)."""
-        if self.renderer is not None and self._keyed and self.kv_holds is not None and job.rendered is None:
-            with trace.stage("render"):
-                job.rendered = await self.renderer.render(job, door)
+        renderer = self.renderer
+        if renderer is not None and self._keyed and self.kv_holds is not None and job.rendered is None:
+            # With one instance to choose there is nothing to sharpen.
+            if len(self.candidates(PREFILL) or self.decoders()) > 1:
+                with trace.stage("render"):
+                    job.rendered = await renderer.render(job, door)
         return self.choose_route(trace.request_id, job, door)
 
     def choose_route(

@@ -10,8 +10,9 @@ on the render server's CPU (docs/benchmark.md).
 
 Rendering only sharpens placement: a render that fails, is slow or answers what is not vLLM's
 shape leaves the request placed as without it, and is counted (`epd_render_total`). A server that
-failed so is left alone for a while, and one with many renders in flight is not asked, so that a
-render server down or behind never holds placement up by more than one timeout.
+failed so is left alone for a while (the next in turn is asked instead), and one with many renders
+in flight is not asked, so that a render server down or behind holds placement up by at most
+`--render-timeout`.
 """
 
 from __future__ import annotations
@@ -34,8 +35,6 @@ from epd_proxy.ops.metrics import Metrics
 
 log = logging.getLogger("epd_proxy.render")
 
-# A render is worth waiting for only while it is cheaper than the placement it sharpens.
-RENDER_TIMEOUT_S = 2.0
 # How long a server that failed is left alone: each request would wait out its failure otherwise.
 REST_S = 5.0
 # Renders in flight on one server past which requests are placed without asking it.
@@ -60,21 +59,38 @@ class Renderer:
     upstream: Upstream
     urls: Sequence[str]
     metrics: Metrics
+    # --render-timeout: a render is worth waiting for only while it is cheaper than the placement
+    # it sharpens (10-25 ms on an idle server).
+    timeout_s: float = 0.5
+    # The consumer's body is rendered as the pipeline writes it (--no-rewrite: media as the client
+    # sent them, which vLLM names by their content).
+    rewrite: bool = True
     clock: Callable[[], float] = time.monotonic
+    _targets: list[RenderTarget] = field(init=False)
     _turn: itertools.cycle[RenderTarget] = field(init=False)
 
     def __post_init__(self) -> None:
-        self._turn = itertools.cycle([RenderTarget(url.rstrip("/")) for url in self.urls])
+        self._targets = [RenderTarget(url.rstrip("/")) for url in self.urls]
+        self._turn = itertools.cycle(self._targets)
+
+    def _next(self) -> RenderTarget | None:
+        """The next server in turn that is neither resting nor full."""
+        now = self.clock()
+        for _ in self._targets:
+            target = next(self._turn)
+            if target.inflight < MAX_INFLIGHT and now >= target.resting_until:
+                return target
+        return None
 
     async def render(self, job: ClientBody, door: Door) -> Rendered | None:
         """The request's prompt as vLLM renders it, or None."""
         if job.body is None:
             return None
-        target = next(self._turn)
-        if target.inflight >= MAX_INFLIGHT or self.clock() < target.resting_until:
+        target = self._next()
+        if target is None:
             self.metrics.renders.labels(SKIPPED).inc()
             return None
-        body = door.consumer_body(job.body, job.items, Matches(), rewrite=True, push_mode=False)
+        body = door.consumer_body(job.body, job.items, Matches(), rewrite=self.rewrite, push_mode=False)
         body["mm_payload"] = "none"
         status = None
         try:
@@ -84,9 +100,11 @@ class Renderer:
                 door.path + "/render",
                 body=job.dumps(body),
                 headers={"Content-Type": "application/json"},
-                timeouts=Timeouts(connect=RENDER_TIMEOUT_S, total=RENDER_TIMEOUT_S),
+                timeouts=Timeouts(connect=self.timeout_s, total=self.timeout_s),
                 stage="render",
                 what="Render request",
+                # It changes nothing on the server: sent again when a reused connection was dropped.
+                idempotent=True,
             )
             status = answer.status
             rendered = parse_render(orjson.loads(answer.body)) if status == 200 else None
@@ -97,8 +115,12 @@ class Renderer:
             rendered, why = None, "answered a body that is not JSON"
         self.metrics.renders.labels(RENDERED if rendered is not None else FAILED).inc()
         if rendered is None:
-            # A 400 is this request's (its consumer will refuse it too); anything else is the server's.
-            if status != 400:
+            # A 4xx is the request's (its consumer will refuse it too, or names a model the render
+            # server lacks) but for a 403, vLLM's answer when the server has no render endpoints.
+            # No other client's request may turn rendering off for everyone.
+            if status is None or status >= 500 or status in (200, 403):
                 target.resting_until = self.clock() + REST_S
-            log.debug("render server %s %s; the request is placed without it", target.url, why)
+                log.warning("render server %s %s; it is not asked for %.0f s", target.url, why, REST_S)
+            else:
+                log.debug("render server %s %s; the request is placed without it", target.url, why)
         return rendered

@@ -278,3 +278,11 @@ def test_the_configuration_depends_on_no_component():
         "epd_proxy.reference_flags",
     }
     assert _imported_from_the_package(options) == set()
+
+
+@pytest.mark.parametrize(
+    "flags", [{"kv_events": False}, {"prefill_policy": "least_loaded", "decode_policy": "least_loaded"}]
+)
+def test_render_urls_without_what_reads_a_rendered_prompt_is_refused(flags):
+    with pytest.raises(ConfigError, match="--render-urls"):
+        Config(encode_urls=("http://e",), decode_urls=("http://pd",), render_urls=("http://r",), **flags)

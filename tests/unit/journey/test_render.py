@@ -39,7 +39,7 @@ def renderer(upstream, urls=(R1, R2 + "/"), clock=None) -> tuple[Renderer, Metri
     config = Config(encode_urls=("http://e",), decode_urls=("http://pd",))
     fleet = Registry.from_config(config)
     metrics = Metrics(fleet, Health())
-    return Renderer(upstream, urls, metrics, clock or Clock()), metrics
+    return Renderer(upstream, urls, metrics, clock=clock or Clock()), metrics
 
 
 def counted(metrics: Metrics, outcome: str) -> float:
@@ -100,7 +100,7 @@ async def test_a_job_already_let_go_is_not_rendered():
 
 async def test_a_server_that_failed_is_left_alone_for_a_while_but_a_request_it_refused_is_its_own():
     upstream, clock = ScriptedUpstream(), Clock()
-    upstream.script(R1, Reply(fails=CONNECT_TIMEOUT), json_reply({"error": {"message": "bad"}}, 400))
+    upstream.script(R1, Reply(fails=CONNECT_TIMEOUT), json_reply({"error": {"message": "no such model"}}, 404))
     upstream.script(R1, json_reply(RENDERED), json_reply(RENDERED))
     render, metrics = renderer(upstream, (R1,), clock)
     body = chat(image("a"))
@@ -110,7 +110,7 @@ async def test_a_server_that_failed_is_left_alone_for_a_while_but_a_request_it_r
     assert await render.render(job, CHAT) is None and len(upstream.sent) == 1
     assert counted(metrics, "skipped") == 1
     clock.now += REST_S
-    assert await render.render(job, CHAT) is None  # a 400: this request's, not the server's
+    assert await render.render(job, CHAT) is None  # a 404: this request's, not the server's
     assert await render.render(job, CHAT) is not None
     assert counted(metrics, "failed") == 2 and counted(metrics, "rendered") == 1
 
@@ -122,3 +122,26 @@ async def test_a_server_with_many_renders_in_flight_is_not_asked():
     next(render._turn).inflight = MAX_INFLIGHT
     assert await render.render(ClientBody(body, normalise_request(body).items), CHAT) is None
     assert not upstream.sent and counted(metrics, "skipped") == 1
+
+
+async def test_a_resting_server_passes_its_turn_to_the_next():
+    upstream, clock = ScriptedUpstream(), Clock()
+    upstream.script(R1, Reply(fails=CONNECT_TIMEOUT))
+    upstream.script(R2, json_reply(RENDERED), json_reply(RENDERED))
+    render, metrics = renderer(upstream, (R1, R2), clock)
+    body = chat(image("a"))
+    job = ClientBody(body, normalise_request(body).items)
+    assert await render.render(job, CHAT) is None
+    assert await render.render(job, CHAT) is not None and await render.render(job, CHAT) is not None
+    assert [sent.url for sent in upstream.sent] == [R1, R2, R2] and counted(metrics, "skipped") == 0
+
+
+async def test_under_no_rewrite_the_media_are_rendered_as_the_consumer_gets_them_named_by_vllm():
+    upstream = ScriptedUpstream()
+    upstream.script(R1, json_reply(RENDERED))
+    config = Config(encode_urls=("http://e",), decode_urls=("http://pd",))
+    render = Renderer(upstream, (R1,), Metrics(Registry.from_config(config), Health()), rewrite=False)
+    body = chat(image("a"))
+    await render.render(ClientBody(body, normalise_request(body).items), CHAT)
+    (part,) = [p for p in upstream.sent[0].body["messages"][0]["content"] if p["type"] == "image_url"]
+    assert "uuid" not in part
