@@ -3,25 +3,23 @@
 An engine is one data-parallel rank of a prefill, decode or PD instance: `(url, rank)`. The feeds
 (kv_events.py) apply each engine's event batches in order; routing asks the queries below.
 
-**Our own block names.** Each block is named by a digest of its parent's name, its token ids and
-its extra keys (the media identifiers with their offsets, a LoRA name, a cache salt), so a block
-gets the same name on every engine whatever hash function or seed the engine uses, and a name
-covers the whole prefix up to that block. The engine's own block hash only maps to our name, so
-that a removal or a later block's parent can be found. A block whose parent is not known (its
-store was missed, or evicted here) is not indexed: nothing could reach it from the start.
+**Our own block names.** A block's name digests its parent's name, its token ids and its extra
+keys (media identifiers with offsets, a LoRA name, a cache salt): the same on every engine
+whatever its hash seed, and standing for the whole prefix. The engine's hash only maps to our
+name. A block whose parent is not known (missed, or evicted here) is not indexed.
 
-**State.** An engine is `fresh` while its feed has heard from it within `stale_after_s` and has
-reported no trouble since; `stale` otherwise; `none` when nothing feeds it. Queries about an
-engine that is not fresh answer None: the caller falls back to its own guess.
+**State.** An engine is `fresh` while its feed heard from it within `stale_after_s` with no
+trouble since, `stale` otherwise, `none` when nothing feeds it. Queries about an engine that is
+not fresh answer None: the caller falls back to its own guess.
 
-**Bounded.** At most `max_blocks` block entries are kept over all engines; beyond it the oldest
-stored (or reused) entries go first, whichever engine holds them, in one sweep down to 15/16 of
-the cap, so a dictionary is scanned from its front once per sweep rather than once per eviction.
-An evicted entry only makes the index say an engine holds less than it does.
+**Bounded.** At most `max_blocks` entries over all engines; beyond it the oldest stored (or
+reused) go first, in one sweep down to 15/16 of the cap (a dictionary scanned from its front once
+per sweep). An evicted entry only makes the index say an engine holds less than it does.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import logging
@@ -41,8 +39,7 @@ FRESH, STALE, NONE = "fresh", "stale", "none"
 MAX_ITEMS_PER_BLOCK = 64
 CHAINS_PER_MEDIA = 32
 MAX_ID_CHARS = 256
-# Blocks an engine's `whole` memo keeps before it starts again.
-WHOLE_MEMO = 4096
+WHOLE_MEMO = 4096  # blocks an engine's `whole` memo keeps before it starts again
 EngineId = tuple[str, int]  # (instance URL, data-parallel rank)
 # (medium, KV cache group, the engine's block hash): what the engine's events name a block by.
 _Key = tuple[str | None, int, int | bytes]
@@ -348,30 +345,18 @@ class KvIndex:
 
     def prefix_blocks(self, engine: EngineId, names: Sequence[bytes]) -> int | None:
         """How many of a prompt's leading blocks (names from `chain`) the engine holds; None
-        when its state is not fresh.
-
-        A bisection finds a block held whose next is not; the answer is its depth when every block
-        above it is held too, which `whole` remembers once a walk proved it: a fleet's engines
-        each walked a shared preamble on every request otherwise. A name stands for its whole
-        prefix, so a block proven whole for one prompt is whole for every prompt through it."""
+        when its state is not fresh. A bisection finds a held block whose next is not; its depth
+        is the answer when every block above it is held too, which `whole` remembers once a walk
+        proved it (a name stands for its whole prefix, so that holds for every prompt through it):
+        else every engine walked a shared preamble on every request."""
         record = self._fresh(engine)
         if record is None:
             return None
         held, whole = record.held, record.whole
-        low, high = 0, len(names)
-        while low < high:
-            middle = (low + high) // 2
-            if names[middle] in held:
-                low = middle + 1
-            else:
-                high = middle
+        low = bisect.bisect_left(range(len(names)), True, key=lambda k: names[k] not in held)
         if low == 0 or names[low - 1] in whole:
             return low
-        count = 0
-        for name in names:
-            if name not in held:
-                break
-            count += 1
+        count = next((k for k, name in enumerate(names) if name not in held), len(names))
         if count:
             if len(whole) >= WHOLE_MEMO:
                 whole.clear()
