@@ -6,6 +6,7 @@ import base64
 import contextlib
 import hashlib
 import io
+import itertools
 import json
 import re
 import struct
@@ -163,6 +164,23 @@ def comparable(resp: dict) -> dict:
         ],
         "usage": resp.get("usage"),
     }
+
+
+_WARM_UPS = itertools.count()
+
+
+def await_subscription(pd_url: str, tap) -> None:
+    """Until `tap` hears the PD's KV events: a subscriber that has just connected misses what is
+    published before its subscription lands, so text prompts of their own (new blocks each) go to
+    the PD until one is heard; then what is still on its way is drained."""
+
+    def heard():
+        text = f"warm-up {next(_WARM_UPS)} {time.time_ns()} " + "x" * 80
+        chat_ok(pd_url, media_body([], text, max_tokens=1))
+        return tap.receive(1.0)
+
+    eventually_sync(heard, timeout=60, interval=0.2, what="PD's KV events never reached the subscriber")
+    tap.drain(1.0)
 
 
 def text_of(resp: dict) -> str:

@@ -4,7 +4,6 @@ keys name the uuid the proxy sent for the image (decoded with vLLM's own classes
 
 from __future__ import annotations
 
-import itertools
 import json
 import time
 import urllib.request
@@ -16,12 +15,11 @@ from epd_proxy.journey.extract import content_uuid
 from epd_proxy_tools.testing.kv_tap import KvTap, reachable
 from epd_proxy_tools.testing.polling import eventually_sync
 
-from .e2e_helpers import chat_body, chat_ok, make_image, media_body
+from .e2e_helpers import await_subscription, chat_body, chat_ok, make_image, media_body
 
 pytestmark = pytest.mark.e2e
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
 DECODE = msgspec.msgpack.Decoder(kv_events.KVEventBatch)
-WARM_UPS = itertools.count()
 
 
 def test_pd_publishes_the_blocks_of_an_image_under_the_uuid_the_proxy_sent(stack):
@@ -36,15 +34,7 @@ def test_pd_publishes_the_blocks_of_an_image_under_the_uuid_the_proxy_sent(stack
     host = stack.config.host
     tap = KvTap(reachable(source["endpoint"], host), reachable(source["replay_endpoint"], host))
     try:
-        # A subscriber that has just connected misses what is published before its subscription
-        # lands: text prompts of their own (new blocks each) until one is heard.
-        def heard():
-            text = f"warm-up {next(WARM_UPS)} {time.time_ns()} " + "x" * 80
-            chat_ok(stack.pd_url, media_body([], text, max_tokens=1))
-            return tap.receive(1.0)
-
-        eventually_sync(heard, timeout=60, interval=0.2, what="PD's KV events never reached the subscriber")
-        tap.drain(1.0)
+        await_subscription(stack.pd_url, tap)
 
         image = make_image(9_871)
         part = {"type": "image_url", "image_url": {"url": image}}

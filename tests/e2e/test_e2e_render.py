@@ -5,7 +5,6 @@ block, as its KV events say (fleet/kv_index.py, fed the PD's own frames)."""
 
 from __future__ import annotations
 
-import itertools
 import json
 import time
 import urllib.request
@@ -22,13 +21,12 @@ from epd_proxy.journey.match import Matches
 from epd_proxy_tools.testing.kv_tap import KvTap, reachable
 from epd_proxy_tools.testing.polling import eventually_sync
 
-from .e2e_helpers import chat_body, chat_ok, make_image, media_body
+from .e2e_helpers import await_subscription, chat_body, chat_ok, make_image
 
 pytestmark = pytest.mark.e2e
-WARM_UPS = itertools.count()
 
 
-def render(url: str, body: dict) -> tuple[Rendered, dict]:
+def render(url: str, body: dict) -> tuple[Rendered, dict, dict]:
     """What the proxy's renderer sends and reads: the consumer's body, every item raw under the
     proxy's name, no tensors."""
     parsed, spliced = parse_request(orjson.dumps(body))
@@ -43,7 +41,7 @@ def render(url: str, body: dict) -> tuple[Rendered, dict]:
         answer = json.loads(resp.read())
     rendered = parse_render(answer)
     assert rendered is not None, answer
-    return rendered, answer
+    return rendered, answer, sent
 
 
 def test_the_blocks_named_from_a_render_are_the_blocks_the_pd_stored(stack):
@@ -54,14 +52,7 @@ def test_the_blocks_named_from_a_render_are_the_blocks_the_pd_stored(stack):
     index, engine = KvIndex(), (stack.pd_url, 0)
     index.watch(engine)
     try:
-
-        def heard():
-            text = f"render warm-up {next(WARM_UPS)} {time.time_ns()} " + "x" * 80
-            chat_ok(stack.pd_url, media_body([], text, max_tokens=1))
-            return tap.receive(1.0)
-
-        eventually_sync(heard, timeout=60, interval=0.2, what="PD's KV events never reached the subscriber")
-        tap.drain(1.0)
+        await_subscription(stack.pd_url, tap)
         # A system prompt no other request sent: every block of this conversation is new, so its
         # chain is whole in what the subscriber hears from here on.
         system = {"role": "system", "content": f"Session {time.time_ns()}: a careful describer of pictures."}
@@ -72,11 +63,10 @@ def test_the_blocks_named_from_a_render_are_the_blocks_the_pd_stored(stack):
         second["messages"] = [*first["messages"], {"role": "assistant", "content": answer}, *second["messages"]]
         served = chat_ok(stack.proxy_url, second)
 
-        rendered, raw = render(stack.pd_url, second)
+        rendered, raw, sent = render(stack.pd_url, second)
         assert len(rendered.tokens) == served["usage"]["prompt_tokens"]
-        assert [item.identifier for item in rendered.items] == [
-            part["uuid"] for part in _parts_sent(second) if "uuid" in part
-        ]
+        parts = [part for m in sent["messages"] if isinstance(m["content"], list) for part in m["content"]]
+        assert [item.identifier for item in rendered.items] == [part["uuid"] for part in parts if "uuid" in part]
         assert raw["features"]["kwargs_data"] is None  # no tensors came back
         names = rendered.names(stack.config.kv_block_size)
 
@@ -90,16 +80,10 @@ def test_the_blocks_named_from_a_render_are_the_blocks_the_pd_stored(stack):
         # A turn that changes the first picture shares only the blocks before it.
         changed = json.loads(json.dumps(second))
         changed["messages"][1]["content"][1]["image_url"]["url"] = make_image(4_244)
-        other, _ = render(stack.pd_url, changed)
+        other, _, _ = render(stack.pd_url, changed)
         start = other.items[0].offset
         assert (
             index.prefix_blocks(engine, other.names(stack.config.kv_block_size)) == start // stack.config.kv_block_size
         )
     finally:
         tap.close()
-
-
-def _parts_sent(body: dict) -> list[dict]:
-    parsed, _ = parse_request(orjson.dumps(body))
-    sent = CHAT.consumer_body(parsed.body, parsed.items, Matches(), rewrite=True, push_mode=False)
-    return [part for m in sent["messages"] if isinstance(m["content"], list) for part in m["content"]]
