@@ -67,13 +67,27 @@ class BackendUnreachable(ProxyError):
         super().__init__(504 if timed_out else 502, message, stage=stage, backend=backend)
 
 
+# The type vLLM's admission control (`AsyncLLM.check_admission`: --max-num-queued-reqs,
+# --max-num-queued-tokens) gives its 503, in every API's error shape: the phrase of the status.
+# No other vLLM error carries it, and no client text reaches it.
+ENGINE_BUSY_TYPE = "Service Unavailable"
+
+
 class ErrorAnswer(ProxyError):
-    """A backend answered with an error; its status and body are passed on as they were."""
+    """A backend answered with an error; its status and body are passed on as they were.
+
+    `busy`: vLLM's admission control refused the request before its engine saw any of it, so it
+    may go to another instance (vLLM answers 503 for this so that a router does just that)."""
 
     def __init__(self, status: int, raw_body: bytes, content_type: str, *, stage: str, backend: str) -> None:
-        super().__init__(status, _message_of(raw_body), stage=stage, backend=backend, answered=status)
+        error = _error_of(raw_body)
+        super().__init__(status, _message_of(raw_body, error), stage=stage, backend=backend, answered=status)
         self.raw_body = raw_body
         self.content_type = content_type
+        self.busy = status == 503 and isinstance(error, dict) and error.get("type") == ENGINE_BUSY_TYPE
+        if self.busy:
+            # Every instance tried was at its limit: a queue drains within seconds.
+            self.retry_after_s = 1
 
 
 def _default_type(status: int) -> str:
@@ -86,18 +100,22 @@ def _default_type(status: int) -> str:
     return "proxy_error" if status >= 500 else "request_error"
 
 
-def _message_of(raw_body: bytes) -> str:
-    """The human part of a backend error body: vLLM's {"error": {"message": ...}} or plain text."""
+def _error_of(raw_body: bytes) -> object:
+    """The error object of a JSON body (vLLM's `{"error": {...}}`, or the body itself), else None."""
     try:
         parsed = orjson.loads(raw_body)
     except orjson.JSONDecodeError:
-        return raw_body.decode("utf-8", "replace")[:2000]
-    if isinstance(parsed, dict):
-        error = parsed.get("error", parsed)
-        if isinstance(error, dict) and isinstance(error.get("message"), str):
+        return None
+    return parsed.get("error", parsed) if isinstance(parsed, dict) else parsed
+
+
+def _message_of(raw_body: bytes, error: object) -> str:
+    """The human part of a backend error body: vLLM's {"error": {"message": ...}} or plain text."""
+    if isinstance(error, dict):
+        if isinstance(error.get("message"), str):
             return error["message"]
-        if isinstance(parsed.get("detail"), str):
-            return parsed["detail"]
-        if isinstance(error, str):
-            return error
+        if isinstance(error.get("detail"), str):
+            return error["detail"]
+    if isinstance(error, str):
+        return error
     return raw_body.decode("utf-8", "replace")[:2000]

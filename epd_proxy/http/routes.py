@@ -69,12 +69,12 @@ TENANT = web.RequestKey("tenant", Tenant)
 
 def error_response(exc: ProxyError, request_id: str | None = None, door: Door = CHAT) -> web.Response:
     headers = {"x-request-id": request_id} if request_id else {}
+    if exc.stage == "admission" or exc.retry_after_s is not None:
+        headers["Retry-After"] = str(exc.retry_after_s or 1)
     shaped = door.error(exc)
     if shaped is not None:
         if isinstance(exc, ErrorAnswer):
             headers["x-epd-stage"] = exc.stage
-        if exc.stage == "admission":
-            headers["Retry-After"] = str(exc.retry_after_s or 1)
         return web.Response(status=exc.status, body=shaped, content_type="application/json", headers=headers)
     if isinstance(exc, ErrorAnswer) and exc.raw_body:
         # A backend's own error body (vLLM's OpenAI error object) is the most faithful answer.
@@ -84,8 +84,6 @@ def error_response(exc: ProxyError, request_id: str | None = None, door: Door = 
             body=exc.raw_body,
             headers={"Content-Type": exc.content_type or "application/json", **headers},
         )
-    if exc.stage == "admission":
-        headers["Retry-After"] = str(exc.retry_after_s or 1)
     return web.Response(status=exc.status, body=exc.body(), content_type="application/json", headers=headers)
 
 

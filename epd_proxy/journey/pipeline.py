@@ -51,17 +51,7 @@ from epd_proxy.journey.trace import Trace
 from epd_proxy.ops.metrics import Metrics
 
 log = logging.getLogger("epd_proxy.pipeline")
-DP_RANK_HEADER = "X-data-parallel-rank"
 T = TypeVar("T")
-
-
-def _headers(route: Route, request_id: str) -> tuple[dict[str, str], dict[str, str]]:
-    """Prefill's and decode's headers: the pinned instance alone is told its replica."""
-    headers = {"x-request-id": request_id, "Content-Type": "application/json"}
-    if route.dp_rank is None:
-        return headers, headers
-    pinned = {**headers, DP_RANK_HEADER: str(route.dp_rank)}
-    return (pinned, headers) if route.pinned is route.prefill else (headers, pinned)
 
 
 def _unavailable(message: str) -> ProxyError:
@@ -203,7 +193,8 @@ class Pipeline:
                 self._answered(instance, 502, exc.reason, trace)
             raise
         except ProxyError as exc:
-            if exc.answered is not None:
+            # A refusal for load (ErrorAnswer.busy) says nothing about the instance's health.
+            if exc.answered is not None and not getattr(exc, "busy", False):
                 self._answered(instance, exc.answered, exc.message, trace)
             raise
         self.health.succeeded(instance)
@@ -235,12 +226,10 @@ class Pipeline:
         known = self._known(job, route)
         attempts = self.decode_retries + 1
         attempt = 0
-        # Consumers that took no byte of this request (refused, or no connection in time).
-        unreached: list[Instance] = []
         while True:
             attempt += 1
             trace.attempts = attempt
-            prefill_headers, decode_headers = _headers(route, trace.request_id)
+            prefill_headers, decode_headers = route.headers(trace.request_id)
             push_mode = route.consumer_zmq is not None
             matches = await self._encode(job, route, trace, known)
             with trace.stage("rewrite"):
@@ -299,6 +288,10 @@ class Pipeline:
                 self.metrics.consumer_encoded.inc(trace.consumer_encoded)
                 return answer
             except ErrorAnswer as exc:
+                if exc.busy and self._elsewhere(job, door, route, trace, exc.backend, "busy, answered 503"):
+                    known = self._known(job, route)
+                    attempt -= 1
+                    continue
                 # A consumer answers 500 when an embedding it was promised never arrived:
                 # re-encoding republishes it, so 500 (and only 500) is worth another attempt.
                 if exc.status != 500 or attempt == attempts:
@@ -309,26 +302,35 @@ class Pipeline:
                 # slots full) cannot have been broken by it: the request goes to another, as
                 # aiohttp and httpcore resend only what was never sent. One that may have read it
                 # is not tried again anywhere: the request may be what broke it.
-                gone = next((c for c in (route.prefill, route.decoder) if c is not None and c.url == exc.backend), None)
-                if exc.sent or gone is None:
+                if exc.sent or not self._elsewhere(job, door, route, trace, exc.backend, exc.reason):
                     raise
-                unreached.append(gone)
-                try:
-                    elsewhere = self.choose_route(trace.request_id, job, door, avoid=unreached)
-                except ProxyError:
-                    raise exc from None
-                self.metrics.retries.labels(exc.stage).inc()
-                log.warning(
-                    "request %s: %s %s took none of it (%s); it goes to %s instead",
-                    trace.request_id,
-                    exc.stage,
-                    exc.backend,
-                    exc.reason,
-                    elsewhere.consumer.url,
-                )
-                route.move(elsewhere)
                 known = self._known(job, route)
                 attempt -= 1  # the move is not one of the retries a failed answer is allowed
+
+    def _elsewhere(
+        self, job: ClientBody, door: Door, route: Route, trace: Trace, backend: str | None, why: str
+    ) -> bool:
+        """Move `route` off `backend`, an instance that took none of the request, to where placement
+        puts it among those not passed over yet; False when there is none."""
+        gone = route.pass_over(backend)
+        if gone is None:
+            return False
+        try:
+            elsewhere = self.choose_route(trace.request_id, job, door, avoid=route.passed_over)
+        except ProxyError:
+            return False
+        stage = "prefill" if gone is route.prefill else "decode"
+        self.metrics.retries.labels(stage).inc()
+        log.warning(
+            "request %s: %s %s took none of it (%s); it goes to %s instead",
+            trace.request_id,
+            stage,
+            gone.url,
+            why,
+            elsewhere.consumer.url,
+        )
+        route.move(elsewhere)
+        return True
 
     async def _encode(self, job: ClientBody, route: Route, trace: Trace, known: Known) -> Matches:
         """Encode what the consumer cannot reuse. When the encoders fail (after failover), the

@@ -20,6 +20,8 @@ from epd_proxy.fleet.routing import PrefixAffinity, ServingPolicy
 from epd_proxy.journey.extract import MediaItem, media_url
 from epd_proxy.journey.splice import Spliced
 
+DP_RANK_HEADER = "X-data-parallel-rank"
+
 
 @dataclass(slots=True)
 class Route:
@@ -39,6 +41,8 @@ class Route:
     prefill_held: bool = False
     claimed: bool = False
     holding: bool = False
+    # Instances that took none of the request (refused it, or had no room): not chosen for it again.
+    passed_over: list[Instance] = field(default_factory=list)
 
     @property
     def consumer(self) -> Instance:
@@ -57,6 +61,21 @@ class Route:
             yield
         finally:
             self._leave()
+
+    def headers(self, request_id: str) -> tuple[dict[str, str], dict[str, str]]:
+        """Prefill's and decode's headers: the pinned instance alone is told its replica."""
+        headers = {"x-request-id": request_id, "Content-Type": "application/json"}
+        if self.dp_rank is None:
+            return headers, headers
+        pinned = {**headers, DP_RANK_HEADER: str(self.dp_rank)}
+        return (pinned, headers) if self.pinned is self.prefill else (headers, pinned)
+
+    def pass_over(self, url: str | None) -> Instance | None:
+        """The route's instance at `url`, now passed over for this request (None: not one of them)."""
+        gone = next((c for c in (self.prefill, self.decoder) if c is not None and c.url == url), None)
+        if gone is not None:
+            self.passed_over.append(gone)
+        return gone
 
     def move(self, to: Route) -> None:
         """The request leaves its instances for `to`'s (held from now, if these were)."""

@@ -32,7 +32,7 @@ from epd_proxy_tools.local.stack import LocalStack, StackConfig
 from epd_proxy_tools.local.supervisor import find_free_port_block, http_ok
 from epd_proxy_tools.testing.otlp_receiver import Receiver
 
-from .e2e_helpers import AUDIO, EPD, PREFILL, TWO_PDS, comparable
+from .e2e_helpers import AUDIO, BUSY_AT, EPD, PREFILL, TWO_PDS, comparable
 
 REPO = Path(__file__).resolve().parents[2]
 WORK = Path(os.environ.get("EPD_E2E_WORK_DIR", REPO / "work" / "e2e-stack"))
@@ -96,6 +96,9 @@ def stack_config(kind: str) -> StackConfig:
         proxy_args=["--encode-policy", "round_robin", "--log-level", "DEBUG"],
         # The render endpoints the proxy's exact matching asks (test_e2e_render.py); they only add routes.
         extra_vllm_args=("--enable-scale-out",) if kind == EPD else (),
+        # Admission control that refuses a third unfinished request (test_e2e_busy.py): the other
+        # tests send one request at a time and never meet it.
+        consumer_vllm_args=("--max-num-queued-reqs", str(BUSY_AT)) if kind == TWO_PDS else (),
         python=sys.executable,
         otlp_traces_endpoint=TRACES.grpc_url,
         extra_env={

@@ -24,6 +24,8 @@ from epd_proxy_tools.testing.polling import eventually_sync
 MODEL = "tiny-vlm"
 # The topologies the tests run, as the fidelity table names them.
 EPD, PREFILL, AUDIO, TWO_PDS = "E+PD", "E+P+D", "E+PD audio", "E+2PD"
+# The two-PD stack's PDs refuse a request while this many are unfinished (--max-num-queued-reqs).
+BUSY_AT = 2
 # Byte-level tokenizer of the tiny model: byte b has token id b.
 LOWERCASE_IDS = list(range(ord("a"), ord("z") + 1))
 SMALL = (224, 160)  # 8 x 6 merged patches = 48 image tokens by default

@@ -62,3 +62,23 @@ def test_a_long_text_answer_is_cut_in_the_message_only():
     raw = b"x" * 5000
     error = ErrorAnswer(500, raw, "text/plain", stage="encode", backend="e")
     assert len(error.message) == 2000 and error.raw_body == raw
+
+
+BUSY = "The engine is currently busy and cannot accept new requests."
+
+
+@pytest.mark.parametrize(
+    ("status", "raw", "busy"),
+    [
+        # vLLM's admission refusals, chat / Responses shape and Messages shape.
+        (503, orjson.dumps({"error": {"message": BUSY, "type": "Service Unavailable", "code": 503}}), True),
+        (503, orjson.dumps({"type": "error", "error": {"type": "Service Unavailable", "message": BUSY}}), True),
+        # Any other 503 (an engine error, a gateway in front) or another status is the backend's answer.
+        (503, orjson.dumps({"error": {"message": BUSY, "type": "InternalServerError", "code": 503}}), False),
+        (503, b"upstream connect error or disconnect/reset before headers", False),
+        (500, orjson.dumps({"error": {"message": BUSY, "type": "Service Unavailable", "code": 500}}), False),
+        (503, orjson.dumps({"error": "Service Unavailable"}), False),
+    ],
+)
+def test_only_vllms_admission_refusal_is_busy(status, raw, busy):
+    assert ErrorAnswer(status, raw, "application/json", stage="decode", backend="http://d").busy is busy

@@ -13,7 +13,8 @@ from epd_proxy.fleet.health import Health
 from epd_proxy.fleet.registry import Registry
 from epd_proxy.fleet.routing import LeastLoaded, RoundRobin
 from epd_proxy.journey.extract import normalise_request
-from epd_proxy.journey.pipeline import DP_RANK_HEADER, ClientBody, Trace
+from epd_proxy.journey.pipeline import ClientBody, Trace
+from epd_proxy.journey.route import DP_RANK_HEADER
 from epd_proxy.ops.metrics import Metrics
 from epd_proxy.proxy import build_pipeline
 from tests.media import chat, image

@@ -7,7 +7,7 @@ from epd_proxy.fleet.backends import DECODE, PREFILL, PREFILL_DECODE, Instance
 from epd_proxy.fleet.prefill_cost import FIXED_TOKENS, Prompt, Turn
 from epd_proxy.fleet.routing import LeastLoaded, PrefixAffinity
 from epd_proxy.journey.extract import ReadOptions, normalise_request, parse_request
-from epd_proxy.journey.route import ClientBody, Route, choose, text_chars
+from epd_proxy.journey.route import DP_RANK_HEADER, ClientBody, Route, choose, text_chars
 
 IMAGE = "data:image/png;base64," + "A" * 4096
 
@@ -41,6 +41,28 @@ def test_in_epd_the_claim_is_the_prefills_and_a_failed_request_gives_it_back():
         assert (prefill.prefill_queue, decode.prefill_queue) == (300.0, 0.0)
         raise RuntimeError("the encoders failed")
     assert prefill.prefill_queue == 0.0 and prefill.prefill_speed.samples == 0
+
+
+def test_an_instance_passed_over_stays_so_when_the_route_moves_and_the_held_load_moves_with_it():
+    prefills = [Instance(f"http://p{n}", PREFILL) for n in range(2)]
+    decode = Instance("http://d", DECODE)
+    route = Route(decode, prefills[0], prefills[0], None, None, claim=100.0)
+    with route.held():
+        assert route.pass_over("http://elsewhere") is None and route.passed_over == []
+        assert route.pass_over("http://p0") is prefills[0]
+        route.move(Route(decode, prefills[1], prefills[1], None, None, claim=100.0))
+        assert route.passed_over == [prefills[0]]
+        assert [p.prefill_queue for p in prefills] == [0.0, 100.0] and decode.inflight == 1
+    assert [p.prefill_queue for p in prefills] == [0.0, 0.0] and decode.inflight == 0
+
+
+def test_only_the_pinned_instance_is_told_its_replica():
+    prefill, decode = Instance("http://p", PREFILL), Instance("http://d", DECODE)
+    plain = {"x-request-id": "r", "Content-Type": "application/json"}
+    assert Route(decode, prefill, prefill, None, None).headers("r") == (plain, plain)
+    pinned = {**plain, DP_RANK_HEADER: "1"}
+    assert Route(decode, prefill, prefill, 1, None).headers("r") == (pinned, plain)
+    assert Route(decode, prefill, decode, 1, None).headers("r") == (plain, pinned)
 
 
 def test_the_text_of_a_body_leaves_its_media_out_spliced_or_not():

@@ -187,6 +187,8 @@ class StackConfig:
     # Variables for the stack's servers alone: a test sets them here, not in its own process's
     # environment, where an SDK read later would pick them up too.
     extra_env: dict[str, str] = field(default_factory=dict)
+    # Arguments for the EC consumers alone (PD, prefill, decode), after `extra_vllm_args`.
+    consumer_vllm_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check(self)
@@ -476,6 +478,8 @@ class LocalStack:
         if name in (publishers := self.kv_event_ports()):
             cmd += ["--kv-events-config", publishers[name].config()]
         cmd += list(c.extra_vllm_args)
+        if ec_role == "ec_consumer":
+            cmd += list(c.consumer_vllm_args)
         cmd += self._tracing_args()
         return cmd
 

@@ -201,11 +201,11 @@ def chat_view(api: str, body: Any) -> dict[str, Any]:
     return view
 
 
-def error_body(api: str, message: str, status: int) -> bytes:
+def error_body(api: str, message: str, status: int, kind: str | None = None) -> bytes:
+    """An API's error as vLLM's router writes it: Messages keeps the chat error's type."""
+    kind = kind or ("BadRequestError" if status == 400 else "InternalServerError")
     if api == MESSAGES:
-        kind = "BadRequestError" if status == 400 else "InternalServerError"
         return orjson.dumps({"type": "error", "error": {"type": kind, "message": message}})
-    kind = "BadRequestError" if status == 400 else "InternalServerError"
     return orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}})
 
 

@@ -95,6 +95,10 @@ MODELS = {"object": "list", "data": [{"id": "tiny-vlm", "object": "model"}]}
 SSE = "text/event-stream; charset=utf-8"
 # vLLM's default (`--fingerprint-mode full`): its version and a hash of its config.
 FINGERPRINT = "vllm-0.32.0-5f1c0a9e"
+# vllm/exceptions.py QueueOverflowError: what admission control answers, status 503.
+QUEUE_OVERFLOW = (
+    "The engine is currently busy and cannot accept new requests. Please try again later or on a different instance."
+)
 # What aiohttp's json_response sent, which these answers came from.
 JSON_TEXT = "application/json; charset=utf-8"
 
@@ -464,6 +468,9 @@ class FakeVLLM:
     kv_events: KvEventsOptions | None = None
     # `vllm serve --enable-scale-out`: the render endpoints answer (else 403, as vLLM's do).
     scale_out: bool = False
+    # `--max-num-queued-reqs`: with this many requests unfinished, vLLM's admission control
+    # (`AsyncLLM.check_admission`) refuses the next with 503 before the engine sees it.
+    max_queued: int | None = None
     prefix: PrefixCache = field(default_factory=PrefixCache, init=False)
     # When the encoder's GPU is free again. An exact clock rather than lock + sleep, so timer
     # rounding (1 ms in the event loop) does not add up across queued sub-requests.
@@ -652,7 +659,9 @@ class FakeVLLM:
             # vLLM's routers translate the chat error into the API's shape, status kept.
             error = orjson.loads(answer.body)["error"]
             return Answer(
-                answer.status, fake_doors.error_body(api, error["message"], answer.status), "application/json"
+                answer.status,
+                fake_doors.error_body(api, error["message"], answer.status, error["type"]),
+                "application/json",
             )
         return answer
 
@@ -672,6 +681,9 @@ class FakeVLLM:
         if self.role != "encode" and (problem := _sampling_problem(body) or _cache_salt_problem(body)):
             # vLLM's SamplingParams validation: a 400 before anything runs.
             return _engine_error(problem, status=400)
+        if self.max_queued is not None and self.active >= self.max_queued:
+            refusal = {"message": QUEUE_OVERFLOW, "type": "Service Unavailable", "param": None, "code": 503}
+            return _json({"error": refusal}, 503)
         self.active += 1
         self.max_active = max(self.max_active, self.active)
         try:
