@@ -154,6 +154,10 @@ class Verdict(enum.Enum):
     HOLD = "hold"  # nothing generated yet: keep holding, a retry is still possible
     COMMIT = "commit"  # something generated (or the stream ended): relay, never retry
     ERROR = "error"  # vLLM reported a failure before generating anything
+    # The answer ended, or reported its usage, having generated no token: vLLM aborted the request
+    # before its engine ran it (`POST /pause`, a shutdown). Any generation, even of an
+    # end-of-sequence first token, counts one.
+    NOTHING = "nothing"
 
 
 class Head:
@@ -192,7 +196,8 @@ def _judge_event(event: bytes) -> tuple[Verdict, dict[str, Any] | None]:
     if not data:
         return Verdict.HOLD, None  # a comment or an event without data
     if data.strip() == DONE:
-        return Verdict.COMMIT, None
+        # Judged only until something is generated: an ending chat stream got no finish reason.
+        return Verdict.NOTHING, None
     try:
         payload = orjson.loads(data)
     except orjson.JSONDecodeError:
@@ -209,7 +214,10 @@ def _judge_event(event: bytes) -> tuple[Verdict, dict[str, Any] | None]:
         return Verdict.ERROR, payload
     choices = payload.get("choices")
     if not isinstance(choices, list):
-        return Verdict.COMMIT, None
+        # Messages' `message_delta` and Responses' `response.completed` end the answer with its usage.
+        response = payload.get("response")
+        usage = response.get("usage") if kind == "response.completed" and isinstance(response, dict) else None
+        return _ending(payload.get("usage") if kind == "message_delta" else usage)
     for choice in choices:
         if not isinstance(choice, dict) or choice.get("finish_reason") is not None:
             return Verdict.COMMIT, None
@@ -219,8 +227,19 @@ def _judge_event(event: bytes) -> tuple[Verdict, dict[str, Any] | None]:
         if any(value for key, value in delta.items() if key != "role"):
             return Verdict.COMMIT, None
     if payload.get("usage") and not choices:
-        return Verdict.COMMIT, None
+        return _ending(payload["usage"])
     return Verdict.HOLD, None
+
+
+def generated_nothing(usage: Any) -> bool:
+    """Whether an answer's usage (any API's) says no token was generated."""
+    if not isinstance(usage, dict):
+        return False
+    return usage.get("completion_tokens", usage.get("output_tokens")) == 0
+
+
+def _ending(usage: Any) -> tuple[Verdict, None]:
+    return (Verdict.NOTHING if generated_nothing(usage) else Verdict.COMMIT), None
 
 
 def named_event(name: str, data: bytes) -> bytes:

@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from epd_proxy.calls.sse import Head, Verdict
+from epd_proxy.calls.sse import Head, Verdict, generated_nothing
 from epd_proxy.calls.upstream import Answer, NoAnswer, Payload, Timeouts, Upstream
 from epd_proxy.fleet.backends import CHAT_PATH, Instance
 
@@ -95,15 +95,31 @@ async def open_decode(upstream: Upstream, call: EngineCall) -> DecodeAnswer:
     return decode_answer
 
 
-async def hold_head(answer: DecodeAnswer) -> dict[str, Any] | None:
-    """Read a stream until its first generated event; vLLM's in-band error object if the stream
-    reported a failure before that, else None (the answer is committed). Failures to read raise."""
+async def hold_head(answer: DecodeAnswer) -> tuple[Verdict, dict[str, Any] | None]:
+    """Read a stream until its first generated event, a JSON answer whole (its cap set by
+    `open_decode`). The verdict: COMMIT; ERROR with vLLM's in-band error object when the stream
+    reported a failure before generating; NOTHING when the answer ended having generated nothing
+    (vLLM aborted it). Failures to read raise."""
+    if not answer.streaming:
+        answer.held = b"".join([chunk async for chunk in answer.chunks])
+        return (Verdict.NOTHING if _json_generated_nothing(answer.held) else Verdict.COMMIT), None
     head = Head()
     async for chunk in answer.chunks:
         verdict, error = head.judge(chunk)
         if verdict is Verdict.HOLD:
             continue
         answer.held = bytes(head.held)
-        return error if verdict is Verdict.ERROR else None
+        return verdict, error
     answer.held = bytes(head.held)
-    return None
+    return Verdict.COMMIT, None
+
+
+def _json_generated_nothing(body: bytes) -> bool:
+    # vLLM writes compact JSON: an answer without a zero count is not parsed at all.
+    if b'"completion_tokens":0' not in body and b'"output_tokens":0' not in body:
+        return False
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(parsed, dict) and generated_nothing(parsed.get("usage"))

@@ -16,6 +16,7 @@ from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, TypeVar
 
+from epd_proxy.calls.sse import Verdict
 from epd_proxy.calls.upstream import REFUSED_ANSWER, NoAnswer, Timeouts, Upstream
 from epd_proxy.errors import ErrorAnswer, ProxyError
 from epd_proxy.fleet.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE, Instance
@@ -225,9 +226,8 @@ class Pipeline:
         """
         known = self._known(job, route)
         attempts = self.decode_retries + 1
-        attempt = 0
+        attempt = 1
         while True:
-            attempt += 1
             trace.attempts = attempt
             prefill_headers, decode_headers = route.headers(trace.request_id)
             push_mode = route.consumer_zmq is not None
@@ -261,23 +261,29 @@ class Pipeline:
                     async with self._turn(None if route.prefill else route.decoder, trace, prepared):
                         sent = time.monotonic()
                         answer = await self._call(route.decoder, open_decode(self.upstream, to_decode), trace)
-                        in_band = None
                         if answer.streaming:
                             # vLLM answers a stream's headers before its engine runs: the first token
                             # is a later moment of its own.
                             decoding.event("headers")
-                            try:
-                                in_band = await self._call(route.decoder, hold_head(answer), trace)
-                            except BaseException:
-                                answer.release()
-                                raise
-                            if in_band is None:
+                        try:
+                            verdict, in_band = await self._call(route.decoder, hold_head(answer), trace)
+                        except BaseException:
+                            answer.release()
+                            raise
+                        if verdict is Verdict.COMMIT:
+                            if answer.streaming:
                                 decoding.event("first_token")
-                        if in_band is None:
                             route.prefilled(sent, time.monotonic())
+                # An answer of no token was aborted before the engine ran it (a pause, a shutdown),
+                # not broken by it: the instance took none of the request.
+                if verdict is Verdict.NOTHING and self._elsewhere(job, door, route, trace, answer.backend, "no token"):
+                    answer.release()
+                    known = self._known(job, route)
+                    continue
                 if in_band is not None and attempt < attempts:
                     answer.release()
                     self._note_retry(trace, "decode", "reported an error in its stream", in_band.get("message"))
+                    attempt += 1
                     continue
                 if known.names:
                     names = known.names
@@ -290,13 +296,13 @@ class Pipeline:
             except ErrorAnswer as exc:
                 if exc.busy and self._elsewhere(job, door, route, trace, exc.backend, "busy, answered 503"):
                     known = self._known(job, route)
-                    attempt -= 1
                     continue
                 # A consumer answers 500 when an embedding it was promised never arrived:
                 # re-encoding republishes it, so 500 (and only 500) is worth another attempt.
                 if exc.status != 500 or attempt == attempts:
                     raise
                 self._note_retry(trace, exc.stage, "answered 500", exc.message)
+                attempt += 1
             except NoAnswer as exc:
                 # A consumer that read none of the request (stopped, restarting, its connection
                 # slots full) cannot have been broken by it: the request goes to another, as
@@ -304,8 +310,7 @@ class Pipeline:
                 # is not tried again anywhere: the request may be what broke it.
                 if exc.sent or not self._elsewhere(job, door, route, trace, exc.backend, exc.reason):
                     raise
-                known = self._known(job, route)
-                attempt -= 1  # the move is not one of the retries a failed answer is allowed
+                known = self._known(job, route)  # a move is not one of the retries above
 
     def _elsewhere(
         self, job: ClientBody, door: Door, route: Route, trace: Trace, backend: str | None, why: str
@@ -321,14 +326,8 @@ class Pipeline:
             return False
         stage = "prefill" if gone is route.prefill else "decode"
         self.metrics.retries.labels(stage).inc()
-        log.warning(
-            "request %s: %s %s took none of it (%s); it goes to %s instead",
-            trace.request_id,
-            stage,
-            gone.url,
-            why,
-            elsewhere.consumer.url,
-        )
+        moved = f"{stage} {gone.url} took none of it ({why}); it goes to {elsewhere.consumer.url} instead"
+        log.warning("request %s: %s", trace.request_id, moved)
         route.move(elsewhere)
         return True
 

@@ -96,7 +96,7 @@ def stack_config(kind: str) -> StackConfig:
         proxy_args=["--encode-policy", "round_robin", "--log-level", "DEBUG"],
         # The render endpoints the proxy's exact matching asks (test_e2e_render.py); they only add routes.
         extra_vllm_args=("--enable-scale-out",) if kind == EPD else (),
-        # Admission control that refuses a third unfinished request (test_e2e_busy.py): the other
+        # Admission control that refuses a third unfinished request (test_e2e_took_none.py): the other
         # tests send one request at a time and never meet it.
         consumer_vllm_args=("--max-num-queued-reqs", str(BUSY_AT)) if kind == TWO_PDS else (),
         python=sys.executable,

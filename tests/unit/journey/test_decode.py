@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import orjson
 import pytest
 
+from epd_proxy.calls.sse import Verdict
 from epd_proxy.calls.upstream import BROKEN, IDLE_TIMEOUT, Limits, NoAnswer, Timeouts
 from epd_proxy.errors import ErrorAnswer
 from epd_proxy.fleet.backends import CHAT_PATH, PREFILL_DECODE, Instance
@@ -97,34 +99,61 @@ async def test_no_answer_at_all_is_the_layers_failure_unchanged():
 
 async def test_the_head_is_held_until_the_first_generated_event_and_the_rest_stays_unread():
     answer, _ = await opened(stream_reply(ROLE, TOKEN, b'data: {"choices":[{"delta":{"content":"!"}}]}\n\n', DONE))
-    assert await hold_head(answer) is None
+    assert await hold_head(answer) == (Verdict.COMMIT, None)
     assert answer.held == ROLE + TOKEN
     assert [chunk async for chunk in answer.chunks] == [b'data: {"choices":[{"delta":{"content":"!"}}]}\n\n', DONE]
 
 
 async def test_an_event_split_over_chunks_is_judged_once_it_ends():
     answer, _ = await opened(stream_reply(ROLE + TOKEN[:20], TOKEN[20:], DONE))
-    assert await hold_head(answer) is None
+    assert await hold_head(answer) == (Verdict.COMMIT, None)
     assert answer.held == ROLE + TOKEN
 
 
 async def test_vllms_error_before_anything_generated_is_handed_back():
     answer, _ = await opened(stream_reply(ROLE, VLLM_ERROR, DONE))
-    error = await hold_head(answer)
+    verdict, error = await hold_head(answer)
+    assert verdict is Verdict.ERROR
     assert error == {"message": "EC load failed", "type": "InternalServerError", "code": 500}
     assert answer.held == ROLE + VLLM_ERROR
 
 
 async def test_an_error_after_generated_text_is_not_judged():
     answer, _ = await opened(stream_reply(ROLE, TOKEN, VLLM_ERROR, DONE))
-    assert await hold_head(answer) is None
+    assert await hold_head(answer) == (Verdict.COMMIT, None)
     assert answer.held == ROLE + TOKEN
 
 
-async def test_a_stream_that_ends_before_generating_commits_with_all_it_sent():
+async def test_a_stream_that_breaks_off_before_generating_commits_with_all_it_sent():
     answer, _ = await opened(stream_reply(ROLE, b": keep-alive\n\n"))
-    assert await hold_head(answer) is None
+    assert await hold_head(answer) == (Verdict.COMMIT, None)
     assert answer.held == ROLE + b": keep-alive\n\n"
+
+
+async def test_a_stream_that_ends_having_generated_nothing_is_told_apart():
+    answer, _ = await opened(stream_reply(ROLE, DONE))
+    assert await hold_head(answer) == (Verdict.NOTHING, None)
+    assert answer.held == ROLE + DONE
+
+
+# vLLM 0.32's answers to a request it aborted before its engine ran it, and to a first token that
+# was end-of-sequence (one token, an empty text), in each API's spelling.
+@pytest.mark.parametrize(
+    ("usage", "verdict"),
+    [
+        ({"prompt_tokens": 76, "total_tokens": 76, "completion_tokens": 0}, Verdict.NOTHING),
+        ({"input_tokens": 76, "output_tokens": 0}, Verdict.NOTHING),
+        ({"prompt_tokens": 59, "total_tokens": 60, "completion_tokens": 1}, Verdict.COMMIT),
+        ({"input_tokens": 59, "output_tokens": 10}, Verdict.COMMIT),
+        (None, Verdict.COMMIT),
+    ],
+)
+async def test_a_json_answer_is_read_whole_and_one_of_no_token_is_told_apart(usage, verdict):
+    body = {"choices": [{"message": {"content": ""}, "finish_reason": "abort"}], "usage": usage}
+    answer, _ = await opened(json_reply(body))
+    assert await hold_head(answer) == (verdict, None)
+    assert answer.held == orjson.dumps(body)
+    assert [chunk async for chunk in answer.chunks] == []
 
 
 @pytest.mark.parametrize("kind", [BROKEN, IDLE_TIMEOUT])

@@ -316,6 +316,37 @@ def stream_frames(api: str, answer_id: str, model: Any, pieces: list[str], usage
     return [_event(name, {"type": name, "sequence_number": n, **data}) for n, (name, data) in enumerate(events)]
 
 
+def aborted_json(api: str, answer_id: str, model: Any, usage: dict[str, int]) -> bytes:
+    """An answer of no token: Messages with an empty text and no `stop_reason`, Responses with an
+    empty message, `completed`."""
+    if api == MESSAGES:
+        content = [{"type": "text", "text": ""}]
+        out = {"id": answer_id, "type": "message", "role": "assistant", "content": content, "model": model}
+        return orjson.dumps({**out, "usage": _usage(api, usage)})
+    message = {**_output_message(answer_id, ""), "content": []}
+    response = {"id": f"resp_{answer_id}", "object": "response", "model": model, "status": "completed"}
+    return orjson.dumps({**response, "output": [message], "usage": _usage(api, usage)})
+
+
+def aborted_stream(api: str, answer_id: str, model: Any, usage: dict[str, int]) -> bytes:
+    """A stream of no token: Messages opens and ends with `end_turn` and 0 output tokens,
+    Responses opens and completes with no output."""
+    if api == MESSAGES:
+        start = {"id": answer_id, "type": "message", "role": "assistant", "content": [], "model": model}
+        delta = {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": _usage(api, usage)}
+        return (
+            _event("message_start", {"type": "message_start", "message": {**start, "usage": _usage(api, usage)}})
+            + _event("message_delta", delta)
+            + _event("message_stop", {"type": "message_stop"})
+        )
+    response = {"id": f"resp_{answer_id}", "object": "response", "model": model, "status": "in_progress", "output": []}
+    completed = {**response, "status": "completed", "usage": _usage(api, usage)}
+    events = [("response.created", response), ("response.in_progress", response), ("response.completed", completed)]
+    return b"".join(
+        _event(name, {"type": name, "sequence_number": n, "response": data}) for n, (name, data) in enumerate(events)
+    )
+
+
 def stream_error(api: str, answer_id: str, model: Any) -> bytes:
     """What the API's stream says when the generation under it fails after its 200: its opening
     events, then the error."""

@@ -248,8 +248,10 @@ class Faults:
     The next `generation_errors` consumer requests fail during generation as vLLM's engine does
     (`finish_reason="error"`): in-band after 200 when streaming, 500 otherwise. The next
     `cut_streams` streams are cut halfway (connection reset after 200); the next `stall_streams`
-    streams send one chunk and then nothing until the caller goes away. With a `gate`, every
-    request waits until the test opens it: what happens while a backend holds them all."""
+    streams send one chunk and then nothing until the caller goes away. The next `aborts`
+    consumer requests are answered as vLLM answers a request it aborted before its engine ran it
+    (`POST /pause`, a shutdown): 200 with no token generated. With a `gate`, every request waits
+    until the test opens it: what happens while a backend holds them all."""
 
     fail_times: int = 0
     fail_status: int = 500
@@ -262,6 +264,7 @@ class Faults:
     generation_errors: int = 0
     cut_streams: int = 0
     stall_streams: int = 0
+    aborts: int = 0
     gate: asyncio.Event | None = None
 
     def fail_next(self, times: int = 1, status: int = 500, body: str | None = None) -> None:
@@ -281,6 +284,9 @@ class Faults:
 
     def stall_stream(self) -> bool:
         return self._spend("stall_streams")
+
+    def abort(self) -> bool:
+        return self._spend("aborts")
 
     async def apply(self, exchange: Exchange) -> Answer | None:
         if self.gate is not None:
@@ -946,6 +952,8 @@ class FakeVLLM:
         failure = "injected generation error" if self.faults.generation_error() else None
         if failure is None and self.mooncake:
             failure = self._unresolved_push(body, identifiers)
+        if failure is None and self.role != "prefill" and self.faults.abort():
+            return await self._aborted(exchange, body, api)
         if failure is not None:
             self.generation_failures.append(failure)
             if body.get("stream") and self.role != "prefill":
@@ -1016,6 +1024,34 @@ class FakeVLLM:
         pieces = [answer[i : i + self.tokens_per_chunk] for i in range(0, len(answer), self.tokens_per_chunk)]
         payload = b"".join(fake_doors.stream_frames(api, answer_id, body.get("model"), pieces, usage))
         await self._write_paced(exchange, payload, self.faults.break_stream(), self.faults.stall_stream())
+        return None
+
+    async def _aborted(self, exchange: Exchange, body: dict[str, Any], api: str) -> Answer | None:
+        """What vLLM 0.32 answers for a request it aborted before generating (captured from a real
+        server): chat `finish_reason="abort"`, or a stream of the role chunk (and the usage chunk
+        when asked) then [DONE]; Messages and Responses their usual shapes, of no output token."""
+        answer_id, model = f"chatcmpl-{next(self._ids)}", body.get("model")
+        usage = {"prompt_tokens": 7, "total_tokens": 7, "completion_tokens": 0}
+        if api != "chat":
+            if not body.get("stream"):
+                return Answer(200, fake_doors.aborted_json(api, answer_id, model, usage), JSON_TEXT)
+            await exchange.start(200, SSE)
+            await exchange.write(fake_doors.aborted_stream(api, answer_id, model, usage))
+            await exchange.end()
+            return None
+        if not body.get("stream"):
+            message = {"role": "assistant", "content": ""}
+            choice = {"index": 0, "message": message, "finish_reason": "abort"}
+            return _json({"id": answer_id, "object": "chat.completion", "choices": [choice], "usage": usage})
+        chunk = {"id": answer_id, "object": "chat.completion.chunk", "model": model}
+        role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        events = [{**chunk, "choices": [role]}]
+        options = body.get("stream_options")
+        if isinstance(options, dict) and options.get("include_usage"):
+            events.append({**chunk, "choices": [], "usage": usage})
+        await exchange.start(200, SSE)
+        await exchange.write(b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n")
+        await exchange.end()
         return None
 
     async def _stream_generation_error(self, exchange: Exchange, completion_id: str, model: Any) -> None:

@@ -1,15 +1,21 @@
-"""A real PD at its queue limit (`--max-num-queued-reqs`): vLLM refuses the next request with a 503
-before its engine sees it, in the shape the fake vLLM answers, and the proxy hands the request to
-the other PD, whose answer equals the single instance's.
+"""Real PDs that take none of a request, and the proxy handing it to the other PD, whose answer
+equals the single instance's:
 
-The PD is held at its limit without timing: its scheduler is paused with `POST /pause?mode=keep`
-(vLLM's dev endpoints, on in the e2e stacks), and `BUSY_AT` streams are opened on it. A stream's
-200 arrives once admission let it in, and it stays unfinished until `/resume`."""
+- a PD at its queue limit (`--max-num-queued-reqs`): vLLM refuses the next request with a 503
+  before its engine sees it, in the shape the fake vLLM answers;
+- a PD that aborts the request before its engine ran it (`POST /pause?mode=abort`, what a
+  shutdown does too): vLLM answers 200 with no token generated.
+
+Without timing: the PD's scheduler is paused with `POST /pause?mode=keep` (vLLM's dev endpoints,
+on in the e2e stacks), so what it admitted stays unfinished until `/resume`; a stream's 200 says it
+was admitted, and a request vLLM cannot load says whether the PD is at its limit (400 after
+admission, 503 at the limit) without becoming a request itself."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import threading
 import urllib.parse
 import urllib.request
 from contextlib import ExitStack
@@ -50,6 +56,14 @@ def open_stream(url: str) -> http.client.HTTPConnection:
     resp = conn.getresponse()
     assert resp.status == 200, resp.read()
     return conn
+
+
+def at_limit(url: str) -> bool:
+    """Whether admission refuses the next request: a probe past admission fails to load its image."""
+    probe = {"type": "image_url", "image_url": {"url": "data:epd-test-probe"}}
+    status, _ = post_json(url, {"model": MODEL, "messages": [{"role": "user", "content": [probe]}], "max_tokens": 1})
+    assert status in (400, 503), status
+    return status == 503
 
 
 def refusals(url: str) -> float:
@@ -97,3 +111,32 @@ def test_a_pd_at_its_queue_limit_hands_the_request_to_the_other_pd_and_the_answe
             lambda: finished_requests(free) - before[free] == 2, timeout=15, what="the other PD answered both"
         )
         assert finished_requests(busy) == before[busy]
+
+
+def test_a_pd_that_aborts_a_request_before_running_it_hands_it_to_the_other_pd_exactly(two_pd_stack, fidelity):
+    st = two_pd_stack
+    aborting, free = st.consumer_urls
+    pds = ",".join(st.consumer_urls)
+    body = chat_body(fresh(1), temperature=0, seed=1234, max_tokens=8, allowed_token_ids=LOWERCASE_IDS)
+    answers: list[dict] = []
+    with (
+        extra_proxy(st, "aborting-pd-proxy", "--decode-policy", "round_robin", decode_url=pds) as proxy,
+        ExitStack() as held,
+    ):
+        client = threading.Thread(target=lambda: answers.append(chat_ok(proxy, body)))
+        # Let go in the reverse order: the PD resumes before the client is waited for.
+        held.callback(lambda: client.is_alive() and client.join(120))
+        control(aborting, "/pause?mode=keep&clear_cache=false")
+        held.callback(control, aborting, "/resume")
+        # One request of the test's own, then the proxy's (round robin places its first on the
+        # first PD): both unfinished, the PD is at its limit of 2.
+        held.callback(open_stream(aborting).close)
+        before = finished_requests(free)
+        client.start()
+        eventually_sync(lambda: at_limit(aborting), timeout=60, what="the proxy's request reached the paused PD")
+        assert not answers
+        control(aborting, "/pause?mode=abort&clear_cache=false")
+        client.join(120)
+        assert len(answers) == 1, "the proxy answered"
+        eventually_sync(lambda: finished_requests(free) - before == 1, timeout=15, what="the other PD answered it")
+    fidelity.check("a PD aborted the request before running it", answers[0], chat_ok(st.baseline_url, body), TWO_PDS)

@@ -1,9 +1,14 @@
-"""A consumer whose admission control refuses a request (vLLM's `--max-num-queued-reqs` or
-`--max-num-queued-tokens`: 503 "Service Unavailable" before its engine sees the request) took none
-of it: the request goes to the next instance placement chooses, and the refusal is load, not ill
-health. Any other 503 is the backend's answer, passed on as before."""
+"""Consumers that took none of a request hand it on to the next instance placement chooses:
+
+- one whose admission control refused it (vLLM's `--max-num-queued-reqs` or
+  `--max-num-queued-tokens`: 503 "Service Unavailable" before its engine sees the request). The
+  refusal is load, not ill health; any other 503 is the backend's answer, passed on as before;
+- one that answered having generated no token: vLLM aborted the request before its engine ran it
+  (`POST /pause`, a shutdown), in every API's shape."""
 
 from __future__ import annotations
+
+import re
 
 import orjson
 import pytest
@@ -83,3 +88,46 @@ async def test_the_agent_doors_move_a_refused_request_too_and_relay_the_last_ref
     assert (error["type"], error["message"]) == ("Service Unavailable", QUEUE_OVERFLOW)
     if path == "/v1/messages":
         assert answer["type"] == "error"
+
+
+DOORS = {
+    "chat": ("/v1/chat/completions", lambda name, stream: chat(image(name), stream=stream)),
+    "messages": ("/v1/messages", lambda name, stream: messages_body(name, stream=stream)),
+    "responses": ("/v1/responses", lambda name, stream: responses_body(name, stream=stream)),
+}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize("door", DOORS)
+async def test_an_answer_of_no_token_goes_to_another_pd(make_stack, door, stream):
+    path, body = DOORS[door]
+    stack = await make_stack(encoders=1, decoders=2, decode_policy="round_robin")
+    aborting, other = stack.consumers
+    aborting.faults.aborts = 1
+    async with stack.client.post(path, json=body("A", stream)) as resp:
+        assert resp.status == 200
+        got = await resp.read()
+    assert (len(aborting.requests), len(other.requests)) == (1, 1)
+    # The whole answer, as the next request (which the fault spares) gets it.
+    async with stack.client.post(path, json=body("A", stream)) as resp:
+        again = await resp.read()
+    assert _unnumbered(got) == _unnumbered(again)
+    _, health = await get_json(stack.client, stack.url + "/health")
+    assert health["instances"][stack.backend_urls["d"][0]]["state"] == "healthy"
+
+
+def _unnumbered(raw: bytes) -> bytes:
+    """An answer less what differs between two answers of one text: its ids and times."""
+    return re.sub(rb'chatcmpl-\d+|"created(?:_at)?":\d+', b"", raw)
+
+
+async def test_with_no_other_pd_the_answer_of_no_token_is_relayed_as_vllm_wrote_it(make_stack):
+    stack = await make_stack(encoders=1, decoders=1)
+    stack.pd.faults.aborts = 1
+    async with await stack.chat(chat(image("A"))) as resp:
+        assert resp.status == 200
+        answer = await resp.json()
+    assert answer["choices"][0]["finish_reason"] == "abort" and answer["usage"]["completion_tokens"] == 0
+    async with await stack.chat(chat(image("A"), stream=True)) as resp:
+        assert resp.status == 200
+        assert (await resp.read()).endswith(b"data: [DONE]\n\n")
