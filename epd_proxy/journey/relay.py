@@ -41,9 +41,9 @@ async def relay(
     """Chunks are forwarded as they arrive, never decoded, so multibyte characters and SSE framing
     reach the client exactly as vLLM wrote them (less the usage only the proxy asked for). A JSON
     answer was read whole before it was committed (`decode.hold_head`), so one that breaks off is
-    still a real HTTP error. A stream that breaks ends with `door`'s in-band
-    error. The `listener` hears the tokens a complete answer reports it used, when it reports
-    them (`read_usage`)."""
+    still a real HTTP error. A stream that breaks ends with `door`'s in-band error. The
+    `listener` hears the tokens a complete answer reports it used, when it reports them
+    (`read_usage`)."""
     headers = {"Content-Type": answer.content_type, **extra_headers}
     if not answer.streaming:
         body = answer.held + b"".join([chunk async for chunk in answer.chunks])
