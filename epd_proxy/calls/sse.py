@@ -215,9 +215,12 @@ def _judge_event(event: bytes) -> tuple[Verdict, dict[str, Any] | None]:
     choices = payload.get("choices")
     if not isinstance(choices, list):
         # Messages' `message_delta` and Responses' `response.completed` end the answer with its usage.
-        response = payload.get("response")
-        usage = response.get("usage") if kind == "response.completed" and isinstance(response, dict) else None
-        return _ending(payload.get("usage") if kind == "message_delta" else usage)
+        if kind == "message_delta":
+            return _ending(payload.get("usage"))
+        if kind == "response.completed":
+            response = payload.get("response")
+            return _ending(response.get("usage") if isinstance(response, dict) else None)
+        return Verdict.COMMIT, None
     for choice in choices:
         if not isinstance(choice, dict) or choice.get("finish_reason") is not None:
             return Verdict.COMMIT, None

@@ -195,7 +195,7 @@ class Pipeline:
             raise
         except ProxyError as exc:
             # A refusal for load (ErrorAnswer.busy) says nothing about the instance's health.
-            if exc.answered is not None and not getattr(exc, "busy", False):
+            if exc.answered is not None and not (isinstance(exc, ErrorAnswer) and exc.busy):
                 self._answered(instance, exc.answered, exc.message, trace)
             raise
         self.health.succeeded(instance)

@@ -131,3 +131,25 @@ async def test_with_no_other_pd_the_answer_of_no_token_is_relayed_as_vllm_wrote_
     async with await stack.chat(chat(image("A"), stream=True)) as resp:
         assert resp.status == 200
         assert (await resp.read()).endswith(b"data: [DONE]\n\n")
+
+
+# What refuses a budget of no token, and its words: vLLM's SamplingParams on chat and Responses;
+# on Messages vLLM's request model, which the proxy's door applies before any backend.
+REFUSED_BUDGET = {
+    "chat": ("max_completion_tokens", "max_tokens must be at least 1", [0, 1]),
+    "responses": ("max_output_tokens", "max_tokens must be at least 1", [0, 1]),
+    "messages": ("max_tokens", "max_tokens must be positive", [0, 0]),
+}
+
+
+@pytest.mark.parametrize("door", DOORS)
+async def test_no_client_value_makes_every_pd_answer_nothing(make_stack, door):
+    """A budget of no token is the only way a client could ask for an answer of no token, and it
+    is refused (400) on every door before anything runs: no PD after the first is tried."""
+    path, body = DOORS[door]
+    budget, words, tried = REFUSED_BUDGET[door]
+    stack = await make_stack(encoders=1, decoders=2)
+    async with stack.client.post(path, json={**body("Z", False), budget: 0}) as resp:
+        assert resp.status == 400
+        assert words in await resp.text()
+    assert sorted(len(fake.requests) for fake in stack.consumers) == tried

@@ -255,6 +255,16 @@ def _output_message(answer_id: str, text: str) -> dict[str, Any]:
     }
 
 
+def _message_opening(answer_id: str, model: Any) -> dict[str, Any]:
+    """The message a Messages stream opens with, nothing in it yet."""
+    return {"id": answer_id, "type": "message", "role": "assistant", "content": [], "model": model}
+
+
+def _response_opening(answer_id: str, model: Any) -> dict[str, Any]:
+    """The response a Responses stream opens with (`response.created`, `response.in_progress`)."""
+    return {"id": f"resp_{answer_id}", "object": "response", "model": model, "status": "in_progress", "output": []}
+
+
 def _event(name: str, data: dict[str, Any]) -> bytes:
     return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
 
@@ -263,7 +273,7 @@ def stream_frames(api: str, answer_id: str, model: Any, pieces: list[str], usage
     """The answer's events, in the order vLLM writes them."""
     text = "".join(pieces)
     if api == MESSAGES:
-        start = {"id": answer_id, "type": "message", "role": "assistant", "content": [], "model": model}
+        start = _message_opening(answer_id, model)
         frames = [
             _event("message_start", {"type": "message_start", "message": {**start, "usage": _usage(api, usage)}}),
             _event(
@@ -287,7 +297,7 @@ def stream_frames(api: str, answer_id: str, model: Any, pieces: list[str], usage
         )
         frames.append(_event("message_stop", {"type": "message_stop"}))
         return frames
-    response = {"id": f"resp_{answer_id}", "object": "response", "model": model, "status": "in_progress", "output": []}
+    response = _response_opening(answer_id, model)
     item_id = f"msg_{answer_id}"
     at = {"output_index": 0, "item_id": item_id, "content_index": 0}
     part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
@@ -332,14 +342,14 @@ def aborted_stream(api: str, answer_id: str, model: Any, usage: dict[str, int]) 
     """A stream of no token: Messages opens and ends with `end_turn` and 0 output tokens,
     Responses opens and completes with no output."""
     if api == MESSAGES:
-        start = {"id": answer_id, "type": "message", "role": "assistant", "content": [], "model": model}
+        start = _message_opening(answer_id, model)
         delta = {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": _usage(api, usage)}
         return (
             _event("message_start", {"type": "message_start", "message": {**start, "usage": _usage(api, usage)}})
             + _event("message_delta", delta)
             + _event("message_stop", {"type": "message_stop"})
         )
-    response = {"id": f"resp_{answer_id}", "object": "response", "model": model, "status": "in_progress", "output": []}
+    response = _response_opening(answer_id, model)
     completed = {**response, "status": "completed", "usage": _usage(api, usage)}
     events = [("response.created", response), ("response.in_progress", response), ("response.completed", completed)]
     return b"".join(
@@ -351,10 +361,10 @@ def stream_error(api: str, answer_id: str, model: Any) -> bytes:
     """What the API's stream says when the generation under it fails after its 200: its opening
     events, then the error."""
     if api == MESSAGES:
-        start = {"id": answer_id, "type": "message", "role": "assistant", "content": [], "model": model}
+        start = _message_opening(answer_id, model)
         error = {"type": "error", "error": {"type": "internal_error", "message": "Internal server error"}}
         return _event("message_start", {"type": "message_start", "message": start}) + _event("error", error)
-    response = {"id": f"resp_{answer_id}", "object": "response", "model": model, "status": "in_progress", "output": []}
+    response = _response_opening(answer_id, model)
     return (
         _event("response.created", {"type": "response.created", "sequence_number": 0, "response": response})
         + _event("response.in_progress", {"type": "response.in_progress", "sequence_number": 1, "response": response})

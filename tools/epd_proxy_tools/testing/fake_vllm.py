@@ -1043,12 +1043,10 @@ class FakeVLLM:
             message = {"role": "assistant", "content": ""}
             choice = {"index": 0, "message": message, "finish_reason": "abort"}
             return _json({"id": answer_id, "object": "chat.completion", "choices": [choice], "usage": usage})
-        chunk = {"id": answer_id, "object": "chat.completion.chunk", "model": model}
-        role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-        events = [{**chunk, "choices": [role]}]
+        events = [_role_chunk(answer_id, model)]
         options = body.get("stream_options")
         if isinstance(options, dict) and options.get("include_usage"):
-            events.append({**chunk, "choices": [], "usage": usage})
+            events.append({**events[0], "choices": [], "usage": usage})
         await exchange.start(200, SSE)
         await exchange.write(b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n")
         await exchange.end()
@@ -1058,14 +1056,7 @@ class FakeVLLM:
         """vLLM's stream when the engine fails the request: the role chunk of the first iteration,
         then the GenerationError as an event, then [DONE], all after status 200."""
         await exchange.start(200, SSE)
-        role = {
-            "id": completion_id,
-            "object": "chat.completion.chunk",
-            "model": model,
-            "choices": [
-                {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            ],
-        }
+        role = _role_chunk(completion_id, model)
         error = {
             "error": {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}
         }
@@ -1080,15 +1071,7 @@ class FakeVLLM:
         await exchange.start(self.success_status, SSE)
         model = body.get("model")
         # vLLM's first event carries the role only; generated text follows.
-        role = {"role": "assistant", "content": ""}
-        events = [
-            {
-                "id": completion_id,
-                "object": "chat.completion.chunk",
-                "model": model,
-                "choices": [{"index": 0, "delta": role, "logprobs": None, "finish_reason": None}],
-            }
-        ]
+        events = [_role_chunk(completion_id, model)]
         events += [
             {
                 "id": completion_id,
@@ -1182,6 +1165,11 @@ def _mixed_modality(body: dict[str, Any]) -> str | None:
 
 
 def _sampling_problem(body: dict[str, Any]) -> str | None:
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        # SamplingParams refuses a budget of no token, whichever door it came through.
+        if type(value) is int and value < 1:
+            return f"max_tokens must be at least 1, got {value}. (parameter=max_tokens, value={value})"
     limit = body.get("max_completion_tokens") or body.get("max_tokens")
     min_tokens = body.get("min_tokens") or 0
     if isinstance(limit, int) and isinstance(min_tokens, int) and min_tokens > limit:
@@ -1199,6 +1187,12 @@ def _cache_salt_problem(body: dict[str, Any]) -> str | None:
     if len(salt) > 128 or any(char in "@/\\\0" for char in salt):
         return "Parameter 'cache_salt' must be at most 128 characters and must not contain '@', '/', '\\\\', or NUL."
     return None
+
+
+def _role_chunk(completion_id: str, model: Any) -> dict[str, Any]:
+    """vLLM's first event of a chat stream, before anything is generated: the role alone."""
+    role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+    return {"id": completion_id, "object": "chat.completion.chunk", "model": model, "choices": [role]}
 
 
 def _json(obj: Any, status: int = 200) -> Answer:
