@@ -181,7 +181,8 @@ def test_every_prefill_and_decode_rank_publishes_on_ports_of_its_own():
 
 
 def test_a_taken_kv_event_port_fails_before_the_model_is_built(builds, tmp_path, capsys):
-    proxy_port, base_port, kv_port = _free_ports(3)
+    # The port taken is one of those found free too: another process may hold the next one.
+    proxy_port, base_port, kv_port, _ = _free_ports(4)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", kv_port + 1))
         taken.listen()
