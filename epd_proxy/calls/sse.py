@@ -154,10 +154,11 @@ class Verdict(enum.Enum):
     HOLD = "hold"  # nothing generated yet: keep holding, a retry is still possible
     COMMIT = "commit"  # something generated (or the stream ended): relay, never retry
     ERROR = "error"  # vLLM reported a failure before generating anything
-    # The answer ended, or reported its usage, having generated no token: vLLM aborted the request
-    # before its engine ran it (`POST /pause`, a shutdown). Any generation, even of an
-    # end-of-sequence first token, counts one.
-    NOTHING = "nothing"
+    # vLLM aborted the request (`POST /pause`, a shutdown): a stream that ended, or reported its
+    # usage, having generated no token (any generation, even of an end-of-sequence first token,
+    # counts one); a JSON answer, read whole, that its door says was aborted (`Door.aborted`).
+    # Nothing of it has reached the client.
+    ABORTED = "aborted"
 
 
 class Head:
@@ -197,7 +198,7 @@ def _judge_event(event: bytes) -> tuple[Verdict, dict[str, Any] | None]:
         return Verdict.HOLD, None  # a comment or an event without data
     if data.strip() == DONE:
         # Judged only until something is generated: an ending chat stream got no finish reason.
-        return Verdict.NOTHING, None
+        return Verdict.ABORTED, None
     try:
         payload = orjson.loads(data)
     except orjson.JSONDecodeError:
@@ -234,15 +235,31 @@ def _judge_event(event: bytes) -> tuple[Verdict, dict[str, Any] | None]:
     return Verdict.HOLD, None
 
 
+def output_tokens(usage: Any) -> Any:
+    """What an answer's usage reports as generated, in any API's spelling (chat's completion tokens,
+    Messages' and Responses' output tokens), unchecked; None when it reports none."""
+    if not isinstance(usage, dict):
+        return None
+    return usage.get("completion_tokens", usage.get("output_tokens"))
+
+
 def generated_nothing(usage: Any) -> bool:
     """Whether an answer's usage (any API's) says no token was generated."""
-    if not isinstance(usage, dict):
-        return False
-    return usage.get("completion_tokens", usage.get("output_tokens")) == 0
+    output = output_tokens(usage)
+    return type(output) is int and output == 0
+
+
+def answer_object(body: bytes) -> dict[str, Any] | None:
+    """A JSON answer's top-level object; None when the body is not one."""
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    return parsed if isinstance(parsed, dict) else None
 
 
 def _ending(usage: Any) -> tuple[Verdict, None]:
-    return (Verdict.NOTHING if generated_nothing(usage) else Verdict.COMMIT), None
+    return (Verdict.ABORTED if generated_nothing(usage) else Verdict.COMMIT), None
 
 
 def named_event(name: str, data: bytes) -> bytes:

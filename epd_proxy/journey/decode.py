@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from epd_proxy.calls.sse import Head, Verdict, generated_nothing
+from epd_proxy.calls.sse import Head, Verdict
 from epd_proxy.calls.upstream import Answer, NoAnswer, Payload, Timeouts, Upstream
 from epd_proxy.fleet.backends import CHAT_PATH, Instance
 
@@ -95,14 +95,15 @@ async def open_decode(upstream: Upstream, call: EngineCall) -> DecodeAnswer:
     return decode_answer
 
 
-async def hold_head(answer: DecodeAnswer) -> tuple[Verdict, dict[str, Any] | None]:
+async def hold_head(answer: DecodeAnswer, aborted: Callable[[bytes], bool]) -> tuple[Verdict, dict[str, Any] | None]:
     """Read a stream until its first generated event, a JSON answer whole (its cap set by
     `open_decode`). The verdict: COMMIT; ERROR with vLLM's in-band error object when the stream
-    reported a failure before generating; NOTHING when the answer ended having generated nothing
-    (vLLM aborted it). Failures to read raise."""
+    reported a failure before generating; ABORTED when vLLM aborted the request: a stream that
+    ended having generated nothing, a JSON answer `aborted` (its door's judge) says so of.
+    Failures to read raise."""
     if not answer.streaming:
         answer.held = b"".join([chunk async for chunk in answer.chunks])
-        return (Verdict.NOTHING if _json_generated_nothing(answer.held) else Verdict.COMMIT), None
+        return (Verdict.ABORTED if aborted(answer.held) else Verdict.COMMIT), None
     head = Head()
     async for chunk in answer.chunks:
         verdict, error = head.judge(chunk)
@@ -112,14 +113,3 @@ async def hold_head(answer: DecodeAnswer) -> tuple[Verdict, dict[str, Any] | Non
         return verdict, error
     answer.held = bytes(head.held)
     return Verdict.COMMIT, None
-
-
-def _json_generated_nothing(body: bytes) -> bool:
-    # vLLM writes compact JSON: an answer without a zero count is not parsed at all.
-    if b'"completion_tokens":0' not in body and b'"output_tokens":0' not in body:
-        return False
-    try:
-        parsed = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return False
-    return isinstance(parsed, dict) and generated_nothing(parsed.get("usage"))

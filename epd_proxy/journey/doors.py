@@ -3,9 +3,10 @@
 Every door runs the same journey (encode, prefill, decode, retries); a door decides everything
 that depends on its API's shape: how the client's body is read for media (`parse`), where its
 conversation opens (`conversation`: what prefix affinity keys on), what the consumer is sent
-(`consumer_body`, `prefill_body`) on which path, what it is asked to report (`ask_usage`), and
-the shape of the errors the proxy itself makes: as an HTTP answer, and in-band when a stream
-breaks after its 200 (`stream_error`). Its `name` labels metrics and the request log, its `path` traces.
+(`consumer_body`, `prefill_body`) on which path, what it is asked to report (`ask_usage`), how
+it tells an answer vLLM aborted (`aborted`), and the shape of the errors the proxy itself makes:
+as an HTTP answer, and in-band when a stream breaks after its 200 (`stream_error`). Its `name`
+labels metrics and the request log, its `path` traces.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from epd_proxy.calls.sse import error_event
+from epd_proxy.calls.sse import answer_object, error_event, generated_nothing
 from epd_proxy.errors import ErrorAnswer, ProxyError
 from epd_proxy.fleet.backends import CHAT_PATH
 from epd_proxy.journey.extract import MediaItem, NormalisedRequest, ReadOptions, parse_request, with_urls
@@ -88,6 +89,21 @@ def usage_always_reported(body: dict[str, Any]) -> UnaskedUsage | None:
     return None
 
 
+def chat_aborted(body: bytes) -> bool:
+    """Whether vLLM aborted a chat answer (a pause, a shutdown): `finish_reason` "abort", on a
+    request its engine never ran (no token) or partway through."""
+    # vLLM writes compact JSON, and a quote inside generated text is escaped: an answer without
+    # these marks is not parsed.
+    if b'"finish_reason":"abort"' not in body and b'"completion_tokens":0' not in body:
+        return False
+    answer = answer_object(body)
+    if answer is None:
+        return False
+    choices = answer.get("choices")
+    cut = isinstance(choices, list) and any(isinstance(c, dict) and c.get("finish_reason") == "abort" for c in choices)
+    return cut or generated_nothing(answer.get("usage"))
+
+
 def chat_media_in_body(body: dict[str, Any], moved: Sequence[tuple[MediaItem, str]]) -> dict[str, Any]:
     return {**body, "messages": with_urls(body["messages"], moved)}
 
@@ -114,6 +130,9 @@ class Door:
     # (body) -> the edit that hides the usage the proxy asked for in `body` (changed in place), for
     # an API whose answers report usage only when asked.
     ask_usage: Callable[[dict[str, Any]], UnaskedUsage | None] = usage_always_reported
+    # (a whole 200 JSON answer) -> whether vLLM aborted it, in the way this API tells: nothing of
+    # it has reached the client, so it is sent to another instance.
+    aborted: Callable[[bytes], bool] = chat_aborted
 
     def error(self, exc: ProxyError) -> bytes | None:
         """The body of an error answer, or None to answer in the proxy's own shape.

@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 
-from epd_proxy.calls.sse import named_event
+from epd_proxy.calls.sse import answer_object, generated_nothing, named_event
 from epd_proxy.errors import BadRequest, ProxyError
 from epd_proxy.fleet.cost import request_costs
 from epd_proxy.journey.doors import Conversation, Door, Relayed, chat_conversation, error_fields, with_handles
@@ -189,6 +189,20 @@ def anthropic_stream_error(failure: ProxyError, relayed: Relayed) -> bytes:
     return named_event("error", anthropic_error(failure))
 
 
+def messages_aborted(body: bytes) -> bool:
+    """Whether vLLM aborted a Messages answer: it has no `stop_reason` (vLLM maps only stop,
+    length and tool calls to one, leaves a null out, and raises on an engine error), or no
+    output token."""
+    # A quote inside generated text is escaped: an answer with a stop reason is parsed only when
+    # it may report no output token.
+    if b'"stop_reason"' in body and b'"output_tokens":0' not in body:
+        return False
+    answer = answer_object(body)
+    if answer is None or answer.get("type") != "message":
+        return False
+    return answer.get("stop_reason") is None or generated_nothing(answer.get("usage"))
+
+
 # The consumer gets the client's body as sent, with the EC handles.
 MESSAGES = Door(
     "messages",
@@ -200,4 +214,5 @@ MESSAGES = Door(
     error_body=anthropic_error,
     stream_error=anthropic_stream_error,
     media_in_body=messages_media_in_body,
+    aborted=messages_aborted,
 )

@@ -266,7 +266,7 @@ class Pipeline:
                             # is a later moment of its own.
                             decoding.event("headers")
                         try:
-                            verdict, in_band = await self._call(route.decoder, hold_head(answer), trace)
+                            verdict, in_band = await self._call(route.decoder, hold_head(answer, door.aborted), trace)
                         except BaseException:
                             answer.release()
                             raise
@@ -274,9 +274,9 @@ class Pipeline:
                             if answer.streaming:
                                 decoding.event("first_token")
                             route.prefilled(sent, time.monotonic())
-                # An answer of no token was aborted before the engine ran it (a pause, a shutdown),
-                # not broken by it: the instance took none of the request.
-                if verdict is Verdict.NOTHING and self._elsewhere(job, door, route, trace, answer.backend, "no token"):
+                # vLLM aborted the answer (a pause, a shutdown), its engine did not fail it: the
+                # client has none of it, and another instance may answer it whole.
+                if verdict is Verdict.ABORTED and self._elsewhere(job, door, route, trace, answer.backend, "aborted"):
                     answer.release()
                     known = self._known(job, route)
                     continue
@@ -315,8 +315,8 @@ class Pipeline:
     def _elsewhere(
         self, job: ClientBody, door: Door, route: Route, trace: Trace, backend: str | None, why: str
     ) -> bool:
-        """Move `route` off `backend`, an instance that took none of the request, to where placement
-        puts it among those not passed over yet; False when there is none."""
+        """Move `route` off `backend`, an instance that did not answer the request (`why`), to
+        where placement puts it among those not passed over yet; False when there is none."""
         gone = route.pass_over(backend)
         if gone is None:
             return False
@@ -326,7 +326,7 @@ class Pipeline:
             return False
         stage = "prefill" if gone is route.prefill else "decode"
         self.metrics.retries.labels(stage).inc()
-        moved = f"{stage} {gone.url} took none of it ({why}); it goes to {elsewhere.consumer.url} instead"
+        moved = f"{stage} {gone.url} did not answer it ({why}); it goes to {elsewhere.consumer.url} instead"
         log.warning("request %s: %s", trace.request_id, moved)
         route.move(elsewhere)
         return True

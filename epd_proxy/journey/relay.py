@@ -10,7 +10,7 @@ from typing import NamedTuple
 import orjson
 from aiohttp import web
 
-from epd_proxy.calls.sse import EventTooLarge, Framer
+from epd_proxy.calls.sse import EventTooLarge, Framer, output_tokens
 from epd_proxy.errors import BackendUnreachable, ProxyError
 from epd_proxy.journey.decode import DecodeAnswer
 from epd_proxy.journey.doors import Door, Relayed
@@ -46,7 +46,7 @@ async def relay(
     (`read_usage`)."""
     headers = {"Content-Type": answer.content_type, **extra_headers}
     if not answer.streaming:
-        body = answer.held + b"".join([chunk async for chunk in answer.chunks])
+        body = answer.held
         if listener is not None and answer.status == 200:
             _report(listener.heard, body)
         return web.Response(status=answer.status, body=body, headers=headers), COMPLETE
@@ -159,7 +159,8 @@ def read_usage(data: bytes) -> Usage | None:
 
 def _tokens(used: dict) -> Usage | None:
     prompt = used.get("prompt_tokens", used.get("input_tokens", 0))
-    output = used.get("completion_tokens", used.get("output_tokens", 0))
+    output = output_tokens(used)
+    output = 0 if output is None else output
     details = used.get("prompt_tokens_details") or used.get("input_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else 0
     if not all(type(v) is int and v >= 0 for v in (prompt, output)):

@@ -21,7 +21,7 @@ from typing import Any
 
 import orjson
 
-from epd_proxy.calls.sse import event_data, events, named_event
+from epd_proxy.calls.sse import answer_object, event_data, events, generated_nothing, named_event
 from epd_proxy.errors import BadRequest, ProxyError
 from epd_proxy.journey.doors import Conversation, Door, Relayed, conversation_of, with_handles
 from epd_proxy.journey.extract import (
@@ -190,6 +190,18 @@ def responses_media_in_body(body: dict[str, Any], moved: Sequence[tuple[MediaIte
     return {**body, "input": with_urls(body["input"], moved)}
 
 
+def responses_aborted(body: bytes) -> bool:
+    """Whether vLLM aborted a Responses answer: status `cancelled` (its harmony models), or no
+    output token. vLLM 0.32 answers other models' request aborted partway as `completed`, with
+    the text so far: nothing tells it from a finished one."""
+    if b'"output_tokens":0' not in body and b'"status":"cancelled"' not in body:
+        return False
+    answer = answer_object(body)
+    if answer is None:
+        return False
+    return answer.get("status") == "cancelled" or generated_nothing(answer.get("usage"))
+
+
 RESPONSES = Door(
     "responses",
     RESPONSES_PATH,
@@ -199,4 +211,5 @@ RESPONSES = Door(
     responses_conversation,
     stream_error=responses_stream_error,
     media_in_body=responses_media_in_body,
+    aborted=responses_aborted,
 )

@@ -4,7 +4,9 @@ equals the single instance's:
 - a PD at its queue limit (`--max-num-queued-reqs`): vLLM refuses the next request with a 503
   before its engine sees it, in the shape the fake vLLM answers;
 - a PD that aborts the request before its engine ran it (`POST /pause?mode=abort`, what a
-  shutdown does too): vLLM answers 200 with no token generated.
+  shutdown does too): vLLM answers 200 with no token generated;
+- a PD that aborts a non-streamed request partway: vLLM answers 200 with the text so far, which
+  chat and Messages tell (the doors' judges are held to the real bytes here).
 
 Without timing: the PD's scheduler is paused with `POST /pause?mode=keep` (vLLM's dev endpoints,
 on in the e2e stacks), so what it admitted stays unfinished until `/resume`; a stream's 200 says it
@@ -18,10 +20,16 @@ import json
 import threading
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from contextlib import ExitStack
+from functools import partial
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from epd_proxy.journey.doors import CHAT
+from epd_proxy.journey.messages_api import MESSAGES
+from epd_proxy.journey.responses_api import RESPONSES
 from epd_proxy_tools.testing.fake_vllm import QUEUE_OVERFLOW
 from epd_proxy_tools.testing.polling import eventually_sync
 
@@ -66,17 +74,22 @@ def at_limit(url: str) -> bool:
     return status == 503
 
 
-def refusals(url: str) -> float:
-    """vLLM's own count of the requests its admission control refused for the queue limit."""
+def counter(url: str, family_name: str, **labels: str) -> float:
+    """A counter of the vLLM server at `url`: its total over the samples with `labels`."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
         families = text_string_to_metric_families(resp.read().decode())
         return sum(
             sample.value
             for family in families
-            if family.name == "vllm:admission_rejections"
+            if family.name == family_name
             for sample in family.samples
-            if sample.name.endswith("_total") and sample.labels.get("reason") == "max_num_queued_reqs"
+            if sample.name.endswith("_total") and labels.items() <= sample.labels.items()
         )
+
+
+def refusals(url: str) -> float:
+    """vLLM's own count of the requests its admission control refused for the queue limit."""
+    return counter(url, "vllm:admission_rejections", reason="max_num_queued_reqs")
 
 
 def test_a_pd_at_its_queue_limit_hands_the_request_to_the_other_pd_and_the_answer_is_exact(two_pd_stack, fidelity):
@@ -140,3 +153,77 @@ def test_a_pd_that_aborts_a_request_before_running_it_hands_it_to_the_other_pd_e
         assert len(answers) == 1, "the proxy answered"
         eventually_sync(lambda: finished_requests(free) - before == 1, timeout=15, what="the other PD answered it")
     fidelity.check("a PD aborted the request before running it", answers[0], chat_ok(st.baseline_url, body), TWO_PDS)
+
+
+def generated_tokens(url: str) -> float:
+    return counter(url, "vllm:generation_tokens")
+
+
+# Long enough that the engine is still generating when the test pauses it (the tiny model writes
+# about 330 tokens a second here), within the stack's --max-model-len.
+LONG = 1000
+
+
+def abort_partway(url: str, send: Callable[[], Any]) -> Any:
+    """What `send` (a request whose generation lands on the PD at `url`) returns, run in a thread:
+    once the PD has generated a few tokens, the test freezes and aborts what it runs."""
+    before = generated_tokens(url)
+    got: list[Any] = []
+    client = threading.Thread(target=lambda: got.append(send()))
+    with ExitStack() as held:
+        held.callback(lambda: client.is_alive() and client.join(180))
+        client.start()
+        eventually_sync(
+            lambda: generated_tokens(url) >= before + 5, timeout=60, interval=0.01, what="the PD generating"
+        )
+        control(url, "/pause?mode=keep&clear_cache=false")
+        held.callback(control, url, "/resume")
+        control(url, "/pause?mode=abort&clear_cache=false")
+        client.join(180)
+    assert len(got) == 1, "the request was answered"
+    return got[0]
+
+
+def post_raw(url: str, path: str, body: dict) -> bytes:
+    request = urllib.request.Request(
+        url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    with urllib.request.urlopen(request, timeout=180) as resp:
+        assert resp.status == 200
+        return resp.read()
+
+
+def test_vllm_answers_a_request_aborted_partway_as_the_doors_judge_it(two_pd_stack):
+    """Straight to a PD: chat says `abort`, Messages leaves its stop reason out, Responses says
+    `completed` (so the proxy cannot tell, and relays it)."""
+    pd = two_pd_stack.consumer_urls[0]
+    # The tiny model's greedy answer to this prompt runs to the budget (some prompts end in a few
+    # hundred tokens); chat's allowed ids leave the end-of-sequence token out as well.
+    prompt = "Keep writing."
+    ask = [{"role": "user", "content": prompt}]
+    cases = [
+        (CHAT, {"messages": ask, "max_tokens": LONG, "allowed_token_ids": LOWERCASE_IDS}, True),
+        (MESSAGES, {"messages": ask, "max_tokens": LONG}, True),
+        (RESPONSES, {"input": prompt, "max_output_tokens": LONG}, False),
+    ]
+    for door, body, told in cases:
+        raw = abort_partway(pd, partial(post_raw, pd, door.path, {"model": MODEL, "temperature": 0, **body}))
+        usage = json.loads(raw)["usage"]
+        assert usage.get("completion_tokens", usage.get("output_tokens")) > 0, raw
+        assert door.aborted(raw) is told, raw
+
+
+def test_a_pd_that_aborts_a_request_partway_hands_it_to_the_other_pd_exactly(two_pd_stack, fidelity):
+    st = two_pd_stack
+    aborting, free = st.consumer_urls
+    pds = ",".join(st.consumer_urls)
+    body = chat_body(fresh(1), temperature=0, seed=1234, max_tokens=LONG, allowed_token_ids=LOWERCASE_IDS)
+    with extra_proxy(st, "partway-pd-proxy", "--decode-policy", "round_robin", decode_url=pds) as proxy:
+        before = {url: finished_requests(url) for url in st.consumer_urls}
+        # Round robin places the proxy's first request on the first PD.
+        answer = abort_partway(aborting, partial(chat_ok, proxy, body))
+        eventually_sync(
+            lambda: finished_requests(free) - before[free] == 1, timeout=15, what="the other PD answered it"
+        )
+    assert answer["choices"][0]["finish_reason"] == "length"
+    fidelity.check("a PD aborted the request partway", answer, chat_ok(st.baseline_url, body), TWO_PDS)

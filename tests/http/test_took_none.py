@@ -4,7 +4,9 @@
   `--max-num-queued-tokens`: 503 "Service Unavailable" before its engine sees the request). The
   refusal is load, not ill health; any other 503 is the backend's answer, passed on as before;
 - one that answered having generated no token: vLLM aborted the request before its engine ran it
-  (`POST /pause`, a shutdown), in every API's shape."""
+  (`POST /pause`, a shutdown), in every API's shape;
+- one whose JSON answer vLLM aborted partway, where the API says so (chat, Messages): the client
+  has nothing of it yet."""
 
 from __future__ import annotations
 
@@ -97,13 +99,21 @@ DOORS = {
 }
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
-@pytest.mark.parametrize("door", DOORS)
-async def test_an_answer_of_no_token_goes_to_another_pd(make_stack, door, stream):
+# An answer of no token (any door, either form), and a JSON answer aborted partway where the door
+# tells it (chat, Messages).
+ABORTED = [
+    *((door, stream, "aborts") for door in DOORS for stream in (False, True)),
+    ("chat", False, "late_aborts"),
+    ("messages", False, "late_aborts"),
+]
+
+
+@pytest.mark.parametrize(("door", "stream", "fault"), ABORTED)
+async def test_an_answer_vllm_aborted_goes_to_another_pd(make_stack, door, stream, fault):
     path, body = DOORS[door]
     stack = await make_stack(encoders=1, decoders=2, decode_policy="round_robin")
     aborting, other = stack.consumers
-    aborting.faults.aborts = 1
+    setattr(aborting.faults, fault, 1)
     async with stack.client.post(path, json=body("A", stream)) as resp:
         assert resp.status == 200
         got = await resp.read()
@@ -121,13 +131,31 @@ def _unnumbered(raw: bytes) -> bytes:
     return re.sub(rb'chatcmpl-\d+|"created(?:_at)?":\d+', b"", raw)
 
 
-async def test_with_no_other_pd_the_answer_of_no_token_is_relayed_as_vllm_wrote_it(make_stack):
+async def test_a_responses_answer_aborted_partway_is_relayed_as_vllm_tells_nothing_of_it(make_stack):
+    path, body = DOORS["responses"]
+    stack = await make_stack(encoders=1, decoders=2, decode_policy="round_robin")
+    aborting, other = stack.consumers
+    aborting.faults.late_aborts = 1
+    async with stack.client.post(path, json=body("A", False)) as resp:
+        answer = orjson.loads(await resp.read())
+    assert (len(aborting.requests), len(other.requests)) == (1, 0)
+    assert answer["status"] == "completed" and answer["usage"]["output_tokens"] > 0
+
+
+@pytest.mark.parametrize(("fault", "nothing"), [("aborts", True), ("late_aborts", False)])
+async def test_with_no_other_pd_the_aborted_answer_is_relayed_as_vllm_wrote_it(make_stack, fault, nothing):
     stack = await make_stack(encoders=1, decoders=1)
-    stack.pd.faults.aborts = 1
+    setattr(stack.pd.faults, fault, 1)
     async with await stack.chat(chat(image("A"))) as resp:
         assert resp.status == 200
         answer = await resp.json()
-    assert answer["choices"][0]["finish_reason"] == "abort" and answer["usage"]["completion_tokens"] == 0
+    assert answer["choices"][0]["finish_reason"] == "abort"
+    assert (answer["usage"]["completion_tokens"] == 0) is nothing
+
+
+async def test_with_no_other_pd_a_stream_of_no_token_is_relayed_as_vllm_wrote_it(make_stack):
+    stack = await make_stack(encoders=1, decoders=1)
+    stack.pd.faults.aborts = 1
     async with await stack.chat(chat(image("A"), stream=True)) as resp:
         assert resp.status == 200
         assert (await resp.read()).endswith(b"data: [DONE]\n\n")

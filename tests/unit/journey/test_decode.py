@@ -10,6 +10,9 @@ from epd_proxy.calls.upstream import BROKEN, IDLE_TIMEOUT, Limits, NoAnswer, Tim
 from epd_proxy.errors import ErrorAnswer
 from epd_proxy.fleet.backends import CHAT_PATH, PREFILL_DECODE, Instance
 from epd_proxy.journey.decode import MAX_JSON_ANSWER_BYTES, EngineCall, hold_head, open_decode
+from epd_proxy.journey.doors import CHAT, Door
+from epd_proxy.journey.messages_api import MESSAGES
+from epd_proxy.journey.responses_api import RESPONSES
 from tests.unit.scripted_upstream import Reply, ScriptedUpstream, json_reply, stream_reply
 
 PD = "http://pd"
@@ -99,20 +102,20 @@ async def test_no_answer_at_all_is_the_layers_failure_unchanged():
 
 async def test_the_head_is_held_until_the_first_generated_event_and_the_rest_stays_unread():
     answer, _ = await opened(stream_reply(ROLE, TOKEN, b'data: {"choices":[{"delta":{"content":"!"}}]}\n\n', DONE))
-    assert await hold_head(answer) == (Verdict.COMMIT, None)
+    assert await hold_head(answer, CHAT.aborted) == (Verdict.COMMIT, None)
     assert answer.held == ROLE + TOKEN
     assert [chunk async for chunk in answer.chunks] == [b'data: {"choices":[{"delta":{"content":"!"}}]}\n\n', DONE]
 
 
 async def test_an_event_split_over_chunks_is_judged_once_it_ends():
     answer, _ = await opened(stream_reply(ROLE + TOKEN[:20], TOKEN[20:], DONE))
-    assert await hold_head(answer) == (Verdict.COMMIT, None)
+    assert await hold_head(answer, CHAT.aborted) == (Verdict.COMMIT, None)
     assert answer.held == ROLE + TOKEN
 
 
 async def test_vllms_error_before_anything_generated_is_handed_back():
     answer, _ = await opened(stream_reply(ROLE, VLLM_ERROR, DONE))
-    verdict, error = await hold_head(answer)
+    verdict, error = await hold_head(answer, CHAT.aborted)
     assert verdict is Verdict.ERROR
     assert error == {"message": "EC load failed", "type": "InternalServerError", "code": 500}
     assert answer.held == ROLE + VLLM_ERROR
@@ -120,45 +123,83 @@ async def test_vllms_error_before_anything_generated_is_handed_back():
 
 async def test_an_error_after_generated_text_is_not_judged():
     answer, _ = await opened(stream_reply(ROLE, TOKEN, VLLM_ERROR, DONE))
-    assert await hold_head(answer) == (Verdict.COMMIT, None)
+    assert await hold_head(answer, CHAT.aborted) == (Verdict.COMMIT, None)
     assert answer.held == ROLE + TOKEN
 
 
 async def test_a_stream_that_breaks_off_before_generating_commits_with_all_it_sent():
     answer, _ = await opened(stream_reply(ROLE, b": keep-alive\n\n"))
-    assert await hold_head(answer) == (Verdict.COMMIT, None)
+    assert await hold_head(answer, CHAT.aborted) == (Verdict.COMMIT, None)
     assert answer.held == ROLE + b": keep-alive\n\n"
 
 
 async def test_a_stream_that_ends_having_generated_nothing_is_told_apart():
     answer, _ = await opened(stream_reply(ROLE, DONE))
-    assert await hold_head(answer) == (Verdict.NOTHING, None)
+    assert await hold_head(answer, CHAT.aborted) == (Verdict.ABORTED, None)
     assert answer.held == ROLE + DONE
 
 
-# vLLM 0.32's answers to a request it aborted before its engine ran it, and to a first token that
-# was end-of-sequence (one token, an empty text), in each API's spelling.
+CHAT_USED = {"prompt_tokens": 59, "total_tokens": 64, "completion_tokens": 5}
+NONE_USED = {"prompt_tokens": 76, "total_tokens": 76, "completion_tokens": 0}
+ONE_USED = {"prompt_tokens": 59, "total_tokens": 60, "completion_tokens": 1}
+
+
+def chat_answer(finish: str | None, usage: dict | None, text: str = "hello") -> dict:
+    return {"choices": [{"message": {"content": text}, "finish_reason": finish}], "usage": usage}
+
+
+def message(usage: dict, stop: str | None = "end_turn", text: str = "hello") -> dict:
+    out = {"type": "message", "content": [{"type": "text", "text": text}], "usage": usage}
+    return out if stop is None else {**out, "stop_reason": stop}  # vLLM leaves a null out
+
+
+def response(status: str, output: int) -> dict:
+    return {"object": "response", "status": status, "usage": {"input_tokens": 59, "output_tokens": output}}
+
+
+# vLLM 0.32's JSON answers to a request it aborted (a pause, a shutdown) before its engine ran it or
+# partway, and to ones it finished (a first token that was end-of-sequence is one token), in each
+# door's shape: an aborted one goes elsewhere, as the client has none of it.
 @pytest.mark.parametrize(
-    ("usage", "verdict"),
+    ("door", "body", "verdict"),
     [
-        ({"prompt_tokens": 76, "total_tokens": 76, "completion_tokens": 0}, Verdict.NOTHING),
-        ({"input_tokens": 76, "output_tokens": 0}, Verdict.NOTHING),
-        ({"prompt_tokens": 59, "total_tokens": 60, "completion_tokens": 1}, Verdict.COMMIT),
-        ({"input_tokens": 59, "output_tokens": 10}, Verdict.COMMIT),
-        (None, Verdict.COMMIT),
+        (CHAT, chat_answer("abort", NONE_USED, ""), Verdict.ABORTED),
+        (CHAT, chat_answer("abort", CHAT_USED), Verdict.ABORTED),
+        (CHAT, chat_answer("stop", ONE_USED, ""), Verdict.COMMIT),
+        (CHAT, chat_answer("length", CHAT_USED), Verdict.COMMIT),
+        (CHAT, chat_answer("stop", None), Verdict.COMMIT),
+        # Text that spells the abort is escaped inside its string: not the answer's finish reason.
+        (CHAT, chat_answer("stop", CHAT_USED, '"finish_reason":"abort"'), Verdict.COMMIT),
+        (MESSAGES, message({"input_tokens": 76, "output_tokens": 0}, None, ""), Verdict.ABORTED),
+        (MESSAGES, message({"input_tokens": 59, "output_tokens": 5}, None), Verdict.ABORTED),
+        (MESSAGES, message({"input_tokens": 59, "output_tokens": 5}), Verdict.COMMIT),
+        (MESSAGES, message({"input_tokens": 59, "output_tokens": 5}, "max_tokens"), Verdict.COMMIT),
+        (MESSAGES, message({"input_tokens": 59, "output_tokens": 1}, "end_turn", '"stop_reason"'), Verdict.COMMIT),
+        (RESPONSES, response("completed", 0), Verdict.ABORTED),
+        (RESPONSES, response("cancelled", 5), Verdict.ABORTED),
+        # What vLLM answers for a request aborted partway on a model without harmony: no sign of it.
+        (RESPONSES, response("completed", 5), Verdict.COMMIT),
+        (RESPONSES, response("incomplete", 5), Verdict.COMMIT),
     ],
 )
-async def test_a_json_answer_is_read_whole_and_one_of_no_token_is_told_apart(usage, verdict):
-    body = {"choices": [{"message": {"content": ""}, "finish_reason": "abort"}], "usage": usage}
+async def test_a_json_answer_is_read_whole_and_one_vllm_aborted_is_told_apart(door: Door, body: dict, verdict):
     answer, _ = await opened(json_reply(body))
-    assert await hold_head(answer) == (verdict, None)
+    assert await hold_head(answer, door.aborted) == (verdict, None)
     assert answer.held == orjson.dumps(body)
     assert [chunk async for chunk in answer.chunks] == []
+
+
+@pytest.mark.parametrize("door", [CHAT, MESSAGES, RESPONSES])
+@pytest.mark.parametrize(
+    "body", [b"[]", b'{"usage":{"completion_tokens":0', b'{"usage":{"output_tokens":0', b'[{"finish_reason":"abort"}]']
+)
+def test_an_answer_that_is_no_json_object_is_not_judged_aborted(door: Door, body: bytes):
+    assert door.aborted(body) is False
 
 
 @pytest.mark.parametrize("kind", [BROKEN, IDLE_TIMEOUT])
 async def test_a_stream_that_fails_while_its_head_is_held_raises(kind):
     answer, _ = await opened(stream_reply(ROLE, breaks=kind))
     with pytest.raises(NoAnswer) as err:
-        await hold_head(answer)
+        await hold_head(answer, CHAT.aborted)
     assert err.value.kind == kind and err.value.stage == "decode"

@@ -8,7 +8,7 @@ from aiohttp.test_utils import make_mocked_request
 
 from epd_proxy.calls.sse import MAX_EVENT_BYTES
 from epd_proxy.calls.upstream import BROKEN, IDLE_TIMEOUT, NoAnswer
-from epd_proxy.journey.decode import DecodeAnswer
+from epd_proxy.journey.decode import DecodeAnswer, hold_head
 from epd_proxy.journey.doors import CHAT, Door
 from epd_proxy.journey.messages_api import MESSAGES
 from epd_proxy.journey.relay import ABORTED, CLIENT_GONE, COMPLETE, relay
@@ -67,6 +67,13 @@ def decode_answer(reply: Reply, held: bytes = b"") -> DecodeAnswer:
     return DecodeAnswer(answer, answer.chunks(), PD, held)
 
 
+async def json_answer(reply: Reply) -> DecodeAnswer:
+    """A JSON answer as the relay gets it: read whole by `hold_head` before it was committed."""
+    answer = decode_answer(reply)
+    await hold_head(answer, CHAT.aborted)
+    return answer
+
+
 async def relayed(answer: DecodeAnswer, wire: Wire | None = None, door: Door = CHAT):
     wire = wire or Wire()
     request = make_mocked_request("POST", door.path, writer=wire)
@@ -81,7 +88,7 @@ def in_band_error(sent: bytes) -> dict:
 
 
 async def test_a_json_answer_goes_out_whole_with_decodes_status_and_content_type():
-    answer = decode_answer(Reply(201, (b'{"choi', b'ces":[]}'), "application/json; charset=utf-8"), held=b"")
+    answer = await json_answer(Reply(201, (b'{"choi', b'ces":[]}'), "application/json; charset=utf-8"))
     response, outcome, wire = await relayed(answer)
     assert outcome == COMPLETE
     assert response.status == 201 and response.body == b'{"choices":[]}'
@@ -188,14 +195,14 @@ async def test_a_client_that_goes_away_mid_stream_is_a_client_disconnect():
     assert outcome == CLIENT_GONE and wire.writes == [TOKEN]
 
 
-async def test_a_json_answer_that_breaks_off_is_raised_to_the_caller():
+async def test_a_json_answer_that_breaks_off_is_raised_before_it_reaches_the_relay():
     with pytest.raises(NoAnswer) as err:
-        await relayed(decode_answer(Reply(200, (b'{"cho',), breaks=BROKEN)))
+        await json_answer(Reply(200, (b'{"cho',), breaks=BROKEN))
     assert err.value.kind == BROKEN and err.value.status == 502
 
 
 async def test_a_json_answer_read_whole_is_released_to_the_pool():
-    answer = decode_answer(json_reply({"ok": True}))
+    answer = await json_answer(json_reply({"ok": True}))
     await relayed(answer)
     assert answer.answer.released
 
@@ -241,14 +248,18 @@ def test_the_tokens_an_answer_reports_in_each_doors_spelling(data, expected):
 
 async def test_relay_reports_the_usage_of_a_complete_answer_only():
     heard: list[Usage] = []
-    for reply in (
-        json_reply({"choices": [], "usage": CHAT_USAGE}),
-        stream_reply(ROLE, TOKEN, b'data: {"choices":[],"usage":' + orjson.dumps(CHAT_USAGE) + b"}\n\n", DONE),
-        stream_reply(ROLE, b'data: {"choices":[],"usage":' + orjson.dumps(CHAT_USAGE) + b"}\n\n", VLLM_ERROR, DONE),
-        json_reply({"error": {"message": "no"}, "usage": CHAT_USAGE}, status=400),
+    for answer in (
+        await json_answer(json_reply({"choices": [], "usage": CHAT_USAGE})),
+        decode_answer(
+            stream_reply(ROLE, TOKEN, b'data: {"choices":[],"usage":' + orjson.dumps(CHAT_USAGE) + b"}\n\n", DONE)
+        ),
+        decode_answer(
+            stream_reply(ROLE, b'data: {"choices":[],"usage":' + orjson.dumps(CHAT_USAGE) + b"}\n\n", VLLM_ERROR, DONE)
+        ),
+        await json_answer(json_reply({"error": {"message": "no"}, "usage": CHAT_USAGE}, status=400)),
     ):
         request = make_mocked_request("POST", CHAT.path, writer=Wire())
-        await relay(request, decode_answer(reply), EXTRA, CHAT, Listener(heard.append))
+        await relay(request, answer, EXTRA, CHAT, Listener(heard.append))
     assert heard == [Usage(20, 7, 100), Usage(20, 7, 100)]
 
 

@@ -219,7 +219,16 @@ def _usage(api: str, usage: dict[str, int]) -> dict[str, int]:
     }
 
 
-def answer_json(api: str, answer_id: str, model: Any, text: str, usage: dict[str, int], kv: Any = None) -> bytes:
+def answer_json(
+    api: str,
+    answer_id: str,
+    model: Any,
+    text: str,
+    usage: dict[str, int],
+    kv: Any = None,
+    stop_reason: Any = "end_turn",
+) -> bytes:
+    """An answer of `text`; a Messages one without a `stop_reason` (None) is one vLLM aborted."""
     if api == MESSAGES:
         out: dict[str, Any] = {
             "id": answer_id,
@@ -227,9 +236,10 @@ def answer_json(api: str, answer_id: str, model: Any, text: str, usage: dict[str
             "role": "assistant",
             "content": [{"type": "text", "text": text}],
             "model": model,
-            "stop_reason": "end_turn",
             "usage": _usage(api, usage),
         }
+        if stop_reason is not None:  # vLLM leaves a null out
+            out["stop_reason"] = stop_reason
     else:
         out = {
             "id": f"resp_{answer_id}",

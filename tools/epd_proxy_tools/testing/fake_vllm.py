@@ -250,7 +250,8 @@ class Faults:
     `cut_streams` streams are cut halfway (connection reset after 200); the next `stall_streams`
     streams send one chunk and then nothing until the caller goes away. The next `aborts`
     consumer requests are answered as vLLM answers a request it aborted before its engine ran it
-    (`POST /pause`, a shutdown): 200 with no token generated. With a `gate`, every request waits
+    (`POST /pause`, a shutdown): 200 with no token generated; the next `late_aborts` non-streamed
+    ones as it answers one aborted partway: 200 with the text generated so far. With a `gate`, every request waits
     until the test opens it: what happens while a backend holds them all."""
 
     fail_times: int = 0
@@ -265,6 +266,7 @@ class Faults:
     cut_streams: int = 0
     stall_streams: int = 0
     aborts: int = 0
+    late_aborts: int = 0
     gate: asyncio.Event | None = None
 
     def fail_next(self, times: int = 1, status: int = 500, body: str | None = None) -> None:
@@ -287,6 +289,9 @@ class Faults:
 
     def abort(self) -> bool:
         return self._spend("aborts")
+
+    def late_abort(self, body: dict[str, Any]) -> bool:
+        return not body.get("stream") and self._spend("late_aborts")
 
     async def apply(self, exchange: Exchange) -> Answer | None:
         if self.gate is not None:
@@ -954,6 +959,8 @@ class FakeVLLM:
             failure = self._unresolved_push(body, identifiers)
         if failure is None and self.role != "prefill" and self.faults.abort():
             return await self._aborted(exchange, body, api)
+        if failure is None and self.role != "prefill" and self.faults.late_abort(body):
+            return _aborted_partway(api, f"chatcmpl-{next(self._ids)}", body.get("model"), answer)
         if failure is not None:
             self.generation_failures.append(failure)
             if body.get("stream") and self.role != "prefill":
@@ -1187,6 +1194,18 @@ def _cache_salt_problem(body: dict[str, Any]) -> str | None:
     if len(salt) > 128 or any(char in "@/\\\0" for char in salt):
         return "Parameter 'cache_salt' must be at most 128 characters and must not contain '@', '/', '\\\\', or NUL."
     return None
+
+
+def _aborted_partway(api: str, answer_id: str, model: Any, answer: str) -> Answer:
+    """What vLLM 0.32 answers for a non-streamed request it aborted partway (captured from a real
+    server): chat `finish_reason="abort"` with the text so far, Messages the text without a
+    `stop_reason`, Responses the text `completed` (nothing there says it was aborted)."""
+    text = answer[: len(answer) // 2]
+    usage = {"prompt_tokens": 7, "total_tokens": 7 + len(text), "completion_tokens": len(text)}
+    if api != "chat":
+        return Answer(200, fake_doors.answer_json(api, answer_id, model, text, usage, stop_reason=None), JSON_TEXT)
+    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "abort"}
+    return _json({"id": answer_id, "object": "chat.completion", "model": model, "choices": [choice], "usage": usage})
 
 
 def _role_chunk(completion_id: str, model: Any) -> dict[str, Any]:
