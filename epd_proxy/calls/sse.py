@@ -154,11 +154,13 @@ class Verdict(enum.Enum):
     HOLD = "hold"  # nothing generated yet: keep holding, a retry is still possible
     COMMIT = "commit"  # something generated (or the stream ended): relay, never retry
     ERROR = "error"  # vLLM reported a failure before generating anything
-    # vLLM aborted the request (`POST /pause`, a shutdown): a stream that ended, or reported its
-    # usage, having generated no token (any generation, even of an end-of-sequence first token,
-    # counts one); a JSON answer, read whole, that its door says was aborted (`Door.aborted`).
-    # Nothing of it has reached the client.
-    ABORTED = "aborted"
+    # vLLM aborted the request (`POST /pause`, a shutdown) before its engine ran it: the answer
+    # ended, or reported its usage, having generated no token (any generation, even of an
+    # end-of-sequence first token, counts one).
+    NOTHING = "aborted before generating"
+    # vLLM aborted a JSON answer partway, as its door tells (`Door.judge`): read whole, nothing
+    # of it has reached the client.
+    CUT = "aborted partway"
 
 
 class Head:
@@ -198,7 +200,7 @@ def _judge_event(event: bytes) -> tuple[Verdict, dict[str, Any] | None]:
         return Verdict.HOLD, None  # a comment or an event without data
     if data.strip() == DONE:
         # Judged only until something is generated: an ending chat stream got no finish reason.
-        return Verdict.ABORTED, None
+        return Verdict.NOTHING, None
     try:
         payload = orjson.loads(data)
     except orjson.JSONDecodeError:
@@ -235,12 +237,12 @@ def _judge_event(event: bytes) -> tuple[Verdict, dict[str, Any] | None]:
     return Verdict.HOLD, None
 
 
-def output_tokens(usage: Any) -> Any:
+def output_tokens(usage: Any, missing: Any = None) -> Any:
     """What an answer's usage reports as generated, in any API's spelling (chat's completion tokens,
-    Messages' and Responses' output tokens), unchecked; None when it reports none."""
+    Messages' and Responses' output tokens), unchecked; `missing` when it reports none."""
     if not isinstance(usage, dict):
-        return None
-    return usage.get("completion_tokens", usage.get("output_tokens"))
+        return missing
+    return usage.get("completion_tokens", usage.get("output_tokens", missing))
 
 
 def generated_nothing(usage: Any) -> bool:
@@ -258,8 +260,17 @@ def answer_object(body: bytes) -> dict[str, Any] | None:
     return parsed if isinstance(parsed, dict) else None
 
 
+def judged(answer: dict[str, Any] | None, cut: bool) -> Verdict:
+    """The verdict on a whole JSON answer whose door found it `cut` short by an abort."""
+    if answer is None:
+        return Verdict.COMMIT
+    if generated_nothing(answer.get("usage")):
+        return Verdict.NOTHING
+    return Verdict.CUT if cut else Verdict.COMMIT
+
+
 def _ending(usage: Any) -> tuple[Verdict, None]:
-    return (Verdict.ABORTED if generated_nothing(usage) else Verdict.COMMIT), None
+    return (Verdict.NOTHING if generated_nothing(usage) else Verdict.COMMIT), None
 
 
 def named_event(name: str, data: bytes) -> bytes:

@@ -95,15 +95,14 @@ async def open_decode(upstream: Upstream, call: EngineCall) -> DecodeAnswer:
     return decode_answer
 
 
-async def hold_head(answer: DecodeAnswer, aborted: Callable[[bytes], bool]) -> tuple[Verdict, dict[str, Any] | None]:
+async def hold_head(answer: DecodeAnswer, judge: Callable[[bytes], Verdict]) -> tuple[Verdict, dict[str, Any] | None]:
     """Read a stream until its first generated event, a JSON answer whole (its cap set by
-    `open_decode`). The verdict: COMMIT; ERROR with vLLM's in-band error object when the stream
-    reported a failure before generating; ABORTED when vLLM aborted the request: a stream that
-    ended having generated nothing, a JSON answer `aborted` (its door's judge) says so of.
-    Failures to read raise."""
+    `open_decode`) for `judge` (its door's). The verdict: COMMIT; ERROR with vLLM's in-band error
+    object when the stream reported a failure before generating; NOTHING when vLLM aborted the
+    request before generating; CUT when it aborted a JSON answer partway. Failures to read raise."""
     if not answer.streaming:
         answer.held = b"".join([chunk async for chunk in answer.chunks])
-        return (Verdict.ABORTED if aborted(answer.held) else Verdict.COMMIT), None
+        return judge(answer.held), None
     head = Head()
     async for chunk in answer.chunks:
         verdict, error = head.judge(chunk)

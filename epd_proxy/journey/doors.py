@@ -4,7 +4,7 @@ Every door runs the same journey (encode, prefill, decode, retries); a door deci
 that depends on its API's shape: how the client's body is read for media (`parse`), where its
 conversation opens (`conversation`: what prefix affinity keys on), what the consumer is sent
 (`consumer_body`, `prefill_body`) on which path, what it is asked to report (`ask_usage`), how
-it tells an answer vLLM aborted (`aborted`), and the shape of the errors the proxy itself makes:
+it tells an answer vLLM aborted (`judge`), and the shape of the errors the proxy itself makes:
 as an HTTP answer, and in-band when a stream breaks after its 200 (`stream_error`). Its `name`
 labels metrics and the request log, its `path` traces.
 """
@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from epd_proxy.calls.sse import answer_object, error_event, generated_nothing
+from epd_proxy.calls.sse import Verdict, answer_object, error_event, judged
 from epd_proxy.errors import ErrorAnswer, ProxyError
 from epd_proxy.fleet.backends import CHAT_PATH
 from epd_proxy.journey.extract import MediaItem, NormalisedRequest, ReadOptions, parse_request, with_urls
@@ -89,19 +89,17 @@ def usage_always_reported(body: dict[str, Any]) -> UnaskedUsage | None:
     return None
 
 
-def chat_aborted(body: bytes) -> bool:
-    """Whether vLLM aborted a chat answer (a pause, a shutdown): `finish_reason` "abort", on a
-    request its engine never ran (no token) or partway through."""
-    # vLLM writes compact JSON, and a quote inside generated text is escaped: an answer without
-    # these marks is not parsed.
+def judge_chat(body: bytes) -> Verdict:
+    """A chat answer vLLM aborted (a pause, a shutdown) says `finish_reason` "abort" (unless a
+    tool call it parsed turned that into "tool_calls"), with no token or partway."""
+    # vLLM writes compact JSON, and generated text, tool arguments included, is inside strings,
+    # its quotes escaped: an answer without these marks is not parsed.
     if b'"finish_reason":"abort"' not in body and b'"completion_tokens":0' not in body:
-        return False
+        return Verdict.COMMIT
     answer = answer_object(body)
-    if answer is None:
-        return False
-    choices = answer.get("choices")
+    choices = answer.get("choices") if answer is not None else None
     cut = isinstance(choices, list) and any(isinstance(c, dict) and c.get("finish_reason") == "abort" for c in choices)
-    return cut or generated_nothing(answer.get("usage"))
+    return judged(answer, cut)
 
 
 def chat_media_in_body(body: dict[str, Any], moved: Sequence[tuple[MediaItem, str]]) -> dict[str, Any]:
@@ -120,6 +118,9 @@ class Door:
     # (body) -> where its conversation opens. The consumer body sends the items the fleet holds
     # raw, under the name the consumer gives them, so a consumer holding them reuses them.
     conversation: Callable[[dict[str, Any]], Conversation]
+    # (a whole 200 JSON answer) -> NOTHING or CUT when vLLM aborted it, as this API tells, else
+    # COMMIT: nothing of it has reached the client, so another instance may answer it.
+    judge: Callable[[bytes], Verdict]
     # The proxy's own error in this API's shape; None keeps the proxy's (OpenAI's) shape.
     error_body: Callable[[ProxyError], bytes] | None = None
     # The events that end a stream broken after its 200, in this API's stream shape, so the
@@ -130,9 +131,6 @@ class Door:
     # (body) -> the edit that hides the usage the proxy asked for in `body` (changed in place), for
     # an API whose answers report usage only when asked.
     ask_usage: Callable[[dict[str, Any]], UnaskedUsage | None] = usage_always_reported
-    # (a whole 200 JSON answer) -> whether vLLM aborted it, in the way this API tells: nothing of
-    # it has reached the client, so it is sent to another instance.
-    aborted: Callable[[bytes], bool] = chat_aborted
 
     def error(self, exc: ProxyError) -> bytes | None:
         """The body of an error answer, or None to answer in the proxy's own shape.
@@ -164,7 +162,14 @@ def with_handles(
 
 
 CHAT = Door(
-    "chat", CHAT_PATH, parse_request, _chat_consumer_body, prefill_request, chat_conversation, ask_usage=ask_chat_usage
+    "chat",
+    CHAT_PATH,
+    parse_request,
+    _chat_consumer_body,
+    prefill_request,
+    chat_conversation,
+    judge_chat,
+    ask_usage=ask_chat_usage,
 )
 
 

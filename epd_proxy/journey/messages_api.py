@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 
-from epd_proxy.calls.sse import answer_object, generated_nothing, named_event
+from epd_proxy.calls.sse import Verdict, answer_object, judged, named_event
 from epd_proxy.errors import BadRequest, ProxyError
 from epd_proxy.fleet.cost import request_costs
 from epd_proxy.journey.doors import Conversation, Door, Relayed, chat_conversation, error_fields, with_handles
@@ -189,18 +189,16 @@ def anthropic_stream_error(failure: ProxyError, relayed: Relayed) -> bytes:
     return named_event("error", anthropic_error(failure))
 
 
-def messages_aborted(body: bytes) -> bool:
-    """Whether vLLM aborted a Messages answer: it has no `stop_reason` (vLLM maps only stop,
-    length and tool calls to one, leaves a null out, and raises on an engine error), or no
-    output token."""
-    # A quote inside generated text is escaped: an answer with a stop reason is parsed only when
-    # it may report no output token.
-    if b'"stop_reason"' in body and b'"output_tokens":0' not in body:
-        return False
+def judge_messages(body: bytes) -> Verdict:
+    """A Messages answer vLLM aborted has no `stop_reason`: vLLM gives one for stop, length and
+    tool calls only (repetition, the other reason without one, is not a Messages option), leaves
+    a null out, and answers an engine error with 500."""
+    # Parsed whole: a tool call's input is JSON of the model's, whose keys no byte mark can tell
+    # from the answer's own.
     answer = answer_object(body)
-    if answer is None or answer.get("type") != "message":
-        return False
-    return answer.get("stop_reason") is None or generated_nothing(answer.get("usage"))
+    if answer is not None and answer.get("type") != "message":
+        answer = None
+    return judged(answer, answer is not None and answer.get("stop_reason") is None)
 
 
 # The consumer gets the client's body as sent, with the EC handles.
@@ -211,8 +209,8 @@ MESSAGES = Door(
     with_handles,
     messages_prefill_body,
     messages_conversation,
+    judge_messages,
     error_body=anthropic_error,
     stream_error=anthropic_stream_error,
     media_in_body=messages_media_in_body,
-    aborted=messages_aborted,
 )

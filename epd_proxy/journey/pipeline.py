@@ -217,16 +217,13 @@ class Pipeline:
         self.health.answered(instance, status, message)
 
     async def open(self, job: ClientBody, route: Route, trace: Trace, door: Door = CHAT) -> DecodeAnswer:
-        """Run attempts until decode commits, then let go of the client's body.
-
-        Committed means a 2xx that is not a stream, or a stream whose first generated event (or
-        its end) has arrived. Another attempt (fresh encode, fresh transfer ids) follows a
-        consumer's 500, or a stream that reports an error in-band before generating anything,
-        which is how vLLM reports the same failure once it has answered 200.
-        """
+        """Run attempts until decode commits (`decode.hold_head`), then let go of the client's body.
+        Another attempt (fresh encode, fresh transfer ids) follows a consumer's 500, or a stream
+        that reports an error in-band before generating anything, as vLLM reports the same failure
+        once it has answered 200."""
         known = self._known(job, route)
         attempts = self.decode_retries + 1
-        attempt = 1
+        attempt, cut_before = 1, False
         while True:
             trace.attempts = attempt
             prefill_headers, decode_headers = route.headers(trace.request_id)
@@ -266,7 +263,7 @@ class Pipeline:
                             # is a later moment of its own.
                             decoding.event("headers")
                         try:
-                            verdict, in_band = await self._call(route.decoder, hold_head(answer, door.aborted), trace)
+                            verdict, in_band = await self._call(route.decoder, hold_head(answer, door.judge), trace)
                         except BaseException:
                             answer.release()
                             raise
@@ -274,9 +271,12 @@ class Pipeline:
                             if answer.streaming:
                                 decoding.event("first_token")
                             route.prefilled(sent, time.monotonic())
-                # vLLM aborted the answer (a pause, a shutdown), its engine did not fail it: the
-                # client has none of it, and another instance may answer it whole.
-                if verdict is Verdict.ABORTED and self._elsewhere(job, door, route, trace, answer.backend, "aborted"):
+                # vLLM aborted the answer (a pause, a shutdown): the client has none of it, and
+                # another instance may answer it whole. Cut partway, it moves once: under vLLM's
+                # fault tolerance an engine failure aborts what it runs, and this may be the cause.
+                movable = verdict is Verdict.NOTHING or (verdict is Verdict.CUT and not cut_before)
+                if movable and self._elsewhere(job, door, route, trace, answer.backend, verdict.value):
+                    cut_before = cut_before or verdict is Verdict.CUT
                     answer.release()
                     known = self._known(job, route)
                     continue

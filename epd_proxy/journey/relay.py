@@ -159,8 +159,7 @@ def read_usage(data: bytes) -> Usage | None:
 
 def _tokens(used: dict) -> Usage | None:
     prompt = used.get("prompt_tokens", used.get("input_tokens", 0))
-    output = output_tokens(used)
-    output = 0 if output is None else output
+    output = output_tokens(used, missing=0)
     details = used.get("prompt_tokens_details") or used.get("input_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else 0
     if not all(type(v) is int and v >= 0 for v in (prompt, output)):

@@ -21,7 +21,7 @@ from typing import Any
 
 import orjson
 
-from epd_proxy.calls.sse import answer_object, event_data, events, generated_nothing, named_event
+from epd_proxy.calls.sse import Verdict, answer_object, event_data, events, judged, named_event
 from epd_proxy.errors import BadRequest, ProxyError
 from epd_proxy.journey.doors import Conversation, Door, Relayed, conversation_of, with_handles
 from epd_proxy.journey.extract import (
@@ -190,16 +190,14 @@ def responses_media_in_body(body: dict[str, Any], moved: Sequence[tuple[MediaIte
     return {**body, "input": with_urls(body["input"], moved)}
 
 
-def responses_aborted(body: bytes) -> bool:
-    """Whether vLLM aborted a Responses answer: status `cancelled` (its harmony models), or no
-    output token. vLLM 0.32 answers other models' request aborted partway as `completed`, with
-    the text so far: nothing tells it from a finished one."""
+def judge_responses(body: bytes) -> Verdict:
+    """A Responses answer vLLM aborted is `cancelled` (harmony models, once an output item is
+    whole), or of no output token. vLLM 0.32 answers other models' request aborted partway as
+    `completed` with the text so far: nothing tells it from a finished one."""
     if b'"output_tokens":0' not in body and b'"status":"cancelled"' not in body:
-        return False
+        return Verdict.COMMIT
     answer = answer_object(body)
-    if answer is None:
-        return False
-    return answer.get("status") == "cancelled" or generated_nothing(answer.get("usage"))
+    return judged(answer, answer is not None and answer.get("status") == "cancelled")
 
 
 RESPONSES = Door(
@@ -209,7 +207,7 @@ RESPONSES = Door(
     responses_consumer_body,
     responses_prefill_body,
     responses_conversation,
+    judge_responses,
     stream_error=responses_stream_error,
     media_in_body=responses_media_in_body,
-    aborted=responses_aborted,
 )

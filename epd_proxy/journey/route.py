@@ -41,7 +41,8 @@ class Route:
     prefill_held: bool = False
     claimed: bool = False
     holding: bool = False
-    # Instances that took none of the request (refused it, or had no room): not chosen for it again.
+    # Instances that did not answer the request (refused it, had no room, aborted it): not chosen
+    # for it again.
     passed_over: list[Instance] = field(default_factory=list)
 
     @property

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import threading
 import urllib.parse
 import urllib.request
@@ -27,6 +28,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from epd_proxy.calls.sse import Verdict
 from epd_proxy.journey.doors import CHAT
 from epd_proxy.journey.messages_api import MESSAGES
 from epd_proxy.journey.responses_api import RESPONSES
@@ -155,18 +157,34 @@ def test_a_pd_that_aborts_a_request_before_running_it_hands_it_to_the_other_pd_e
     fidelity.check("a PD aborted the request before running it", answers[0], chat_ok(st.baseline_url, body), TWO_PDS)
 
 
+_GENERATED = re.compile(rb"^vllm:generation_tokens_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)$", re.M)
+
+
 def generated_tokens(url: str) -> float:
-    return counter(url, "vllm:generation_tokens")
+    """The PD's count of tokens generated, read with a regular expression: polled while the PD
+    generates, a parse of its whole /metrics page would take a good part of the generation."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        return sum(float(v) for v in _GENERATED.findall(resp.read()))
 
 
-# Long enough that the engine is still generating when the test pauses it (the tiny model writes
-# about 330 tokens a second here), within the stack's --max-model-len.
-LONG = 1000
+# Long enough that the engine is still generating when the test freezes it (the tiny model writes
+# about 330 tokens a second on an idle machine), within the stack's --max-model-len.
+LONG = 1800
+TRIES = 3
 
 
-def abort_partway(url: str, send: Callable[[], Any]) -> Any:
-    """What `send` (a request whose generation lands on the PD at `url`) returns, run in a thread:
-    once the PD has generated a few tokens, the test freezes and aborts what it runs."""
+def abort_partway(url: str, send: Callable[[], Any], landed: Callable[[Any], bool]) -> Any:
+    """What `send` (a request whose generation lands on the PD at `url`) returns, run in a thread
+    while the test freezes the PD once it has generated a few tokens, and aborts what it runs. A
+    request the PD finished before it froze (`landed` says no) is sent again, up to TRIES times."""
+    for _ in range(TRIES):
+        got = _abort_once(url, send)
+        if landed(got):
+            return got
+    raise AssertionError(f"the PD finished the request before it was frozen, {TRIES} times")
+
+
+def _abort_once(url: str, send: Callable[[], Any]) -> Any:
     before = generated_tokens(url)
     got: list[Any] = []
     client = threading.Thread(target=lambda: got.append(send()))
@@ -182,6 +200,15 @@ def abort_partway(url: str, send: Callable[[], Any]) -> Any:
         client.join(180)
     assert len(got) == 1, "the request was answered"
     return got[0]
+
+
+def aborts(url: str) -> float:
+    return counter(url, "vllm:request_success", finished_reason="abort")
+
+
+def cut_short(raw: bytes) -> bool:
+    usage = json.loads(raw)["usage"]
+    return usage.get("completion_tokens", usage.get("output_tokens")) < LONG
 
 
 def post_raw(url: str, path: str, body: dict) -> bytes:
@@ -202,15 +229,39 @@ def test_vllm_answers_a_request_aborted_partway_as_the_doors_judge_it(two_pd_sta
     prompt = "Keep writing."
     ask = [{"role": "user", "content": prompt}]
     cases = [
-        (CHAT, {"messages": ask, "max_tokens": LONG, "allowed_token_ids": LOWERCASE_IDS}, True),
-        (MESSAGES, {"messages": ask, "max_tokens": LONG}, True),
-        (RESPONSES, {"input": prompt, "max_output_tokens": LONG}, False),
+        (CHAT, {"messages": ask, "max_tokens": LONG, "allowed_token_ids": LOWERCASE_IDS}, Verdict.CUT),
+        (MESSAGES, {"messages": ask, "max_tokens": LONG}, Verdict.CUT),
+        (RESPONSES, {"input": prompt, "max_output_tokens": LONG}, Verdict.COMMIT),
     ]
-    for door, body, told in cases:
-        raw = abort_partway(pd, partial(post_raw, pd, door.path, {"model": MODEL, "temperature": 0, **body}))
+    for door, body, verdict in cases:
+        send = partial(post_raw, pd, door.path, {"model": MODEL, "temperature": 0, **body})
+        raw = abort_partway(pd, send, landed=cut_short)
         usage = json.loads(raw)["usage"]
         assert usage.get("completion_tokens", usage.get("output_tokens")) > 0, raw
-        assert door.aborted(raw) is told, raw
+        assert door.judge(raw) is verdict, raw
+
+
+def test_vllm_answers_it_finished_are_judged_finished(two_pd_stack):
+    """The judges' other side on real answers, each way vLLM ends a request here: at the
+    end-of-sequence token (this prompt's greedy answer ends after about a hundred tokens) and at
+    the budget. A false "aborted" would send a finished request again."""
+    pd = two_pd_stack.consumer_urls[0]
+    prompt = "Count to one thousand."
+    ask = [{"role": "user", "content": prompt}]
+    cases = [
+        (CHAT, {"messages": ask, "max_tokens": 400}, ("finish_reason", "stop")),
+        (CHAT, {"messages": ask, "max_tokens": 8}, ("finish_reason", "length")),
+        (MESSAGES, {"messages": ask, "max_tokens": 400}, ("stop_reason", "end_turn")),
+        (MESSAGES, {"messages": ask, "max_tokens": 8}, ("stop_reason", "max_tokens")),
+        (RESPONSES, {"input": prompt, "max_output_tokens": 400}, ("status", "completed")),
+        (RESPONSES, {"input": prompt, "max_output_tokens": 8}, ("status", "incomplete")),
+    ]
+    for door, body, (field, ending) in cases:
+        raw = post_raw(pd, door.path, {"model": MODEL, "temperature": 0, **body})
+        answer = json.loads(raw)
+        said = answer["choices"][0][field] if door is CHAT else answer[field]
+        assert said == ending, raw
+        assert door.judge(raw) is Verdict.COMMIT, raw
 
 
 def test_a_pd_that_aborts_a_request_partway_hands_it_to_the_other_pd_exactly(two_pd_stack, fidelity):
@@ -218,12 +269,14 @@ def test_a_pd_that_aborts_a_request_partway_hands_it_to_the_other_pd_exactly(two
     aborting, free = st.consumer_urls
     pds = ",".join(st.consumer_urls)
     body = chat_body(fresh(1), temperature=0, seed=1234, max_tokens=LONG, allowed_token_ids=LOWERCASE_IDS)
-    with extra_proxy(st, "partway-pd-proxy", "--decode-policy", "round_robin", decode_url=pds) as proxy:
-        before = {url: finished_requests(url) for url in st.consumer_urls}
-        # Round robin places the proxy's first request on the first PD.
-        answer = abort_partway(aborting, partial(chat_ok, proxy, body))
-        eventually_sync(
-            lambda: finished_requests(free) - before[free] == 1, timeout=15, what="the other PD answered it"
-        )
+
+    def through_a_fresh_proxy() -> dict:
+        # Round robin places a fresh proxy's first request on the first PD.
+        with extra_proxy(st, "partway-pd-proxy", "--decode-policy", "round_robin", decode_url=pds) as proxy:
+            return chat_ok(proxy, body)
+
+    before, aborted = finished_requests(free), aborts(aborting)
+    answer = abort_partway(aborting, through_a_fresh_proxy, landed=lambda _: aborts(aborting) > aborted)
+    eventually_sync(lambda: finished_requests(free) - before == 1, timeout=15, what="the other PD answered it")
     assert answer["choices"][0]["finish_reason"] == "length"
     fidelity.check("a PD aborted the request partway", answer, chat_ok(st.baseline_url, body), TWO_PDS)

@@ -126,6 +126,22 @@ async def test_an_answer_vllm_aborted_goes_to_another_pd(make_stack, door, strea
     assert health["instances"][stack.backend_urls["d"][0]]["state"] == "healthy"
 
 
+@pytest.mark.parametrize(("fault", "tried"), [("aborts", 3), ("late_aborts", 2)])
+async def test_an_answer_aborted_before_generating_tries_every_pd_and_one_cut_partway_moves_once(
+    make_stack, fault, tried
+):
+    """Under vLLM's fault tolerance an engine failure aborts what the engine runs: a request cut
+    partway may be the cause, and is not carried across the fleet."""
+    stack = await make_stack(encoders=1, decoders=3, decode_policy="round_robin")
+    for fake in stack.consumers:
+        setattr(fake.faults, fault, 1)
+    async with await stack.chat(chat(image("A"))) as resp:
+        assert resp.status == 200
+        answer = await resp.json()
+    assert answer["choices"][0]["finish_reason"] == "abort"
+    assert sum(len(fake.requests) for fake in stack.consumers) == tried
+
+
 def _unnumbered(raw: bytes) -> bytes:
     """An answer less what differs between two answers of one text: its ids and times."""
     return re.sub(rb'chatcmpl-\d+|"created(?:_at)?":\d+', b"", raw)

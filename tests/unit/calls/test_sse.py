@@ -81,7 +81,7 @@ COMPLETED = b'event: response.completed\ndata: {"type":"response.completed","seq
     ids=["chat", "chat-usage", "chat-continuous-usage", "messages", "responses"],
 )
 def test_a_stream_that_ends_having_generated_nothing_says_so(stream):
-    assert judge(stream) == (Verdict.ABORTED, None)
+    assert judge(stream) == (Verdict.NOTHING, None)
 
 
 def test_a_generation_of_one_token_is_something():

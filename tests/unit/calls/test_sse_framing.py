@@ -178,5 +178,5 @@ def test_vllms_in_band_error_is_found_under_any_line_ends_and_split(end, points)
 def test_data_lines_are_read_by_the_spec_whatever_the_line_ends():
     # Two data lines are joined by LF; one space after the colon is dropped.
     assert judged(b'data:{"error":\r\ndata: {"message": "x"}}\r\n\r\n', [])[0] is Verdict.ERROR
-    assert judged(b"data: [DONE]\r\r", [])[0] is Verdict.ABORTED
+    assert judged(b"data: [DONE]\r\r", [])[0] is Verdict.NOTHING
     assert judged(b": ping\r\n\r\nevent: x\r\r", []) == (Verdict.HOLD, None)

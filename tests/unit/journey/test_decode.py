@@ -102,20 +102,20 @@ async def test_no_answer_at_all_is_the_layers_failure_unchanged():
 
 async def test_the_head_is_held_until_the_first_generated_event_and_the_rest_stays_unread():
     answer, _ = await opened(stream_reply(ROLE, TOKEN, b'data: {"choices":[{"delta":{"content":"!"}}]}\n\n', DONE))
-    assert await hold_head(answer, CHAT.aborted) == (Verdict.COMMIT, None)
+    assert await hold_head(answer, CHAT.judge) == (Verdict.COMMIT, None)
     assert answer.held == ROLE + TOKEN
     assert [chunk async for chunk in answer.chunks] == [b'data: {"choices":[{"delta":{"content":"!"}}]}\n\n', DONE]
 
 
 async def test_an_event_split_over_chunks_is_judged_once_it_ends():
     answer, _ = await opened(stream_reply(ROLE + TOKEN[:20], TOKEN[20:], DONE))
-    assert await hold_head(answer, CHAT.aborted) == (Verdict.COMMIT, None)
+    assert await hold_head(answer, CHAT.judge) == (Verdict.COMMIT, None)
     assert answer.held == ROLE + TOKEN
 
 
 async def test_vllms_error_before_anything_generated_is_handed_back():
     answer, _ = await opened(stream_reply(ROLE, VLLM_ERROR, DONE))
-    verdict, error = await hold_head(answer, CHAT.aborted)
+    verdict, error = await hold_head(answer, CHAT.judge)
     assert verdict is Verdict.ERROR
     assert error == {"message": "EC load failed", "type": "InternalServerError", "code": 500}
     assert answer.held == ROLE + VLLM_ERROR
@@ -123,19 +123,19 @@ async def test_vllms_error_before_anything_generated_is_handed_back():
 
 async def test_an_error_after_generated_text_is_not_judged():
     answer, _ = await opened(stream_reply(ROLE, TOKEN, VLLM_ERROR, DONE))
-    assert await hold_head(answer, CHAT.aborted) == (Verdict.COMMIT, None)
+    assert await hold_head(answer, CHAT.judge) == (Verdict.COMMIT, None)
     assert answer.held == ROLE + TOKEN
 
 
 async def test_a_stream_that_breaks_off_before_generating_commits_with_all_it_sent():
     answer, _ = await opened(stream_reply(ROLE, b": keep-alive\n\n"))
-    assert await hold_head(answer, CHAT.aborted) == (Verdict.COMMIT, None)
+    assert await hold_head(answer, CHAT.judge) == (Verdict.COMMIT, None)
     assert answer.held == ROLE + b": keep-alive\n\n"
 
 
 async def test_a_stream_that_ends_having_generated_nothing_is_told_apart():
     answer, _ = await opened(stream_reply(ROLE, DONE))
-    assert await hold_head(answer, CHAT.aborted) == (Verdict.ABORTED, None)
+    assert await hold_head(answer, CHAT.judge) == (Verdict.NOTHING, None)
     assert answer.held == ROLE + DONE
 
 
@@ -157,26 +157,35 @@ def response(status: str, output: int) -> dict:
     return {"object": "response", "status": status, "usage": {"input_tokens": 59, "output_tokens": output}}
 
 
+def tool_use(stop: str | None) -> dict:
+    """A Messages answer that called a tool whose input the model wrote: JSON of its own."""
+    call = {"type": "tool_use", "id": "t1", "name": "report", "input": {"stop_reason": "end_turn"}}
+    return {**message({"input_tokens": 59, "output_tokens": 9}, stop), "content": [call]}
+
+
 # vLLM 0.32's JSON answers to a request it aborted (a pause, a shutdown) before its engine ran it or
 # partway, and to ones it finished (a first token that was end-of-sequence is one token), in each
 # door's shape: an aborted one goes elsewhere, as the client has none of it.
 @pytest.mark.parametrize(
     ("door", "body", "verdict"),
     [
-        (CHAT, chat_answer("abort", NONE_USED, ""), Verdict.ABORTED),
-        (CHAT, chat_answer("abort", CHAT_USED), Verdict.ABORTED),
+        (CHAT, chat_answer("abort", NONE_USED, ""), Verdict.NOTHING),
+        (CHAT, chat_answer("abort", CHAT_USED), Verdict.CUT),
         (CHAT, chat_answer("stop", ONE_USED, ""), Verdict.COMMIT),
         (CHAT, chat_answer("length", CHAT_USED), Verdict.COMMIT),
         (CHAT, chat_answer("stop", None), Verdict.COMMIT),
         # Text that spells the abort is escaped inside its string: not the answer's finish reason.
         (CHAT, chat_answer("stop", CHAT_USED, '"finish_reason":"abort"'), Verdict.COMMIT),
-        (MESSAGES, message({"input_tokens": 76, "output_tokens": 0}, None, ""), Verdict.ABORTED),
-        (MESSAGES, message({"input_tokens": 59, "output_tokens": 5}, None), Verdict.ABORTED),
+        (MESSAGES, message({"input_tokens": 76, "output_tokens": 0}, None, ""), Verdict.NOTHING),
+        (MESSAGES, message({"input_tokens": 59, "output_tokens": 5}, None), Verdict.CUT),
         (MESSAGES, message({"input_tokens": 59, "output_tokens": 5}), Verdict.COMMIT),
         (MESSAGES, message({"input_tokens": 59, "output_tokens": 5}, "max_tokens"), Verdict.COMMIT),
         (MESSAGES, message({"input_tokens": 59, "output_tokens": 1}, "end_turn", '"stop_reason"'), Verdict.COMMIT),
-        (RESPONSES, response("completed", 0), Verdict.ABORTED),
-        (RESPONSES, response("cancelled", 5), Verdict.ABORTED),
+        # A tool's input spells a stop reason unescaped: the answer's own is what counts.
+        (MESSAGES, tool_use(None), Verdict.CUT),
+        (MESSAGES, tool_use("tool_use"), Verdict.COMMIT),
+        (RESPONSES, response("completed", 0), Verdict.NOTHING),
+        (RESPONSES, response("cancelled", 5), Verdict.CUT),
         # What vLLM answers for a request aborted partway on a model without harmony: no sign of it.
         (RESPONSES, response("completed", 5), Verdict.COMMIT),
         (RESPONSES, response("incomplete", 5), Verdict.COMMIT),
@@ -184,7 +193,7 @@ def response(status: str, output: int) -> dict:
 )
 async def test_a_json_answer_is_read_whole_and_one_vllm_aborted_is_told_apart(door: Door, body: dict, verdict):
     answer, _ = await opened(json_reply(body))
-    assert await hold_head(answer, door.aborted) == (verdict, None)
+    assert await hold_head(answer, door.judge) == (verdict, None)
     assert answer.held == orjson.dumps(body)
     assert [chunk async for chunk in answer.chunks] == []
 
@@ -194,12 +203,12 @@ async def test_a_json_answer_is_read_whole_and_one_vllm_aborted_is_told_apart(do
     "body", [b"[]", b'{"usage":{"completion_tokens":0', b'{"usage":{"output_tokens":0', b'[{"finish_reason":"abort"}]']
 )
 def test_an_answer_that_is_no_json_object_is_not_judged_aborted(door: Door, body: bytes):
-    assert door.aborted(body) is False
+    assert door.judge(body) is Verdict.COMMIT
 
 
 @pytest.mark.parametrize("kind", [BROKEN, IDLE_TIMEOUT])
 async def test_a_stream_that_fails_while_its_head_is_held_raises(kind):
     answer, _ = await opened(stream_reply(ROLE, breaks=kind))
     with pytest.raises(NoAnswer) as err:
-        await hold_head(answer, CHAT.aborted)
+        await hold_head(answer, CHAT.judge)
     assert err.value.kind == kind and err.value.stage == "decode"

@@ -70,7 +70,7 @@ def decode_answer(reply: Reply, held: bytes = b"") -> DecodeAnswer:
 async def json_answer(reply: Reply) -> DecodeAnswer:
     """A JSON answer as the relay gets it: read whole by `hold_head` before it was committed."""
     answer = decode_answer(reply)
-    await hold_head(answer, CHAT.aborted)
+    await hold_head(answer, CHAT.judge)
     return answer
 
 
@@ -232,6 +232,9 @@ CHAT_USAGE = {"prompt_tokens": 120, "completion_tokens": 7, "prompt_tokens_detai
         (TOKEN + DONE, None),
         (orjson.dumps({"usage": {"prompt_tokens": -5, "completion_tokens": 1}}), None),
         (orjson.dumps({"usage": {"prompt_tokens": "9", "completion_tokens": 1}}), None),
+        (orjson.dumps({"usage": {"prompt_tokens": 9, "completion_tokens": None}}), None),
+        # No output count at all: none generated.
+        (orjson.dumps({"usage": {"prompt_tokens": 9}}), Usage(9, 0)),
         (b'{"usage": broken', None),
         # More cached than computed is not believed: the whole prompt counts.
         (
