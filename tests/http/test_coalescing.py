@@ -20,6 +20,11 @@ from epd_proxy_tools.testing.polling import eventually
 from tests.media import chat, image
 
 SLOW_S = 0.6
+# How long the blockers of a one-encoder stack hold its slots: longer than a loaded machine takes
+# to queue what a test sends next (0.6 s was not, once), under the 10 s before a sub-request
+# counts as overdue (fleet/stalls.py). A stack of several encoders keeps SLOW_S: an encoder silent
+# that long beside one that answers is lagging, and gets no new work.
+HOLD_S = 3.0
 
 
 async def answer_of(stack, body):
@@ -42,8 +47,9 @@ def lanes(stack):
 BUSY_CALLS = itertools.count()
 
 
-async def busy_encoder(stack, encoder=0):
-    """Warm the encoder's speed estimate, then hold both of its slots with slow sub-requests."""
+async def busy_encoder(stack, encoder=0, hold_s=SLOW_S):
+    """Warm the encoder's speed estimate, then hold both of its slots with sub-requests of
+    `hold_s` each; what follows them takes SLOW_S."""
     fake = stack.encoders[encoder]
     fake.faults.delay_s = SLOW_S
     # Images of their own each time: one the proxy saw encoded would go to the consumer instead.
@@ -51,8 +57,11 @@ async def busy_encoder(stack, encoder=0):
     status, _ = await answer_of(stack, chat(image(f"warm-up{call}")))
     assert status == 200
     seen = len(fake.requests)
+    fake.faults.delay_s = hold_s
     blockers = [asyncio.create_task(answer_of(stack, chat(image(f"blocker{call}-{i}")))) for i in range(2)]
+    # The fake reads its delay as it records a request: both blockers have theirs.
     await eventually(lambda: len(fake.requests) == seen + 2, what="both slots busy")
+    fake.faults.delay_s = SLOW_S
     return blockers
 
 
@@ -77,7 +86,7 @@ def uuids_of(sub):
 async def test_requests_queued_for_a_busy_encoder_share_one_sub_request_and_get_exact_answers(make_stack):
     stack = await make_stack(encoders=1)
     fake = stack.encoders[0]
-    blockers = await busy_encoder(stack)
+    blockers = await busy_encoder(stack, hold_s=HOLD_S)
     bodies = [
         chat(image("A")),
         chat(image("B"), image("A")),  # A again, in another request: encoded once, for both (inflight.py)
@@ -114,7 +123,7 @@ async def test_requests_queued_for_a_busy_encoder_share_one_sub_request_and_get_
 async def test_only_requests_the_encoder_would_see_alike_share(make_stack):
     stack = await make_stack(encoders=1)
     fake = stack.encoders[0]
-    blockers = await busy_encoder(stack)
+    blockers = await busy_encoder(stack, hold_s=HOLD_S)
     size = {"size": {"shortest_edge": 3136, "longest_edge": 1000000}}
     bodies = {
         "plain": chat(image("P1")),
@@ -151,7 +160,7 @@ async def test_one_clients_bad_image_fails_only_its_own_request(make_stack, stat
     fake = stack.encoders[0]
     bad = image("undecodable")
     fake.faults.bad_media, fake.faults.bad_media_status = bad["image_url"]["url"], status
-    blockers = await busy_encoder(stack)
+    blockers = await busy_encoder(stack, hold_s=HOLD_S)
     bodies = [chat(image("good1")), chat(image("ok"), bad), chat(image("good2"), image("good3"))]
     tasks = await queue_behind(stack, bodies)
     (good1, failed, good2), _ = await asyncio.gather(asyncio.gather(*tasks), asyncio.gather(*blockers))
@@ -178,7 +187,7 @@ async def test_one_clients_bad_image_fails_only_its_own_request(make_stack, stat
 async def test_a_client_leaving_never_cancels_the_items_of_others(make_stack):
     stack = await make_stack(encoders=1)
     fake = stack.encoders[0]
-    blockers = await busy_encoder(stack)
+    blockers = await busy_encoder(stack, hold_s=HOLD_S)
     leaving = aiohttp.ClientSession()
     lane = lanes(stack).all()[0]
     gone = asyncio.create_task(leaving.post(stack.url + "/v1/chat/completions", json=chat(image("leaves"))))
@@ -197,7 +206,7 @@ async def test_a_client_leaving_never_cancels_the_items_of_others(make_stack):
 async def test_a_client_leaving_while_queued_sends_nothing_and_alone_cancels_its_sub_request(make_stack):
     stack = await make_stack(encoders=1)
     fake = stack.encoders[0]
-    blockers = await busy_encoder(stack)
+    blockers = await busy_encoder(stack, hold_s=HOLD_S)
     lane = lanes(stack).all()[0]
     leaving = aiohttp.ClientSession()
     gone = asyncio.create_task(leaving.post(stack.url + "/v1/chat/completions", json=chat(image("never-sent"))))
@@ -209,7 +218,7 @@ async def test_a_client_leaving_while_queued_sends_nothing_and_alone_cancels_its
     never = image("never-sent")["image_url"]["url"]
     assert all(never not in orjson.dumps(seen.body).decode() for seen in fake.requests)
     # A lone group sent from the queue is cancelled with its request, as one sent at once is.
-    blockers = await busy_encoder(stack)
+    blockers = await busy_encoder(stack, hold_s=HOLD_S)
     leaving = aiohttp.ClientSession()
     gone = asyncio.create_task(leaving.post(stack.url + "/v1/chat/completions", json=chat(image("alone"))))
     await eventually(lambda: len(lane.work.waiting) == 1, what="queued")
@@ -227,7 +236,7 @@ async def test_a_client_leaving_while_queued_sends_nothing_and_alone_cancels_its
 async def test_the_batch_cap_bounds_shared_sub_requests(make_stack):
     stack = await make_stack(encoders=1, encoder_max_batch_size=2)
     fake = stack.encoders[0]
-    blockers = await busy_encoder(stack)
+    blockers = await busy_encoder(stack, hold_s=HOLD_S)
     bodies = [chat(image(f"c{i}")) for i in range(5)] + [chat(image("pair1"), image("pair2"))]
     tasks = await queue_behind(stack, bodies)
     results = await asyncio.gather(*tasks, *blockers)
@@ -261,7 +270,7 @@ async def test_mooncake_pushes_share_only_with_the_same_consumer_replica(make_st
     addrs = ("tcp://pd:100", "tcp://pd:101")
     stack = await make_stack(encoders=1, ec_consumer_zmq_addrs=addrs, ec_consumer_dp_size=2)
     fake = stack.encoders[0]
-    blockers = await busy_encoder(stack)
+    blockers = await busy_encoder(stack, hold_s=HOLD_S)
     tasks = await queue_behind(stack, [chat(image(f"m{i}"), image("shared")) for i in range(4)])
     results = await asyncio.gather(*tasks, *blockers)
     assert all(status == 200 for status, _ in results), results
@@ -282,7 +291,7 @@ async def test_mooncake_pushes_share_only_with_the_same_consumer_replica(make_st
 async def test_an_encoder_that_reports_no_positions_is_split_and_then_shares_less(make_stack):
     stack = await make_stack(encoders=1, encoder_options={"report_indices": False})
     fake = stack.encoders[0]
-    blockers = await busy_encoder(stack)
+    blockers = await busy_encoder(stack, hold_s=HOLD_S)
     size = {"size": {"shortest_edge": 3136, "longest_edge": 1000000}}  # derived hashes: uuids do not help
     bodies = [chat(image(f"z{i}"), mm_processor_kwargs=size) for i in range(3)]
     tasks = await queue_behind(stack, bodies)
@@ -298,7 +307,7 @@ async def test_an_encoder_that_reports_no_positions_is_split_and_then_shares_les
 async def test_without_rewrite_a_shared_answer_still_hands_each_request_its_own_handles(make_stack):
     stack = await make_stack(encoders=1, rewrite=False)
     fake = stack.encoders[0]
-    blockers = await busy_encoder(stack)
+    blockers = await busy_encoder(stack, hold_s=HOLD_S)
     size = {"size": {"shortest_edge": 3136, "longest_edge": 1000000}}
     bodies = [chat(image("R1"), mm_processor_kwargs=size), chat(image("R2"), image("R1"), mm_processor_kwargs=size)]
     tasks = await queue_behind(stack, bodies)
