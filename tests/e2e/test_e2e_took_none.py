@@ -28,7 +28,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from epd_proxy.calls.sse import Verdict
+from epd_proxy.calls.sse import Verdict, output_tokens
 from epd_proxy.journey.doors import CHAT
 from epd_proxy.journey.messages_api import MESSAGES
 from epd_proxy.journey.responses_api import RESPONSES
@@ -207,8 +207,7 @@ def aborts(url: str) -> float:
 
 
 def cut_short(raw: bytes) -> bool:
-    usage = json.loads(raw)["usage"]
-    return usage.get("completion_tokens", usage.get("output_tokens")) < LONG
+    return output_tokens(json.loads(raw)["usage"]) < LONG
 
 
 def post_raw(url: str, path: str, body: dict) -> bytes:
@@ -236,8 +235,7 @@ def test_vllm_answers_a_request_aborted_partway_as_the_doors_judge_it(two_pd_sta
     for door, body, verdict in cases:
         send = partial(post_raw, pd, door.path, {"model": MODEL, "temperature": 0, **body})
         raw = abort_partway(pd, send, landed=cut_short)
-        usage = json.loads(raw)["usage"]
-        assert usage.get("completion_tokens", usage.get("output_tokens")) > 0, raw
+        assert output_tokens(json.loads(raw)["usage"]) > 0, raw
         assert door.judge(raw) is verdict, raw
 
 

@@ -340,9 +340,7 @@ def aborted_json(api: str, answer_id: str, model: Any, usage: dict[str, int]) ->
     """An answer of no token: Messages with an empty text and no `stop_reason`, Responses with an
     empty message, `completed`."""
     if api == MESSAGES:
-        content = [{"type": "text", "text": ""}]
-        out = {"id": answer_id, "type": "message", "role": "assistant", "content": content, "model": model}
-        return orjson.dumps({**out, "usage": _usage(api, usage)})
+        return answer_json(api, answer_id, model, "", usage, stop_reason=None)
     message = {**_output_message(answer_id, ""), "content": []}
     response = {"id": f"resp_{answer_id}", "object": "response", "model": model, "status": "completed"}
     return orjson.dumps({**response, "output": [message], "usage": _usage(api, usage)})

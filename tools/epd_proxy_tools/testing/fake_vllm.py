@@ -1047,9 +1047,7 @@ class FakeVLLM:
             await exchange.end()
             return None
         if not body.get("stream"):
-            message = {"role": "assistant", "content": ""}
-            choice = {"index": 0, "message": message, "finish_reason": "abort"}
-            return _json({"id": answer_id, "object": "chat.completion", "choices": [choice], "usage": usage})
+            return _aborted_chat(answer_id, model, "", usage)
         events = [_role_chunk(answer_id, model)]
         options = body.get("stream_options")
         if isinstance(options, dict) and options.get("include_usage"):
@@ -1204,6 +1202,11 @@ def _aborted_partway(api: str, answer_id: str, model: Any, answer: str) -> Answe
     usage = {"prompt_tokens": 7, "total_tokens": 7 + len(text), "completion_tokens": len(text)}
     if api != "chat":
         return Answer(200, fake_doors.answer_json(api, answer_id, model, text, usage, stop_reason=None), JSON_TEXT)
+    return _aborted_chat(answer_id, model, text, usage)
+
+
+def _aborted_chat(answer_id: str, model: Any, text: str, usage: dict[str, int]) -> Answer:
+    """A non-streamed chat answer vLLM aborted, with what it generated before: `finish_reason="abort"`."""
     choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "abort"}
     return _json({"id": answer_id, "object": "chat.completion", "model": model, "choices": [choice], "usage": usage})
 
