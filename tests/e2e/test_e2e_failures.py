@@ -26,7 +26,7 @@ import pytest
 from epd_proxy_tools.local.supervisor import http_ok
 from epd_proxy_tools.testing.polling import eventually_sync
 
-from .e2e_helpers import chat_body, chat_ok, extra_proxy, finished_requests, make_image, post_json
+from .e2e_helpers import chat_body, chat_ok, extra_proxy, finished_requests, make_image, metric_total, post_json
 
 pytestmark = pytest.mark.e2e
 
@@ -69,12 +69,6 @@ def _content(event) -> str:
     return event["choices"][0].get("delta", {}).get("content") or ""
 
 
-def _metric(url: str, prefix: str) -> float:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
-
-
 @pytest.fixture
 def trusting_proxy(stack):
     """A second proxy in front of the same servers that lets a client send `image_embeds`
@@ -101,12 +95,12 @@ def test_vllm_in_band_error_is_retried_then_relayed_as_sent(stack, trusting_prox
         pytest.fail(f"vLLM did not fail the generation in-band; its events: {direct!r}")
     assert direct[-1] == "[DONE]" and not any(_content(e) for e in direct)
 
-    retries = _metric(trusting_proxy, 'epd_retries_total{stage="decode"}')
+    retries = metric_total(trusting_proxy, "epd_retries_total", stage="decode")
     pd_before = finished_requests(stack.pd_url)
     status, via_proxy = stream_events(trusting_proxy, body)
     assert status == 200
     # The first attempt's error was held back and retried; the second one is relayed as vLLM sent it.
-    assert _metric(trusting_proxy, 'epd_retries_total{stage="decode"}') == retries + 1
+    assert metric_total(trusting_proxy, "epd_retries_total", stage="decode") == retries + 1
     assert [e for e in via_proxy if isinstance(e, dict) and "error" in e] == errors
     assert via_proxy[-1] == "[DONE]"
     eventually_sync(
@@ -118,7 +112,7 @@ def test_vllm_in_band_error_is_retried_then_relayed_as_sent(stack, trusting_prox
 def test_pd_killed_mid_stream_ends_in_an_error_event_counted_as_aborted(stack):
     image = make_image(next(SEEDS))
     body = chat_body([image], max_tokens=1500, ignore_eos=True)
-    aborted = _metric(stack.proxy_url, 'epd_requests_total{status="aborted"}')
+    aborted = metric_total(stack.proxy_url, "epd_requests_total", status="aborted")
     pd = stack.by_name("pd")
 
     def kill_pd():
@@ -131,7 +125,7 @@ def test_pd_killed_mid_stream_ends_in_an_error_event_counted_as_aborted(stack):
     error = events[-2]["error"]
     assert events[-1] == "[DONE]" and error["stage"] == "decode" and error["code"] == 502, events[-3:]
     assert time.monotonic() - started < 60
-    assert _metric(stack.proxy_url, 'epd_requests_total{status="aborted"}') == aborted + 1
+    assert metric_total(stack.proxy_url, "epd_requests_total", status="aborted") == aborted + 1
 
 
 class CountingRelay:

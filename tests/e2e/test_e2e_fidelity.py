@@ -31,6 +31,7 @@ from .e2e_helpers import (
     image_source,
     loaded_hashes,
     media_body,
+    metric_total,
     post_json,
     settled_encoder_total,
     store_entries,
@@ -331,14 +332,6 @@ def test_client_uuid_cannot_alias_another_image(stack):
 
 
 # ------------------------------------------- encoder failover (stops encoder-1)
-def _proxy_metric(proxy_url: str, name: str) -> float:
-    import urllib.request
-
-    with urllib.request.urlopen(proxy_url + "/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
-
-
 def _proxy_health(proxy_url: str) -> dict:
     import json
     import urllib.error
@@ -370,7 +363,7 @@ def test_zy_encoder_stopped_mid_run_fails_over_and_rejoins_after_restart(stack):
     after_restart = [chat_body([img]) for img in images[8:]]
     wanted = [chat_ok(stack.baseline_url, b) for b in bodies]
     wanted_after = [chat_ok(stack.baseline_url, b) for b in after_restart]
-    before = _proxy_metric(stack.proxy_url, "epd_encoder_failovers_total")
+    before = metric_total(stack.proxy_url, "epd_encoder_failovers_total")
     victim_url = stack.encoder_urls[1]
 
     assert_same(chat_ok(stack.proxy_url, bodies[0]), wanted[0])
@@ -384,7 +377,7 @@ def test_zy_encoder_stopped_mid_run_fails_over_and_rejoins_after_restart(stack):
         for (status, data), want in zip(results, wanted[1:]):
             assert status == 200, data
             assert_same(data, want)
-        assert _proxy_metric(stack.proxy_url, "epd_encoder_failovers_total") > before
+        assert metric_total(stack.proxy_url, "epd_encoder_failovers_total") > before
         # Transport failures eject it, or three failed checks call it down (checks every 5 s).
         eventually_sync(
             lambda: not _proxy_health(stack.proxy_url)["instances"][victim_url]["in_rotation"],

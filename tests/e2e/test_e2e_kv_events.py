@@ -15,7 +15,7 @@ from epd_proxy.journey.extract import content_uuid
 from epd_proxy_tools.testing.kv_tap import KvTap, reachable
 from epd_proxy_tools.testing.polling import eventually_sync
 
-from .e2e_helpers import await_subscription, chat_body, chat_ok, make_image, media_body
+from .e2e_helpers import await_subscription, chat_body, chat_ok, make_image, media_body, metric_total
 
 pytestmark = pytest.mark.e2e
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
@@ -75,13 +75,6 @@ def _status_of_pd(stack) -> dict:
     return rows[0]["kv_events"] or {"state": "none", "blocks": 0}
 
 
-def _index_reuses(stack) -> float:
-    with urllib.request.urlopen(stack.proxy_url + "/metrics", timeout=30) as resp:
-        text = resp.read().decode()
-    wanted = 'epd_prefix_decisions_total{decision="reuse",source="index"}'
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(wanted))
-
-
 def test_the_proxy_follows_the_pd_and_leaves_it_an_image_its_prefix_holds(stack):
     """The proxy found the PD's events when it joined; once turn 2 has stored blocks past turn 1's
     image, turn 3 leaves that image to the PD because the index says its prefix holds it."""
@@ -98,6 +91,6 @@ def test_the_proxy_follows_the_pd_and_leaves_it_an_image_its_prefix_holds(stack)
             timeout=60,
             what="the turn's blocks never reached the proxy's index",
         )
-    reused = _index_reuses(stack)
+    reused = metric_total(stack.proxy_url, "epd_prefix_decisions_total", decision="reuse", source="index")
     chat_ok(stack.proxy_url, {**media_body([]), "messages": messages})
-    assert _index_reuses(stack) == reused + 1
+    assert metric_total(stack.proxy_url, "epd_prefix_decisions_total", decision="reuse", source="index") == reused + 1

@@ -9,8 +9,6 @@ from __future__ import annotations
 import shutil
 import urllib.request
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from epd_proxy_tools.bench.engines import parse_metrics
 from epd_proxy_tools.testing.harness import free_port
 
@@ -22,6 +20,7 @@ from .e2e_helpers import (
     chat_ok,
     extra_proxy,
     image_source,
+    metric_total,
     settled_encoder_total,
 )
 
@@ -140,13 +139,11 @@ def test_with_every_encoder_stopped_a_conversation_over_two_pds_is_still_exact(t
         before, after = converse(
             st, fidelity, TWO_PDS, "every encoder stopped", st.consumer_urls, proxy_url=url, encoded_per_turn=0
         )
-        with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
-            families = {family.name: family for family in text_string_to_metric_families(resp.read().decode())}
-
-    def total(name: str) -> float:
-        return sum(s.value for s in families[name].samples if s.name.endswith("_total"))
+        encoded, reused = (
+            metric_total(url, name) for name in ("epd_items_consumer_encoded_total", "epd_items_reused_total")
+        )
 
     # Each turn's new image was encoded by its PD; the history it held went raw as reused.
-    assert (total("epd_items_consumer_encoded"), total("epd_items_reused")) == (TURNS, sum(range(TURNS)))
+    assert (encoded, reused) == (TURNS, sum(range(TURNS)))
     served = {pd: grew(before, after, pd, "requests") for pd in st.consumer_urls}
     assert sorted(served.values()) == [0.0, TURNS], served

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import re
 import threading
 import urllib.parse
 import urllib.request
@@ -25,8 +24,6 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from functools import partial
 from typing import Any
-
-from prometheus_client.parser import text_string_to_metric_families
 
 from epd_proxy.calls.sse import Verdict, output_tokens
 from epd_proxy.journey.doors import CHAT
@@ -45,6 +42,7 @@ from .e2e_helpers import (
     extra_proxy,
     finished_requests,
     image_source,
+    metric_total,
     post_json,
 )
 
@@ -76,22 +74,9 @@ def at_limit(url: str) -> bool:
     return status == 503
 
 
-def counter(url: str, family_name: str, **labels: str) -> float:
-    """A counter of the vLLM server at `url`: its total over the samples with `labels`."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
-        families = text_string_to_metric_families(resp.read().decode())
-        return sum(
-            sample.value
-            for family in families
-            if family.name == family_name
-            for sample in family.samples
-            if sample.name.endswith("_total") and labels.items() <= sample.labels.items()
-        )
-
-
 def refusals(url: str) -> float:
     """vLLM's own count of the requests its admission control refused for the queue limit."""
-    return counter(url, "vllm:admission_rejections", reason="max_num_queued_reqs")
+    return metric_total(url, "vllm:admission_rejections_total", reason="max_num_queued_reqs")
 
 
 def test_a_pd_at_its_queue_limit_hands_the_request_to_the_other_pd_and_the_answer_is_exact(two_pd_stack, fidelity):
@@ -157,16 +142,6 @@ def test_a_pd_that_aborts_a_request_before_running_it_hands_it_to_the_other_pd_e
     fidelity.check("a PD aborted the request before running it", answers[0], chat_ok(st.baseline_url, body), TWO_PDS)
 
 
-_GENERATED = re.compile(rb"^vllm:generation_tokens_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)$", re.M)
-
-
-def generated_tokens(url: str) -> float:
-    """The PD's count of tokens generated, read with a regular expression: polled while the PD
-    generates, a parse of its whole /metrics page would take a good part of the generation."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
-        return sum(float(v) for v in _GENERATED.findall(resp.read()))
-
-
 # Long enough that the engine is still generating when the test freezes it (the tiny model writes
 # about 330 tokens a second on an idle machine), within the stack's --max-model-len.
 LONG = 1800
@@ -185,14 +160,17 @@ def abort_partway(url: str, send: Callable[[], Any], landed: Callable[[Any], boo
 
 
 def _abort_once(url: str, send: Callable[[], Any]) -> Any:
-    before = generated_tokens(url)
+    before = metric_total(url, "vllm:generation_tokens_total")
     got: list[Any] = []
     client = threading.Thread(target=lambda: got.append(send()))
     with ExitStack() as held:
         held.callback(lambda: client.is_alive() and client.join(180))
         client.start()
         eventually_sync(
-            lambda: generated_tokens(url) >= before + 5, timeout=60, interval=0.01, what="the PD generating"
+            lambda: metric_total(url, "vllm:generation_tokens_total") >= before + 5,
+            timeout=60,
+            interval=0.01,
+            what="the PD generating",
         )
         control(url, "/pause?mode=keep&clear_cache=false")
         held.callback(control, url, "/resume")
@@ -203,7 +181,7 @@ def _abort_once(url: str, send: Callable[[], Any]) -> Any:
 
 
 def aborts(url: str) -> float:
-    return counter(url, "vllm:request_success", finished_reason="abort")
+    return metric_total(url, "vllm:request_success_total", finished_reason="abort")
 
 
 def cut_short(raw: bytes) -> bool:
