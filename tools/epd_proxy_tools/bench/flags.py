@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from epd_proxy.options import Choice, Count, Folder, Real, Switch, Text, Texts, check, option
+from epd_proxy.options import Choice, Count, Folder, Real, Switch, Text, Texts, Words, check, option
 from epd_proxy_tools.bench.workload import API_PATHS
 
 SEED = 1234
@@ -75,6 +75,14 @@ class TenantLoadOptions:
         Count(1),
         "chat clients of the interactive tenant, each sending one-image questions with a pause between",
         flag="--interactive-clients",
+        group=TENANTS_GROUP,
+    )
+    interactive_priority: int = option(
+        0,
+        Count(-1_000_000, 1_000_000),
+        "the interactive tenant's vLLM `priority` (its range in the tenants file, an objective class): "
+        "other than 0 needs engines with `--scheduling-policy priority` (`--vllm-args`)",
+        flag="--interactive-priority",
         group=TENANTS_GROUP,
     )
     block_seconds: float | None = option(
@@ -319,6 +327,14 @@ class RealBenchOptions(TenantLoadOptions):
         group=LOCAL_STACK,
         metavar="NAME",
         shown="the last PD (prefill with `--prefill`)",
+    )
+    vllm_args: tuple[str, ...] = option(
+        (),
+        Words(),
+        "extra arguments for every vLLM server of `--stack`, one shell-quoted string "
+        '(`--vllm-args="--scheduling-policy priority"`)',
+        flag="--vllm-args",
+        group=LOCAL_STACK,
     )
     stack_dir: Path = option(
         Path("work/bench-stack"), Folder(), "the stack's work folder", flag="--stack-dir", group=LOCAL_STACK

@@ -151,6 +151,7 @@ class RealBench:
                 num_gpu_blocks_pd=a.kv_blocks,
                 max_model_len=a.max_model_len,
                 render=a.render,
+                extra_vllm_args=a.vllm_args,
             )
             self.stack = LocalStack(config, progress_stream=sys.stderr)
             self.stack.start(tty=False)

@@ -247,7 +247,7 @@ class FakeTenantBench:
         a = self.args
         if self.pin:
             os.sched_setaffinity(0, self._cpus(a.harness_cpus))
-        tenants = tenant_load.new_tenants(a.flood_deadline_ms)
+        tenants = tenant_load.new_tenants(a.flood_deadline_ms, a.interactive_priority)
         tenants_file = _write_tenants(self.out, tenants)
         proxies = [
             Arm(name.partition("@")[0], command_words(shlex.split(command)), {"ENCODER_MAX_BATCH_SIZE": "0"})
@@ -305,7 +305,7 @@ def run_real(bench) -> int:
     a = bench.args
     bench.start_engines()
     try:
-        tenants = tenant_load.new_tenants(a.flood_deadline_ms)
+        tenants = tenant_load.new_tenants(a.flood_deadline_ms, a.interactive_priority)
         tenants_file = _write_tenants(bench.out, tenants)
         arms = []
         for arm in bench.build_arms():

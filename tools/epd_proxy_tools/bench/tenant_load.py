@@ -45,13 +45,15 @@ class TenantSpec:
     weight: float = 1.0
     # The tenants file's deadline_ms; None: the tenant waits as long as it takes.
     deadline_ms: int | None = None
+    # The vLLM `priority` every request of the tenant carries (its range [p, p]); 0: vLLM's default.
+    priority: int = 0
 
 
-def new_tenants(flood_deadline_ms: int | None) -> tuple[TenantSpec, TenantSpec]:
+def new_tenants(flood_deadline_ms: int | None, interactive_priority: int = 0) -> tuple[TenantSpec, TenantSpec]:
     """The flood and the interactive tenant, with fresh keys: only their digests are written down."""
     return (
         TenantSpec(FLOOD, secrets.token_urlsafe(24), 1.0, flood_deadline_ms),
-        TenantSpec(INTERACTIVE, secrets.token_urlsafe(24), 1.0, None),
+        TenantSpec(INTERACTIVE, secrets.token_urlsafe(24), 1.0, None, interactive_priority),
     )
 
 
@@ -63,6 +65,8 @@ def tenants_toml(tenants: tuple[TenantSpec, ...]) -> str:
         lines.append(f"weight = {t.weight:g}")
         if t.deadline_ms is not None:
             lines.append(f"deadline_ms = {t.deadline_ms}")
+        if t.priority:
+            lines.append(f"priority = [{t.priority}, {t.priority}]")
         lines.append("")
     return "\n".join(lines)
 
