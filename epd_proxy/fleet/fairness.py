@@ -20,8 +20,9 @@ encoder-seconds its requests bring as they arrive, turned away or not, over the 
 DEMAND_WINDOW_S. Fair queueing keeps a flooding tenant's counter level with the others', so the
 counters alone would call it within its share; what it asks for is what is not. When the fleet is
 past a deadline, such a tenant's requests are the ones turned away with 429. While tenants
-compete, an encoder sub-request carries at most CONTENDED_GROUP_ITEMS items, so the next group
-due waits for a short sub-request to end, not for a flood's whole request.
+compete (requests in flight, or within the last CONTENTION_LINGER_S), an encoder sub-request
+carries at most CONTENDED_GROUP_ITEMS items, so the next group due waits for a short sub-request to
+end, not for a flood's whole request.
 
 One ledger per process: with `--workers`, each worker keeps its own, and weighs what a tenant
 asks of it against its own part of the encoders (the kernel spreads requests evenly).
@@ -49,6 +50,11 @@ DEMAND_SLACK = 0.25
 # short sub-requests to end, not for a flood's whole request. A group of a few images is still
 # one vision batch on the encoder, and each more sub-request costs it one fixed cost.
 CONTENDED_GROUP_ITEMS = 2
+# For the quantum, a tenant still competes this long after its last request ended: a chat client
+# pauses between questions, and a quantum that lapsed in each pause let the flood's next
+# sub-requests carry 8 images each, which the chat's next image then waited behind (on real
+# engines, 128 of 235 shared sub-requests beside two chat clients).
+CONTENTION_LINGER_S = 5.0
 
 # Told of each charge: tenant, encoder seconds, computed prompt tokens, output tokens.
 OnCharge = Callable[[str, float, int, int], None]
@@ -67,6 +73,7 @@ class Account:
         "output_tokens",
         "asked_s",
         "asked_at",
+        "ended_at",
     )
 
     def __init__(self, weight: float) -> None:
@@ -81,6 +88,8 @@ class Account:
         # Encoder-seconds asked for, decayed to `asked_at` (DEMAND_WINDOW_S).
         self.asked_s = 0.0
         self.asked_at = 0.0
+        # When its last request in flight ended (CONTENTION_LINGER_S).
+        self.ended_at = -math.inf
 
     def asking(self, now: float) -> float:
         """Encoder-seconds per second it asks for, as of `now`."""
@@ -120,14 +129,22 @@ class Ledger:
                 account.tokens_v = max(account.tokens_v, floor[1])
         account.active += 1
 
-    def ended(self, tenant: str) -> None:
+    def ended(self, tenant: str, now: float) -> None:
         account = self._accounts.get(tenant)
         if account is not None and account.active:
             account.active -= 1
+            if not account.active:
+                account.ended_at = now
 
     def contended(self) -> bool:
         """Whether more than one tenant has requests in flight."""
         return sum(1 for account in self._accounts.values() if account.active) > 1
+
+    def competing(self, now: float) -> bool:
+        """Whether more than one tenant has requests in flight or had within CONTENTION_LINGER_S:
+        when the quantum applies."""
+        since = now - CONTENTION_LINGER_S
+        return sum(1 for account in self._accounts.values() if account.active or account.ended_at > since) > 1
 
     def charge_encoder(self, tenant: str, seconds: float) -> None:
         account = self._account(tenant)

@@ -404,10 +404,10 @@ class Lanes:
         """Seconds every encoder spent on this proxy's sub-requests, those that left included."""
         return self._departed_worked_s + sum(lane.speed.worked_s for lane in self._lanes.values())
 
-    def group_cap(self, max_batch: int) -> int:
-        """The most items one sub-request may carry now (0: no limit): `max_batch`, and while
-        tenants compete (--tenants) at most fairness.CONTENDED_GROUP_ITEMS."""
-        if self.fairness is None or not self.fairness.contended():
+    def group_cap(self, max_batch: int, now: float) -> int:
+        """The most items one sub-request may carry at `now` (0: no limit): `max_batch`, and while
+        tenants compete (--tenants, `Ledger.competing`) at most fairness.CONTENDED_GROUP_ITEMS."""
+        if self.fairness is None or not self.fairness.competing(now):
             return max_batch
         return min(max_batch, CONTENDED_GROUP_ITEMS) if max_batch else CONTENDED_GROUP_ITEMS
 

@@ -266,7 +266,7 @@ async def serve(request: web.Request, door: Door) -> web.StreamResponse:
         return error_response(InternalError(rid.value), rid.value, door)
     finally:
         if fairness is not None and counted is not None:
-            fairness.ended(counted)
+            fairness.ended(counted, time.perf_counter())
         account(state.metrics, trace, status)
 
 

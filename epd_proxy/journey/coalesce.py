@@ -195,12 +195,9 @@ class Coalescer:
     def _next_batch(self, lane: Lane) -> Batch:
         options = self.sender.options
         fairness = self.lanes.fairness
-        works = lane.next_batch(
-            self.lanes.group_cap(options.max_batch_size),
-            self.sender.clock(),
-            options.timeouts.total,
-            None if fairness is None else fairness.rank,
-        )
+        now = self.sender.clock()
+        cap, rank = self.lanes.group_cap(options.max_batch_size, now), None if fairness is None else fairness.rank
+        works = lane.next_batch(cap, now, options.timeouts.total, rank)
         if fairness is not None:
             # Charged as it is chosen: the next choice, perhaps for another free slot before this
             # one is sent, must already count it.

@@ -430,7 +430,8 @@ class Pipeline:
         """Plan (placement, then groups), encode, match."""
         assert job.body is not None  # released only once decode commits
         assignment = self.encode.place(items, trace)
-        groups = plan_groups(items, assignment, self.encode.lanes.group_cap(self.encoding.max_batch_size))
+        cap = self.encode.lanes.group_cap(self.encoding.max_batch_size, self.encode.clock())
+        groups = plan_groups(items, assignment, cap)
         answers = await self.encode.run(job.body, items, groups, consumer_zmq, trace, job.dumps)
         return match_groups(
             job.body, items, [group.indices for group in groups], answers, push_mode=consumer_zmq is not None

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 
 import orjson
 import pytest
 
-from epd_proxy.fleet.fairness import CONTENDED_GROUP_ITEMS, OVER
+from epd_proxy.fleet.fairness import CONTENDED_GROUP_ITEMS, CONTENTION_LINGER_S, OVER
 from epd_proxy_tools.testing.polling import eventually
 from tests.media import chat, image
 
@@ -143,7 +144,14 @@ async def test_while_tenants_compete_a_sub_request_carries_a_quantum_so_another_
     stack.state.lanes.fairness.began("b", 2.0)
     sizes = await sub_request_sizes(stack, "a", "beside-b", 5)
     assert sum(sizes) == 5 and max(sizes) == CONTENDED_GROUP_ITEMS, sizes
-    stack.state.lanes.fairness.ended("b")
+    # b's request ended a moment ago: it may be pausing before its next, so a's still go a quantum
+    # at a time; once b has been quiet CONTENTION_LINGER_S, a's go whole again.
+    fairness = stack.state.lanes.fairness
+    fairness.ended("b", time.perf_counter())
+    sizes = await sub_request_sizes(stack, "a", "b-pausing", 5)
+    assert sum(sizes) == 5 and max(sizes) == CONTENDED_GROUP_ITEMS, sizes
+    fairness.began("b", 2.0)
+    fairness.ended("b", time.perf_counter() - CONTENTION_LINGER_S)
     assert await sub_request_sizes(stack, "a", "alone-again", 6) == [6]
 
 
@@ -180,12 +188,12 @@ async def test_while_tenants_compete_the_pd_is_sent_a_window_of_prompts_and_the_
     # First come, first served would have sent b's last.
     assert order[1] == "b0" and sorted(order) == ["a0", "a1", "a2", "a3", "b0"], order
     # Alone, a tenant is never held back: all four of a's at once.
-    ledger.ended("b")
+    ledger.ended("b", time.perf_counter())
     prefilling.requests.clear()
     flooded = [asyncio.create_task(text_answer(stack, "a", f"alone{n}")) for n in range(4)]
     await eventually(lambda: len(prefilling.requests) == 4, what="all four of a's on the consumer at once")
     assert windows.waiting() == 0 and await asyncio.gather(*flooded) == [200] * 4
-    ledger.ended("a")
+    ledger.ended("a", time.perf_counter())
 
 
 async def test_a_request_that_would_wait_past_its_deadline_for_a_consumer_window_is_answered_at_once(
@@ -207,7 +215,7 @@ async def test_a_request_that_would_wait_past_its_deadline_for_a_consumer_window
     # b's goes before a's waiting ones: one hold, within its deadline.
     assert await text_answer(stack, "b", "b0", deadline_ms=800) == 200
     assert await asyncio.gather(*flooded) == [200] * 3
-    ledger.ended("b")
+    ledger.ended("b", time.perf_counter())
     assert "late" not in [seen.headers["x-request-id"].split(":")[0] for seen in stack.pd.requests]
     metrics = await stack.metrics()
     assert 'epd_requests_shed_total{reason="deadline",tenant="a"} 1.0' in metrics
@@ -235,7 +243,7 @@ async def test_past_its_deadline_the_tenant_over_its_share_gets_the_429_and_the_
     assert [result[0] for result in await asyncio.gather(*flooded)] == [200] * 8
     order = sent_order(stack)
     assert order.index("b0") < order.index("a7"), order
-    ledger.ended("b")
+    ledger.ended("b", time.perf_counter())
     metrics = await stack.metrics()
     assert 'epd_requests_shed_total{reason="share",tenant="a"} 1.0' in metrics
     assert 'reason="deadline"' not in metrics

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from epd_proxy.fleet.backends import ENCODE, Instance
 from epd_proxy.fleet.fairness import (
     CONTENDED_GROUP_ITEMS,
+    CONTENTION_LINGER_S,
     DEMAND_SLACK,
     DEMAND_WINDOW_S,
     OVER,
@@ -43,13 +44,13 @@ def test_a_tenant_back_from_idle_starts_at_the_active_floor_and_banks_nothing():
     ledger.began("a", 1.0)
     ledger.began("b", 1.0)
     ledger.charge_encoder("b", 1.0)
-    ledger.ended("b")
+    ledger.ended("b", 0.0)
     # b idles while a is served a lot.
     ledger.charge_encoder("a", 50.0)
     ledger.began("b", 1.0)
     assert ledger.rank("b") == 50.0, "lifted to the least-served active tenant, not left at 1"
     # A tenant ahead of the floor when it comes back keeps its lead.
-    ledger.ended("a")
+    ledger.ended("a", 0.0)
     ledger.charge_encoder("b", 10.0)
     ledger.began("a", 1.0)
     assert ledger.rank("a") == 60.0
@@ -121,7 +122,7 @@ def test_a_tenant_is_over_once_it_leads_the_least_served_active_one_by_more_than
     ledger.charge_tokens("a", SLACK_TOKENS, 1)
     assert ledger.share("a") == OVER
     # The other tenant going idle ends it: idle share is the busy one's.
-    ledger.ended("b")
+    ledger.ended("b", 0.0)
     assert ledger.share("a") == WITHIN
 
 
@@ -237,14 +238,25 @@ def test_a_new_request_goes_ahead_of_groups_of_tenants_served_more_than_its_own(
     assert behind_new(W(None, 1, tenant="a")) and not behind_new(W(None, 1, tenant="b"))
 
 
-def test_a_sub_request_carries_a_quantum_only_while_tenants_compete():
+def test_a_sub_request_carries_a_quantum_while_tenants_compete_and_for_a_while_after():
     ledger = Ledger()
     lanes = Lanes(ledger)
     ledger.began("a", 1.0)
-    assert not ledger.contended() and lanes.group_cap(0) == 0 and lanes.group_cap(8) == 8
+    assert not ledger.competing(10.0) and lanes.group_cap(0, 10.0) == 0 and lanes.group_cap(8, 10.0) == 8
     ledger.began("b", 1.0)
-    assert ledger.contended()
-    assert lanes.group_cap(0) == CONTENDED_GROUP_ITEMS and lanes.group_cap(1) == 1
-    ledger.ended("b")
-    assert lanes.group_cap(0) == 0
-    assert Lanes().group_cap(8) == 8, "without --tenants nothing changes"
+    assert ledger.contended() and ledger.competing(10.0)
+    assert lanes.group_cap(0, 10.0) == CONTENDED_GROUP_ITEMS and lanes.group_cap(1, 10.0) == 1
+    ledger.ended("b", 11.0)
+    # b pauses between its questions: its next one must not find a's images in whole sub-requests.
+    assert not ledger.contended()
+    assert lanes.group_cap(8, 11.0 + CONTENTION_LINGER_S - 0.1) == CONTENDED_GROUP_ITEMS
+    assert lanes.group_cap(8, 11.0 + CONTENTION_LINGER_S) == 8
+    ledger.began("b", 1.0)
+    ledger.began("b", 1.0)
+    ledger.ended("b", 20.0)
+    assert lanes.group_cap(8, 40.0) == CONTENDED_GROUP_ITEMS, "b still has a request in flight"
+    ledger.ended("b", 40.0)
+    ledger.ended("a", 41.0)
+    assert ledger.competing(42.0), "both asked lately"
+    assert not ledger.competing(40.0 + CONTENTION_LINGER_S), "only a asked lately"
+    assert Lanes().group_cap(8, 0.0) == 8, "without --tenants nothing changes"
