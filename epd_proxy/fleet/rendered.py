@@ -12,8 +12,9 @@ vLLM keys a block (`v1/core/kv_cache_utils.py`, `generate_block_hash_extra_keys`
 then `(identifier, item offset - block start)` for each item overlapping the block, then the cache
 salt on the first block only. The identifier is the item's hash as render reports it (the uuid the
 proxy sent, or vLLM's own hash of the item). Only full blocks are cached. Render does not say
-whether the model is a LoRA adapter, so a LoRA request's blocks match nothing here and placement
-falls back to the request's images for it.
+whether the model is a LoRA adapter (it echoes `model`), so a LoRA request's chain is named as
+the base model's: placement takes what an engine holds of the base model's prompt for it (seen
+on vLLM 0.32: an adapter's blocks carry its name first in every block's extra keys, `("ada",)`).
 """
 
 from __future__ import annotations
