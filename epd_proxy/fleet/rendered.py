@@ -11,10 +11,10 @@ vLLM keys a block (`v1/core/kv_cache_utils.py`, `generate_block_hash_extra_keys`
 `to_event_extra_keys`) by its tokens, its parent, and its extra keys in this order: the LoRA name,
 then `(identifier, item offset - block start)` for each item overlapping the block, then the cache
 salt on the first block only. The identifier is the item's hash as render reports it (the uuid the
-proxy sent, or vLLM's own hash of the item). Only full blocks are cached. Render does not say
-whether the model is a LoRA adapter (it echoes `model`), so a LoRA request's chain is named as
-the base model's: placement takes what an engine holds of the base model's prompt for it (seen
-on vLLM 0.32: an adapter's blocks carry its name first in every block's extra keys, `("ada",)`).
+proxy sent, or vLLM's own hash of the item). Only full blocks are cached. A LoRA adapter's name
+leads every block's extra keys (seen on vLLM 0.32: `("ada",)`, `("ada", ["img", 17])`); render
+only echoes `model`, so whether it names an adapter is the render server's `/v1/models` to say
+(journey/render.py), and `lora_name` is set from that.
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ class Rendered:
     tokens: Sequence[int]
     items: Sequence[Item] = ()
     cache_salt: str | None = None
+    # The LoRA adapter the request names (its `model`), None for the base model.
+    lora_name: str | None = None
     # Its block names per block size, made once per request however many candidates ask.
     _names: dict[int, list[bytes]] = field(default_factory=dict)
 
@@ -62,7 +64,7 @@ class Rendered:
         first = 0
         for start in range(0, len(self.tokens) - block_size + 1, block_size):
             end = start + block_size
-            keys: list[Any] = []
+            keys: list[Any] = [self.lora_name] if self.lora_name else []
             index = first
             while index < len(items):
                 item = items[index]

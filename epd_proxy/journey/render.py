@@ -8,6 +8,12 @@ chain. A render decodes and processes every image of the request again (vLLM ren
 processor cache off): 10-22 ms for the benchmark's agent steps of 1-10 images on these machines,
 on the render server's CPU (docs/benchmark.md).
 
+A LoRA adapter's blocks are keyed by its name too, and render only echoes the request's `model`:
+which models are adapters (`parent` set) the render server's `/v1/models` says, asked when an
+answer names a model not heard of before (at most every REST_S). An adapter is rendered only by
+an engine that serves it (`--enable-scale-out`; a GPU-less render server knows no adapters and
+answers 404); a model `/v1/models` does not list is taken for a base model.
+
 Rendering only sharpens placement: a render that fails, is slow or answers what is not vLLM's
 shape leaves the request placed as without it, and is counted (`epd_render_total`). A server that
 failed so is left alone for a while (the next in turn is asked instead), and one with many renders
@@ -22,6 +28,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import orjson
 
@@ -40,6 +47,8 @@ REST_S = 5.0
 # Renders in flight on one server past which requests are placed without asking it.
 MAX_INFLIGHT = 32
 RENDERED, FAILED, SKIPPED = "rendered", "failed", "skipped"
+# Models of one render server's list kept, past which its answer is not vLLM's.
+MAX_MODELS = 4096
 
 
 @dataclass(slots=True)
@@ -50,6 +59,9 @@ class RenderTarget:
     inflight: int = 0
     # Not asked before this time (the renderer's clock): it failed.
     resting_until: float = 0.0
+    # Each model its /v1/models lists: the model an adapter is of, None for a base model.
+    models: dict[str, str | None] = field(default_factory=dict)
+    models_asked: float = -REST_S
 
 
 @dataclass(slots=True)
@@ -107,7 +119,10 @@ class Renderer:
                 idempotent=True,
             )
             status = answer.status
-            rendered = parse_render(orjson.loads(answer.body)) if status == 200 else None
+            parsed = orjson.loads(answer.body) if status == 200 else None
+            rendered = parse_render(parsed)
+            if rendered is not None and isinstance(parsed, dict):
+                rendered.lora_name = await self._adapter(target, parsed.get("model"))
             why = f"answered {status}" if status != 200 else "answered what is not a rendered prompt"
         except (NoAnswer, ProxyError) as exc:
             rendered, why = None, str(exc)
@@ -124,3 +139,37 @@ class Renderer:
             else:
                 log.debug("render server %s %s; the request is placed without it", target.url, why)
         return rendered
+
+    async def _adapter(self, target: RenderTarget, model: Any) -> str | None:
+        """`model` when the render server lists it as a LoRA adapter, else None."""
+        if not isinstance(model, str):
+            return None
+        if model not in target.models and self.clock() >= target.models_asked + REST_S:
+            target.models_asked = self.clock()
+            target.models = await self._models(target) or target.models
+        return model if target.models.get(model) else None
+
+    async def _models(self, target: RenderTarget) -> dict[str, str | None] | None:
+        """What the server's /v1/models lists: each id and its `parent`; None when it does not say."""
+        try:
+            answer = await self.upstream.call(
+                target,
+                "GET",
+                "/v1/models",
+                timeouts=Timeouts(connect=self.timeout_s, total=self.timeout_s),
+                stage="render",
+                what="Model list request",
+                idempotent=True,
+            )
+            listed = orjson.loads(answer.body) if answer.status == 200 else None
+        except (NoAnswer, ProxyError, orjson.JSONDecodeError):
+            listed = None
+        data = listed.get("data") if isinstance(listed, dict) else None
+        if not isinstance(data, list):
+            log.debug("render server %s did not list its models", target.url)
+            return None
+        return {
+            card["id"]: card.get("parent") if isinstance(card.get("parent"), str) else None
+            for card in data[:MAX_MODELS]
+            if isinstance(card, dict) and isinstance(card.get("id"), str)
+        }

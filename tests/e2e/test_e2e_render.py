@@ -44,6 +44,14 @@ def render(url: str, body: dict) -> tuple[Rendered, dict, dict]:
     return rendered, answer, sent
 
 
+def holds_chain(tap: KvTap, index: KvIndex, engine: tuple[str, int], names: list[bytes]) -> bool:
+    """Whether, with what the PD published since, its index holds every block of `names`."""
+    for frames in tap.drain(0.5):
+        index.apply(engine, kv_wire.decode(frames.payload).events)
+    index.heard(engine)
+    return index.prefix_blocks(engine, names) == len(names)
+
+
 def test_the_blocks_named_from_a_render_are_the_blocks_the_pd_stored(stack):
     with urllib.request.urlopen(stack.pd_url + "/kv_event_sources", timeout=30) as resp:
         source = json.loads(resp.read())["0"]
@@ -70,13 +78,11 @@ def test_the_blocks_named_from_a_render_are_the_blocks_the_pd_stored(stack):
         assert raw["features"]["kwargs_data"] is None  # no tensors came back
         names = rendered.names(stack.config.kv_block_size)
 
-        def held() -> bool:
-            for frames in tap.drain(0.5):
-                index.apply(engine, kv_wire.decode(frames.payload).events)
-            index.heard(engine)
-            return index.prefix_blocks(engine, names) == len(names)
-
-        eventually_sync(held, timeout=60, what="the PD's stored blocks never matched the rendered chain")
+        eventually_sync(
+            lambda: holds_chain(tap, index, engine, names),
+            timeout=60,
+            what="the PD's stored blocks never matched the rendered chain",
+        )
         # A turn that changes the first picture shares only the blocks before it.
         changed = json.loads(json.dumps(second))
         changed["messages"][1]["content"][1]["image_url"]["url"] = make_image(4_244)

@@ -44,6 +44,22 @@ def renders(stack, outcome: str) -> float:
     return stack.state.metrics.registry.get_sample_value("epd_render_total", {"outcome": outcome}) or 0.0
 
 
+async def another_proxy(make_stack, first, **options):
+    """A proxy process of its own in front of `first`'s engines, once their KV events are fresh."""
+    urls = first.backend_urls["d"]
+    stack = await make_stack(
+        encoders=0,
+        decoders=0,
+        fakes=first.fakes,
+        encode_urls=tuple(first.backend_urls["e"]),
+        decode_urls=tuple(urls),
+        kv_events_stale_after_s=1.5,
+        **options,
+    )
+    await eventually(lambda: engines_fresh(stack, urls), timeout=20, what="the PDs' KV events never fresh")
+    return stack
+
+
 @pytest.mark.parametrize("door", [CHAT, MESSAGES, RESPONSES], ids=lambda door: door.name)
 async def test_a_text_conversation_is_followed_to_where_its_blocks_are_by_a_process_that_never_saw_it(make_stack, door):
     fakes = Fakes()
@@ -54,21 +70,8 @@ async def test_a_text_conversation_is_followed_to_where_its_blocks_are_by_a_proc
     urls = first.backend_urls["d"]
     pds = dict(zip(urls, first.consumers))
 
-    async def another(**options):
-        stack = await make_stack(
-            encoders=0,
-            decoders=0,
-            fakes=first.fakes,
-            encode_urls=tuple(first.backend_urls["e"]),
-            decode_urls=tuple(urls),
-            kv_events_stale_after_s=1.5,
-            **options,
-        )
-        await eventually(lambda: engines_fresh(stack, urls), timeout=20, what="the PDs' KV events never fresh")
-        return stack
-
-    rendering = await another(render_urls=(render_url,))
-    hashing = await another()
+    rendering = await another_proxy(make_stack, first, render_urls=(render_url,))
+    hashing = await another_proxy(make_stack, first)
     body = text_turn(1, door)
     key = conversation_key(body.get("model"), door.conversation(body), [])
     home = PrefixAffinity().choose(first.state.fleet.members(PREFILL_DECODE), [key])[0].url
@@ -106,3 +109,44 @@ async def test_a_render_server_that_refuses_leaves_the_request_placed_as_without
         await answered(stack, CHAT, text_turn(turn))
     # The 403 is the server's: it is left alone for a while, and the next request is not held up.
     assert (renders(stack, "failed"), renders(stack, "skipped"), renders(stack, "rendered")) == (1, 1, 0)
+
+
+async def test_a_lora_request_goes_where_its_adapters_blocks_are_not_where_the_base_models_are(make_stack):
+    """vLLM keys an adapter's blocks by its name; render only echoes `model`. The render server's
+    /v1/models says `ada` is an adapter, so its turn is named as its blocks are and followed to them,
+    not to the PD holding the same prompt's blocks of the base model."""
+    fakes = Fakes()
+    lora = {"lora_modules": ("ada",)}
+    _, render_url = await fakes.start("pd", scale_out=True, **lora)
+    first = await make_stack(
+        encoders=1,
+        decoders=2,
+        fakes=fakes,
+        consumer_options={"kv_events": OPTIONS, **lora},
+        kv_events_stale_after_s=1.5,
+    )
+    base_pd, lora_pd = urls = first.backend_urls["d"]
+    pds = dict(zip(urls, first.consumers))
+    members = {m.url: m for m in first.state.fleet.members(PREFILL_DECODE)}
+
+    async def first_turn_on(url: str, body: dict) -> None:
+        (away,) = [u for u in urls if u != url]
+        members[away].prefill_queue = 1e6
+        await answered(first, CHAT, body)
+        members[away].prefill_queue = 0.0
+
+    await first_turn_on(base_pd, text_turn(0))
+    await first_turn_on(lora_pd, {**text_turn(0), "model": "ada"})
+    assert [len(pds[url].requests) for url in urls] == [1, 1]
+    rendering = await another_proxy(make_stack, first, render_urls=(render_url,))
+    await eventually(
+        lambda: all((rendering.state.kv_index.size((url, 0)) or 0) > 0 for url in urls),
+        timeout=20,
+        what="the first turns' blocks never indexed",
+    )
+    await answered(rendering, CHAT, {**text_turn(1), "model": "ada"})
+    assert [len(pds[url].requests) for url in urls] == [1, 2]
+    assert decisions(rendering, "placement", "exact") == 1 and renders(rendering, "rendered") == 1
+    # The base model's next turn still goes where the base model's blocks are.
+    await answered(rendering, CHAT, text_turn(1))
+    assert [len(pds[url].requests) for url in urls] == [2, 2]

@@ -25,6 +25,21 @@ def test_two_items_in_one_block_and_the_salt_on_the_first_block_only():
     assert [extra for _, extra in rendered.blocks(32)] == [(("a", 2), ("b", 6), "tenant-x"), (("b", -26),)]
 
 
+def test_a_lora_adapters_name_leads_every_blocks_keys_as_vllm_published_them():
+    # What vLLM 0.32 published for a request of the adapter `ada` (--enable-lora --lora-modules
+    # ada=...): 256 prompt tokens, 4 image tokens at 241, 32-token blocks; the pair is a list as
+    # msgpack decodes it. The base model's request of the same prompt had None, ..., (pair,).
+    rendered = Rendered(list(range(256)), [Item("img-one", 241, 4)], lora_name="ada")
+    published = [("ada",)] * 7 + [("ada", ["img-one", 17])]
+    assert [extra for _, extra in rendered.blocks(32)] == [("ada",)] * 7 + [("ada", ("img-one", 17))]
+    parent = None
+    for name, (tokens, _), extra in zip(rendered.names(32), rendered.blocks(32), published, strict=True):
+        parent = block_name(parent, tokens, extra)
+        assert name == parent
+    base = Rendered(list(range(256)), [Item("img-one", 241, 4)])
+    assert not set(base.names(32)) & set(rendered.names(32))
+
+
 def test_names_chain_each_block_to_its_parent_and_are_made_once_per_block_size():
     rendered = Rendered(list(range(100)), [Item("a", 40, 10)])
     names = rendered.names(32)
@@ -40,8 +55,8 @@ def test_names_chain_each_block_to_its_parent_and_are_made_once_per_block_size()
 items = st.lists(st.tuples(st.integers(0, 200), st.integers(1, 80)), max_size=6)
 
 
-@given(items, st.integers(1, 64), st.sampled_from([None, "s"]))
-def test_the_keys_agree_with_the_fake_consumers_blocks(spans, block_size, salt):
+@given(items, st.integers(1, 64), st.sampled_from([None, "s"]), st.sampled_from([None, "ada"]))
+def test_the_keys_agree_with_the_fake_consumers_blocks(spans, block_size, salt, lora):
     # The fake PD (fake_kv_events.py) stores its blocks under these keys, written apart from
     # rendered.py; items do not overlap one another in a prompt.
     spans = sorted(spans)
@@ -50,11 +65,11 @@ def test_the_keys_agree_with_the_fake_consumers_blocks(spans, block_size, salt):
         features.append(Feature(f"m{n}", end + gap, length))
         end += gap + length
     tokens = list(range(end + 40))
-    rendered = Rendered(tokens, [Item(*f) for f in features], cache_salt=salt)
+    rendered = Rendered(tokens, [Item(*f) for f in features], cache_salt=salt, lora_name=lora)
     first = 0
     for b, (_, extra) in enumerate(rendered.blocks(block_size)):
         start = b * block_size
-        expected, first = block_extra_keys(features, start, start + block_size, salt, first)
+        expected, first = block_extra_keys(features, start, start + block_size, salt, first, lora)
         assert extra == expected
 
 

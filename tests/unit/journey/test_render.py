@@ -145,3 +145,28 @@ async def test_under_no_rewrite_the_media_are_rendered_as_the_consumer_gets_them
     await render.render(ClientBody(body, normalise_request(body).items), CHAT)
     (part,) = [p for p in upstream.sent[0].body["messages"][0]["content"] if p["type"] == "image_url"]
     assert "uuid" not in part
+
+
+async def test_whether_the_model_is_a_lora_adapter_is_the_servers_model_list_to_say():
+    upstream, clock = ScriptedUpstream(), Clock()
+    listed = {"object": "list", "data": [{"id": "base", "parent": None}, {"id": "ada", "parent": "base"}]}
+    upstream.script(
+        R1,
+        json_reply({**RENDERED, "model": "ada"}),
+        json_reply(listed),
+        json_reply({**RENDERED, "model": "base"}),
+        json_reply({**RENDERED, "model": "other"}),
+        json_reply({**RENDERED, "model": "other"}),
+        Reply(fails=CONNECT_TIMEOUT),
+    )
+    render, metrics = renderer(upstream, (R1,), clock)
+    body = chat(image("a"))
+    job = ClientBody(body, normalise_request(body).items)
+    lora = [(await render.render(job, CHAT)).lora_name for _ in range(3)]
+    # A model not on the list is taken for a base model; the list is asked again only after REST_S.
+    clock.now += REST_S
+    lora.append((await render.render(job, CHAT)).lora_name)
+    assert lora == ["ada", None, None, None]
+    paths = [sent.path for sent in upstream.sent]
+    assert paths == ["/v1/chat/completions/render", "/v1/models", *["/v1/chat/completions/render"] * 3, "/v1/models"]
+    assert counted(metrics, "rendered") == 4 and counted(metrics, "failed") == 0

@@ -295,6 +295,28 @@ class KvEventPorts:
         return [*range(self.events, self.events + self.ranks), *range(self.replay, self.replay + self.ranks)]
 
 
+def engine_env(w: Path) -> dict[str, str]:
+    """What every vLLM server of a stack working in `w` runs with: offline, and its caches and
+    sockets kept in `w`."""
+    return {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        # vLLM puts ZMQ IPC sockets in TMPDIR and compile caches under
+        # these roots; without them /tmp and ~/.cache fill up.
+        "TMPDIR": str(w / "tmp"),
+        "VLLM_CACHE_ROOT": str(w / "cache" / "vllm"),
+        "TORCHINDUCTOR_CACHE_DIR": str(w / "cache" / "inductor"),
+        "HF_HOME": str(w / "cache" / "hf"),
+        # Anything else that honours the XDG cache root (triton, outlines,
+        # matplotlib's font cache via MPLCONFIGDIR) stays in the work dir too.
+        "XDG_CACHE_HOME": str(w / "cache"),
+        "MPLCONFIGDIR": str(w / "cache" / "matplotlib"),
+    }
+
+
 def _repo_root() -> Path:
     return Path(__file__).resolve().parents[3]
 
@@ -427,25 +449,7 @@ class LocalStack:
 
     # ---- commands ----------------------------------------------------------
     def common_env(self) -> dict[str, str]:
-        w = self.work_dir
-        return {
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1",
-            "DO_NOT_TRACK": "1",
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            # vLLM puts ZMQ IPC sockets in TMPDIR and compile caches under
-            # these roots; without them /tmp and ~/.cache fill up.
-            "TMPDIR": str(w / "tmp"),
-            "VLLM_CACHE_ROOT": str(w / "cache" / "vllm"),
-            "TORCHINDUCTOR_CACHE_DIR": str(w / "cache" / "inductor"),
-            "HF_HOME": str(w / "cache" / "hf"),
-            # Anything else that honours the XDG cache root (triton, outlines,
-            # matplotlib's font cache via MPLCONFIGDIR) stays in the work dir too.
-            "XDG_CACHE_HOME": str(w / "cache"),
-            "MPLCONFIGDIR": str(w / "cache" / "matplotlib"),
-            **self.config.extra_env,
-        }
+        return {**engine_env(self.work_dir), **self.config.extra_env}
 
     def _vllm_cmd(self, name: str, ec_role: str | None, kv_role: str | None = None) -> list[str]:
         c = self.config

@@ -400,6 +400,32 @@ def _build(dest: Path, seed: int, kind: str) -> Path:
     return dest
 
 
+def build_lora_adapter(dest: Path, seed: int = 7, rank: int = 8) -> Path:
+    """A PEFT LoRA adapter of the vision model's language layers (q_proj and v_proj), random and
+    large enough to change its answers: what `vllm serve --enable-lora --lora-modules NAME=dest`
+    loads. Built again each time; it takes milliseconds."""
+    import torch
+    from safetensors.torch import save_file
+
+    text = config_dict()["text_config"]
+    hidden, heads, kv_heads = text["hidden_size"], text["num_attention_heads"], text["num_key_value_heads"]
+    outputs = {"q_proj": hidden, "v_proj": hidden // heads * kv_heads}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(text["num_hidden_layers"]):
+        for proj, out in outputs.items():
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            tensors[prefix + ".lora_A.weight"] = (torch.randn(rank, hidden, generator=gen) * 0.5).to(torch.bfloat16)
+            tensors[prefix + ".lora_B.weight"] = (torch.randn(out, rank, generator=gen) * 0.5).to(torch.bfloat16)
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(dest / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank}
+    config |= {"lora_dropout": 0.0, "target_modules": sorted(outputs), "bias": "none", "fan_in_fan_out": False}
+    (dest / "adapter_config.json").write_text(json.dumps(config, indent=1))
+    return dest
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m epd_proxy_tools.local.tiny_model",

@@ -160,11 +160,12 @@ def tokenize(pieces: list[tuple[str, int, str]]) -> Prompt:
 
 
 def block_extra_keys(
-    features: list[Feature], start: int, end: int, salt: str | None, first: int
+    features: list[Feature], start: int, end: int, salt: str | None, first: int, lora: str | None = None
 ) -> tuple[tuple[Any, ...] | None, int]:
     """The event's extra keys of block [start, end) and the first feature the next block may
-    overlap: `(identifier, offset)` per overlapping item, then the salt on block 0."""
-    keys: list[Any] = []
+    overlap: the LoRA adapter's name on every block, `(identifier, offset)` per overlapping item,
+    then the salt on block 0."""
+    keys: list[Any] = [lora] if lora else []
     index = first
     while index < len(features):
         feature = features[index]
@@ -183,7 +184,7 @@ def block_extra_keys(
 
 
 def chain_hashes(
-    tokens: list[int], features: list[Feature], block_size: int, blocks: int, salt: str | None
+    tokens: list[int], features: list[Feature], block_size: int, blocks: int, salt: str | None, lora: str | None = None
 ) -> list[tuple[int, tuple[Any, ...] | None]]:
     """The first `blocks` full blocks' hashes (64-bit ints, as vLLM publishes them by default) and
     extra keys. The hash function is the fake's own: consumers learn hashes from the events."""
@@ -192,7 +193,7 @@ def chain_hashes(
     first = 0
     for b in range(blocks):
         start = b * block_size
-        extra, first = block_extra_keys(features, start, start + block_size, salt, first)
+        extra, first = block_extra_keys(features, start, start + block_size, salt, first, lora)
         digest = hashlib.blake2b(parent.to_bytes(8, "big"), digest_size=8)
         digest.update(array("i", tokens[start : start + block_size]).tobytes())
         if extra is not None:
@@ -216,15 +217,18 @@ class BlockPool:
     def cached(self) -> set[int]:
         return set(self._holders)
 
-    def serve(self, prompt: Prompt, generated: list[int], salt: str | None, events: list[Any]) -> Served:
-        """Run one request: reuse, allocate (evicting), store as blocks fill, free."""
+    def serve(
+        self, prompt: Prompt, generated: list[int], salt: str | None, events: list[Any], lora: str | None = None
+    ) -> Served:
+        """Run one request (of the LoRA adapter `lora`, None for the base model): reuse, allocate
+        (evicting), store as blocks fill, free."""
         size = self.block_size
         generated = generated or [0]
         tokens = prompt.tokens + generated
         n_prompt = len(prompt.tokens)
         # The last generated token is sampled, never computed.
         computed = len(tokens) - 1
-        hashes = chain_hashes(tokens, prompt.features, size, computed // size, salt)
+        hashes = chain_hashes(tokens, prompt.features, size, computed // size, salt, lora)
         hit = 0
         while hit < min((n_prompt - 1) // size, len(hashes)) and hashes[hit][0] in self._holders:
             hit += 1
@@ -236,12 +240,12 @@ class BlockPool:
         try:
             for _ in range(prefill_blocks - hit):
                 held.append(self._allocate(events))
-            self._store(held, hashes, hit, full_at_prefill, tokens, events)
+            self._store(held, hashes, hit, full_at_prefill, tokens, events, lora)
             for b in range(full_at_prefill, -(-computed // size)):
                 if b >= prefill_blocks:
                     held.append(self._allocate(events))
                 if b < len(hashes):
-                    self._store(held, hashes, b, b + 1, tokens, events)
+                    self._store(held, hashes, b, b + 1, tokens, events, lora)
         except _PoolFull:
             pass  # vLLM would not have admitted it; what fitted stays cached
         for block in reversed(held):
@@ -275,6 +279,7 @@ class BlockPool:
         end: int,
         tokens: list[int],
         events: list[Any],
+        lora: str | None,
     ) -> None:
         if start >= end:
             return
@@ -289,9 +294,10 @@ class BlockPool:
                 parent_block_hash=hashes[start - 1][0] if start else None,
                 token_ids=tokens[start * size : end * size],
                 block_size=size,
-                lora_id=None,
+                # vLLM numbers the adapters it loaded from 1.
+                lora_id=1 if lora else None,
                 medium=MEDIUM,
-                lora_name=None,
+                lora_name=lora,
                 extra_keys=[extra for _, extra in hashes[start:end]],
                 group_idx=0,
             )
@@ -426,9 +432,9 @@ class KvEngine:
         self.pool = BlockPool(options.num_blocks, options.block_size)
         self.publisher = Publisher(options)
 
-    def serve(self, prompt: Prompt, generated: list[int], salt: str | None) -> Served:
+    def serve(self, prompt: Prompt, generated: list[int], salt: str | None, lora: str | None = None) -> Served:
         events: list[Any] = []
-        served = self.pool.serve(prompt, generated, salt, events)
+        served = self.pool.serve(prompt, generated, salt, events, lora)
         if events:
             self.publisher.publish(events)
         return served

@@ -91,7 +91,8 @@ def vllm_part_kind(part: Any) -> str:
 
 # Multibyte characters on purpose: a relay that re-chunks or decodes bytes would break them.
 ANSWER_SUFFIX = " héllo wörld 世界 🙂"
-MODELS = {"object": "list", "data": [{"id": "tiny-vlm", "object": "model"}]}
+MODEL = "tiny-vlm"
+MODELS = {"object": "list", "data": [{"id": MODEL, "object": "model"}]}
 SSE = "text/event-stream; charset=utf-8"
 # vLLM's default (`--fingerprint-mode full`): its version and a hash of its config.
 FINGERPRINT = "vllm-0.32.0-5f1c0a9e"
@@ -479,6 +480,9 @@ class FakeVLLM:
     kv_events: KvEventsOptions | None = None
     # `vllm serve --enable-scale-out`: the render endpoints answer (else 403, as vLLM's do).
     scale_out: bool = False
+    # `--enable-lora --lora-modules NAME=PATH ...`: the adapters' names, listed by /v1/models with
+    # the base model as `parent`, each keying its blocks by its name (as vLLM 0.32 does).
+    lora_modules: tuple[str, ...] = ()
     # `--max-num-queued-reqs`: with this many requests unfinished, vLLM's admission control
     # (`AsyncLLM.check_admission`) refuses the next with 503 before the engine sees it.
     max_queued: int | None = None
@@ -577,7 +581,13 @@ class FakeVLLM:
         return _json({"role": self.role, **self.counts.as_dict(), **cache})
 
     async def models(self, exchange: Exchange) -> Answer:
-        return Answer(200, json.dumps(MODELS).encode(), JSON_TEXT)
+        adapters = [{"id": name, "object": "model", "parent": MODEL} for name in self.lora_modules]
+        return Answer(200, json.dumps({**MODELS, "data": MODELS["data"] + adapters}).encode(), JSON_TEXT)
+
+    def _lora(self, body: dict[str, Any]) -> str | None:
+        """The adapter a request's `model` names, None for the base model."""
+        model = body.get("model")
+        return model if model in self.lora_modules else None
 
     async def profile(self, exchange: Exchange) -> Answer:
         return Answer(200)
@@ -632,6 +642,7 @@ class FakeVLLM:
                 "request_id": f"chatcmpl-{next(self._ids)}",
                 "token_ids": prompt.tokens,
                 "features": features,
+                "model": body.get("model"),
                 "cache_salt": salt,
             }
         )
@@ -851,7 +862,7 @@ class FakeVLLM:
             prompt = tokenize(resolved.pieces)
             limit = body.get("max_completion_tokens") or body.get("max_tokens")
             generated = list(answer.encode())[: limit if isinstance(limit, int) and limit > 0 else None]
-            served = self.kv.serve(prompt, generated, salt)
+            served = self.kv.serve(prompt, generated, salt, self._lora(body))
         if self.role == "decode":
             hit = len(resolved.pieces)
         elif served is not None:
