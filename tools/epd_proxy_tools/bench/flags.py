@@ -4,11 +4,13 @@ deployment's URLs)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from typing import Any
 
-from epd_proxy.options import Choice, Count, Folder, Real, Switch, Text, Texts, Words, check, option
+from epd_proxy.options import Choice, Count, Folder, Real, Switch, Text, Texts, check, option
 from epd_proxy_tools.bench.workload import API_PATHS
+from epd_proxy_tools.local.stack import StackConfig
 
 SEED = 1234
 CACHE_DIR = Path("work/bench-cache")
@@ -240,6 +242,13 @@ REAL_GROUPS = (ENGINES, LOCAL_STACK, ARM_GROUP, LOAD)
 REAL_QUICK = {"rounds": 1, "conversations": 3, "warmup": 1}
 
 
+def _stack_option(name: str) -> Any:
+    """`epd-proxy up`'s option of that field, declared once in StackConfig, under the bench's
+    local-stack heading."""
+    (declared,) = [item for item in fields(StackConfig) if item.name == name]
+    return field(default=declared.default, metadata={"option": replace(declared.metadata["option"], group=LOCAL_STACK)})
+
+
 @dataclass(frozen=True)
 class RealBenchOptions(TenantLoadOptions):
     stack: bool = option(
@@ -328,14 +337,7 @@ class RealBenchOptions(TenantLoadOptions):
         metavar="NAME",
         shown="the last PD (prefill with `--prefill`)",
     )
-    vllm_args: tuple[str, ...] = option(
-        (),
-        Words(),
-        "extra arguments for every vLLM server of `--stack`, one shell-quoted string "
-        '(`--vllm-args="--scheduling-policy priority"`)',
-        flag="--vllm-args",
-        group=LOCAL_STACK,
-    )
+    vllm_args: tuple[str, ...] = _stack_option("extra_vllm_args")
     stack_dir: Path = option(
         Path("work/bench-stack"), Folder(), "the stack's work folder", flag="--stack-dir", group=LOCAL_STACK
     )
