@@ -43,6 +43,11 @@ class MediaDepths(Protocol):
         the index cannot say."""
         ...
 
+    def adapter(self, model: object) -> str | None:
+        """The LoRA adapter a request's `model` names, as the engines' blocks have shown it; None
+        for the base model. Media are asked for under it (kv_names.media_key)."""
+        ...
+
 
 def over_ranks(per_rank: Sequence[Sequence[int] | None], count: int) -> list[int | None]:
     """Each item's answer for the instance from its ranks' answers (None: a rank not fresh)."""
@@ -83,6 +88,9 @@ class KvHolds:
 
     def holding(self, media_ids: Sequence[str]) -> set[str]:
         return {url for url, _ in self.index.holders(media_ids)}
+
+    def adapter(self, model: object) -> str | None:
+        return self.index.adapter(model) if isinstance(model, str) else None
 
     def prefix_tokens(self, url: str, prompt: Rendered) -> int | None:
         per_rank: list[Sequence[int] | None] = []

@@ -3,10 +3,10 @@
 An engine is one data-parallel rank of a prefill, decode or PD instance: `(url, rank)`. The feeds
 (kv_events.py) apply each engine's event batches in order; routing asks the queries below.
 
-**Our own block names.** A block's name digests its parent's name, its token ids and its extra
-keys (media identifiers with offsets, a LoRA name, a cache salt): the same on every engine
-whatever its hash seed, and standing for the whole prefix. The engine's hash only maps to our
-name. A block whose parent is not known (missed, or evicted here) is not indexed.
+**Our own block names** (kv_names.py): a block's name stands for its whole prefix, the same on
+every engine whatever its hash seed; the engine's hash only maps to our name. A block whose parent
+is not known (missed, or evicted here) is not indexed. A media item is named with the LoRA adapter
+whose blocks hold it, and the adapters are learnt from those blocks (`adapter`).
 
 **State.** An engine is `fresh` while its feed heard from it within `stale_after_s` with no
 trouble since, `stale` otherwise, `none` when nothing feeds it. Queries about an engine that is
@@ -26,54 +26,19 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from hashlib import blake2b
-from typing import Any
 
-import msgspec
-
+from epd_proxy.fleet.kv_names import adapter_in, block_name, media_in
 from epd_proxy.fleet.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
 
 log = logging.getLogger("epd_proxy.kv_index")
 
 FRESH, STALE, NONE = "fresh", "stale", "none"
-MAX_ITEMS_PER_BLOCK = 64
 CHAINS_PER_MEDIA = 32
-MAX_ID_CHARS = 256
 WHOLE_MEMO = 4096  # blocks an engine's `whole` memo keeps before it starts again
+MAX_ADAPTERS = 4096
 EngineId = tuple[str, int]  # (instance URL, data-parallel rank)
 # (medium, KV cache group, the engine's block hash): what the engine's events name a block by.
 _Key = tuple[str | None, int, int | bytes]
-
-_encode = msgspec.msgpack.Encoder().encode
-
-
-def block_name(parent: bytes | None, tokens: Sequence[int], extra: Sequence[Any] | None) -> bytes:
-    """Our name of a block: 16 bytes of blake2b over the parent's name, the tokens and the extra
-    keys as the events carry them (tuples and lists read alike)."""
-    return blake2b(_encode((parent, tokens, extra)), digest_size=16).digest()
-
-
-def chain(blocks: Iterable[tuple[Sequence[int], Sequence[Any] | None]]) -> list[bytes]:
-    """The names of a prompt's blocks, each `(token_ids, extra_keys)`, from the first on."""
-    names: list[bytes] = []
-    parent = None
-    for tokens, extra in blocks:
-        parent = block_name(parent, tokens, extra)
-        names.append(parent)
-    return names
-
-
-def media_in(extra: Sequence[Any] | None) -> tuple[str, ...]:
-    """The media identifiers among one block's extra keys (the `[identifier, offset]` pairs)."""
-    if not isinstance(extra, list | tuple):
-        return ()
-    # vLLM's identifiers are the proxy's uuids (64 hex digits) or its own hashes: a longer one, or
-    # more than a block's worth of items, comes from a publisher that is not vLLM.
-    return tuple(
-        key[0]
-        for key in extra[:MAX_ITEMS_PER_BLOCK]
-        if isinstance(key, list | tuple) and len(key) == 2 and isinstance(key[0], str) and len(key[0]) <= MAX_ID_CHARS
-    )
 
 
 @dataclass(slots=True, eq=False)
@@ -134,6 +99,8 @@ class KvIndex:
         # Per media id the engines holding some block of it: most engines hold none of a
         # request's images, and a fleet of many must not be asked one by one (`holders`).
         self._holders: dict[str, dict[EngineId, None]] = {}
+        # The LoRA adapters whose blocks held media: a request naming one asks for its media so.
+        self._adapters: dict[str, None] = {}
         self._stamps = itertools.count()
         self.blocks = 0  # entries over all engines
         self.evictions = 0
@@ -259,6 +226,8 @@ class KvIndex:
                 if block is None:
                     depth = held[parent].depth + 1 if parent is not None else 1
                     block = held[name] = _Held(parent, media_in(extra), depth)
+                    if block.media and (adapter := adapter_in(extra)) and len(self._adapters) < MAX_ADAPTERS:
+                        self._adapters[adapter] = None
                     for media_id in block.media:
                         blocks = record.media.get(media_id)
                         if blocks is None:
@@ -362,6 +331,11 @@ class KvIndex:
                 whole.clear()
             whole.add(names[count - 1])
         return count
+
+    def adapter(self, model: str | None) -> str | None:
+        """`model` when it names a LoRA adapter whose blocks held media, else None (the base
+        model, or an adapter none of whose image blocks was heard of yet)."""
+        return model if model is not None and model in self._adapters else None
 
     def media_holders(self, media_id: str) -> list[EngineId]:
         """The fresh engines holding some block of the media item (its uuid)."""

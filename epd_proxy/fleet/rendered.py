@@ -23,7 +23,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from epd_proxy.fleet.kv_index import MAX_ID_CHARS, chain
+from epd_proxy.fleet.kv_names import MAX_ID_CHARS, chain
 
 # A render answer past these is not vLLM's (a model context of a few million tokens at most).
 MAX_TOKENS = 4_000_000

@@ -141,7 +141,7 @@ class Pipeline:
         if self._keyed and job is not None and job.body is not None:
             rendered = job.rendered
             tokens = len(rendered.tokens) if rendered else self.prompt_size.tokens(job.text_chars, job.media_cost)
-            media = list(index_uuids(job.body, job.items).values()) if self.kv_holds is not None else []
+            media = list(index_uuids(job.body, job.items, self.kv_holds.adapter).values()) if self.kv_holds else []
             prompt = Prompt(tokens, media, rendered)
             key = conversation_key(job.body.get("model"), door.conversation(job.body), job.items)
         candidates = [c for c in self.decoders() if c not in avoid]
@@ -374,7 +374,7 @@ class Pipeline:
             return Known(names)
         depth: dict[int, int | None] = {}
         heard_at = None
-        if self.kv_holds is not None and (uuids := index_uuids(job.body, job.items)):
+        if self.kv_holds is not None and (uuids := index_uuids(job.body, job.items, self.kv_holds.adapter)):
             # A pinned replica alone holds what this request finds there.
             ranks = (route.dp_rank,) if route.dp_rank is not None and route.pinned is route.consumer else None
             depth = dict(zip(uuids, self.kv_holds(route.consumer.url, list(uuids.values()), ranks)))

@@ -27,7 +27,8 @@ from epd_proxy.fleet.kv_events import (
     FeedCounts,
     Source,
 )
-from epd_proxy.fleet.kv_index import FRESH, STALE, KvIndex, chain
+from epd_proxy.fleet.kv_index import FRESH, STALE, KvIndex
+from epd_proxy.fleet.kv_names import chain
 from epd_proxy_tools.testing.polling import eventually
 
 BS = 32

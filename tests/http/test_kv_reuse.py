@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 from epd_proxy.fleet.backends import PREFILL_DECODE
+from epd_proxy.fleet.kv_names import media_key
 from epd_proxy.fleet.routing import PrefixAffinity
 from epd_proxy.journey.doors import CHAT
 from epd_proxy.journey.extract import normalise_request
@@ -118,3 +119,43 @@ async def test_after_the_pd_restarts_an_image_known_only_as_sent_there_is_encode
     assert total(first.encoders, "images") == encoded + 2
     assert pd.encoded_locally == 0
     assert decisions(second, "encode_again", "index") == 1
+
+
+async def test_an_image_the_pd_holds_in_an_adapters_blocks_is_encoded_for_the_base_model(make_stack):
+    # vLLM keys every block of a LoRA request with the adapter's name: a base-model prompt through
+    # the same image reuses none of them, so the image goes to an encoder (this proxy never saw it
+    # encoded), not raw to a PD that would have to encode it itself.
+    first = await make_stack(
+        encoders=1,
+        decoders=1,
+        consumer_options={"kv_events": OPTIONS, "lora_modules": ("ada",)},
+        kv_events_stale_after_s=1.5,
+    )
+    second = await make_stack(
+        encoders=0,
+        decoders=0,
+        fakes=first.fakes,
+        encode_urls=tuple(first.backend_urls["e"]),
+        decode_urls=tuple(first.backend_urls["d"]),
+        kv_events_stale_after_s=1.5,
+    )
+    (url,), (pd,) = first.backend_urls["d"], first.consumers
+    await eventually(lambda: engines_fresh(second, [url]), timeout=20, what="the PD's KV events never fresh")
+    await content_of(first, {**turn_body(0, 0), "model": "ada"})
+    index = second.state.kv_index
+    await eventually(
+        lambda: (index.media_prefix((url, 0), media_key(uuid_of(0, 0), "ada")) or 0) > 0,
+        timeout=20,
+        what="the index never saw the adapter's turn",
+    )
+    assert index.media_prefix((url, 0), uuid_of(0, 0)) == 0
+
+    encoded = total(first.encoders, "images")
+    await content_of(second, turn_body(0, 1))
+    assert total(first.encoders, "images") == encoded + 2  # turn 0's image again, and turn 1's
+    assert pd.encoded_locally == 0 and decisions(second, "reuse", "index") == 0
+    # The adapter's next turn takes turn 0's image from the adapter's blocks.
+    await holds(second, url, 0, 1)
+    encoded = total(first.encoders, "images")
+    await content_of(second, {**turn_body(0, 1), "model": "ada"})
+    assert total(first.encoders, "images") == encoded + 1 and decisions(second, "reuse", "index") == 1

@@ -9,7 +9,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from epd_proxy.fleet.kv_index import chain
+from epd_proxy.fleet.kv_names import chain
 from epd_proxy_tools.testing.polling import eventually
 from tests.http.test_kv_events import Publisher, prompt, stored
 from tests.http.test_status import poll

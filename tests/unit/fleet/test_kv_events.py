@@ -9,7 +9,8 @@ from typing import Any
 import msgspec
 
 from epd_proxy.fleet.kv_events import GAP_LOST, RESTART, STALE_TURNS, UNDECODABLE, Feed, FeedCounts, Source
-from epd_proxy.fleet.kv_index import FRESH, STALE, KvIndex, chain
+from epd_proxy.fleet.kv_index import FRESH, STALE, KvIndex
+from epd_proxy.fleet.kv_names import chain
 from epd_proxy.fleet.kv_wire import Batch, BlockStored, seq_bytes
 
 ENGINE = ("http://pd:8000", 0)

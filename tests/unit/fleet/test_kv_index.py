@@ -6,7 +6,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from epd_proxy.fleet.kv_index import CHAINS_PER_MEDIA, FRESH, NONE, STALE, KvIndex, block_name, chain, media_in
+from epd_proxy.fleet.kv_index import CHAINS_PER_MEDIA, FRESH, NONE, STALE, KvIndex
+from epd_proxy.fleet.kv_names import chain, media_key
 from epd_proxy.fleet.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored
 
 BS = 4
@@ -47,17 +48,9 @@ def fresh_index(*engines, clock: Clock | None = None, **options) -> KvIndex:
     return index
 
 
-def test_our_names_chain_the_parent_and_ignore_the_engines_hashes():
+def test_the_engines_hashes_only_map_to_our_names():
     prompt = blocks(3)
     names = chain(prompt)
-    assert names[1] == block_name(names[0], prompt[1][0], None)
-    assert len(set(names)) == 3 and all(len(name) == 16 for name in names)
-    # Tuples as a caller writes them and lists as msgpack decodes them name a block alike.
-    assert block_name(None, (1, 2), (("img", 3),)) == block_name(None, [1, 2], [["img", 3]])
-    # The same tokens after another parent, or with other extra keys, are another block.
-    assert block_name(names[0], prompt[0][0], None) != names[0]
-    assert block_name(None, prompt[0][0], [["img", 0]]) != names[0]
-
     index = fresh_index(A, B)
     index.apply(A, [stored([11, 12, 13], prompt)])
     index.apply(B, [stored([-7, 99, 5], prompt)])  # another seed: other hashes, same content
@@ -93,11 +86,6 @@ def test_a_block_held_in_two_groups_stays_until_both_removed():
     assert index.prefix_blocks(A, chain(prompt)) == 0
 
 
-def test_media_identifiers_come_from_the_pairs_among_the_extra_keys():
-    assert media_in(None) == ()
-    assert media_in([["img-1", 13], "lora-x", b"\x00digest", ["img-2", -19]]) == ("img-1", "img-2")
-
-
 def test_an_image_counts_once_its_last_block_and_the_whole_chain_to_it_are_held():
     # Text, then an image over blocks 1 and 2, then text: vLLM's extra keys give the offsets.
     image = {1: [["img-1", 2]], 2: [["img-1", -2]]}
@@ -122,6 +110,22 @@ def test_an_image_counts_once_its_last_block_and_the_whole_chain_to_it_are_held(
     assert index.media_holders("img-1") == [A, B]
     index.apply(B, [BlockRemoved(block_hashes=[22], medium="GPU", group_idx=0)])
     assert index.media_holders("img-1") == [A]
+
+
+def test_an_image_in_an_adapters_blocks_is_held_for_that_adapter_only():
+    # vLLM 0.32 leads every block's extra keys of a LoRA request with the adapter's name.
+    prompt = blocks(4, media={0: ["ada"], 1: ["ada", ["img-1", 2]], 2: ["ada", ["img-1", -2]], 3: ["ada"]})
+    index = fresh_index(A, B)
+    assert index.adapter("ada") is None  # not heard of: taken for the base model
+    index.apply(A, [stored([1, 2, 3, 4], prompt)])
+    assert index.adapter("ada") == "ada" and index.adapter("base") is None
+    assert index.media_prefix(A, media_key("img-1", "ada")) == 3
+    # The base model's prompt through the same image reuses none of the adapter's blocks.
+    assert index.media_prefix(A, "img-1") == 0 and index.media_holders("img-1") == []
+    assert index.media_prefix(A, media_key("img-1", "other")) == 0
+    index.apply(B, [stored([5, 6, 7, 8], blocks(4, media={1: [["img-1", 2]], 2: [["img-1", -2]]}))])
+    assert index.media_prefix(B, "img-1") == 3 and index.media_prefix(B, media_key("img-1", "ada")) == 0
+    assert index.holders([media_key("img-1", "ada")]) == {A}
 
 
 def test_all_blocks_cleared_empties_the_engine_and_no_other():

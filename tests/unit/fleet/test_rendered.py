@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from epd_proxy.fleet.kv_index import block_name
+from epd_proxy.fleet.kv_names import block_name
 from epd_proxy.fleet.rendered import Item, Rendered, parse_render
 from epd_proxy_tools.testing.fake_kv_events import Feature, block_extra_keys
 

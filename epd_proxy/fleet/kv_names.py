@@ -1,0 +1,74 @@
+"""Our names of what engines hold (pure): a block by its prefix, a media item by its identifier
+and the LoRA adapter whose blocks hold it.
+
+A block's name digests its parent's name, its token ids and its extra keys as vLLM publishes them
+(`generate_block_hash_extra_keys` in vLLM 0.32: the LoRA name, then `(identifier, offset)` per
+media item overlapping the block, then the cache salt on the first block only): the same on every
+engine whatever its hash seed, and standing for the whole prefix.
+
+An image in an adapter's blocks is not held for the base model or another adapter: vLLM keys every
+block of an adapter's prompt with the adapter's name, so a base-model prompt through the same
+image reuses none of it. Such an item is named `<adapter>\\0<identifier>`; vLLM's identifiers (the
+proxy's uuids, vLLM's own hex hashes, `<adapter>:<hash>` with tower LoRA) hold no NUL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from hashlib import blake2b
+from typing import Any
+
+import msgspec
+
+MAX_ITEMS_PER_BLOCK = 64
+MAX_ID_CHARS = 256
+
+_encode = msgspec.msgpack.Encoder().encode
+
+
+def block_name(parent: bytes | None, tokens: Sequence[int], extra: Sequence[Any] | None) -> bytes:
+    """Our name of a block: 16 bytes of blake2b over the parent's name, the tokens and the extra
+    keys as the events carry them (tuples and lists read alike)."""
+    return blake2b(_encode((parent, tokens, extra)), digest_size=16).digest()
+
+
+def chain(blocks: Iterable[tuple[Sequence[int], Sequence[Any] | None]]) -> list[bytes]:
+    """The names of a prompt's blocks, each `(token_ids, extra_keys)`, from the first on."""
+    names: list[bytes] = []
+    parent = None
+    for tokens, extra in blocks:
+        parent = block_name(parent, tokens, extra)
+        names.append(parent)
+    return names
+
+
+def media_key(identifier: str, adapter: str | None) -> str:
+    """The index's name of a media item in the blocks of `adapter` (None: the base model)."""
+    return identifier if adapter is None else f"{adapter}\0{identifier}"
+
+
+def media_in(extra: Sequence[Any] | None) -> tuple[str, ...]:
+    """The media items among one block's extra keys (the `[identifier, offset]` pairs), named
+    with the adapter whose name leads the keys. A leading string before a pair can only be a LoRA
+    name: the cache salt comes last."""
+    if not isinstance(extra, list | tuple) or not extra:
+        return ()
+    # vLLM's identifiers are the proxy's uuids (64 hex digits) or its own hashes: a longer one, or
+    # more than a block's worth of items, comes from a publisher that is not vLLM.
+    ids = tuple(
+        key[0]
+        for key in extra[:MAX_ITEMS_PER_BLOCK]
+        if isinstance(key, list | tuple) and len(key) == 2 and isinstance(key[0], str) and len(key[0]) <= MAX_ID_CHARS
+    )
+    lead = extra[0]
+    if not ids or not isinstance(lead, str):
+        return ids
+    # An adapter's name no request could be asked under: its media count for no one.
+    return tuple(media_key(identifier, lead) for identifier in ids) if len(lead) <= MAX_ID_CHARS else ()
+
+
+def adapter_in(extra: Sequence[Any] | None) -> str | None:
+    """The LoRA adapter a block holding media belongs to, None for the base model (or no media)."""
+    if not isinstance(extra, list | tuple) or len(extra) < 2 or not isinstance(extra[0], str):
+        return None
+    return extra[0] if len(extra[0]) <= MAX_ID_CHARS and isinstance(extra[1], list | tuple) else None
