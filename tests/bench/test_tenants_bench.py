@@ -5,12 +5,17 @@ No timing assertions beyond an order: a shed answer comes before an encoded one.
 
 from __future__ import annotations
 
+import http.server
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
+import pytest
+
 from epd_proxy.tenants import parse_tenants
+from epd_proxy_tools.bench import tenant_load
 
 
 def test_quick_tenants_bench_reports_per_tenant_figures_and_sheds(tmp_path: Path) -> None:
@@ -41,3 +46,28 @@ def test_quick_tenants_bench_reports_per_tenant_figures_and_sheds(tmp_path: Path
     assert counted >= sum(shed["count"] for shed in sheds)
     assert arm["interactive_ttft_p99_ratio"] > 0
     assert "| epd-proxy | flood | flood |" in run.stdout
+
+
+def test_a_capacity_nothing_answered_ends_the_run_with_why() -> None:
+    # A proxy that fails every request measured a capacity of 0, and every figure after it was
+    # against that: the run ends instead.
+    class Failing(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(500)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Failing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        flood, chat = tenant_load.new_tenants(None)
+        requests = tenant_load.requests_for(tenant_load.FLOOD, 3, model="m", seed=1, tiny=True)
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1/chat/completions"
+        with pytest.raises(SystemExit, match=r"answered none of the 3 capacity requests \(HTTP 500\)"):
+            tenant_load.capacity(url, chat, requests, 2)
+    finally:
+        server.shutdown()

@@ -22,7 +22,6 @@ COVERED_ELSEWHERE = {
         "the real-engine bench's parts, tested together",
     ),
     "tools/bench/tenant_bench.py": ("tests/bench/test_tenants_bench.py", "drives a whole multi-tenant run over fakes"),
-    "tools/bench/tenant_report.py": ("tests/bench/test_tenants_bench.py", "renders what a multi-tenant run measured"),
     "tools/bench/real_report.py": ("tests/e2e/test_e2e_bench_real.py", "reports a run on real engines"),
     "tools/local/stack.py": ("tests/e2e/test_local_up.py", "starts real vLLM"),
     "tools/local/tiny_model.py": ("tests/e2e/test_local_up.py", "builds a model vLLM must load"),

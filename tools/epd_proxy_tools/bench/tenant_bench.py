@@ -342,13 +342,18 @@ def run_real(bench) -> int:
         requests = _requests(plan, bench.model, tiny=False)
         for arm, kind, r in _interleaved(arms, plan.rounds):
             bench.reset()
+            before = engine_metrics.scrape_all(bench.engines)
             proc, url = bench.start_proxy(arm, arm.name)
             try:
-                arm.blocks.append(run_block(arm, kind, r, url, plan, requests, tenants))
+                block = run_block(arm, kind, r, url, plan, requests, tenants)
             finally:
                 stop_process(proc)
-            # Requests the proxy dropped may still run on the engines: let them finish.
-            engine_metrics.settled(bench.engines)
+            # Requests the proxy dropped may still run on the engines: let them finish, and count them.
+            after = engine_metrics.settled(bench.engines)
+            deltas = {name: engine_metrics.delta(before[name], after[name]) for name in after}
+            answered = sum(1 for s in block["sent"] if tenant_report.answered(s))
+            block["engines"] = engine_metrics.summarise(bench.engines, deltas, answered) if answered else {}
+            arm.blocks.append(block)
         result = tenant_report.build(arms, plan, tenants, mode="real engines")
         tenant_report.write(bench.out, result)
     finally:

@@ -262,7 +262,13 @@ async def _calibrate(url: str, tenant: TenantSpec, requests: list[Request], conc
         started = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(max(1, concurrency))))
         wall = time.perf_counter() - started
-    return sum(1 for s in out if s.status == 200 and s.error is None) / wall if wall else 0.0
+    answered = sum(1 for s in out if s.status == 200 and s.error is None)
+    if not answered:
+        # Every figure of the run is against this capacity: none is worth a run.
+        first = next((s for s in out), None)
+        why = "nothing sent" if first is None else (first.error or f"HTTP {first.status}")
+        raise SystemExit(f"[bench] the proxy answered none of the {len(out)} capacity requests ({why}): see its log")
+    return answered / wall if wall else 0.0
 
 
 def capacity(url: str, tenant: TenantSpec, requests: list[Request], concurrency: int) -> float:

@@ -35,7 +35,7 @@ def _measured(sent: list[Sent], plan) -> list[Sent]:
     return [s for s in sent if s.started < plan.seconds and (s.ended is None or s.ended >= plan.warm_s)]
 
 
-def _ok(s: Sent) -> bool:
+def answered(s: Sent) -> bool:
     return s.status == 200 and s.error is None and s.ended is not None
 
 
@@ -46,7 +46,7 @@ def _tokens(s: Sent) -> float:
 
 
 def tenant_figures(sent: list[Sent], window_s: float) -> dict[str, Any]:
-    ok = [s for s in sent if _ok(s)]
+    ok = [s for s in sent if answered(s)]
     # A request still unanswered when the block gave up waited at least that long for its first
     # token: counted so, its percentiles are lower bounds (`ttft_censored`).
     unanswered = [s.waited for s in sent if s.ended is None and s.waited is not None]
@@ -70,7 +70,9 @@ def tenant_figures(sent: list[Sent], window_s: float) -> dict[str, Any]:
         "ttft_censored": bool(unanswered),
         "latency_s_p99": _pct([s.latency for s in ok if s.latency is not None], 0.99),
         "shed": shed,
-        "other_errors": sum(1 for s in sent if s.ended is not None and not _ok(s) and s.status not in SHED_STATUSES),
+        "other_errors": sum(
+            1 for s in sent if s.ended is not None and not answered(s) and s.status not in SHED_STATUSES
+        ),
         "unfinished": sum(1 for s in sent if s.ended is None),
         # What the encoders were given: every image of a request that was not turned away.
         "images_admitted": sum(s.images for s in admitted),
@@ -134,7 +136,7 @@ def goodput_images_per_s(blocks: list[dict[str, Any]], plan) -> float:
         s
         for b in blocks
         for s in b["sent"]
-        if _ok(s) and s.ended is not None and plan.warm_s <= s.ended <= plan.seconds
+        if answered(s) and s.ended is not None and plan.warm_s <= s.ended <= plan.seconds
     ]
     return sum(s.images for s in done) / window if window else 0.0
 
@@ -164,7 +166,31 @@ def arm_kind(blocks: list[dict[str, Any]], plan) -> dict[str, Any]:
         else ("the answers' usage" if usage else "estimated from images (64 tokens each) and answers"),
         "proxy_shed": _counters(metrics, "epd_requests_shed_total"),
         "proxy_requests": _counters(metrics, "epd_tenant_requests_total"),
+        "engines": _engine_means([b["engines"] for b in blocks if b.get("engines")]),
     }
+
+
+def _engine_means(per_block: list[dict[str, float | None]]) -> dict[str, float]:
+    """The engines' own per-request figures (engines.summarise), averaged over an arm's blocks of
+    one kind: vLLM's work counters, which carry over to other hardware where times do not."""
+    out = {}
+    for key in sorted({k for block in per_block for k in block}):
+        values = [v for block in per_block if (v := block.get(key)) is not None]
+        if values:
+            out[key] = sum(values) / len(values)
+    return out
+
+
+# The engines' figures the table shows: (key in engines.summarise, heading).
+ENGINE_COLUMNS = (
+    ("encoder_images_per_request", "images encoded"),
+    ("images_per_subrequest", "images per encoder sub-request"),
+    ("encoder_queue_ms", "encoder queue ms"),
+    ("queue_ms", "PD queue ms"),
+    ("prefill_ms", "PD prefill ms"),
+    ("prompt_tokens_computed_per_request", "PD prompt tokens computed"),
+    ("engine_cpu_ms_per_request", "engines' CPU ms"),
+)
 
 
 def build(arms, plan, tenants: tuple[TenantSpec, ...], mode: str) -> dict[str, Any]:
@@ -281,6 +307,7 @@ def table(result: dict[str, Any]) -> str:
                 f"| {'-' if of is None else f'{100 * of:.0f}%'} "
                 f"| {_share_text(block['tenants'][INTERACTIVE]['encoder_share'])} | {100 * weight_share:.0f}% |"
             )
+    lines += _engine_table(result)
     shed_lines = []
     for arm in result["arms"]:
         counted = arm["blocks"].get("flood", {}).get("proxy_shed", {})
@@ -292,6 +319,33 @@ def table(result: dict[str, Any]) -> str:
     if shed_lines:
         lines += ["", *shed_lines]
     return "\n".join(lines) + "\n"
+
+
+def _engine_table(result: dict[str, Any]) -> list[str]:
+    rows = []
+    for arm in result["arms"]:
+        for kind, block in arm["blocks"].items():
+            figures = block.get("engines")
+            if figures:
+                cells = [_number(figures.get(key)) for key, _ in ENGINE_COLUMNS]
+                rows.append(f"| {arm['name']} | {kind} | " + " | ".join(cells) + " |")
+    if not rows:
+        return []
+    return [
+        "",
+        "The engines' own counters, per answered request of either tenant (mean of the blocks; the "
+        "work counters carry over to other hardware):",
+        "",
+        "| arm | block | " + " | ".join(heading for _, heading in ENGINE_COLUMNS) + " |",
+        "|---|---|" + "---|" * len(ENGINE_COLUMNS),
+        *rows,
+    ]
+
+
+def _number(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2f}" if value < 10 else f"{value:.0f}"
 
 
 def write(out: Path, result: dict[str, Any]) -> None:
