@@ -2,8 +2,9 @@
 request of it as of the base model (render only echoes `model`), lists `ada` in /v1/models with a
 `parent`, which is how the proxy's renderer tells an adapter (journey/render.py), and stores the
 request's blocks under names that only a chain carrying the adapter's name finds
-(fleet/rendered.py). The PD runs alone, started here: the shared stacks' PDs serve no adapter, and
-their answers are compared with a baseline that has none."""
+(fleet/rendered.py), its images held for the adapter alone (fleet/kv_names.py). The PD runs
+alone, started here: the shared stacks' PDs serve no adapter, and their answers are compared with
+a baseline that has none."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import urllib.request
 import pytest
 
 from epd_proxy.fleet.kv_index import KvIndex
+from epd_proxy.fleet.kv_names import media_key
 from epd_proxy.fleet.rendered import Rendered
 from epd_proxy_tools.local.stack import engine_env
 from epd_proxy_tools.local.supervisor import Managed, stop_groups, wait_healthy
@@ -89,5 +91,10 @@ def test_an_adapters_blocks_are_found_by_a_chain_carrying_its_name_and_only_by_i
             what="the PD's stored blocks never matched the adapter's chain",
         )
         assert index.prefix_blocks(engine, plain) == 0, "the base model's names found the adapter's blocks"
+        # Its image is held for the adapter, not for the base model (fleet/kv_names.py).
+        image = rendered.items[0].identifier
+        assert index.adapter(ADAPTER) == ADAPTER and index.adapter(MODEL) is None
+        assert index.media_holders(media_key(image, ADAPTER)) == [engine]
+        assert index.media_holders(image) == []
     finally:
         tap.close()

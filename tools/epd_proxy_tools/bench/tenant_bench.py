@@ -320,7 +320,7 @@ def run_real(bench) -> int:
         # deadline (none is turned away), with enough in flight to keep every engine busy.
         calibrating = next((arm for arm in arms if arm.ours), arms[0])
         in_flight = CALIBRATION_IN_FLIGHT_PER_ENCODER * encoders
-        calibration = tenant_load.requests_for(FLOOD, 2 * in_flight + 4, model=bench.model, seed=a.seed + 1, tiny=False)
+        calibration = tenant_load.requests_for(FLOOD, 4 * in_flight, model=bench.model, seed=a.seed + 1, tiny=False)
         bench.reset()
         proc, url = bench.start_proxy(calibrating, "calibration")
         try:
@@ -333,7 +333,7 @@ def run_real(bench) -> int:
             rounds=a.rounds,
             flood_rate=flood_rate(a, cap, tenants),
             capacity_rps=cap,
-            capacity_from=f"{len(calibration)} flood requests, {in_flight} at a time, through {calibrating.name}",
+            capacity_from=f"{len(calibration)} flood requests, {in_flight} at a time while full, through {calibrating.name}",
             interactive_clients=probe.interactive_clients,
             seed=a.seed,
             backlog_rate=backlog_rate(a, cap, tenants),

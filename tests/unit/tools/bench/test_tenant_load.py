@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import io
 
+import pytest
 from PIL import Image
 
 from epd_proxy.tenants import parse_tenants
@@ -43,3 +44,11 @@ def test_enough_requests_for_a_block():
     assert tenant_load.flood_count(load) > 400
     assert tenant_load.interactive_count(load) >= 2 * 10 / 0.2
     assert tenant_load.flood_count(Load(seconds=10, flood_rate=0, interactive_clients=1)) == 0
+
+
+def test_the_capacity_is_the_rate_while_the_pipeline_is_full():
+    # A cold start (the first answers late and together) and a ramp-down (the last ones spread
+    # out with fewer in flight) around a steady 4 answers a second.
+    ends = [2.0, 2.0, 2.1, *(2.1 + 0.25 * k for k in range(1, 13)), 6.0, 8.0, 11.0]
+    assert tenant_load.steady_rate(ends, 3) == pytest.approx(4.0)
+    assert tenant_load.steady_rate(ends[:6], 3) is None  # too few answers for a window
