@@ -189,6 +189,8 @@ def summarise(engines: list[Engine], deltas: dict[str, dict[str, float]], reques
     out["prefill_ms"] = mean_ms(first, "prefill")
     out["decode_ms"] = mean_ms(last, "decode")
     out["encoder_queue_ms"] = mean_ms((ENCODE,), "queue")
+    # An encoder's "prefill" of a sub-request is its media's encode: vLLM's own time for the work.
+    out["encoder_prefill_ms"] = mean_ms((ENCODE,), "prefill")
     # Engines count their own request attempts: more than one per client request means retries.
     out["consumer_requests_per_request"] = total(first[0], "requests") / n
     out["prompt_tokens_per_request"] = total(first[0], "prompt_tokens") / n

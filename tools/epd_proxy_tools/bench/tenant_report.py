@@ -186,6 +186,7 @@ ENGINE_COLUMNS = (
     ("encoder_images_per_request", "images encoded"),
     ("images_per_subrequest", "images per encoder sub-request"),
     ("encoder_queue_ms", "encoder queue ms"),
+    ("encoder_prefill_ms", "encoder sub-request ms"),
     ("queue_ms", "PD queue ms"),
     ("prefill_ms", "PD prefill ms"),
     ("prompt_tokens_computed_per_request", "PD prompt tokens computed"),

@@ -45,7 +45,7 @@ def test_real_engine_blocks_report_the_engines_counters_averaged_over_rounds():
     assert flood["engines"] == {"encoder_images_per_request": 4.5, "prompt_tokens_computed_per_request": 400.0}
     assert result["arms"][0]["blocks"]["alone"]["engines"] == {"encoder_images_per_request": 1.0}
     table = result["table_md"]
-    assert "| epd-proxy | flood | 4.50 | - | - | - | - | 400 | - |" in table
+    assert "| epd-proxy | flood | 4.50 | - | - | - | - | - | 400 | - |" in table
     assert "| epd-proxy | alone | 1.00 | - |" in table
 
 
