@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from epd_proxy.fleet.kv_names import adapter_in, block_name, media_in
+from epd_proxy.fleet.kv_names import adapter_of, block_name, media_in
 from epd_proxy.fleet.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
 
 log = logging.getLogger("epd_proxy.kv_index")
@@ -226,7 +226,7 @@ class KvIndex:
                 if block is None:
                     depth = held[parent].depth + 1 if parent is not None else 1
                     block = held[name] = _Held(parent, media_in(extra), depth)
-                    if block.media and (adapter := adapter_in(extra)) and len(self._adapters) < MAX_ADAPTERS:
+                    if block.media and (adapter := adapter_of(block.media[0])) and len(self._adapters) < MAX_ADAPTERS:
                         self._adapters[adapter] = None
                     for media_id in block.media:
                         blocks = record.media.get(media_id)

@@ -67,8 +67,8 @@ def media_in(extra: Sequence[Any] | None) -> tuple[str, ...]:
     return tuple(media_key(identifier, lead) for identifier in ids) if len(lead) <= MAX_ID_CHARS else ()
 
 
-def adapter_in(extra: Sequence[Any] | None) -> str | None:
-    """The LoRA adapter a block holding media belongs to, None for the base model (or no media)."""
-    if not isinstance(extra, list | tuple) or len(extra) < 2 or not isinstance(extra[0], str):
-        return None
-    return extra[0] if len(extra[0]) <= MAX_ID_CHARS and isinstance(extra[1], list | tuple) else None
+def adapter_of(key: str) -> str | None:
+    """The LoRA adapter whose blocks a media key (`media_in`) names an item in, None for the base
+    model."""
+    adapter, named, _ = key.partition("\0")
+    return adapter if named else None

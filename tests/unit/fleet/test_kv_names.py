@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from epd_proxy.fleet.kv_names import MAX_ID_CHARS, adapter_in, block_name, chain, media_in, media_key
+from epd_proxy.fleet.kv_names import MAX_ID_CHARS, adapter_of, block_name, chain, media_in, media_key
 
 
 def test_our_names_chain_the_parent():
@@ -27,9 +27,8 @@ def test_an_adapters_media_are_named_with_it_and_a_cache_salt_is_no_adapter():
     # vLLM's order: the LoRA name, the items' pairs, the cache salt (first block only).
     assert media_in(["ada", ["img-1", 13], "salt"]) == (media_key("img-1", "ada"),)
     assert media_key("img-1", "ada") != "img-1" == media_key("img-1", None)
-    assert adapter_in(["ada", ["img-1", 13]]) == "ada"
-    assert adapter_in([["img-1", 13], "salt"]) is None
+    assert adapter_of(media_key("img-1", "ada")) == "ada" and adapter_of("img-1") is None
     # A first block of text: a lone string may be either, and names no media anyway.
-    assert adapter_in(["salt-or-ada"]) is None and media_in(["salt-or-ada"]) == ()
-    long = "a" * (MAX_ID_CHARS + 1)
-    assert adapter_in([long, ["img-1", 0]]) is None and media_in([long, ["img-1", 0]]) == ()
+    assert media_in(["salt-or-ada"]) == ()
+    # An adapter's name longer than any a request could name: its media count for no one.
+    assert media_in(["a" * (MAX_ID_CHARS + 1), ["img-1", 0]]) == ()
