@@ -6,7 +6,7 @@ An engine is one data-parallel rank of a prefill, decode or PD instance: `(url, 
 **Our own block names** (kv_names.py): a block's name stands for its whole prefix, the same on
 every engine whatever its hash seed; the engine's hash only maps to our name. A block whose parent
 is not known (missed, or evicted here) is not indexed. A media item is named with the LoRA adapter
-whose blocks hold it, and the adapters are learnt from those blocks (`adapter`).
+whose blocks hold it, as the events' `lora_name` says, and the adapters are learnt so (`adapter`).
 
 **State.** An engine is `fresh` while its feed heard from it within `stale_after_s` with no
 trouble since, `stale` otherwise, `none` when nothing feeds it. Queries about an engine that is
@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from epd_proxy.fleet.kv_names import adapter_of, block_name, media_in
+from epd_proxy.fleet.kv_names import block_name, media_in, valid_name
 from epd_proxy.fleet.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
 
 log = logging.getLogger("epd_proxy.kv_index")
@@ -99,7 +99,8 @@ class KvIndex:
         # Per media id the engines holding some block of it: most engines hold none of a
         # request's images, and a fleet of many must not be asked one by one (`holders`).
         self._holders: dict[str, dict[EngineId, None]] = {}
-        # The LoRA adapters whose blocks held media: a request naming one asks for its media so.
+        # The LoRA adapters whose blocks were stored, oldest first: a request naming one asks for
+        # its media in that adapter's blocks.
         self._adapters: dict[str, None] = {}
         self._stamps = itertools.count()
         self.blocks = 0  # entries over all engines
@@ -212,6 +213,13 @@ class KvIndex:
             done.orphans += len(event.block_hashes)
             return
         record.block_size = size
+        adapter = event.lora_name
+        if adapter is not None and valid_name(adapter):
+            # Newest last, the oldest forgotten past the cap: adapters come and go at runtime.
+            self._adapters.pop(adapter, None)
+            self._adapters[adapter] = None
+            if len(self._adapters) > MAX_ADAPTERS:
+                del self._adapters[next(iter(self._adapters))]
         for i, block_hash in enumerate(event.block_hashes):
             extra = extras[i] if i < len(extras) else None
             name = block_name(parent, tokens[i * size : (i + 1) * size], extra)
@@ -225,9 +233,7 @@ class KvIndex:
                 block = held.get(name)
                 if block is None:
                     depth = held[parent].depth + 1 if parent is not None else 1
-                    block = held[name] = _Held(parent, media_in(extra), depth)
-                    if block.media and (adapter := adapter_of(block.media[0])) and len(self._adapters) < MAX_ADAPTERS:
-                        self._adapters[adapter] = None
+                    block = held[name] = _Held(parent, media_in(extra, adapter), depth)
                     for media_id in block.media:
                         blocks = record.media.get(media_id)
                         if blocks is None:
@@ -333,8 +339,8 @@ class KvIndex:
         return count
 
     def adapter(self, model: str | None) -> str | None:
-        """`model` when it names a LoRA adapter whose blocks held media, else None (the base
-        model, or an adapter none of whose image blocks was heard of yet)."""
+        """`model` when it names a LoRA adapter some engine stored blocks of, else None (the base
+        model, or an adapter none of whose blocks was heard of yet)."""
         return model if model is not None and model in self._adapters else None
 
     def media_holders(self, media_id: str) -> list[EngineId]:

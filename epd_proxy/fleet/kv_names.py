@@ -8,8 +8,10 @@ engine whatever its hash seed, and standing for the whole prefix.
 
 An image in an adapter's blocks is not held for the base model or another adapter: vLLM keys every
 block of an adapter's prompt with the adapter's name, so a base-model prompt through the same
-image reuses none of it. Such an item is named `<adapter>\\0<identifier>`; vLLM's identifiers (the
-proxy's uuids, vLLM's own hex hashes, `<adapter>:<hash>` with tower LoRA) hold no NUL.
+image reuses none of it. Such an item is named `<adapter>\\0<identifier>`, the adapter as the event's
+`lora_name` says; a name or identifier holding a NUL is not vLLM's and names nothing. With
+`--enable-tower-connector-lora` vLLM names an adapter's items `<adapter>:<hash>`, so the index never
+finds them under the uuid the proxy sent: they are encoded again, which costs work, never an answer.
 """
 
 from __future__ import annotations
@@ -47,28 +49,21 @@ def media_key(identifier: str, adapter: str | None) -> str:
     return identifier if adapter is None else f"{adapter}\0{identifier}"
 
 
-def media_in(extra: Sequence[Any] | None) -> tuple[str, ...]:
-    """The media items among one block's extra keys (the `[identifier, offset]` pairs), named
-    with the adapter whose name leads the keys. A leading string before a pair can only be a LoRA
-    name: the cache salt comes last."""
-    if not isinstance(extra, list | tuple) or not extra:
+def media_in(extra: Sequence[Any] | None, adapter: str | None = None) -> tuple[str, ...]:
+    """The media items among one block's extra keys (the `[identifier, offset]` pairs), named as
+    in the blocks of `adapter`, the LoRA adapter the event says stored them (`lora_name`)."""
+    if not isinstance(extra, list | tuple) or not valid_name(adapter):
         return ()
     # vLLM's identifiers are the proxy's uuids (64 hex digits) or its own hashes: a longer one, or
     # more than a block's worth of items, comes from a publisher that is not vLLM.
-    ids = tuple(
+    ids = (
         key[0]
         for key in extra[:MAX_ITEMS_PER_BLOCK]
-        if isinstance(key, list | tuple) and len(key) == 2 and isinstance(key[0], str) and len(key[0]) <= MAX_ID_CHARS
+        if isinstance(key, list | tuple) and len(key) == 2 and isinstance(key[0], str) and valid_name(key[0])
     )
-    lead = extra[0]
-    if not ids or not isinstance(lead, str):
-        return ids
-    # An adapter's name no request could be asked under: its media count for no one.
-    return tuple(media_key(identifier, lead) for identifier in ids) if len(lead) <= MAX_ID_CHARS else ()
+    return tuple(media_key(identifier, adapter) for identifier in ids)
 
 
-def adapter_of(key: str) -> str | None:
-    """The LoRA adapter whose blocks a media key (`media_in`) names an item in, None for the base
-    model."""
-    adapter, named, _ = key.partition("\0")
-    return adapter if named else None
+def valid_name(name: str | None) -> bool:
+    """An identifier or adapter name as vLLM's may be (None: none at all)."""
+    return name is None or (isinstance(name, str) and len(name) <= MAX_ID_CHARS and "\0" not in name)

@@ -39,11 +39,14 @@ class BlockStored(msgspec.Struct, tag="BlockStored", gc=False):
     token_ids: list[int] = []
     block_size: int = 0
     medium: str | None = None
-    # One entry per block, None for a block with none; in each entry a `[identifier, offset]`
-    # pair per media item in the block, a bare string for a LoRA name or cache salt, bytes for a
-    # prompt-embeds digest.
+    # One entry per block, None for a block with none; in each entry, in order: the LoRA name
+    # (with `lora_name` set), a `[identifier, offset]` pair per media item in the block, the cache
+    # salt (first block only), bytes for a prompt-embeds digest.
     extra_keys: list[Any] | None = None
     group_idx: int | None = None
+    # The LoRA adapter whose request stored the blocks, None for the base model; its name leads
+    # every entry of `extra_keys` then.
+    lora_name: str | None = None
 
 
 class BlockRemoved(msgspec.Struct, tag="BlockRemoved", gc=False):

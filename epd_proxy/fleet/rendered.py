@@ -3,7 +3,7 @@
 vLLM 0.32 answers `POST /v1/chat/completions/render` (also `/v1/messages/render` and
 `/v1/responses/render`; a `vllm launch render` server, or `vllm serve --enable-scale-out`) with the
 prompt's token ids and, per modality, each item's hash and placeholder range. With those the
-proxy names the prompt's blocks as the KV index names what engines store (kv_index.block_name),
+proxy names the prompt's blocks as the KV index names what engines store (kv_names.block_name),
 so "how much of this prompt does the engine hold" is answered block by block, whatever the images,
 text or preamble, instead of through the request's images alone.
 
@@ -52,7 +52,7 @@ class Rendered:
     _names: dict[int, list[bytes]] = field(default_factory=dict)
 
     def names(self, block_size: int) -> list[bytes]:
-        """The names of the prompt's full blocks of `block_size` tokens (kv_index.chain)."""
+        """The names of the prompt's full blocks of `block_size` tokens (kv_names.chain)."""
         names = self._names.get(block_size)
         if names is None:
             names = self._names[block_size] = chain(self.blocks(block_size)) if block_size > 0 else []

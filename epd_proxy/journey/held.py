@@ -72,16 +72,16 @@ def media_names(body: dict[str, Any], items: Sequence[MediaItem]) -> dict[int, s
 
 
 def index_uuids(
-    body: dict[str, Any], items: Sequence[MediaItem], adapter_of: Callable[[object], str | None] | None = None
+    body: dict[str, Any], items: Sequence[MediaItem], adapter_for: Callable[[object], str | None] | None = None
 ) -> dict[int, str]:
     """The images whose blocks the consumer's KV events name by the proxy's uuid, by index, as
     the KV index names them: in the blocks of the LoRA adapter the request's `model` names, if
-    `adapter_of` (kv_holds.adapter) says it names one (kv_names.media_key). vLLM names an item by
+    `adapter_for` (kv_holds.adapter) says it names one (kv_names.media_key). vLLM names an item by
     the uuid it was sent only when no processing option is folded in, and an item the consumer
     names by its content (an Anthropic image) has no uuid there."""
     if any(body.get(name) for name in _IDENTIFIER_FIELDS):
         return {}
-    adapter = adapter_of(body.get("model")) if adapter_of is not None else None
+    adapter = adapter_for(body.get("model")) if adapter_for is not None else None
     return {item.index: media_key(item.uuid, adapter) for item in items if item.is_image and item.named and item.uuid}
 
 

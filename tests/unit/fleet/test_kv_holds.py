@@ -51,3 +51,12 @@ def test_a_rendered_prompt_is_held_as_far_as_its_blocks_lie_on_a_rank():
     index.stale((URL, 1), "test")
     assert holds.prefix_tokens(URL, turn) == 2 * BS
     assert holds.prefix_tokens(URL, Rendered(list(range(5000, 5000 + 2 * BS)))) is None
+
+
+def test_a_model_names_an_adapter_only_once_an_engine_stored_its_blocks():
+    index = fresh_index(("http://pd:1", 0))
+    holds = KvHolds(index, lambda url: (0,))
+    index.apply(("http://pd:1", 0), [stored([1], blocks(1), lora="ada")])
+    assert holds.adapter("ada") == "ada" and holds.adapter("base") is None
+    # A client's `model` of any JSON type is asked about without harm.
+    assert holds.adapter(["ada"]) is None and holds.adapter({"a": 1}) is None and holds.adapter(None) is None

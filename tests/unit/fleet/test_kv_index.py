@@ -6,6 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from epd_proxy.fleet import kv_index
 from epd_proxy.fleet.kv_index import CHAINS_PER_MEDIA, FRESH, NONE, STALE, KvIndex
 from epd_proxy.fleet.kv_names import chain, media_key
 from epd_proxy.fleet.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored
@@ -28,7 +29,9 @@ def blocks(n: int, start: int = 0, media: dict[int, list] | None = None) -> list
     return [(list(range(start + i * BS, start + (i + 1) * BS)), media.get(i)) for i in range(n)]
 
 
-def stored(hashes: list[int], prompt: list, parent: int | None = None, group: int = 0) -> BlockStored:
+def stored(
+    hashes: list[int], prompt: list, parent: int | None = None, group: int = 0, lora: str | None = None
+) -> BlockStored:
     return BlockStored(
         block_hashes=hashes,
         parent_block_hash=parent,
@@ -37,6 +40,7 @@ def stored(hashes: list[int], prompt: list, parent: int | None = None, group: in
         medium="GPU",
         extra_keys=[extra for _, extra in prompt] if any(extra for _, extra in prompt) else None,
         group_idx=group,
+        lora_name=lora,
     )
 
 
@@ -113,11 +117,12 @@ def test_an_image_counts_once_its_last_block_and_the_whole_chain_to_it_are_held(
 
 
 def test_an_image_in_an_adapters_blocks_is_held_for_that_adapter_only():
-    # vLLM 0.32 leads every block's extra keys of a LoRA request with the adapter's name.
+    # vLLM 0.32 leads every block's extra keys of a LoRA request with the adapter's name, and says
+    # it in the event's `lora_name`.
     prompt = blocks(4, media={0: ["ada"], 1: ["ada", ["img-1", 2]], 2: ["ada", ["img-1", -2]], 3: ["ada"]})
     index = fresh_index(A, B)
     assert index.adapter("ada") is None  # not heard of: taken for the base model
-    index.apply(A, [stored([1, 2, 3, 4], prompt)])
+    index.apply(A, [stored([1, 2, 3, 4], prompt, lora="ada")])
     assert index.adapter("ada") == "ada" and index.adapter("base") is None
     assert index.media_prefix(A, media_key("img-1", "ada")) == 3
     # The base model's prompt through the same image reuses none of the adapter's blocks.
@@ -126,6 +131,18 @@ def test_an_image_in_an_adapters_blocks_is_held_for_that_adapter_only():
     index.apply(B, [stored([5, 6, 7, 8], blocks(4, media={1: [["img-1", 2]], 2: [["img-1", -2]]}))])
     assert index.media_prefix(B, "img-1") == 3 and index.media_prefix(B, media_key("img-1", "ada")) == 0
     assert index.holders([media_key("img-1", "ada")]) == {A}
+
+
+def test_an_adapter_is_learnt_from_any_block_it_stored_and_the_oldest_forgotten_past_the_cap(monkeypatch):
+    monkeypatch.setattr(kv_index, "MAX_ADAPTERS", 2)
+    index = fresh_index(A)
+    index.apply(A, [stored([1], blocks(1, media={0: ["text-only"]}), lora="text-only")])
+    assert index.adapter("text-only") == "text-only"
+    index.apply(A, [stored([2], blocks(1, start=100), lora="b"), stored([3], blocks(1, start=200), lora="c")])
+    assert [index.adapter(name) for name in ("text-only", "b", "c")] == [None, "b", "c"]
+    # A name vLLM would not send is none.
+    index.apply(A, [stored([4], blocks(1, start=300), lora="x\0y")])
+    assert index.adapter("x\0y") is None and index.adapter("b") == "b"
 
 
 def test_all_blocks_cleared_empties_the_engine_and_no_other():

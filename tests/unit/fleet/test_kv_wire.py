@@ -42,6 +42,7 @@ def test_every_event_vllm_publishes_reads_back_field_for_field():
         medium="GPU",
         extra_keys=[None, ["adapter", ["img-1", 3], "salt", b"\x00digest"]],
         group_idx=1,
+        lora_name="adapter",
     )
     assert removed == kv_wire.BlockRemoved(block_hashes=[7], medium="CPU", group_idx=1)
     assert isinstance(cleared, kv_wire.AllBlocksCleared)

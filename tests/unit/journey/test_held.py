@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from epd_proxy.fleet.kv_names import media_key
 from epd_proxy.journey.extract import normalise_request
 from epd_proxy.journey.held import INDEX_CATCH_UP_S, HeldMedia, decide_held, index_uuids, media_names
 from epd_proxy.journey.messages_api import normalise_messages
@@ -105,6 +106,18 @@ def test_only_images_named_by_the_proxys_uuid_are_asked_of_the_index():
     assert index_uuids({**body, "mm_processor_kwargs": {"size": 1}}, items) == {}
     (anthropic,) = normalise_messages(agent_messages("a")).items
     assert index_uuids(agent_messages("a"), [anthropic]) == {}
+
+
+def test_the_images_of_a_request_naming_a_lora_adapter_are_asked_for_in_its_blocks():
+    body = {**chat(image("a")), "model": "ada"}
+    items = normalise_request(body).items
+    adapters = {"ada"}
+
+    def adapter_for(model: object) -> str | None:
+        return model if isinstance(model, str) and model in adapters else None
+
+    assert index_uuids(body, items, adapter_for) == {0: media_key(items[0].uuid, "ada")}
+    assert index_uuids({**body, "model": "base"}, items, adapter_for) == {0: items[0].uuid}
 
 
 def test_an_index_that_has_not_caught_up_with_a_send_does_not_overrule_it():
