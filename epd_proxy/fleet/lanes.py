@@ -28,11 +28,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from epd_proxy.fleet.backends import Instance
-from epd_proxy.fleet.fairness import CONTENDED_GROUP_ITEMS, Ledger
+from epd_proxy.fleet.fairness import CONTENDED_GROUP_ITEMS, CONTENDED_INFLIGHT, Ledger
 from epd_proxy.fleet.sharing import Sharing, take_batch
 from epd_proxy.fleet.speed import PRIOR_FIXED_RATIO, Speed
 
-# Sub-requests of this proxy in flight at which an encoder counts as busy.
+# Sub-requests of ours in flight at which an encoder is busy (`Lanes.slots`): one is ready as one ends.
 BUSY_INFLIGHT = 2
 # A suspect encoder gets no placements for this long, then some again: how it comes back when
 # nothing of ours is left there to answer.
@@ -202,16 +202,16 @@ class Lane:
         self.share.gave_up()
         return True
 
-    def busy(self) -> bool:
-        """BUSY_INFLIGHT of our sub-requests in flight: a new group waits to share."""
-        return self.work.inflight >= BUSY_INFLIGHT
+    def busy(self, slots: int = BUSY_INFLIGHT) -> bool:
+        """`slots` of our sub-requests in flight (`Lanes.slots`): a new group waits to share."""
+        return self.work.inflight >= slots
 
     def has_waiting(self) -> bool:
         return bool(self.work.waiting)
 
-    def can_send_queued(self) -> bool:
+    def can_send_queued(self, slots: int = BUSY_INFLIGHT) -> bool:
         """Groups wait and the encoder, still in the fleet, has room for another sub-request."""
-        return bool(self.work.waiting) and self.work.inflight < BUSY_INFLIGHT and not self.gone
+        return bool(self.work.waiting) and self.work.inflight < slots and not self.gone
 
     def outstanding(self) -> int:
         """Our sub-requests there, in flight and queued."""
@@ -410,6 +410,12 @@ class Lanes:
         if self.fairness is None or not self.fairness.competing(now):
             return max_batch
         return min(max_batch, CONTENDED_GROUP_ITEMS) if max_batch else CONTENDED_GROUP_ITEMS
+
+    def slots(self, now: float) -> int:
+        """How many of our sub-requests an encoder runs at once at `now`: BUSY_INFLIGHT, and while
+        tenants compete fairness.CONTENDED_INFLIGHT."""
+        competing = self.fairness is not None and self.fairness.competing(now)
+        return CONTENDED_INFLIGHT if competing else BUSY_INFLIGHT
 
     def charge(self, lane: Lane, tenant: str | None, cost: float, members: int = 1) -> None:
         """With --tenants, `tenant` is charged its part of a sub-request to `lane`: its media's

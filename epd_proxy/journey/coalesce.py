@@ -185,7 +185,7 @@ class Coalescer:
 
     def drain(self, lane: Lane, encoder: Instance) -> None:
         """Send what waits in `lane` while the encoder has room, one sending task per slot."""
-        while lane.can_send_queued():
+        while lane.can_send_queued(self.lanes.slots(self.sender.clock())):
             batch = self._next_batch(lane)
             task = asyncio.get_running_loop().create_task(self._send_queued(lane, encoder, batch))
             batch.task = task
@@ -236,7 +236,7 @@ class Coalescer:
         try:
             while True:
                 await self._send_batch(lane, encoder, batch)
-                if not lane.can_send_queued():
+                if not lane.can_send_queued(self.lanes.slots(self.sender.clock())):
                     return
                 batch = self._next_batch(lane)
                 batch.task = asyncio.current_task()

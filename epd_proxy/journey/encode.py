@@ -188,7 +188,7 @@ class EncodeStep:
         if route.share and key is not None:  # shareable: a key, and images only
             route.share = False
             lane = self.lanes.of(encoder)
-            if lane.busy():
+            if lane.busy(self.lanes.slots(self.clock())):
                 future = asyncio.get_running_loop().create_future()
                 work = Work(
                     key, group_items, body, consumer_zmq, trace, dumps, future, request_priority(body), route.moves

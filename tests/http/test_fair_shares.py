@@ -155,6 +155,28 @@ async def test_while_tenants_compete_a_sub_request_carries_a_quantum_so_another_
     assert await sub_request_sizes(stack, "a", "alone-again", 6) == [6]
 
 
+async def test_while_tenants_compete_an_encoder_runs_one_of_our_sub_requests_at_a_time(make_stack, tmp_path):
+    stack = await tenant_stack(make_stack, tmp_path)
+    encoder = stack.encoders[0]
+    encoder.faults.delay_s = 0.2
+    assert (await answer(stack, "a", "warm"))[0] == 200
+    lane = stack.state.lanes.all()[0]
+    # Alone, a tenant's groups go two at a time: the next is on the encoder as one ends.
+    encoder.max_active = 0
+    assert [status for status, _, _ in await asyncio.gather(*await flood(stack, "a", 4))] == [200] * 4
+    assert encoder.max_active == 2
+    # While b competes, one at a time: vLLM batches what it runs at once, and b's next image
+    # would join a vision batch of two of a's sub-requests.
+    fairness = stack.state.lanes.fairness
+    fairness.began("b", 2.0)
+    encoder.max_active = 0
+    tasks = [asyncio.create_task(answer(stack, "a", f"c{n}")) for n in range(4)]
+    await eventually(lambda: len(lane.work.waiting) == 3, what="three of a's groups queued behind one")
+    assert [status for status, _, _ in await asyncio.gather(*tasks)] == [200] * 4
+    assert encoder.max_active == 1
+    fairness.ended("b", time.perf_counter())
+
+
 async def text_answer(stack, tenant: str, name: str, deadline_ms: int | None = None) -> int:
     headers = {"Authorization": f"Bearer {tenant}-key", "x-request-id": name}
     if deadline_ms is not None:

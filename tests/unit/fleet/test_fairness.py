@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from epd_proxy.fleet.backends import ENCODE, Instance
 from epd_proxy.fleet.fairness import (
     CONTENDED_GROUP_ITEMS,
+    CONTENDED_INFLIGHT,
     CONTENTION_LINGER_S,
     DEMAND_SLACK,
     DEMAND_WINDOW_S,
@@ -20,7 +21,7 @@ from epd_proxy.fleet.fairness import (
     WITHIN,
     Ledger,
 )
-from epd_proxy.fleet.lanes import Lane, Lanes
+from epd_proxy.fleet.lanes import BUSY_INFLIGHT, Lane, Lanes
 from epd_proxy.fleet.sharing import take_batch
 from tests.unit.fleet.test_lanes import W
 
@@ -243,14 +244,18 @@ def test_a_sub_request_carries_a_quantum_while_tenants_compete_and_for_a_while_a
     lanes = Lanes(ledger)
     ledger.began("a", 1.0)
     assert not ledger.competing(10.0) and lanes.group_cap(0, 10.0) == 0 and lanes.group_cap(8, 10.0) == 8
+    assert lanes.slots(10.0) == BUSY_INFLIGHT
     ledger.began("b", 1.0)
     assert ledger.contended() and ledger.competing(10.0)
     assert lanes.group_cap(0, 10.0) == CONTENDED_GROUP_ITEMS and lanes.group_cap(1, 10.0) == 1
+    assert lanes.slots(10.0) == CONTENDED_INFLIGHT < BUSY_INFLIGHT
     ledger.ended("b", 11.0)
     # b pauses between its questions: its next one must not find a's images in whole sub-requests.
     assert not ledger.contended()
     assert lanes.group_cap(8, 11.0 + CONTENTION_LINGER_S - 0.1) == CONTENDED_GROUP_ITEMS
+    assert lanes.slots(11.0 + CONTENTION_LINGER_S - 0.1) == CONTENDED_INFLIGHT
     assert lanes.group_cap(8, 11.0 + CONTENTION_LINGER_S) == 8
+    assert lanes.slots(11.0 + CONTENTION_LINGER_S) == BUSY_INFLIGHT
     ledger.began("b", 1.0)
     ledger.began("b", 1.0)
     ledger.ended("b", 20.0)
@@ -260,3 +265,4 @@ def test_a_sub_request_carries_a_quantum_while_tenants_compete_and_for_a_while_a
     assert ledger.competing(42.0), "both asked lately"
     assert not ledger.competing(40.0 + CONTENTION_LINGER_S), "only a asked lately"
     assert Lanes().group_cap(8, 0.0) == 8, "without --tenants nothing changes"
+    assert Lanes().slots(0.0) == BUSY_INFLIGHT

@@ -324,7 +324,7 @@ def run_real(bench) -> int:
         bench.reset()
         proc, url = bench.start_proxy(calibrating, "calibration")
         try:
-            cap = tenant_load.capacity(url + CHAT_PATH, tenants[1], calibration, in_flight)
+            cap, cap_images = tenant_load.capacity(url + CHAT_PATH, tenants[1], calibration, in_flight)
         finally:
             stop_process(proc)
         plan = Plan(
@@ -337,7 +337,7 @@ def run_real(bench) -> int:
             interactive_clients=probe.interactive_clients,
             seed=a.seed,
             backlog_rate=backlog_rate(a, cap, tenants),
-            capacity_images_per_s=cap * sum(r.images for r in calibration) / len(calibration),
+            capacity_images_per_s=cap_images,
         )
         requests = _requests(plan, bench.model, tiny=False)
         for arm, kind, r in _interleaved(arms, plan.rounds):
@@ -351,7 +351,7 @@ def run_real(bench) -> int:
             # Requests the proxy dropped may still run on the engines: let them finish, and count them.
             after = engine_metrics.settled(bench.engines)
             deltas = {name: engine_metrics.delta(before[name], after[name]) for name in after}
-            answered = sum(1 for s in block["sent"] if tenant_report.answered(s))
+            answered = sum(1 for s in block["sent"] if tenant_load.answered(s))
             block["engines"] = engine_metrics.summarise(bench.engines, deltas, answered) if answered else {}
             arm.blocks.append(block)
         result = tenant_report.build(arms, plan, tenants, mode="real engines")

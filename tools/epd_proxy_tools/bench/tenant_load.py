@@ -249,7 +249,7 @@ def run(
     return asyncio.run(_drive(url, load, flood, chats, backlog or []))
 
 
-async def _calibrate(url: str, tenant: TenantSpec, requests: list[Request], concurrency: int) -> float:
+async def _calibrate(url: str, tenant: TenantSpec, requests: list[Request], concurrency: int) -> tuple[float, float]:
     out: list[Sent] = []
     todo = iter(requests)
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
@@ -262,29 +262,37 @@ async def _calibrate(url: str, tenant: TenantSpec, requests: list[Request], conc
         started = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(max(1, concurrency))))
         wall = time.perf_counter() - started
-    answered = sum(1 for s in out if s.status == 200 and s.error is None)
-    if not answered:
+    ok = [s for s in out if answered(s)]
+    if not ok:
         # Every figure of the run is against this capacity: none is worth a run.
         first = next((s for s in out), None)
         why = "nothing sent" if first is None else (first.error or f"HTTP {first.status}")
         raise SystemExit(f"[bench] the proxy answered none of the {len(out)} capacity requests ({why}): see its log")
-    ends = [s.ended for s in out if s.status == 200 and s.error is None and s.ended is not None]
-    return steady_rate(ends, concurrency) or (answered / wall if wall else 0.0)
+    done = [(s.ended, s.images if answered(s) else 0) for s in out if s.ended is not None]
+    whole = (len(ok) / wall, sum(s.images for s in ok) / wall) if wall else (0.0, 0.0)
+    return steady_rate(done, concurrency) or whole
 
 
-def steady_rate(ends: list[float], concurrency: int) -> float | None:
-    """Answers per second while `concurrency` requests were always in flight: between the
-    `concurrency`-th answer and the one `concurrency` before the last, when the pipeline was full.
+def answered(sent: Sent) -> bool:
+    """Answered 200 in full."""
+    return sent.status == 200 and sent.error is None and sent.ended is not None
+
+
+def steady_rate(done: list[tuple[float, int]], concurrency: int) -> tuple[float, float] | None:
+    """Answers and images answered per second while `concurrency` requests were always in flight:
+    between the `concurrency`-th request to end and the one `concurrency` before the last, when
+    the pipeline was full. `done`: each request's end and the images of its answer (0: it failed).
     The first answers wait on a cold start and the last ones on fewer in flight, and counting them
-    measured 37.5 images/s of a fleet that then served 48. None when too few answers."""
-    ends = sorted(ends)
-    first, last = concurrency - 1, len(ends) - concurrency - 1
-    if last - first < concurrency or ends[last] <= ends[first]:
+    measured 37.5 images/s of a fleet that then served 48. None when too few requests ended."""
+    done = sorted(done)
+    first, last = concurrency - 1, len(done) - concurrency - 1
+    if last - first < concurrency or done[last][0] <= done[first][0]:
         return None
-    return (last - first) / (ends[last] - ends[first])
+    window, span = done[first + 1 : last + 1], done[last][0] - done[first][0]
+    return sum(1 for _, images in window if images) / span, sum(images for _, images in window) / span
 
 
-def capacity(url: str, tenant: TenantSpec, requests: list[Request], concurrency: int) -> float:
-    """Flood requests answered per second with `concurrency` of them always in flight: what the
-    encoders sustain of that kind of request."""
+def capacity(url: str, tenant: TenantSpec, requests: list[Request], concurrency: int) -> tuple[float, float]:
+    """Flood requests and their images answered per second with `concurrency` of them always in
+    flight: what the encoders sustain of that kind of request."""
     return asyncio.run(_calibrate(url, tenant, requests, concurrency))

@@ -17,6 +17,7 @@ from epd_proxy_tools.bench.tenant_load import (
     TOKENS_PER_REQUEST,
     Sent,
     TenantSpec,
+    answered,
 )
 
 SHED_STATUSES = (429, 503)
@@ -33,10 +34,6 @@ def _measured(sent: list[Sent], plan) -> list[Sent]:
     """Requests open after the warm-up part of the block, when the queues have formed: a chat
     client still waiting on its first question is what a starved tenant looks like."""
     return [s for s in sent if s.started < plan.seconds and (s.ended is None or s.ended >= plan.warm_s)]
-
-
-def answered(s: Sent) -> bool:
-    return s.status == 200 and s.error is None and s.ended is not None
 
 
 def _tokens(s: Sent) -> float:

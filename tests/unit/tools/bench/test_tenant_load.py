@@ -48,7 +48,9 @@ def test_enough_requests_for_a_block():
 
 def test_the_capacity_is_the_rate_while_the_pipeline_is_full():
     # A cold start (the first answers late and together) and a ramp-down (the last ones spread
-    # out with fewer in flight) around a steady 4 answers a second.
+    # out with fewer in flight) around a steady 4 requests a second of 8 images, one failed.
     ends = [2.0, 2.0, 2.1, *(2.1 + 0.25 * k for k in range(1, 13)), 6.0, 8.0, 11.0]
-    assert tenant_load.steady_rate(ends, 3) == pytest.approx(4.0)
-    assert tenant_load.steady_rate(ends[:6], 3) is None  # too few answers for a window
+    done = [(end, 0 if k == 7 else 8) for k, end in enumerate(ends)]
+    rate, images = tenant_load.steady_rate(done, 3)
+    assert rate == pytest.approx(4.0 * 11 / 12) and images == pytest.approx(8 * 4.0 * 11 / 12)
+    assert tenant_load.steady_rate(done[:6], 3) is None  # too few answers for a window
