@@ -57,9 +57,9 @@ CONTENDED_GROUP_ITEMS = 2
 CONTENTION_LINGER_S = 5.0
 # While tenants compete, an encoder runs this many of our sub-requests at once (lanes.BUSY_INFLIGHT
 # otherwise): vLLM runs what it holds as one vision batch, and a less-served tenant's image that
-# joined two quanta waited for all of them (real engines, three interleaved rounds: the
-# interactive TTFT p99 beside a flood 2.4x its p99 alone against 5.6x; the flood's goodput 121%
-# of the capacity against 128%: one answer's round trip idles the encoder).
+# joined two quanta waited for all of them (real engines, two runs of three interleaved rounds:
+# its encode p50 beside a flood 35-40% shorter, the flood's goodput 0-5% lower: one answer's
+# round trip idles the encoder).
 CONTENDED_INFLIGHT = 1
 
 # Told of each charge: tenant, encoder seconds, computed prompt tokens, output tokens.
