@@ -27,6 +27,7 @@ from epd_proxy.fleet.lanes import Lanes
 from epd_proxy.fleet.prober import Prober, check_pool
 from epd_proxy.fleet.profiling import Profiling
 from epd_proxy.fleet.registry import Registry
+from epd_proxy.fleet.replicas import ReplicaRecord
 from epd_proxy.fleet.report import HealthReport
 from epd_proxy.fleet.roster import open_roster
 from epd_proxy.fleet.routing import Policies, RoutingPolicy, make_policy, make_serving_policy
@@ -174,8 +175,10 @@ class ProxyState:
         self.probes: Upstream | None = None
         # Asks each consumer where it publishes KV events, on connections of its own as checks do.
         self.kv_pool: Upstream | None = None
-        # --workers: the other workers of this port, told what this one sees encoded.
+        # --workers: the other workers of this port, told what this one sees encoded; --roster:
+        # the other replicas, told the same through the store.
         self.siblings: Siblings | None = None
+        self.replicas: ReplicaRecord | None = None
         self.prober: Prober | None = None
         self.pipeline: Pipeline | None = None
         self.profiling: Profiling | None = None
@@ -215,11 +218,18 @@ class ProxyState:
             self.lanes,
             KvHolds(self.kv_index, self.kv_events.ranks) if self.kv_index and self.kv_events else None,
         )
+        held = self.pipeline.held
         self.siblings = Siblings.join(os.environ.get(SIBLINGS_ENV))
         if self.siblings is not None:
-            held = self.pipeline.held
-            held.on_encoded = self.siblings.tell
+            held.tell_encoded.append(self.siblings.tell)
             self.siblings.listen(held.encoded_elsewhere)
+        if self.roster is not None:
+            counted = self.metrics.replica_names
+            self.replicas = ReplicaRecord(
+                config.roster_url, held.encoded_elsewhere, lambda what, n: counted.labels(what).inc(n)
+            )
+            held.tell_encoded.append(self.replicas.tell)
+            self.replicas.start()
         if self.roster is not None:
             await self.roster.start()
         if self.discovery is not None:
@@ -328,6 +338,8 @@ class ProxyState:
     async def close(self) -> None:
         if self.siblings is not None:
             self.siblings.close()
+        if self.replicas is not None:
+            await self.replicas.close()
         if self.roster is not None:
             await self.roster.close()
         if self.discovery is not None:

@@ -79,6 +79,21 @@ def split_roster_url(url: str) -> tuple[str, str]:
     return urlunsplit(parts._replace(query=rest)), prefix
 
 
+def store_client(client_url: str):
+    """A client of the store with no retries of its own: a failure must surface at once, as
+    "store down" and as a 503."""
+    from redis.asyncio import Redis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+
+    return Redis.from_url(
+        client_url,
+        socket_timeout=STORE_TIMEOUT_S,
+        socket_connect_timeout=STORE_TIMEOUT_S,
+        retry=Retry(NoBackoff(), 0),
+    )
+
+
 def redacted(url: str) -> str:
     """The store URL without its password, for /health and logs."""
     parts = urlsplit(url)
@@ -123,10 +138,6 @@ class RedisRoster:
         in_rotation: Callable[[], Iterable[str]],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        from redis.asyncio import Redis
-        from redis.asyncio.retry import Retry
-        from redis.backoff import NoBackoff
-
         client_url, self.prefix = split_roster_url(url)
         self.url = redacted(url)
         self.ttl_ms = int(ttl_s * 1000) if ttl_s > 0 else None
@@ -134,13 +145,7 @@ class RedisRoster:
         self._on_change = on_change
         self._in_rotation = in_rotation
         self._clock = clock
-        # No client-side retries: a failure must surface at once, as "store down" and as a 503.
-        self._client = Redis.from_url(
-            client_url,
-            socket_timeout=STORE_TIMEOUT_S,
-            socket_connect_timeout=STORE_TIMEOUT_S,
-            retry=Retry(NoBackoff(), 0),
-        )
+        self._client = store_client(client_url)
         self._channel = f"{self.prefix}:changes"
         self._version_key = f"{self.prefix}:version"
         self._key_prefix = f"{self.prefix}:instance:"

@@ -32,6 +32,11 @@ _NAME = re.compile(rb"[0-9a-f]{32}")
 SUFFIX = ".sock"
 
 
+def names_in(data: bytes) -> list[str]:
+    """The names of the proxy's own form in a message another process sent; nothing else."""
+    return [match.decode() for match in _NAME.findall(data)]
+
+
 class Siblings:
     """This worker's socket among its siblings'."""
 
@@ -66,7 +71,7 @@ class Siblings:
                 datagram = self._sock.recv(1 << 16)
             except OSError:  # nothing more to read now (BlockingIOError), or the socket is gone
                 return
-            names = [match.decode() for match in _NAME.findall(datagram)]
+            names = names_in(datagram)
             if names:
                 self.heard += len(names)
                 heard(names)

@@ -24,10 +24,11 @@ store's own evictions are invisible here, so an entry is forgotten `HELD_TTL_S` 
 last saw it encoded or sent (and when `HELD_ITEMS` newer ones push it out): a popular image is
 encoded again once per that period, which also writes it back to the store.
 
-Each `--workers` process keeps its own record, and tells the others what it saw encoded
-(fleet/siblings.py); what it saw sent stays its own, since the consumers' KV events say the same
-to every worker. Replicas of the proxy share nothing of it: a turn that lands on a replica which
-never saw its history has those images encoded again, once per replica per image.
+Each process keeps its own record, and tells the others what it saw encoded: the `--workers` of
+its port (fleet/siblings.py) and, with `--roster`, the replicas sharing that store
+(fleet/replicas.py). What it saw sent stays its own, since the consumers' KV events say the same
+to every process. Replicas without a shared store share nothing of it: a turn that lands on a
+replica which never saw its history has those images encoded again, once per replica per image.
 
 **The engines' own state comes first** where the consumer's KV events are fresh (`decide_held`):
 an image inside a prefix the consumer holds is held though this process never saw it (a fresh
@@ -149,14 +150,16 @@ class HeldMedia:
         # When each was sent: the KV index may contradict a send only once it caught up since.
         self._sent: Recall[tuple[str, str], float] = Recall(capacity, ttl_s, clock)
         self._clock = clock
-        # Told of each name seen encoded here (--workers: the sibling workers, fleet/siblings.py).
-        self.on_encoded: Callable[[list[str]], None] | None = None
+        # Told of each name seen encoded here: the sibling workers (fleet/siblings.py), the other
+        # replicas (fleet/replicas.py).
+        self.tell_encoded: list[Callable[[list[str]], None]] = []
 
     def encoded(self, names: Iterable[str]) -> None:
         seen = list(names)
         self._remember_encoded(seen)
-        if self.on_encoded is not None and seen:
-            self.on_encoded(seen)
+        if seen:
+            for tell in self.tell_encoded:
+                tell(seen)
 
     def encoded_elsewhere(self, names: Iterable[str]) -> None:
         """Names another process saw encoded: the EC store holds them for this one too."""

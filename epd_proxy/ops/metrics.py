@@ -245,6 +245,13 @@ class Metrics:
             ["instance", "what"],
             registry=r,
         )
+        self.replica_names = Counter(
+            "epd_replica_names",
+            "Names of media seen encoded, exchanged with the other replicas through the --roster store: told, "
+            "heard, dropped (never sent: the store was down)",
+            ["what"],
+            registry=r,
+        )
         self.kv_evictions = Counter(
             "epd_kv_index_evictions",
             "Block entries dropped from the KV index at --kv-index-max-blocks, oldest first",

@@ -266,6 +266,41 @@ async def test_workers_drop_the_metric_series_of_a_removed_instance(redis_server
         await on_every_worker(forgotten, "no worker reports the removed encoder", times=20)
 
 
+async def test_an_image_one_replica_saw_encoded_goes_raw_through_another(redis_server, fakes, proxies):
+    """Replicas sharing a roster tell each other through its store what they saw encoded
+    (fleet/replicas.py): the EC store holds it for every consumer, so another replica sends the
+    same image raw under its name instead of having it encoded again. Without KV events, the
+    record is all either replica knows of what the fleet holds."""
+    (encoder, e_url), (pd, pd_url) = await fakes("encode", "pd")
+    a, b = await proxies(2, "--no-kv-events")
+    assert (await a.register("encode", e_url))[0] == 200
+    assert (await a.register("prefill_decode", pd_url))[0] == 200
+    want = {"encode": [e_url], "prefill_decode": [pd_url]}
+    await eventually(lambda: _has(b, want), what="B sees A's registrations", **POLL)
+
+    status, body = await a.ask(1)
+    assert status == 200, body
+    assert len(encoder.requests) == 1
+    await eventually(lambda: _replica_names(b, "heard", 1), what="B hears of A's encoded image", **POLL)
+    assert await _replica_names(a, "told", 1)
+
+    status, body = await b.ask(1)
+    assert status == 200, body
+    assert len(encoder.requests) == 1, "B had the image A saw encoded encoded again"
+    assert pd.encoded_locally == 0  # the PD took it from its prefix or the EC store, never encoded it
+    # A new image is still encoded, and a replica never hears its own names.
+    status, body = await b.ask(2)
+    assert status == 200, body
+    assert len(encoder.requests) == 2
+    await eventually(lambda: _replica_names(a, "heard", 1), what="A hears of B's new image", **POLL)
+    assert await _replica_names(b, "heard", 1)
+
+
+async def _replica_names(proxy: Proxy, what: str, count: int) -> bool:
+    _, text = await proxy.get("/metrics")
+    return f'epd_replica_names_total{{what="{what}"}} {float(count)}' in text
+
+
 async def _has(proxy: Proxy, want: dict[str, list[str]]) -> bool:
     return await proxy.members() == want
 

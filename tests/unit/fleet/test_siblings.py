@@ -31,7 +31,7 @@ async def test_what_one_worker_saw_encoded_the_other_holds_and_nothing_else_gets
     heard: list[list[str]] = []
     there.listen(lambda names: (heard.append(names), record.encoded_elsewhere(names)))
     mine = HeldMedia()
-    mine.on_encoded = here.tell
+    mine.tell_encoded.append(here.tell)
     mine.encoded(iter([A, B]))
     await eventually(lambda: heard == [[A, B]], what="the sibling heard both names")
     assert here.told == 1 and there.heard == 2
