@@ -229,7 +229,7 @@ class ProxyState:
                 config.roster_url, held.encoded_elsewhere, lambda what, n: counted.labels(what).inc(n)
             )
             held.tell_encoded.append(self.replicas.tell)
-            self.replicas.start()
+            await self.replicas.start()
         if self.roster is not None:
             await self.roster.start()
         if self.discovery is not None:

@@ -57,12 +57,23 @@ class ReplicaRecord:
         self._pending: deque[str] = deque(maxlen=PENDING_NAMES)
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        self._subscribed = asyncio.Event()
 
-    def start(self) -> None:
+    async def start(self) -> None:
+        """Follow the channel in the background; wait briefly for the subscription, so a fresh
+        process hears what the others encode from its first request on (it starts anyway when the
+        store is down)."""
         self._tasks = [
             asyncio.create_task(self._forever(self._publish), name="replicas-tell"),
             asyncio.create_task(self._forever(self._listen), name="replicas-hear"),
         ]
+        try:
+            async with asyncio.timeout(STORE_TIMEOUT_S):
+                await self._subscribed.wait()
+        except TimeoutError:
+            log.warning(
+                "replicas: the store is not reachable at startup; what other replicas encode is heard once it is"
+            )
 
     def tell(self, names: Iterable[str]) -> None:
         """Queue `names` for the other replicas; never waits."""
@@ -104,6 +115,7 @@ class ReplicaRecord:
     async def _listen(self) -> None:
         async with self._client.pubsub() as pubsub:
             await pubsub.subscribe(self.channel)
+            self._subscribed.set()
             while True:
                 message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=QUIET_S)
                 if message is None:
