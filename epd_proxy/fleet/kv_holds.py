@@ -33,11 +33,6 @@ class MediaDepths(Protocol):
         """Tokens per block on the instance (0: not known yet)."""
         ...
 
-    def churn(self, url: str) -> float:
-        """Blocks the instance removed per block it stored, lately (prefill_cost.Churn): 0 with
-        room in its KV cache, towards 1 under pressure."""
-        ...
-
     def holding(self, media_ids: Sequence[str]) -> set[str]:
         """The instances any of whose ranks holds some block of any of the media: every other
         instance answers 0 or None for each of them."""
@@ -90,9 +85,6 @@ class KvHolds:
 
     def block_size(self, url: str) -> int:
         return max((self.index.block_size((url, rank)) for rank in self._ranks(url)), default=0)
-
-    def churn(self, url: str) -> float:
-        return max((self.index.churn((url, rank)) for rank in self._ranks(url)), default=0.0)
 
     def holding(self, media_ids: Sequence[str]) -> set[str]:
         return {url for url, _ in self.index.holders(media_ids)}

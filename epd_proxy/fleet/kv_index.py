@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 
 from epd_proxy.fleet.kv_names import block_name, media_in, valid_name
 from epd_proxy.fleet.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
-from epd_proxy.fleet.prefill_cost import Churn
 
 log = logging.getLogger("epd_proxy.kv_index")
 
@@ -75,8 +74,6 @@ class _Engine:
     # Blocks found held with every block above them, since the engine last dropped a block: most
     # prompts share their first blocks (a preamble), and every request asks every engine.
     whole: set[bytes] = field(default_factory=set)
-    # Blocks removed per block stored, lately (placement weighs what a move pushes out with it).
-    churn: Churn = field(default_factory=Churn)
 
 
 @dataclass(slots=True)
@@ -133,7 +130,7 @@ class KvIndex:
             self.blocks -= len(record.entries)
             self._let_go(record)
             record.entries, record.held, record.media, record.answers = {}, {}, {}, {}
-            record.whole, record.churn = set(), Churn()
+            record.whole = set()
             record.complete = complete
 
     def _let_go(self, record: _Engine) -> None:
@@ -196,7 +193,6 @@ class KvIndex:
             elif type(event) is AllBlocksCleared:
                 self.reset(engine, complete=True)
                 done.cleared += 1
-        record.churn.observe(done.stored, done.removed, self._clock())
         if self.blocks > self.max_blocks:
             done.evicted = self._evict(self.blocks - self.max_blocks + self.max_blocks // 16)
         return done
@@ -316,11 +312,6 @@ class KvIndex:
     def size(self, engine: EngineId) -> int:
         record = self._engines.get(engine)
         return len(record.entries) if record is not None else 0
-
-    def churn(self, engine: EngineId) -> float:
-        """Blocks the engine removed per block it stored, lately (prefill_cost.Churn)."""
-        record = self._engines.get(engine)
-        return record.churn.share() if record is not None else 0.0
 
     def block_size(self, engine: EngineId) -> int:
         """Tokens per block on the engine, 0 before it stored one."""

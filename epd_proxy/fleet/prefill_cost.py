@@ -14,7 +14,6 @@ conversation last ran.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -97,41 +96,6 @@ def prefill_speed() -> Speed:
 def claim(tokens: float, cached: float) -> float:
     """The work a request brings a consumer holding `cached` of its `tokens`, in tokens."""
     return FIXED_TOKENS + max(0.0, tokens - cached)
-
-
-# Seconds over which an engine's churn (blocks removed per block stored) is averaged.
-CHURN_WINDOW_S = 60.0
-
-
-class Churn:
-    """How much of what an engine stores pushes something else out of its KV cache: blocks
-    removed per block stored, both decayed over CHURN_WINDOW_S (0 with room to spare, towards 1
-    under cache pressure). Pure: fed the counts of each batch of KV events applied."""
-
-    __slots__ = ("stored", "removed", "at")
-
-    def __init__(self) -> None:
-        self.stored = self.removed = 0.0
-        self.at: float | None = None
-
-    def observe(self, stored: int, removed: int, now: float) -> None:
-        if self.at is not None and now > self.at:
-            keep = math.exp(-(now - self.at) / CHURN_WINDOW_S)
-            self.stored *= keep
-            self.removed *= keep
-        self.at = now if self.at is None else max(self.at, now)
-        self.stored += stored
-        self.removed += removed
-
-    def share(self) -> float:
-        return min(1.0, self.removed / self.stored) if self.stored > 0 else 0.0
-
-
-def moved(deepest: float, cached: float, churn: float) -> float:
-    """What else a move costs, in tokens: the history the deepest holder has and this instance
-    lacks is written into this one's KV cache too, and under pressure (`churn`, Churn.share) it
-    pushes out as many blocks of other conversations, which their next turns compute again."""
-    return churn * max(0.0, deepest - cached)
 
 
 def seconds(speed: float, queued: float, work: float, running: int) -> float:

@@ -19,7 +19,7 @@ from typing import Protocol, TypedDict
 
 from epd_proxy.fleet.backends import Instance
 from epd_proxy.fleet.kv_holds import MediaDepths
-from epd_proxy.fleet.prefill_cost import Prompt, Turn, cheapest, claim, moved, seconds, seconds_per_token
+from epd_proxy.fleet.prefill_cost import Prompt, Turn, cheapest, claim, seconds, seconds_per_token
 from epd_proxy.fleet.recall import Recall
 from epd_proxy.fleet.scheduler import ExpectedFinish
 
@@ -204,9 +204,7 @@ class Placement:
 class PrefixAffinity(ContentAffinity):
     """Each request to the prefill / PD instance where its first token comes soonest: the work
     queued there plus the part of its prompt the instance does not hold, in seconds at the
-    instance's measured prefill speed (fleet/prefill_cost.py). An instance that lacks history the
-    deepest holder has is also charged what copying it there pushes out of its KV cache, by its
-    churn (prefill_cost.moved): nothing with room to spare, nearly the history again under pressure.
+    instance's measured prefill speed (fleet/prefill_cost.py).
 
     vLLM's prefix-cache block hashes fold in the multimodal identifiers, which are the proxy's
     uuids (vllm/v1/core/kv_cache_utils.py): turn k+1 where turn k ran reuses its KV, image tokens
@@ -249,11 +247,8 @@ class PrefixAffinity(ContentAffinity):
         held, preferred, source = self._held(candidates, key, prompt, home=home)
         speeds = seconds_per_token([c.prefill_speed for c in candidates], self.clock())
         claims = [claim(prompt.tokens, cached) for cached in held]
-        churns = [self.holds.churn(c.url) for c in candidates] if self.holds is not None else [0.0] * len(held)
-        deepest = max(held)
         costs = [
-            seconds(speed, c.prefill_queue, work + moved(deepest, cached, churn), c.inflight)
-            for speed, c, work, cached, churn in zip(speeds, candidates, claims, held, churns)
+            seconds(speed, c.prefill_queue, work, c.inflight) for speed, c, work in zip(speeds, candidates, claims)
         ]
         chosen = cheapest(costs, preferred, itertools.chain((home,), walk))
         if chosen != preferred:

@@ -232,9 +232,8 @@ def test_a_bounded_pick_takes_the_preferred_under_the_bound_else_walks_the_ring(
 class Holds:
     """What a KV index would answer, per instance URL and media uuid (absent: not fresh)."""
 
-    def __init__(self, depths: dict[str, dict[str, int]], churns: dict[str, float] | None = None) -> None:
+    def __init__(self, depths: dict[str, dict[str, int]]) -> None:
         self.depths = depths
-        self.churns = churns or {}
 
     def __call__(self, url, media, ranks):
         known = self.depths.get(url)
@@ -242,9 +241,6 @@ class Holds:
 
     def block_size(self, url):
         return 16
-
-    def churn(self, url):
-        return self.churns.get(url, 0.0)
 
     def holding(self, media):
         return {url for url, known in self.depths.items() if any(known.get(m) for m in media)}
