@@ -37,21 +37,35 @@ TOLD, HEARD, DROPPED = "told", "heard", "dropped"
 QUIET_S = 5.0
 
 
+def message(sender: bytes, names: list[str]) -> bytes:
+    """One message on the channel: the sender's id, then its names, a line each."""
+    return sender + b"\n" + "\n".join(names).encode()
+
+
+def heard(data: object, me: bytes) -> list[str]:
+    """The names in a message from another process; none from this one (`me`), and nothing but
+    names of the proxy's own form from anyone."""
+    if not isinstance(data, bytes):
+        return []
+    sender, _, body = data.partition(b"\n")
+    return [] if sender == me else names_in(body)
+
+
 class ReplicaRecord:
     """This process's voice and ear on the store's `<prefix>:encoded` channel."""
 
     def __init__(
         self,
         roster_url: str,
-        heard: Callable[[list[str]], None],
+        on_heard: Callable[[list[str]], None],
         count: Callable[[str, int], None] = lambda what, n: None,
     ) -> None:
-        """`heard`: handed each name another replica tells; `count(what, n)`: names `told`, `heard`
+        """`on_heard`: handed each name another replica tells; `count(what, n)`: names `told`, `heard`
         and `dropped` (never sent: the store was down or far behind)."""
         client_url, prefix = split_roster_url(roster_url)
         self.channel = f"{prefix}:encoded"
         self.sender = os.urandom(8).hex().encode()
-        self._heard = heard
+        self._heard = on_heard
         self._count = count
         self._client = store_client(client_url)
         self._pending: deque[str] = deque(maxlen=PENDING_NAMES)
@@ -104,7 +118,7 @@ class ReplicaRecord:
             count = min(len(self._pending), NAMES_PER_MESSAGE)
             names = [self._pending.popleft() for _ in range(count)]
             try:
-                await self._client.publish(self.channel, self.sender + b"\n" + "\n".join(names).encode())
+                await self._client.publish(self.channel, message(self.sender, names))
             except Exception:
                 # The store is away, for how long nobody knows: drop what waits rather than hold it.
                 self._count(DROPPED, count + len(self._pending))
@@ -117,17 +131,11 @@ class ReplicaRecord:
             await pubsub.subscribe(self.channel)
             self._subscribed.set()
             while True:
-                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=QUIET_S)
-                if message is None:
+                received = await pubsub.get_message(ignore_subscribe_messages=True, timeout=QUIET_S)
+                if received is None:
                     await pubsub.ping()  # a store gone quiet for good fails here, and is joined again
                     continue
-                data = message.get("data")
-                if not isinstance(data, bytes):
-                    continue
-                sender, _, body = data.partition(b"\n")
-                if sender == self.sender:
-                    continue
-                names = names_in(body)
+                names = heard(received.get("data"), self.sender)
                 if names:
                     self._count(HEARD, len(names))
                     self._heard(names)
