@@ -27,7 +27,7 @@ from epd_proxy.fleet.lanes import Lanes
 from epd_proxy.fleet.prober import Prober, check_pool
 from epd_proxy.fleet.profiling import Profiling
 from epd_proxy.fleet.registry import Registry
-from epd_proxy.fleet.replicas import ReplicaRecord
+from epd_proxy.fleet.replicas import ReplicaChannel
 from epd_proxy.fleet.report import HealthReport
 from epd_proxy.fleet.roster import open_roster
 from epd_proxy.fleet.routing import Policies, RoutingPolicy, make_policy, make_serving_policy
@@ -178,7 +178,7 @@ class ProxyState:
         # --workers: the other workers of this port, told what this one sees encoded; --roster:
         # the other replicas, told the same through the store.
         self.siblings: Siblings | None = None
-        self.replicas: ReplicaRecord | None = None
+        self.replicas: ReplicaChannel | None = None
         self.prober: Prober | None = None
         self.pipeline: Pipeline | None = None
         self.profiling: Profiling | None = None
@@ -225,13 +225,12 @@ class ProxyState:
             self.siblings.listen(held.encoded_elsewhere)
         if self.roster is not None:
             counted = self.metrics.replica_names
-            self.replicas = ReplicaRecord(
+            self.replicas = ReplicaChannel(
                 config.roster_url, held.encoded_elsewhere, lambda what, n: counted.labels(what).inc(n)
             )
             held.tell_encoded.append(self.replicas.tell)
-            await self.replicas.start()
-        if self.roster is not None:
-            await self.roster.start()
+            # Each waits briefly for the store: a store down at startup costs that wait once.
+            await asyncio.gather(self.roster.start(), self.replicas.start())
         if self.discovery is not None:
             await self.discovery.start()
         if self.kv_events is not None:

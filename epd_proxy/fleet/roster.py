@@ -80,8 +80,8 @@ def split_roster_url(url: str) -> tuple[str, str]:
 
 
 def store_client(client_url: str):
-    """A client of the store with no retries of its own: a failure must surface at once, as
-    "store down" and as a 503."""
+    """A client of the store with no retries of its own: a failure must surface at once (for the
+    roster, as "store down" and as a 503)."""
     from redis.asyncio import Redis
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff

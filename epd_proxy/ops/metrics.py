@@ -248,7 +248,7 @@ class Metrics:
         self.replica_names = Counter(
             "epd_replica_names",
             "Names of media seen encoded, exchanged with the other replicas through the --roster store: told, "
-            "heard, dropped (never sent: the store was down)",
+            "heard, dropped (never sent: the store was unreachable, or too many waited)",
             ["what"],
             registry=r,
         )

@@ -167,6 +167,17 @@ async def test_three_processes_share_one_roster_and_survive_the_store(redis_serv
         await eventually(lambda p=proxy: _has(p, both), what=f"{proxy.url} converges after the store restart", **POLL)
         status, metrics = await proxy.get("/metrics")
         assert "epd_roster_up 1.0" in metrics
+    # What one encodes reaches the others again once their channel to the store has rejoined
+    # (each process on its own backoff): A encodes a new image at every poll until B hears one.
+    before = await _replica_count(b, "heard")
+    images = iter(range(40, 1000))
+
+    async def heard_again() -> bool:
+        status, body = await a.ask(next(images))
+        assert status == 200, body
+        return await _replica_count(b, "heard") > before
+
+    await eventually(heard_again, what="B hears what A encoded after the store restart", **POLL)
 
 
 async def test_a_record_nobody_keeps_alive_expires_everywhere(redis_server, fakes, proxies):
@@ -281,24 +292,29 @@ async def test_an_image_one_replica_saw_encoded_goes_raw_through_another(redis_s
     status, body = await a.ask(1)
     assert status == 200, body
     assert len(encoder.requests) == 1
-    await eventually(lambda: _replica_names(b, "heard", 1), what="B hears of A's encoded image", **POLL)
-    assert await _replica_names(a, "told", 1)
+    await eventually(lambda: _replica_names(a, "told", 1), what="A tells of its encoded image", **POLL)
+    await eventually(lambda: _replica_names(b, "heard", 1), what="B hears of it", **POLL)
 
     status, body = await b.ask(1)
     assert status == 200, body
     assert len(encoder.requests) == 1, "B had the image A saw encoded encoded again"
     assert pd.encoded_locally == 0  # the PD took it from its prefix or the EC store, never encoded it
-    # A new image is still encoded, and a replica never hears its own names.
+    # A new image is still encoded (a replica skipping its own names: tests/unit/fleet/test_replicas.py).
     status, body = await b.ask(2)
     assert status == 200, body
     assert len(encoder.requests) == 2
-    await eventually(lambda: _replica_names(a, "heard", 1), what="A hears of B's new image", **POLL)
-    assert await _replica_names(b, "heard", 1)
+    await eventually(lambda: _replica_names(b, "told", 1), what="B tells of its new image", **POLL)
+    await eventually(lambda: _replica_names(a, "heard", 1), what="A hears of it", **POLL)
 
 
 async def _replica_names(proxy: Proxy, what: str, count: int) -> bool:
+    return await _replica_count(proxy, what) == count
+
+
+async def _replica_count(proxy: Proxy, what: str) -> float:
     _, text = await proxy.get("/metrics")
-    return f'epd_replica_names_total{{what="{what}"}} {float(count)}' in text
+    series = f'epd_replica_names_total{{what="{what}"}} '
+    return next((float(line.removeprefix(series)) for line in text.splitlines() if line.startswith(series)), 0.0)
 
 
 async def _has(proxy: Proxy, want: dict[str, list[str]]) -> bool:
