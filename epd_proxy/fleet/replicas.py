@@ -25,7 +25,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 
-from epd_proxy.fleet.roster import MAX_BACKOFF_S, STORE_TIMEOUT_S, split_roster_url, store_client
+from epd_proxy.fleet.roster import MAX_BACKOFF_S, STORE_TIMEOUT_S, drop_connections, split_roster_url, store_client
 from epd_proxy.fleet.siblings import names_in
 
 log = logging.getLogger("epd_proxy.replicas")
@@ -119,20 +119,13 @@ class ReplicaChannel:
                         "replicas: cannot %s through the store (%s: %s); retrying", what, type(exc).__name__, exc
                     )
                 failing = True
-                await self._reconnect()
+                await drop_connections(self._client)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, MAX_BACKOFF_S)
                 continue
             if failing:
                 log.info("replicas: the store is back to %s through", what)
             delay, failing = FIRST_BACKOFF_S, False
-
-    async def _reconnect(self) -> None:
-        """Pooled connections to a store that went away fail once each after it is back: drop them."""
-        try:
-            await self._client.connection_pool.disconnect()
-        except Exception:
-            log.debug("replicas: closing the store connections failed", exc_info=True)
 
     async def _publish(self) -> None:
         await self._wake.wait()

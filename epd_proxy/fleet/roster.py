@@ -94,6 +94,15 @@ def store_client(client_url: str):
     )
 
 
+async def drop_connections(client) -> None:
+    """Pooled connections to a store that went away would fail once each after it is back
+    (redis-py does not notice the server's close while they sit idle): drop them all."""
+    try:
+        await client.connection_pool.disconnect()
+    except Exception:  # closing what is already broken may fail too
+        log.debug("closing the store connections failed", exc_info=True)
+
+
 def redacted(url: str) -> str:
     """The store URL without its password, for /health and logs."""
     parts = urlsplit(url)
@@ -253,12 +262,7 @@ class RedisRoster:
             await asyncio.sleep(delay)
 
     async def _drop_connections(self) -> None:
-        """Pooled connections to a store that went away would fail once each after it is back
-        (redis-py does not notice the server's close while they sit idle): drop them all."""
-        try:
-            await self._client.connection_pool.disconnect()
-        except Exception:  # closing what is already broken may fail too
-            log.debug("roster: closing the store connections failed", exc_info=True)
+        await drop_connections(self._client)
 
     async def _follow(self) -> None:
         async with self._client.pubsub() as pubsub:
