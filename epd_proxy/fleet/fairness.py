@@ -62,6 +62,13 @@ CONTENTION_LINGER_S = 5.0
 # round trip idles the encoder).
 CONTENDED_INFLIGHT = 1
 
+
+def in_class(priority: int) -> bool:
+    """Whether a request of this (clamped) `priority` is of a class the tenants file granted: below
+    the default 0, so vLLM's priority scheduling runs it first too."""
+    return priority < 0
+
+
 # Told of each charge: tenant, encoder seconds, computed prompt tokens, output tokens.
 OnCharge = Callable[[str, float, int, int], None]
 

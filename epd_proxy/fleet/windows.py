@@ -7,7 +7,10 @@ flight, the proxy sends each consumer (a PD, or a prefill in E+P+D) at most `--c
 requests that have not produced their first token yet. The others wait in the proxy, and the next
 to go is the one of the best `priority`, then of the tenant with the fewest weighted tokens
 (fairness.Ledger.token_rank), then the oldest. A tenant alone never waits here: idle share is not
-held back.
+held back. A request of a priority class (`priority` below 0, a grant of the tenants file) never
+waits either, and takes no place: the window is there to keep the others' prompts from filling
+the consumer's steps ahead of it, and a class prompt held until a flood prompt reached its first
+token waited longer than in the engine's own queue (docs/benchmark.md).
 
 A streamed request leaves the window at its first token; a non-streamed one (and an E+P+D
 prefill) when its answer arrives, which for vLLM is when it is done. How long places are held
@@ -24,7 +27,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from epd_proxy.fleet.fairness import Ledger
+from epd_proxy.fleet.fairness import Ledger, in_class
 
 # Weight of the newest hold in the average hold time.
 HOLD_EWMA = 0.2
@@ -53,7 +56,7 @@ class Window:
         """The wait a request of `tenant` arriving now is predicted for a place here: the places
         taken before it (those that go first, and one more for itself) beyond the free ones,
         given back `size` at a time every `hold_s`."""
-        if not self.hold_s or not self.ledger.contended():
+        if not self.hold_s or not self.ledger.contended() or in_class(priority):
             return 0.0
         rank = self.ledger.token_rank
         standing = (priority, rank(tenant))
@@ -115,7 +118,10 @@ class Windows:
 
     @contextlib.asynccontextmanager
     async def turn(self, url: str, tenant: str | None, priority: int) -> AsyncIterator[None]:
-        """Wait for a place in `url`'s window, and hold it for the block."""
+        """Wait for a place in `url`'s window, and hold it for the block; a class goes at once."""
+        if in_class(priority):
+            yield
+            return
         window = self.of(url)
         await window.enter(tenant, priority, next(self._order))
         since = time.monotonic()

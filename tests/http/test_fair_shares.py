@@ -279,3 +279,37 @@ async def test_an_isolated_tenants_flood_waits_its_turn_too_and_shares_with_no_o
     order = await b_after_a_flood(stack)
     assert order.index("b0") <= 1, order
     assert not [seen for seen in stack.encoders[0].requests if seen.headers["x-request-id"].startswith("shared-")]
+
+
+CLASS_TENANTS = f"""
+[tenants.a]
+key_sha256 = ["{hashlib.sha256(b"a-key").hexdigest()}"]
+priority = [0, 0]
+
+[tenants.b]
+key_sha256 = ["{hashlib.sha256(b"b-key").hexdigest()}"]
+priority = [-1, -1]
+"""
+
+
+async def test_a_class_prompt_goes_to_the_pd_past_a_full_window(make_stack, tmp_path):
+    path = tmp_path / "tenants.toml"
+    path.write_text(CLASS_TENANTS)
+    stack = await make_stack(encoders=1, tenants_file=str(path), consumer_window=1)
+    stack.pd.faults.gate = gate = asyncio.Event()
+    ledger = stack.state.lanes.fairness
+    ledger.began("b", 1.0)  # a request of b's runs all along: the tenants compete
+    flooded = [asyncio.create_task(text_answer(stack, "a", f"a{n}")) for n in range(2)]
+    windows = stack.state.pipeline.windows
+
+    def on_pd() -> list[str]:
+        return [seen.headers["x-request-id"].split(":")[0] for seen in stack.pd.requests]
+
+    await eventually(lambda: windows.waiting() == 1 and len(on_pd()) == 1, what="one of a's on the PD, one waiting")
+    # b's priority class is not held for a place: vLLM's priority scheduling runs it first.
+    lone = asyncio.create_task(text_answer(stack, "b", "b0"))
+    await eventually(lambda: "b0" in on_pd(), what="b's prompt on the PD while a's waits for the window")
+    assert windows.waiting() == 1 and windows.of(stack.pd_url).open == 1, "b took no place"
+    gate.set()
+    assert await asyncio.gather(*flooded, lone) == [200] * 3
+    ledger.ended("b", time.perf_counter())

@@ -38,11 +38,11 @@ async def test_a_full_window_sends_the_best_priority_then_the_least_served_tenan
     tasks = [
         asyncio.create_task(request(name, tenant, priority))
         for name, tenant, priority in (
-            ("a1", "a", 0),
-            ("c1", "c", 0),
-            ("b1", "b", 0),
-            ("b2", "b", 0),
-            ("late", "a", -1),
+            ("a1", "a", 1),
+            ("c1", "c", 1),
+            ("b1", "b", 1),
+            ("b2", "b", 1),
+            ("late", "a", 0),
         )
     ]
     await settle()
@@ -118,3 +118,18 @@ def test_a_place_given_back_updates_the_average_hold():
     assert window.hold_s == 2.0
     window.leave(1.0)
     assert window.hold_s == pytest.approx(1.8)
+
+
+async def test_a_class_request_goes_at_once_takes_no_place_and_is_predicted_no_wait():
+    windows = Windows(1, competing(a=0, b=100))
+    window = windows.of("pd")
+    window.hold_s = 1.0
+    await window.enter("a", 0, 0)  # the window is full
+    waiter = asyncio.create_task(window.enter("a", 0, 1))
+    await settle()
+    assert window.wait_s("b", 0) > 0 and window.wait_s("b", -1) == 0.0
+    async with windows.turn("pd", "b", -1):
+        assert window.open == 1 and windows.waiting() == 1, "it took no place and jumped no one"
+    assert window.open == 1 and not waiter.done()
+    window.leave()
+    await asyncio.wait_for(waiter, 1)
