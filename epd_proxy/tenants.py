@@ -314,7 +314,8 @@ class TenantFlags(MediaFetchFlags):
         0,
         Count(0),
         "with `--tenants`, while two or more tenants have requests in flight: requests each PD (or E+P+D prefill) "
-        "is sent before their first token, the rest waiting in the proxy, least-served tenant first; 0 = off; "
+        "is sent before their first token, the rest waiting in the proxy, least-served tenant first (a request whose "
+        "`priority` is below 0, a tenant's grant, goes past); 0 = off; "
         "see [Keys and tenants](keys.md#fair-shares)",
         flag="--consumer-window",
     )

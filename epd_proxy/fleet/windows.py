@@ -56,7 +56,7 @@ class Window:
         """The wait a request of `tenant` arriving now is predicted for a place here: the places
         taken before it (those that go first, and one more for itself) beyond the free ones,
         given back `size` at a time every `hold_s`."""
-        if not self.hold_s or not self.ledger.contended() or in_class(priority):
+        if not self.hold_s or not self.ledger.contended():
             return 0.0
         rank = self.ledger.token_rank
         standing = (priority, rank(tenant))
@@ -134,6 +134,9 @@ class Windows:
         return sum(len(window.waiting) for window in self._windows.values())
 
     def wait_s(self, urls: Sequence[str], tenant: str | None, priority: int) -> float:
-        """The shortest predicted wait for a place among the consumers `urls` (`Window.wait_s`)."""
+        """The shortest predicted wait for a place among the consumers `urls` (`Window.wait_s`); a
+        class waits for none."""
+        if in_class(priority):
+            return 0.0
         windows = [self._windows.get(url) for url in urls]
         return min((w.wait_s(tenant, priority) if w is not None else 0.0 for w in windows), default=0.0)

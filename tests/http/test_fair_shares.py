@@ -310,6 +310,7 @@ async def test_a_class_prompt_goes_to_the_pd_past_a_full_window(make_stack, tmp_
     lone = asyncio.create_task(text_answer(stack, "b", "b0"))
     await eventually(lambda: "b0" in on_pd(), what="b's prompt on the PD while a's waits for the window")
     assert windows.waiting() == 1 and windows.of(stack.pd_url).open == 1, "b took no place"
+    assert stack.pd.requests[-1].body["priority"] == -1, "its tenant's grant, as vLLM is sent it"
     gate.set()
     assert await asyncio.gather(*flooded, lone) == [200] * 3
     ledger.ended("b", time.perf_counter())

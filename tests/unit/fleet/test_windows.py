@@ -127,8 +127,8 @@ async def test_a_class_request_goes_at_once_takes_no_place_and_is_predicted_no_w
     await window.enter("a", 0, 0)  # the window is full
     waiter = asyncio.create_task(window.enter("a", 0, 1))
     await settle()
-    assert window.wait_s("b", 0) > 0 and window.wait_s("b", -1) == 0.0
-    async with windows.turn("pd", "b", -1):
+    assert windows.wait_s(["pd"], "b", 0) > 0 and windows.wait_s(["pd"], "b", -1) == 0.0
+    async with asyncio.timeout(5), windows.turn("pd", "b", -1):
         assert window.open == 1 and windows.waiting() == 1, "it took no place and jumped no one"
     assert window.open == 1 and not waiter.done()
     window.leave()
