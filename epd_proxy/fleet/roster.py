@@ -257,12 +257,9 @@ class RedisRoster:
             except Exception as exc:  # any store failure: keep routing, retry
                 was_up = self._up
                 self._mark_down(exc)
-                await self._drop_connections()
+                await drop_connections(self._client)
                 delay = 0.05 if was_up else min(delay * 2, MAX_BACKOFF_S)
             await asyncio.sleep(delay)
-
-    async def _drop_connections(self) -> None:
-        await drop_connections(self._client)
 
     async def _follow(self) -> None:
         async with self._client.pubsub() as pubsub:
@@ -345,7 +342,7 @@ class RedisRoster:
                         continue  # someone else changed the roster meanwhile: check again
             await self.resync()
         except (RedisError, OSError) as exc:
-            await self._drop_connections()
+            await drop_connections(self._client)
             raise self._refuse(exc) from None
         log.info("roster: stored %s as %s", record.url, record.role)
         return existing is None
@@ -363,7 +360,7 @@ class RedisRoster:
                 deleted, _, _ = await pipe.execute()
             await self.resync()
         except (RedisError, OSError) as exc:
-            await self._drop_connections()
+            await drop_connections(self._client)
             raise self._refuse(exc) from None
         return bool(deleted)
 
