@@ -177,11 +177,11 @@ async def test_while_tenants_compete_an_encoder_runs_one_of_our_sub_requests_at_
     fairness.ended("b", time.perf_counter())
 
 
-async def text_answer(stack, tenant: str, name: str, deadline_ms: int | None = None) -> int:
+async def text_answer(stack, tenant: str, name: str, deadline_ms: int | None = None, **fields) -> int:
     headers = {"Authorization": f"Bearer {tenant}-key", "x-request-id": name}
     if deadline_ms is not None:
         headers["x-request-deadline-ms"] = str(deadline_ms)
-    async with await stack.chat(chat(stream=True), headers=headers) as resp:
+    async with await stack.chat(chat(stream=True, **fields), headers=headers) as resp:
         await resp.read()
         return resp.status
 
@@ -299,7 +299,8 @@ async def test_a_class_prompt_goes_to_the_pd_past_a_full_window(make_stack, tmp_
     stack.pd.faults.gate = gate = asyncio.Event()
     ledger = stack.state.lanes.fairness
     ledger.began("b", 1.0)  # a request of b's runs all along: the tenants compete
-    flooded = [asyncio.create_task(text_answer(stack, "a", f"a{n}")) for n in range(2)]
+    # a asks for the class's priority, which its grant does not reach: it is held like any of a's.
+    flooded = [asyncio.create_task(text_answer(stack, "a", f"a{n}", priority=-5)) for n in range(2)]
     windows = stack.state.pipeline.windows
 
     def on_pd() -> list[str]:
