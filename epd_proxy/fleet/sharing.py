@@ -105,7 +105,9 @@ class Sharing:
 def take_batch(waiting: deque[Any], limit: int, rank: Callable[[str | None], float] | None = None) -> list[Any]:
     """The next sub-request's groups, leaving the rest waiting in order: the first group (or, with
     `rank`, the first of the least-ranked tenant's within the first priority class), and after it
-    every other group with the same key that still fits within `limit` items."""
+    every other group with the same key that still fits within `limit` items. With `rank` a
+    tenant's turn carries only its own groups: another tenant's images riding in it would make
+    the least-served tenant wait for their encoding."""
     head = waiting.popleft() if rank is None else _fairest(waiting, rank)
     batch = [head]
     size = head.size
@@ -114,7 +116,7 @@ def take_batch(waiting: deque[Any], limit: int, rank: Callable[[str | None], flo
     kept: list[Any] = []
     while waiting:
         work = waiting.popleft()
-        if work.key == head.key and size + work.size <= limit:
+        if work.key == head.key and size + work.size <= limit and (rank is None or work.tenant == head.tenant):
             batch.append(work)
             size += work.size
             if size >= limit:

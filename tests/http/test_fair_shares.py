@@ -114,6 +114,31 @@ async def test_a_request_waiting_for_anothers_encode_of_its_image_lifts_that_gro
     assert stack.state.lanes.fairness.view(("b",))["b"]["encoder_s"] > 0
 
 
+async def test_a_tenants_turn_at_the_encoder_carries_none_of_another_tenants_images(make_stack, tmp_path):
+    stack = await tenant_stack(make_stack, tmp_path)
+    assert (await answer(stack, "a", "warm"))[0] == 200
+    lane = stack.state.lanes.all()[0]
+
+    async def keyed(tenant: str, name: str) -> int:
+        # No session id: every request's group has the same coalescing key.
+        headers = {"Authorization": f"Bearer {tenant}-key", "x-request-id": name}
+        async with await stack.chat(chat(image(name)), headers=headers) as resp:
+            await resp.read()
+            return resp.status
+
+    flooded = [asyncio.create_task(keyed("a", f"a{n}")) for n in range(8)]
+    await eventually(lambda: len(lane.work.waiting) == 6, what="two of a's sent, six queued")
+    lone = asyncio.create_task(keyed("b", "b0"))
+    await eventually(lambda: len(lane.work.waiting) == 7, what="b's group queued behind a's six")
+    assert await asyncio.gather(*flooded, lone) == [200] * 9
+    # b's image goes in a sub-request of its own, not beside one of a's; a's queued groups still
+    # share sub-requests with each other, a quantum at a time.
+    sent = {seen.headers["x-request-id"].split(":")[0]: images_in(seen.body) for seen in stack.encoders[0].requests}
+    assert sent.get("b0") == 1, sent
+    assert list(sent).index("b0") <= 4, "b's turn came at most one of a's queued sub-requests after a's two in flight"
+    assert CONTENDED_GROUP_ITEMS in [n for name, n in sent.items() if name.startswith("shared-")], sent
+
+
 async def sub_request_sizes(stack, tenant: str, name: str, images: int) -> list[int]:
     """The images in each sub-request one request `name` of `tenant` with `images` images made."""
     before = len(stack.encoders[0].requests)

@@ -138,7 +138,7 @@ def test_every_charge_is_told_to_the_metrics():
 # -- the encoder queue's order ------------------------------------------------------------------
 
 
-def test_within_a_priority_the_least_served_tenants_group_goes_first_and_batching_stays():
+def test_within_a_priority_the_least_served_tenants_group_goes_first_with_its_own_alone():
     ranks = {"a": 5.0, "b": 1.0}
     queue = deque(
         [
@@ -146,11 +146,18 @@ def test_within_a_priority_the_least_served_tenants_group_goes_first_and_batchin
             W(b"k", 1, "a2", tenant="a"),
             W(b"k", 1, "b1", tenant="b"),
             W(b"k", 1, "a3", tenant="a"),
+            W(b"k", 1, "b2", tenant="b"),
         ]
     )
     batch = take_batch(queue, 8, ranks.__getitem__)
-    assert [w.name for w in batch] == ["b1", "a2", "a3"], "b's group first, the same key's groups with it"
-    assert [w.name for w in queue] == ["a1"]
+    assert [w.name for w in batch] == ["b1", "b2"], "b's groups first, and a's images do not ride in b's turn"
+    assert [w.name for w in queue] == ["a1", "a2", "a3"]
+    ranks["b"] = 9.0
+    assert [w.name for w in take_batch(queue, 8, ranks.__getitem__)] == ["a1"]
+    assert [w.name for w in take_batch(queue, 8, ranks.__getitem__)] == ["a2", "a3"], "a tenant's own still batch"
+    # Without tenants every group of the key rides along, as before.
+    queue = deque([W(b"k", 1, "a1", tenant="a"), W(b"k", 1, "b1", tenant="b")])
+    assert [w.name for w in take_batch(queue, 8)] == ["a1", "b1"]
     # Ties go in arrival order.
     queue = deque([W(None, 1, "a1", tenant="a"), W(None, 1, "b1", tenant="b")])
     assert take_batch(queue, 8, lambda tenant: 0.0)[0].name == "a1"
@@ -195,7 +202,7 @@ def test_a_fair_batch_heads_with_the_least_served_tenants_oldest_group_and_loses
     batch = take_batch(queue, limit, ranks.__getitem__)
     least = min(ranks[w.tenant] for w in before)
     assert batch[0] is next(w for w in before if ranks[w.tenant] == least)
-    assert all(w.key == batch[0].key for w in batch)
+    assert all(w.key == batch[0].key and w.tenant == batch[0].tenant for w in batch)
     assert len(batch) == 1 or sum(w.size for w in batch) <= limit
     assert sorted(map(id, batch + list(queue))) == sorted(map(id, before))
     assert list(queue) == [w for w in before if w not in batch]
