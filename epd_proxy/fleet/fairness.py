@@ -10,8 +10,8 @@ Models", OSDI 2024), each tenant has a counter of the work it was served, divide
   left out) and its output tokens.
 
 A tenant is active while one of its requests is in flight. One that becomes active again starts
-from at least the smallest counter of the active tenants, so time spent idle is not banked as a
-claim on the fleet. The encoder queue serves, within a priority class, the waiting group of the
+from at least just under the smallest counter of the active tenants, so time spent idle is not
+banked as a claim on the fleet. The encoder queue serves, within a priority class, the waiting group of the
 tenant with the smallest encoder counter first (`Ledger.rank`); nothing waits for a share, so a
 tenant alone gets the whole fleet. A tenant is over its share (`Ledger.share`) when its counter
 leads the smallest active one by more than SLACK_S encoder-seconds or SLACK_TOKENS tokens, or when
@@ -67,6 +67,14 @@ def in_class(priority: int) -> bool:
     """Whether a request of this (clamped) `priority` is of a class the tenants file granted: below
     the default 0, so vLLM's priority scheduling runs it first too."""
     return priority < 0
+
+
+def _lifted(counter: float, floor: float) -> float:
+    """The counter of a tenant back from idle: at least one float step under the active floor.
+    Under it rather than at it, because a tie goes by arrival: at the floor, a chat's image
+    waited behind every group the flood at the floor had queued before it, though the two had
+    been served alike. One step banks nothing."""
+    return max(counter, math.nextafter(floor, -math.inf))
 
 
 # Told of each charge: tenant, encoder seconds, computed prompt tokens, output tokens.
@@ -133,13 +141,13 @@ class Ledger:
         return min(a.encoder_v for a in active), min(a.tokens_v for a in active)
 
     def began(self, tenant: str, weight: float) -> None:
-        """A request of `tenant` is in flight: an idle tenant is lifted to the active floor."""
+        """A request of `tenant` is in flight: an idle tenant is lifted to just under the active floor."""
         account = self._account(tenant, weight)
         if not account.active:
             floor = self._floor()
             if floor is not None:
-                account.encoder_v = max(account.encoder_v, floor[0])
-                account.tokens_v = max(account.tokens_v, floor[1])
+                account.encoder_v = _lifted(account.encoder_v, floor[0])
+                account.tokens_v = _lifted(account.tokens_v, floor[1])
         account.active += 1
 
     def ended(self, tenant: str, now: float) -> None:
@@ -187,10 +195,11 @@ class Ledger:
 
     def behind(self, tenant: str) -> Callable[[Any], bool]:
         """Which queued groups a new request of `tenant` goes ahead of: other tenants' that have
-        been served more than it (as if it were active now, so lifted to the floor)."""
+        been served more than it (as if it were active now, so lifted to just under the floor)."""
         account = self._accounts.get(tenant)
         floor = self._floor()
-        standing = max(account.encoder_v if account is not None else 0.0, floor[0] if floor is not None else 0.0)
+        own = account.encoder_v if account is not None else 0.0
+        standing = own if floor is None or (account is not None and account.active) else _lifted(own, floor[0])
         return lambda work: tenant not in work.tenants and min(map(self.rank, work.tenants)) > standing
 
     def lead(self, tenant: str) -> tuple[float, float]:

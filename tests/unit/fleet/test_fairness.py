@@ -49,13 +49,13 @@ def test_a_tenant_back_from_idle_starts_at_the_active_floor_and_banks_nothing():
     # b idles while a is served a lot.
     ledger.charge_encoder("a", 50.0)
     ledger.began("b", 1.0)
-    assert ledger.rank("b") == 50.0, "lifted to the least-served active tenant, not left at 1"
+    assert ledger.rank("b") == pytest.approx(50.0), "lifted to the least-served active tenant, not left at 1"
     # A tenant ahead of the floor when it comes back keeps its lead.
     ledger.ended("a", 0.0)
     ledger.charge_encoder("b", 10.0)
     ledger.began("a", 1.0)
-    assert ledger.rank("a") == 60.0
-    assert ledger.lead("b") == (0.0, 0.0)
+    assert ledger.rank("a") == pytest.approx(60.0)
+    assert ledger.lead("b") == pytest.approx((0.0, 0.0))
 
 
 def test_a_tenant_alone_is_never_over_its_share_however_much_it_is_served():
@@ -136,6 +136,19 @@ def test_every_charge_is_told_to_the_metrics():
 
 
 # -- the encoder queue's order ------------------------------------------------------------------
+
+
+def test_a_tenant_back_from_idle_goes_before_the_groups_the_tenant_at_the_floor_queued():
+    # Lifted to a's counter exactly, b would tie with a and wait behind every group a had queued.
+    ledger = Ledger()
+    ledger.began("a", 1.0)
+    ledger.charge_encoder("a", 5.0)
+    queued = W(None, 1, "a1", tenant="a")
+    assert ledger.behind("b")(queued), "predicted at arrival: b's group goes ahead of a's"
+    ledger.began("b", 1.0)
+    queue = deque([queued, W(None, 1, "b1", tenant="b")])
+    assert take_batch(queue, 8, ledger.rank)[0].name == "b1"
+    assert ledger.lead("a")[0] == pytest.approx(0.0) and ledger.share("a") == WITHIN
 
 
 def test_within_a_priority_the_least_served_tenants_group_goes_first_with_its_own_alone():
@@ -241,9 +254,10 @@ def test_a_new_request_goes_ahead_of_groups_of_tenants_served_more_than_its_own(
     assert behind_b(W(None, 1, tenant="a")) and not behind_b(W(None, 1, tenant="b"))
     behind_a = ledger.behind("a")
     assert not behind_a(W(None, 1, tenant="a")) and not behind_a(W(None, 1, tenant="b"))
-    # One idle or never seen stands at the floor (b's 1.0): ahead of a's groups, not of b's.
+    # One idle or never seen stands just under the floor (b's 1.0): ahead of a's groups and of b's,
+    # which has been served as much.
     behind_new = ledger.behind("c")
-    assert behind_new(W(None, 1, tenant="a")) and not behind_new(W(None, 1, tenant="b"))
+    assert behind_new(W(None, 1, tenant="a")) and behind_new(W(None, 1, tenant="b"))
 
 
 def test_a_sub_request_carries_a_quantum_while_tenants_compete_and_for_a_while_after():
