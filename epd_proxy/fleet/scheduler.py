@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from epd_proxy.fleet.backends import Instance
 from epd_proxy.fleet.lanes import Lanes
@@ -88,11 +88,18 @@ class ExpectedFinish:
         return self.place(candidates, [Key(key) for key in keys], 0)[0]
 
     def place(
-        self, candidates: Sequence[Instance], items: Sequence[Item], cap: int, now: float | None = None
+        self,
+        candidates: Sequence[Instance],
+        items: Sequence[Item],
+        cap: int,
+        now: float | None = None,
+        behind: Callable[[Any], bool] | None = None,
     ) -> tuple[list[Instance], int]:
         """One encoder per item, and how many items went to the encoder that saw them last.
         With `now`, what an encoder has worked off since our oldest sub-request there began
-        counts as done."""
+        counts as done. With `behind` (fairness.Ledger.behind: the queued groups this request
+        goes ahead of), those groups' work is not before it: a chat's image beside a flood goes
+        to the encoder whose running sub-request ends first, not to the shorter flood queue."""
         n = len(candidates)
         if n == 1:
             return [candidates[0]] * len(items), 0
@@ -101,6 +108,10 @@ class ExpectedFinish:
         adaptive = self.adaptive
         # Each encoder's expected finish: its backlog, then this request's items as they are placed.
         finish = [lane.backlog_s(now, f, i) for lane, f, i in zip(lanes, fixed, per_item)]
+        if behind is not None:
+            finish = [
+                max(0.0, b - lane.queued_s(f, i, behind)) for b, lane, f, i in zip(finish, lanes, fixed, per_item)
+            ]
         # An item that opens a sub-request pays the fixed cost in time, and the load-weighted
         # fixed cost in what it does to everyone else.
         opening = fixed

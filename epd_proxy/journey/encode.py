@@ -108,7 +108,9 @@ class EncodeStep:
             encoders = [e for e in encoders if not self.lanes.of(e).avoid(now)] or encoders
         if self._place is None:
             return self.policy.choose(encoders, [item.uuid for item in items])
-        assignment, hits = self._place(encoders, items, self.options.max_batch_size, now)
+        fairness = self.lanes.fairness
+        behind = fairness.behind(trace.tenant) if fairness is not None and trace.tenant is not None else None
+        assignment, hits = self._place(encoders, items, self.options.max_batch_size, now, behind)
         if hits:
             trace.affinity_hits += hits
             self.metrics.affinity_hits.inc(hits)
