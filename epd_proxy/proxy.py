@@ -274,7 +274,7 @@ class ProxyState:
             now = pipeline.encode.clock()
             lanes = [self.lanes.of(encoder) for encoder in pipeline.candidates(ENCODE)]
             known = [(lane, lane.speed.known()) for lane in lanes]
-            behind = self.lanes.fairness.behind(tenant) if self.lanes.fairness and tenant else None
+            behind = self.lanes.fairness.behind(tenant, priority) if self.lanes.fairness and tenant else None
             encoders = tuple(
                 Encoder(lane.backlog_s(now, *speed), *speed, lane.queued_s(*speed, behind) if behind else 0.0)
                 if speed

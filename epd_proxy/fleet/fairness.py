@@ -11,9 +11,9 @@ Models", OSDI 2024), each tenant has a counter of the work it was served, divide
 
 A tenant is active while one of its requests is in flight. One that becomes active again starts
 from at least just under the smallest counter of the active tenants, so time spent idle is not
-banked as a claim on the fleet. The encoder queue serves, within a priority class, the waiting group of the
-tenant with the smallest encoder counter first (`Ledger.rank`); nothing waits for a share, so a
-tenant alone gets the whole fleet. A tenant is over its share (`Ledger.share`) when its counter
+banked as a claim on the fleet. The encoder queue serves, within a priority class, the waiting
+group of the tenant with the smallest encoder counter first (`Ledger.rank`); nothing waits for a
+share, so a tenant alone gets the whole fleet. A tenant is over its share (`Ledger.share`) when its counter
 leads the smallest active one by more than SLACK_S encoder-seconds or SLACK_TOKENS tokens, or when
 it asks more of the encoders than its weighted share of them serves (`Ledger.asked`): the
 encoder-seconds its requests bring as they arrive, turned away or not, over the last
@@ -78,6 +78,8 @@ def _lifted(counter: float, floor: float) -> float:
 
 
 # Told of each charge: tenant, encoder seconds, computed prompt tokens, output tokens.
+# Whether a queued group goes after a given request (Ledger.behind).
+Behind = Callable[[Any], bool]
 OnCharge = Callable[[str, float, int, int], None]
 
 
@@ -193,14 +195,19 @@ class Ledger:
         account = self._accounts.get(tenant) if tenant is not None else None
         return account.tokens_v if account is not None else 0.0
 
-    def behind(self, tenant: str) -> Callable[[Any], bool]:
-        """Which queued groups a new request of `tenant` goes ahead of: other tenants' that have
-        been served more than it (as if it were active now, so lifted to just under the floor)."""
+    def behind(self, tenant: str, priority: int = 0) -> Behind:
+        """Which queued groups a new request of `tenant` at `priority` goes ahead of, in the encoder
+        queue's order: those of a worse priority, and within its own, other tenants' that have been
+        served more than it (as if it were active now, so lifted to just under the floor)."""
         account = self._accounts.get(tenant)
         floor = self._floor()
         own = account.encoder_v if account is not None else 0.0
         standing = own if floor is None or (account is not None and account.active) else _lifted(own, floor[0])
-        return lambda work: tenant not in work.tenants and min(map(self.rank, work.tenants)) > standing
+        rank = self.rank
+        return lambda work: (
+            work.priority > priority
+            or (work.priority == priority and tenant not in work.tenants and min(map(rank, work.tenants)) > standing)
+        )
 
     def lead(self, tenant: str) -> tuple[float, float]:
         """How far `tenant` (as if active now) is ahead of the least-served active tenant."""

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from epd_proxy.fleet.backends import Instance
-from epd_proxy.fleet.fairness import CONTENDED_GROUP_ITEMS, CONTENDED_INFLIGHT, Ledger
+from epd_proxy.fleet.fairness import CONTENDED_GROUP_ITEMS, CONTENDED_INFLIGHT, Behind, Ledger
 from epd_proxy.fleet.sharing import Sharing, take_batch
 from epd_proxy.fleet.speed import PRIOR_FIXED_RATIO, Speed
 
@@ -226,14 +226,16 @@ class Lane:
         """Seconds since the encoder began our oldest sub-request in flight there, or last answered."""
         return now - self.work.busy_since
 
-    def backlog_s(self, now: float | None, fixed_s: float, item_s: float) -> float:
-        """Seconds of our work outstanding there (in flight and queued) at `now`, at the speed
-        `Lanes.costs` gives it, less what it worked off since our oldest sub-request there began
-        (nothing without a clock): what placement, the consumer's last resort and
-        `epd_encoder_backlog_seconds` read. One never measured is at least as far behind as
-        that sub-request is old, or one hung on its first request would soon look idle."""
+    def backlog_s(self, now: float | None, fixed_s: float, item_s: float, behind: Behind | None = None) -> float:
+        """Our work outstanding there, in seconds (in flight and queued; with `behind`, not the queued
+        groups a request goes ahead of) at `now`, at `Lanes.costs`' speed, less what it did since our
+        oldest sub-request there began (nothing without a clock): what placement, the last resort and
+        `epd_encoder_backlog_seconds` read. One never measured is at least as far behind as that
+        sub-request is old, or one hung on its first request would soon look idle."""
         work = self.work
         backlog = fixed_s * work.subs + item_s * work.load
+        if behind is not None:
+            backlog -= self.queued_s(fixed_s, item_s, behind)
         if now is None or not work.inflight:
             return backlog
         silent = now - work.busy_since
@@ -242,7 +244,7 @@ class Lane:
             return silent
         return backlog if backlog > 0.0 else 0.0
 
-    def queued_s(self, fixed_s: float, item_s: float, behind: Callable[[Any], bool]) -> float:
+    def queued_s(self, fixed_s: float, item_s: float, behind: Behind) -> float:
         """The part of `backlog_s` queued here, not yet sent, whose groups are `behind` (a request)."""
         later = [work for work in self.work.waiting if behind(work)]
         return fixed_s * len(later) + item_s * sum(work.cost for work in later)
@@ -378,11 +380,9 @@ class Lanes:
         return list(self._lanes.values())
 
     # Fleet membership events (registry.Watcher).
-    def joined(self, inst: Instance) -> None:
-        pass
+    def joined(self, inst: Instance) -> None: ...
 
-    def rejoined(self, inst: Instance) -> None:
-        pass
+    def rejoined(self, inst: Instance) -> None: ...
 
     def left(self, inst: Instance) -> None:
         lane = self._lanes.pop(inst, None)

@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from epd_proxy.fleet.backends import Instance
+from epd_proxy.fleet.fairness import Behind
 from epd_proxy.fleet.lanes import Lanes
 
 # Share of an image's cost a cache hit saves (repeats cost about 0.4x where they were seen).
@@ -93,7 +94,7 @@ class ExpectedFinish:
         items: Sequence[Item],
         cap: int,
         now: float | None = None,
-        behind: Callable[[Any], bool] | None = None,
+        behind: Behind | None = None,
     ) -> tuple[list[Instance], int]:
         """One encoder per item, and how many items went to the encoder that saw them last.
         With `now`, what an encoder has worked off since our oldest sub-request there began
@@ -107,11 +108,7 @@ class ExpectedFinish:
         fixed, per_item = self.lanes.costs(lanes, now)
         adaptive = self.adaptive
         # Each encoder's expected finish: its backlog, then this request's items as they are placed.
-        finish = [lane.backlog_s(now, f, i) for lane, f, i in zip(lanes, fixed, per_item)]
-        if behind is not None:
-            finish = [
-                max(0.0, b - lane.queued_s(f, i, behind)) for b, lane, f, i in zip(finish, lanes, fixed, per_item)
-            ]
+        finish = [lane.backlog_s(now, f, i, behind) for lane, f, i in zip(lanes, fixed, per_item)]
         # An item that opens a sub-request pays the fixed cost in time, and the load-weighted
         # fixed cost in what it does to everyone else.
         opening = fixed

@@ -7,7 +7,8 @@ Pure: the lane (lanes.py) asks it on the caller's clock, coalesce.py reports how
   splits doubles it back. One a member caused is charged to that request only.
 - **The batch** (`take_batch`): the oldest waiting group (with `--tenants`, the oldest of the
   least-served tenant's within the first priority class: fairness.py) and other groups of the
-  same key (`subrequest.coalesce_key` in journey/) within the limit.
+  same key (`subrequest.coalesce_key` in journey/) within the limit; with `--tenants`, only
+  groups the tenant whose turn it is waits for.
 """
 
 from __future__ import annotations
@@ -106,17 +107,19 @@ def take_batch(waiting: deque[Any], limit: int, rank: Callable[[str | None], flo
     """The next sub-request's groups, leaving the rest waiting in order: the first group (or, with
     `rank`, the first of the least-ranked tenant's within the first priority class), and after it
     every other group with the same key that still fits within `limit` items. With `rank` a
-    tenant's turn carries only its own groups: another tenant's images riding in it would make
-    the least-served tenant wait for their encoding."""
+    tenant's turn (the least served of the tenants the head stands for) carries only groups that
+    tenant waits for: another tenant's images riding in it would make the least-served tenant
+    wait for their encoding."""
     head = waiting.popleft() if rank is None else _fairest(waiting, rank)
     batch = [head]
     size = head.size
     if head.key is None or size >= limit or not waiting:
         return batch
+    turn = None if rank is None else min(head.tenants, key=rank)
     kept: list[Any] = []
     while waiting:
         work = waiting.popleft()
-        if work.key == head.key and size + work.size <= limit and (rank is None or work.tenant == head.tenant):
+        if work.key == head.key and size + work.size <= limit and (rank is None or turn in work.tenants):
             batch.append(work)
             size += work.size
             if size >= limit:

@@ -84,8 +84,8 @@ class EncodeStep:
         self.sender = Sender(upstream, metrics, observed, options, clock)
         self.coalescer = Coalescer(self.sender, metrics, ids=self.ids, stalled=self._stalled, lanes=self.lanes)
 
-    def place(self, items: Sequence[MediaItem], trace: Trace) -> list[Instance]:
-        """One live encoder per item."""
+    def place(self, items: Sequence[MediaItem], trace: Trace, priority: int = 0) -> list[Instance]:
+        """One live encoder per item; `priority` (the request's, vLLM's) places it in the queues."""
         encoders = self.live()
         if not encoders:
             raise ProxyError(
@@ -109,7 +109,9 @@ class EncodeStep:
         if self._place is None:
             return self.policy.choose(encoders, [item.uuid for item in items])
         fairness = self.lanes.fairness
-        behind = fairness.behind(trace.tenant) if fairness is not None and trace.tenant is not None else None
+        behind = None
+        if fairness is not None and trace.tenant is not None and len(encoders) > 1:
+            behind = fairness.behind(trace.tenant, priority)
         assignment, hits = self._place(encoders, items, self.options.max_batch_size, now, behind)
         if hits:
             trace.affinity_hits += hits

@@ -429,7 +429,7 @@ class Pipeline:
     ) -> Matches:
         """Plan (placement, then groups), encode, match."""
         assert job.body is not None  # released only once decode commits
-        assignment = self.encode.place(items, trace)
+        assignment = self.encode.place(items, trace, request_priority(job.body))
         cap = self.encode.lanes.group_cap(self.encoding.max_batch_size, self.encode.clock())
         groups = plan_groups(items, assignment, cap)
         answers = await self.encode.run(job.body, items, groups, consumer_zmq, trace, job.dumps)

@@ -35,14 +35,18 @@ async def tenant_stack(make_stack, tmp_path, tenants: str = TENANTS):
     return stack
 
 
-async def answer(stack, tenant: str, name: str, deadline_ms: int | None = None, picture: str | None = None):
+async def answer(
+    stack, tenant: str, name: str, deadline_ms: int | None = None, picture: str | None = None, shared_key: bool = False
+):
     """One image request of `tenant`, its own coalescing key (a session id), so every group is a
-    sub-request of its own and the order the encoder sees is the queue's; its image is drawn from
+    sub-request of its own and the order the encoder sees is the queue's (with `shared_key`, no
+    session id: every such request's group may share a sub-request); its image is drawn from
     `picture`, by default its own `name`."""
     headers = {"Authorization": f"Bearer {tenant}-key", "x-request-id": name}
     if deadline_ms is not None:
         headers["x-request-deadline-ms"] = str(deadline_ms)
-    async with await stack.chat(chat(image(picture or name), session_id=name), headers=headers) as resp:
+    body = chat(image(picture or name), **({} if shared_key else {"session_id": name}))
+    async with await stack.chat(body, headers=headers) as resp:
         return resp.status, resp.headers.get("Retry-After"), orjson.loads(await resp.read())
 
 
@@ -51,9 +55,9 @@ def sent_order(stack) -> list[str]:
     return [seen.headers["x-request-id"].split(":")[0] for seen in stack.encoders[0].requests]
 
 
-async def flood(stack, tenant: str, count: int) -> list[asyncio.Task]:
+async def flood(stack, tenant: str, count: int, shared_key: bool = False) -> list[asyncio.Task]:
     """`count` requests of `tenant` at once: two go to the encoder, the rest wait in its lane."""
-    tasks = [asyncio.create_task(answer(stack, tenant, f"{tenant}{n}")) for n in range(count)]
+    tasks = [asyncio.create_task(answer(stack, tenant, f"{tenant}{n}", shared_key=shared_key)) for n in range(count)]
     lane = stack.state.lanes.all()[0]
     await eventually(lambda: len(lane.work.waiting) == count - 2, what=f"{count - 2} groups queued")
     return tasks
@@ -118,19 +122,10 @@ async def test_a_tenants_turn_at_the_encoder_carries_none_of_another_tenants_ima
     stack = await tenant_stack(make_stack, tmp_path)
     assert (await answer(stack, "a", "warm"))[0] == 200
     lane = stack.state.lanes.all()[0]
-
-    async def keyed(tenant: str, name: str) -> int:
-        # No session id: every request's group has the same coalescing key.
-        headers = {"Authorization": f"Bearer {tenant}-key", "x-request-id": name}
-        async with await stack.chat(chat(image(name)), headers=headers) as resp:
-            await resp.read()
-            return resp.status
-
-    flooded = [asyncio.create_task(keyed("a", f"a{n}")) for n in range(8)]
-    await eventually(lambda: len(lane.work.waiting) == 6, what="two of a's sent, six queued")
-    lone = asyncio.create_task(keyed("b", "b0"))
+    flooded = await flood(stack, "a", 8, shared_key=True)
+    lone = asyncio.create_task(answer(stack, "b", "b0", shared_key=True))
     await eventually(lambda: len(lane.work.waiting) == 7, what="b's group queued behind a's six")
-    assert await asyncio.gather(*flooded, lone) == [200] * 9
+    assert [result[0] for result in await asyncio.gather(*flooded, lone)] == [200] * 9
     # b's image goes in a sub-request of its own, not beside one of a's; a's queued groups still
     # share sub-requests with each other, a quantum at a time.
     sent = {seen.headers["x-request-id"].split(":")[0]: images_in(seen.body) for seen in stack.encoders[0].requests}

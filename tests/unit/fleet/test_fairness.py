@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 import pytest
@@ -40,7 +41,7 @@ def test_work_is_counted_against_the_weight_and_totals_stay_raw():
     assert view["a"]["lead_encoder_s"] == 1.5 and view["b"]["lead_encoder_s"] == 0.0
 
 
-def test_a_tenant_back_from_idle_starts_at_the_active_floor_and_banks_nothing():
+def test_a_tenant_back_from_idle_starts_just_under_the_active_floor_and_banks_nothing():
     ledger = Ledger()
     ledger.began("a", 1.0)
     ledger.began("b", 1.0)
@@ -49,7 +50,9 @@ def test_a_tenant_back_from_idle_starts_at_the_active_floor_and_banks_nothing():
     # b idles while a is served a lot.
     ledger.charge_encoder("a", 50.0)
     ledger.began("b", 1.0)
-    assert ledger.rank("b") == pytest.approx(50.0), "lifted to the least-served active tenant, not left at 1"
+    assert ledger.rank("b") == math.nextafter(50.0, -math.inf), (
+        "lifted to under the least-served active tenant, not left at 1"
+    )
     # A tenant ahead of the floor when it comes back keeps its lead.
     ledger.ended("a", 0.0)
     ledger.charge_encoder("b", 10.0)
@@ -138,6 +141,35 @@ def test_every_charge_is_told_to_the_metrics():
 # -- the encoder queue's order ------------------------------------------------------------------
 
 
+def test_a_turn_taken_for_a_rider_carries_the_groups_the_rider_waits_for_not_the_owners_others():
+    # f1 is the flood's group, which the chat's request waits for (the same image): it goes at
+    # the chat's standing, and what goes with it is the chat's, not the flood's other groups.
+    ranks = {"flood": 5.0, "chat": 1.0}
+    queue = deque(
+        [
+            W(b"k", 1, "f1", tenant="flood", riders=("chat",)),
+            W(b"k", 1, "f2", tenant="flood"),
+            W(b"k", 1, "c1", tenant="chat"),
+        ]
+    )
+    assert [w.name for w in take_batch(queue, 8, ranks.__getitem__)] == ["f1", "c1"]
+    assert [w.name for w in queue] == ["f2"]
+
+
+def test_a_request_goes_ahead_of_worse_priorities_and_after_better_ones_whoever_was_served():
+    ledger = Ledger()
+    served = {"a": 5.0, "b": 3.0, "c": 1.0}
+    for tenant in served:
+        ledger.began(tenant, 1.0)
+    for tenant, seconds in served.items():
+        ledger.charge_encoder(tenant, seconds)
+    ledger.ended("b", 0.0)
+    plain, urgent = ledger.behind("b", 0), ledger.behind("b", -1)
+    assert not plain(W(None, 1, tenant="a", priority=-1)), "a's class group goes first, though a was served more"
+    assert plain(W(None, 1, tenant="a", priority=0)) and not plain(W(None, 1, tenant="c", priority=0))
+    assert urgent(W(None, 1, tenant="c", priority=0)), "b's class request passes c's group, though c was served less"
+
+
 def test_a_tenant_back_from_idle_goes_before_the_groups_the_tenant_at_the_floor_queued():
     # Lifted to a's counter exactly, b would tie with a and wait behind every group a had queued.
     ledger = Ledger()
@@ -202,7 +234,12 @@ def test_fairness_never_jumps_a_priority_class():
 @settings(max_examples=200, deadline=None)
 @given(
     works=st.lists(
-        st.tuples(st.sampled_from([b"a", b"b", None]), st.integers(1, 3), st.sampled_from("xyz")),
+        st.tuples(
+            st.sampled_from([b"a", b"b", None]),
+            st.integers(1, 3),
+            st.sampled_from("xyz"),
+            st.sampled_from([(), ("x",), ("z",)]),
+        ),
         min_size=1,
         max_size=12,
     ),
@@ -210,12 +247,16 @@ def test_fairness_never_jumps_a_priority_class():
     limit=st.integers(0, 8),
 )
 def test_a_fair_batch_heads_with_the_least_served_tenants_oldest_group_and_loses_nothing(works, ranks, limit):
-    queue = deque(W(key, size, str(i), tenant=tenant) for i, (key, size, tenant) in enumerate(works))
+    queue = deque(
+        W(key, size, str(i), tenant=tenant, riders=riders) for i, (key, size, tenant, riders) in enumerate(works)
+    )
     before = list(queue)
     batch = take_batch(queue, limit, ranks.__getitem__)
-    least = min(ranks[w.tenant] for w in before)
-    assert batch[0] is next(w for w in before if ranks[w.tenant] == least)
-    assert all(w.key == batch[0].key and w.tenant == batch[0].tenant for w in batch)
+    standing = {id(w): min(ranks[t] for t in w.tenants) for w in before}
+    least = min(standing.values())
+    assert batch[0] is next(w for w in before if standing[id(w)] == least)
+    turn = min(batch[0].tenants, key=ranks.__getitem__)
+    assert all(w.key == batch[0].key and turn in w.tenants for w in batch)
     assert len(batch) == 1 or sum(w.size for w in batch) <= limit
     assert sorted(map(id, batch + list(queue))) == sorted(map(id, before))
     assert list(queue) == [w for w in before if w not in batch]

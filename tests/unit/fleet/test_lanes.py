@@ -181,6 +181,18 @@ def test_the_backlog_is_outstanding_work_less_what_the_encoder_worked_off():
     )  # a measured one is overdue instead
 
 
+def test_a_backlog_without_the_groups_a_request_goes_ahead_of_still_counts_a_hung_encoders_silence():
+    lane = Lane("e")
+    lane.started(1, 0.0)
+    for n in range(9):
+        lane.queued(W(None, 1, f"a{n}", tenant="a"))
+    ahead_of_all = lambda work: True  # noqa: E731
+    assert lane.backlog_s(None, 0.0, 1.0, ahead_of_all) == pytest.approx(1.0), "only what runs is before it"
+    # Never measured and silent for 6 s: hung, perhaps, so not idle however much it goes ahead of.
+    assert lane.backlog_s(6.0, 0.0, 1.0, ahead_of_all) == pytest.approx(6.0)
+    assert lane.backlog_s(6.0, 0.0, 1.0) == pytest.approx(6.0)
+
+
 BASE = {"model": "m", "messages": [], "max_tokens": 3}
 
 
