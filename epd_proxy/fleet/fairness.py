@@ -13,8 +13,8 @@ A tenant is active while one of its requests is in flight. One that becomes acti
 from at least just under the smallest counter of the active tenants, so time spent idle is not
 banked as a claim on the fleet. The encoder queue serves, within a priority class, the waiting
 group of the tenant with the smallest encoder counter first (`Ledger.rank`); nothing waits for a
-share, so a tenant alone gets the whole fleet. A tenant is over its share (`Ledger.share`) when its counter
-leads the smallest active one by more than SLACK_S encoder-seconds or SLACK_TOKENS tokens, or when
+share, so a tenant alone gets the whole fleet. A tenant is over its share (`Ledger.share`) when
+its counter leads the smallest active one by more than SLACK_S encoder-seconds or SLACK_TOKENS tokens, or when
 it asks more of the encoders than its weighted share of them serves (`Ledger.asked`): the
 encoder-seconds its requests bring as they arrive, turned away or not, over the last
 DEMAND_WINDOW_S. Fair queueing keeps a flooding tenant's counter level with the others', so the
@@ -78,9 +78,9 @@ def _lifted(counter: float, floor: float) -> float:
 
 
 # Told of each charge: tenant, encoder seconds, computed prompt tokens, output tokens.
+OnCharge = Callable[[str, float, int, int], None]
 # Whether a queued group goes after a given request (Ledger.behind).
 Behind = Callable[[Any], bool]
-OnCharge = Callable[[str, float, int, int], None]
 
 
 class Account:

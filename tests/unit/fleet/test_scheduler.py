@@ -10,7 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from epd_proxy.fleet.backends import Instance
-from epd_proxy.fleet.fairness import Ledger
 from epd_proxy.fleet.lanes import Lane
 from epd_proxy.fleet.scheduler import AFFINITY_ENTRIES, ExpectedFinish, Key
 from epd_proxy.fleet.speed import PRIOR_FIXED_RATIO
@@ -221,25 +220,3 @@ def test_placement_picks_one_live_encoder_per_item(
 
 
 # -- coalescing ---------------------------------------------------------------------------------
-
-
-def test_a_request_that_goes_ahead_of_queued_groups_is_placed_by_what_runs_before_it():
-    from tests.unit.fleet.test_lanes import W  # test_lanes imports this module
-
-    # e0 runs a short sub-request and has a's long queue; e1 runs a longer one and has none.
-    encoders = fleet(2)
-    policy = ExpectedFinish(affinity=False)
-    short, long = (policy.lanes.of(e) for e in encoders)
-    for lane in (short, long):
-        serve(lane, [2] * 10, 0.004)
-    short.started(1)
-    long.started(4)
-    for n in range(4):
-        short.queued(W(b"k", 2, f"a{n}", tenant="a"))
-    ledger = Ledger()
-    ledger.began("a", 1.0)
-    ledger.charge_encoder("a", 5.0)
-    assert policy.place(encoders, [Key("x")], 0)[0] == [encoders[1]], "the shorter backlog, a's queue counted"
-    ahead_of_a = ledger.behind("b")
-    assert policy.place(encoders, [Key("y")], 0, behind=ahead_of_a)[0] == [encoders[0]], "b goes ahead of a's queue"
-    assert policy.place(encoders, [Key("z")], 0, behind=ledger.behind("a"))[0] == [encoders[1]]
