@@ -13,7 +13,7 @@ import pytest
 
 from epd_proxy.fleet.backends import PREFILL_DECODE
 from epd_proxy.journey.extract import normalise_request
-from epd_proxy_tools.testing.harness import Fakes, serve_process
+from epd_proxy_tools.testing.harness import Fakes, every_worker_listens, serve_process
 from epd_proxy_tools.testing.polling import eventually
 from tests.media import conversation, image
 
@@ -191,6 +191,7 @@ async def test_with_two_workers_every_turn_still_finds_its_conversations_pd_and_
         ) as served:
             for pd in pds:
                 pd.store = served.encoder.store
+            await every_worker_listens(served.proc, served.port, 2)
             # A connection per request, so the turns land on either worker.
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as client:
                 for conv in range(4):

@@ -12,7 +12,7 @@ import aiohttp
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from epd_proxy_tools.testing.harness import serve_command, serve_process
+from epd_proxy_tools.testing.harness import listening, serve_command, serve_process, workers_of
 from epd_proxy_tools.testing.polling import eventually
 from tests.http.test_slow_clients import read_until_closed
 from tests.media import chat, image
@@ -23,30 +23,10 @@ NOWHERE = ("--encode-servers-urls", "http://127.0.0.1:9", "--decode-servers-urls
 HEALTH = b"GET /health HTTP/1.1\r\nHost: proxy\r\n\r\n"
 
 
-def workers_of(parent: int) -> set[int]:
-    """The parent's worker processes (multiprocessing's spawned children, not its helpers)."""
-    found = set()
-    for child in psutil.Process(parent).children():
-        try:
-            if "spawn_main" in " ".join(child.cmdline()):
-                found.add(child.pid)
-        except psutil.Error:
-            pass  # exited meanwhile
-    return found
-
-
 def established(pid: int, port: int) -> int:
     """Client connections to `port` that process `pid` holds."""
     connections = psutil.Process(pid).net_connections("tcp")
     return sum(1 for c in connections if c.status == psutil.CONN_ESTABLISHED and c.laddr.port == port)
-
-
-def listening(pid: int, port: int) -> bool:
-    try:
-        connections = psutil.Process(pid).net_connections("tcp")
-    except psutil.Error:
-        return False
-    return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in connections)
 
 
 async def held_connection(port: int) -> asyncio.StreamWriter:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import psutil
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
@@ -251,6 +252,37 @@ async def wait_healthy(
                 return resp.status == 200
 
         await eventually(healthy, timeout=deadline_s, interval=0.1, what=what, ignoring=(aiohttp.ClientError,))
+
+
+def workers_of(parent: int) -> set[int]:
+    """The parent's worker processes (multiprocessing's spawned children, not its helpers)."""
+    found = set()
+    for child in psutil.Process(parent).children():
+        try:
+            if "spawn_main" in " ".join(child.cmdline()):
+                found.add(child.pid)
+        except psutil.Error:
+            pass  # exited meanwhile
+    return found
+
+
+def listening(pid: int, port: int) -> bool:
+    try:
+        connections = psutil.Process(pid).net_connections("tcp")
+    except psutil.Error:
+        return False
+    return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in connections)
+
+
+async def every_worker_listens(proc: subprocess.Popen, port: int, workers: int, deadline_s: float = 30.0) -> None:
+    """Wait until `proc` has `workers` workers and each listens on `port`: /health answers once
+    one of them does, and what a worker tells its siblings before the other is up is lost."""
+
+    def all_listen() -> bool:
+        pids = workers_of(proc.pid)
+        return len(pids) == workers and all(listening(pid, port) for pid in pids)
+
+    await eventually(all_listen, timeout=deadline_s, what=f"{workers} workers listening")
 
 
 @dataclass
