@@ -209,16 +209,6 @@ class Ledger:
             or (work.priority == priority and tenant not in work.tenants and min(map(rank, work.tenants)) > standing)
         )
 
-    def owed_a_turn(self, tenant: str) -> bool:
-        """Whether `tenant`'s one request in flight comes from a tenant served less than every
-        other with requests in flight: a chat beside a flood, never the flood, and never a burst
-        (each request but the only one waits its turn in the queue)."""
-        account = self._accounts.get(tenant)
-        if account is None or account.active != 1:
-            return False
-        others = [other.encoder_v for name, other in self._accounts.items() if other.active and name != tenant]
-        return bool(others) and account.encoder_v < min(others)
-
     def lead(self, tenant: str) -> tuple[float, float]:
         """How far `tenant` (as if active now) is ahead of the least-served active tenant."""
         account = self._accounts.get(tenant)

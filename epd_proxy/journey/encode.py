@@ -26,7 +26,7 @@ from epd_proxy.fleet.stalls import laggards, progressed_elsewhere
 from epd_proxy.journey.coalesce import Coalescer, Resend, Work
 from epd_proxy.journey.extract import MediaItem
 from epd_proxy.journey.plan import EncoderGroup
-from epd_proxy.journey.reuse import failed_holding_media, sooner_on_consumer, swamped
+from epd_proxy.journey.reuse import failed_holding_media
 from epd_proxy.journey.subrequest import (
     FORWARDED_FIELDS,
     Dumps,
@@ -117,22 +117,6 @@ class EncodeStep:
             trace.affinity_hits += hits
             self.metrics.affinity_hits.inc(hits)
         return assignment
-
-    def consumer_first(self, items: Sequence[MediaItem], trace: Trace, priority: int, swamped_after_s: float) -> bool:
-        """Whether the consumer is to encode `items` itself: every encoder is queued past
-        `swamped_after_s` (the last resort), or they are the one request of a tenant served less
-        than every other in flight and would wait only for a sub-request already running, longer
-        than they take (reuse.sooner_on_consumer): a chat's image beside a flood is not held up by
-        the flood's quantum, which nothing can overtake."""
-        encoders = self.live()
-        now = self.clock()
-        if swamped(self.lanes, encoders, swamped_after_s, now):
-            return True
-        fairness = self.lanes.fairness
-        if fairness is None or trace.tenant is None or not fairness.owed_a_turn(trace.tenant):
-            return False
-        cost = sum(item.cost for item in items)
-        return sooner_on_consumer(self.lanes, encoders, cost, now, fairness.behind(trace.tenant, priority))
 
     async def run(
         self,

@@ -44,6 +44,7 @@ from epd_proxy.journey.reuse import (
     conversation_key,
     plan_encode,
     raw_modalities,
+    swamped,
 )
 from epd_proxy.journey.route import ClientBody, Route, choose
 from epd_proxy.journey.subrequest import EncodeOptions
@@ -393,9 +394,8 @@ class Pipeline:
         last_resort = False
         # Media an encoder failed on an earlier attempt never go raw.
         if raw and self.consumer_encode and job.items and trace.media_failed_on is None:
-            assert job.body is not None  # released only once decode commits
-            fresh, priority = [item for item in job.items if item.index not in held], request_priority(job.body)
-            last_resort = self.encode.consumer_first(fresh, trace, priority, self.consumer_encode_after_s)
+            encoders = self.candidates(ENCODE)
+            last_resort = swamped(self.encode.lanes, encoders, self.consumer_encode_after_s, self.encode.clock())
         return plan_encode(job.items, held=held, raw=raw, last_resort=last_resort)
 
     async def _encode_items(

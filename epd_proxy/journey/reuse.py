@@ -46,7 +46,6 @@ import orjson
 from epd_proxy.calls.upstream import NoAnswer
 from epd_proxy.errors import ProxyError
 from epd_proxy.fleet.backends import Instance
-from epd_proxy.fleet.fairness import Behind
 from epd_proxy.fleet.lanes import Lanes
 from epd_proxy.journey.doors import Conversation
 from epd_proxy.journey.extract import MediaItem, with_parts_replaced
@@ -71,27 +70,6 @@ def conversation_key(model: Any, conversation: Conversation, items: Sequence[Med
 def swamped(lanes: Lanes, encoders: Sequence[Instance], bound_s: float, now: float) -> bool:
     """No encoder, or every one's backlog (`Lane.backlog_s`, what /metrics shows) beyond `bound_s`."""
     return all(backlog > bound_s for backlog in lanes.backlogs([lanes.of(e) for e in encoders], now))
-
-
-def sooner_on_consumer(lanes: Lanes, encoders: Sequence[Instance], cost: float, now: float, behind: Behind) -> bool:
-    """Whether media costing `cost` image-equivalents are done sooner by the consumer: on every
-    encoder no queued group goes before them (`behind`: they wait only for what runs there), and
-    what runs there ends later than their own encode would take. A request that waits behind
-    queued work, its own tenant's included, is never sooner elsewhere: the queue is what shares
-    the encoders fairly, and only the sub-request already running cannot be overtaken."""
-    if not encoders:
-        return False
-    chosen = [lanes.of(encoder) for encoder in encoders]
-    fixed, per_item = lanes.costs(chosen, now)
-    for lane, fixed_s, item_s in zip(chosen, fixed, per_item):
-        wait = lane.backlog_s(now, fixed_s, item_s, behind)
-        if wait <= fixed_s + item_s * cost or wait > lane.backlog_s(now, fixed_s, item_s, _every_group):
-            return False
-    return True
-
-
-def _every_group(work: Any) -> bool:
-    return True
 
 
 def raw_modalities(items: Sequence[MediaItem], refused: Collection[str]) -> frozenset[str]:

@@ -148,8 +148,7 @@ class Metrics:
         )
         self.consumer_encoded = Counter(
             "epd_items_consumer_encoded",
-            "Media items sent raw for the consumer to encode: no encoder in rotation, all queued past the bound, or "
-            "(--tenants) a less-served tenant's that would wait for a running sub-request longer than they take; "
+            "Media items sent raw for the consumer to encode: no encoder in rotation, or all queued past the bound; "
             "counted once per request, for the attempt whose answer went to the client",
             registry=r,
         )

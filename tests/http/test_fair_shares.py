@@ -134,31 +134,6 @@ async def test_a_tenants_turn_at_the_encoder_carries_none_of_another_tenants_ima
     assert CONTENDED_GROUP_ITEMS in [n for name, n in sent.items() if name.startswith("shared-")], sent
 
 
-async def test_a_chats_image_that_would_wait_for_a_floods_running_quantum_is_encoded_by_the_pd(make_stack, tmp_path):
-    path = tmp_path / "tenants.toml"
-    path.write_text(TENANTS)
-    stack = await make_stack(encoders=1, tenants_file=str(path))
-    encoder = stack.encoders[0]
-    encoder.faults.delay_s = 1.0
-    assert (await answer(stack, "a", "warm"))[0] == 200  # the encoder's speed, measured
-    # Nobody beside it: b's image goes to the encoder.
-    assert (await answer(stack, "b", "b-alone"))[0] == 200
-    assert sent_order(stack) == ["warm", "b-alone"] and stack.pd.encoded_locally == 0
-    # a's two images run on the encoder as one quantum: about 1.7 s by the measured speed, b's
-    # own image 1 s. b is served less than a, and nothing queued goes before it.
-    headers = {"Authorization": "Bearer a-key", "x-request-id": "a-pair"}
-    pair = asyncio.create_task(stack.chat(chat(image("a-0"), image("a-1")), headers=headers))
-    await eventually(lambda: len(encoder.requests) == 3, what="a's two images on the encoder")
-    status, _, reply = await answer(stack, "b", "b-beside")
-    assert status == 200, reply
-    assert stack.pd.encoded_locally == 1, "the PD encoded b's image itself"
-    async with await pair as resp:
-        assert resp.status == 200, await resp.text()
-    assert sent_order(stack) == ["warm", "b-alone", "a-pair"]
-    async with stack.client.get(stack.url + "/status.json") as resp:
-        assert (await resp.json())["totals"]["items_consumer_encoded"] == 1
-
-
 async def sub_request_sizes(stack, tenant: str, name: str, images: int) -> list[int]:
     """The images in each sub-request one request `name` of `tenant` with `images` images made."""
     before = len(stack.encoders[0].requests)

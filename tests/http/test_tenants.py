@@ -337,9 +337,7 @@ def test_a_bad_tenants_file_at_start_is_a_usage_error(tmp_path):
 
 async def test_an_isolated_tenants_media_never_share_an_encoder_sub_request(make_stack, tmp_path):
     text = TENANTS + f"\n[tenants.solo]\nisolated = true\nsalt = '{'5' * 64}'\nkey_sha256 = ['{digest('solo-key')}']\n"
-    # Without the consumer encoding: solo's first image, owed a turn beside the default tenant's
-    # running sub-requests, would go to the PD (reuse.sooner_on_consumer); this is about the queue.
-    stack = await make_stack(encoders=1, tenants_file=tenants_file(tmp_path, text), consumer_encode=False)
+    stack = await make_stack(encoders=1, tenants_file=tenants_file(tmp_path, text))
     fake = stack.encoders[0]
     fake.faults.delay_s = 0.6
     async with await stack.chat(chat(image("warm-up"))) as resp:

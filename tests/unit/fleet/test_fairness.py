@@ -61,27 +61,6 @@ def test_a_tenant_back_from_idle_starts_just_under_the_active_floor_and_banks_no
     assert ledger.lead("b") == pytest.approx((0.0, 0.0))
 
 
-def test_a_turn_is_owed_to_the_one_request_of_the_least_served_tenant_beside_others_in_flight():
-    ledger = Ledger()
-    ledger.began("flood", 1.0)
-    ledger.charge_encoder("flood", 5.0)
-    assert not ledger.owed_a_turn("flood"), "alone: nobody to be owed a turn beside"
-    ledger.began("chat", 1.0)
-    assert ledger.owed_a_turn("chat") and not ledger.owed_a_turn("flood")
-    # The flood with nothing beside it in flight: a chat client pausing is not a competitor.
-    ledger.ended("chat", 0.0)
-    assert not ledger.owed_a_turn("flood") and not ledger.owed_a_turn("chat")
-    # A burst: the second request in flight waits its turn.
-    ledger.began("chat", 1.0)
-    ledger.began("chat", 1.0)
-    assert not ledger.owed_a_turn("chat")
-    ledger.ended("chat", 0.0)
-    # Served as much as the flood: no longer owed anything.
-    ledger.charge_encoder("chat", 5.0)
-    assert not ledger.owed_a_turn("chat")
-    assert not ledger.owed_a_turn("nobody")
-
-
 def test_a_tenant_alone_is_never_over_its_share_however_much_it_is_served():
     ledger = Ledger()
     ledger.began("a", 1.0)

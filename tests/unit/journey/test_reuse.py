@@ -11,7 +11,6 @@ import pytest
 from epd_proxy.calls.upstream import CONNECT_TIMEOUT, HEADERS_TIMEOUT, POOL_TIMEOUT, REFUSED, RESET, NoAnswer
 from epd_proxy.errors import ProxyError
 from epd_proxy.fleet.backends import DECODE, ENCODE, PREFILL, PREFILL_DECODE, Instance
-from epd_proxy.fleet.fairness import Ledger
 from epd_proxy.fleet.lanes import Lanes
 from epd_proxy.fleet.routing import PrefixAffinity, RoundRobin
 from epd_proxy.journey.doors import CHAT, chat_conversation
@@ -27,11 +26,9 @@ from epd_proxy.journey.reuse import (
     failed_holding_media,
     plan_encode,
     raw_modalities,
-    sooner_on_consumer,
     swamped,
 )
 from tests.media import agent_messages, agent_responses, audio, chat, conversation, image, video
-from tests.unit.fleet.test_lanes import W
 from tests.unit.journey.test_pipeline import E1, E2, KV, PD, STREAM, D, Journey, P, failed_with, json_reply
 from tests.unit.scripted_upstream import Reply
 
@@ -219,35 +216,6 @@ def test_an_encoder_is_swamped_when_its_backlog_passes_the_bound():
     alone = Lanes()
     alone.of(hung).started(1, 0.0)
     assert not swamped(alone, [hung], 2.0, 1.0) and swamped(alone, [hung], 2.0, 2.5)
-
-
-def test_media_are_sooner_on_the_consumer_only_when_they_wait_for_a_running_sub_request_alone():
-    # Two encoders each run one of a's 2-image sub-requests and hold a's queued groups; b has been
-    # served less, so a's queued groups are all behind b's request.
-    lanes = Lanes()
-    encoders = [Instance(f"http://e{n}", ENCODE) for n in range(2)]
-    for encoder in encoders:
-        lane = lanes.of(encoder)
-        lane.speed.item_s, lane.speed.fixed_s = 0.05, 0.0175
-        lane.started(2, now=0.0)
-        for n in range(3):
-            lane.queued(W(b"k", 2, f"a{n}", tenant="a"))
-    ledger = Ledger()
-    ledger.began("a", 0.0)
-    ledger.charge_encoder("a", 5.0)
-    # b's image: 67.5 ms of its own against 117.5 ms of what runs on either encoder.
-    assert sooner_on_consumer(lanes, encoders, 1.0, 0.0, ledger.behind("b"))
-    # a's own queued groups go before a's next request: it waits in the queue, as everyone.
-    assert not sooner_on_consumer(lanes, encoders, 1.0, 0.0, ledger.behind("a"))
-    # Two images of b's (117.5 ms) take as long as the running sub-requests: the encoders.
-    assert not sooner_on_consumer(lanes, encoders, 2.0, 0.0, ledger.behind("b"))
-    # 60 ms into the running sub-requests what is left of them is shorter than b's encode.
-    assert not sooner_on_consumer(lanes, encoders, 1.0, 0.06, ledger.behind("b"))
-    # An encoder with nothing running starts b's image at once.
-    idle = Instance("http://idle", ENCODE)
-    lanes.of(idle).speed.item_s, lanes.of(idle).speed.fixed_s = 0.05, 0.0175
-    assert not sooner_on_consumer(lanes, [*encoders, idle], 1.0, 0.0, ledger.behind("b"))
-    assert not sooner_on_consumer(lanes, [], 1.0, 0.0, ledger.behind("b"))
 
 
 # -- prefix affinity --------------------------------------------------------------------------------
