@@ -255,6 +255,7 @@ async def serve(request: web.Request, door: Door) -> web.StreamResponse:
         trace.error = exc
         if isinstance(exc, TurnedAway):
             state.metrics.shed.labels(trace.tenant or DEFAULT, exc.reason).inc()
+            state.metrics.shed_answer.labels(exc.reason).observe(time.perf_counter() - trace.started)
         return error_response(exc, rid.value, door)
     except asyncio.CancelledError:
         status = 499

@@ -191,6 +191,13 @@ class Metrics:
             ["tenant", "reason"],
             registry=r,
         )
+        self.shed_answer = Histogram(
+            "epd_shed_answer_seconds",
+            "Seconds from a request's handler start to its answer when turned away at arrival, by reason",
+            ["reason"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.tenant_requests = Counter(
             "epd_tenant_requests",
             "Requests by tenant (--tenants: the configured names only) and final HTTP status",

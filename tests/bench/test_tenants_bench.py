@@ -44,6 +44,9 @@ def test_quick_tenants_bench_reports_per_tenant_figures_and_sheds(tmp_path: Path
     assert flood["encoder_share_from"] == "proxy counters"
     counted = sum(n for key, n in flood["proxy_shed"].items() if key.startswith("flood/"))
     assert counted >= sum(shed["count"] for shed in sheds)
+    # The proxy's own clock on each of those answers, by its histogram.
+    assert flood["proxy_shed_answers"]["count"] == counted
+    assert "sheds answered within 50 ms" in run.stdout
     assert arm["interactive_ttft_p99_ratio"] > 0
     assert "| epd-proxy | flood | flood |" in run.stdout
 

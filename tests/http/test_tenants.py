@@ -213,7 +213,10 @@ async def test_the_max_inflight_503_says_when_to_retry_from_the_backlog(make_sta
         assert resp.status == 503 and 15 <= int(resp.headers["Retry-After"]) <= 21
     async with await slow as resp:
         assert resp.status == 200
-    assert 'epd_requests_shed_total{reason="inflight",tenant="default"} 1.0' in await stack.metrics()
+    metrics = await stack.metrics()
+    assert 'epd_requests_shed_total{reason="inflight",tenant="default"} 1.0' in metrics
+    # How long the proxy took to answer it, by its own clock.
+    assert 'epd_shed_answer_seconds_count{reason="inflight"} 1.0' in metrics
 
 
 async def _post_messages(stack, headers):

@@ -91,7 +91,8 @@ def fake_capacity_rps(args: FakeBenchOptions, speeds: list[float]) -> float:
 def metrics_of(base_url: str) -> dict[str, dict[str, float]]:
     """The proxy's per-tenant counters now: {metric: {"tenant/label": value}}; {} without /metrics.
     Besides the request and shed counters, any `epd_tenant_*` counter of encoder seconds or tokens
-    (fair queueing's), which the report prefers to its own estimate."""
+    (fair queueing's), which the report prefers to its own estimate, and the buckets of the time
+    the proxy took to answer a shed ({"reason/le": count})."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
@@ -101,6 +102,10 @@ def metrics_of(base_url: str) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
+            if sample.name == tenant_report.SHED_ANSWER_BUCKETS:
+                key = f"{sample.labels['reason']}/{sample.labels['le']}"
+                out.setdefault(sample.name, {})[key] = sample.value
+                continue
             tenant = sample.labels.get("tenant")
             if tenant is None or not sample.name.endswith("_total"):
                 continue

@@ -124,6 +124,29 @@ def _counters(metrics: list[dict[str, dict[str, float]]], name: str) -> dict[str
     return out
 
 
+# The proxy's own histogram of the time to a shed's answer (epd_proxy/ops/metrics.py).
+SHED_ANSWER_BUCKETS = "epd_shed_answer_seconds_bucket"
+# The issue's promise: every shed answered within this long of arrival.
+SHED_PROMISE_S = 0.05
+
+
+def shed_answers(buckets: dict[str, float]) -> dict[str, float] | None:
+    """The proxy's own time to its shed answers, from its histogram's cumulative buckets
+    ({"reason/le": count}, summed over blocks): how many, the share answered within
+    SHED_PROMISE_S, and the bucket bound the p99 falls within. None when nothing was shed."""
+    by_bound: dict[float, float] = {}
+    for key, count in buckets.items():
+        bound = float(key.rsplit("/", 1)[1])
+        by_bound[bound] = by_bound.get(bound, 0.0) + count
+    total = by_bound.get(float("inf"), 0.0)
+    if not total:
+        return None
+    bounds = sorted(by_bound)
+    within = max((by_bound[b] for b in bounds if b <= SHED_PROMISE_S), default=0.0)
+    p99 = next(b for b in bounds if by_bound[b] >= 0.99 * total)
+    return {"count": total, "within_promise": within / total, "p99_within_s": p99}
+
+
 def goodput_images_per_s(blocks: list[dict[str, Any]], plan) -> float:
     """Images of the requests answered whole, without error, between the warm-up and the end of
     sending, per second of that window: what the fleet got done for its tenants. A request answered
@@ -162,6 +185,7 @@ def arm_kind(blocks: list[dict[str, Any]], plan) -> dict[str, Any]:
         if tok_counted
         else ("the answers' usage" if usage else "estimated from images (64 tokens each) and answers"),
         "proxy_shed": _counters(metrics, "epd_requests_shed_total"),
+        "proxy_shed_answers": shed_answers(_counters(metrics, SHED_ANSWER_BUCKETS)),
         "proxy_requests": _counters(metrics, "epd_tenant_requests_total"),
         "engines": _engine_means([b["engines"] for b in blocks if b.get("engines")]),
     }
@@ -313,6 +337,13 @@ def table(result: dict[str, Any]) -> str:
             text = ", ".join(f"{k} {v:g}" for k, v in sorted(counted.items()) if v)
             shed_lines.append(
                 f"- {arm['name']}: `epd_requests_shed_total` (tenant/reason, whole flood blocks) {text or 0}"
+            )
+        answers = arm["blocks"].get("flood", {}).get("proxy_shed_answers")
+        if answers:
+            shed_lines.append(
+                f"- {arm['name']}: by the proxy's clock (`epd_shed_answer_seconds`, from its handler's start), "
+                f"{100 * answers['within_promise']:.1f}% of {answers['count']:g} sheds answered within "
+                f"{1000 * SHED_PROMISE_S:g} ms, the p99 within {1000 * answers['p99_within_s']:g} ms"
             )
     if shed_lines:
         lines += ["", *shed_lines]

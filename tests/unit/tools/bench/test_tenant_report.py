@@ -55,3 +55,16 @@ def test_fake_blocks_have_no_engine_table():
     result = tenant_report.build([arm], PLAN, tenant_load.new_tenants(1000), mode="fake engines")
     assert result["arms"][0]["blocks"]["flood"]["engines"] == {}
     assert "engines' own counters" not in result["table_md"]
+
+
+def test_the_proxys_own_time_to_a_shed_answer_is_read_from_its_buckets_over_every_reason():
+    buckets = {
+        **{f"share/{le}": n for le, n in (("0.01", 90.0), ("0.05", 97.0), ("0.1", 99.0), ("+Inf", 100.0))},
+        **{f"deadline/{le}": n for le, n in (("0.01", 0.0), ("0.05", 0.0), ("0.1", 0.0), ("+Inf", 100.0))},
+    }
+    answers = tenant_report.shed_answers(buckets)
+    assert answers == {"count": 200.0, "within_promise": 97 / 200, "p99_within_s": float("inf")}
+    share_only = tenant_report.shed_answers({k: v for k, v in buckets.items() if k.startswith("share/")})
+    assert share_only == {"count": 100.0, "within_promise": 0.97, "p99_within_s": 0.1}
+    assert tenant_report.shed_answers({}) is None
+    assert tenant_report.shed_answers({"share/+Inf": 0.0}) is None
