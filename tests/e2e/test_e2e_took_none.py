@@ -29,6 +29,7 @@ from epd_proxy.calls.sse import Verdict, output_tokens
 from epd_proxy.journey.doors import CHAT
 from epd_proxy.journey.messages_api import MESSAGES
 from epd_proxy.journey.responses_api import RESPONSES
+from epd_proxy_tools.local.tiny_model import SPECIAL_IDS
 from epd_proxy_tools.testing.fake_vllm import QUEUE_OVERFLOW
 from epd_proxy_tools.testing.polling import eventually_sync
 
@@ -217,19 +218,46 @@ def test_vllm_answers_a_request_aborted_partway_as_the_doors_judge_it(two_pd_sta
         assert door.judge(raw) is verdict, raw
 
 
+# The tiny vision model's end-of-sequence token (its config's eos_token_id).
+END_OF_SEQUENCE = SPECIAL_IDS["<|im_end|>"]
+
+
 def test_vllm_answers_it_finished_are_judged_finished(two_pd_stack):
     """The judges' other side on real answers, each way vLLM ends a request here: at the
-    end-of-sequence token (this prompt's greedy answer ends after about a hundred tokens) and at
-    the budget. A false "aborted" would send a finished request again."""
+    end-of-sequence token, at a stop token or string, and at the budget. A false "aborted" would
+    send a finished request again. The seeded tiny model's greedy answer reaches its end-of-sequence
+    token on some CPUs and not on others (their kernels round differently; on one it ran past 1,900
+    tokens), so each ending is made certain: the end-of-sequence token as the only one allowed, and
+    a stop token and string taken from the answer's own start."""
     pd = two_pd_stack.consumer_urls[0]
     prompt = "Count to one thousand."
     ask = [{"role": "user", "content": prompt}]
+    start = json.loads(
+        post_raw(
+            pd,
+            CHAT.path,
+            {"model": MODEL, "temperature": 0, "messages": ask, "max_tokens": 32, "return_token_ids": True},
+        )
+    )["choices"][0]
+    # The answer's fourth token, and its first printable ASCII character (a byte of a character
+    # split over tokens could read differently once the rest follows): the answer stops there.
+    stop_token = start["token_ids"][3]
+    stop_text = next(c for c in start["message"]["content"] if c.isascii() and c.isprintable())
     cases = [
-        (CHAT, {"messages": ask, "max_tokens": 400}, ("finish_reason", "stop")),
+        (CHAT, {"messages": ask, "max_tokens": 400, "allowed_token_ids": [END_OF_SEQUENCE]}, ("finish_reason", "stop")),
+        (CHAT, {"messages": ask, "max_tokens": 400, "stop_token_ids": [stop_token]}, ("finish_reason", "stop")),
         (CHAT, {"messages": ask, "max_tokens": 8}, ("finish_reason", "length")),
-        (MESSAGES, {"messages": ask, "max_tokens": 400}, ("stop_reason", "end_turn")),
+        (
+            MESSAGES,
+            {"messages": ask, "max_tokens": 400, "stop_sequences": [stop_text]},
+            ("stop_reason", "stop_sequence"),
+        ),
         (MESSAGES, {"messages": ask, "max_tokens": 8}, ("stop_reason", "max_tokens")),
-        (RESPONSES, {"input": prompt, "max_output_tokens": 400}, ("status", "completed")),
+        (
+            RESPONSES,
+            {"input": prompt, "max_output_tokens": 400, "stop_token_ids": [stop_token]},
+            ("status", "completed"),
+        ),
         (RESPONSES, {"input": prompt, "max_output_tokens": 8}, ("status", "incomplete")),
     ]
     for door, body, (field, ending) in cases:
