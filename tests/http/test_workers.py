@@ -12,7 +12,7 @@ import aiohttp
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from epd_proxy_tools.testing.harness import listening, serve_command, serve_process, workers_of
+from epd_proxy_tools.testing.harness import every_worker_listens, listening, serve_command, serve_process, workers_of
 from epd_proxy_tools.testing.polling import eventually
 from tests.http.test_slow_clients import read_until_closed
 from tests.media import chat, image
@@ -236,8 +236,7 @@ async def test_a_killed_workers_connections_stop_counting_before_the_supervisor_
     limit = 8
     async with serve_process("--workers", "2", "--max-client-connections", str(limit)) as served:
         parent, port = served.proc.pid, served.port
-        first = await eventually(lambda: len(workers_of(parent)) == 2 and workers_of(parent), what="two workers")
-        await eventually(lambda: all(listening(pid, port) for pid in first), timeout=DEADLINE_S, what="both listen")
+        first = await every_worker_listens(served.proc, port, 2, DEADLINE_S)
         held = [await held_connection(port) for _ in range(limit)]
         victim = max(first, key=lambda pid: established(pid, port))
         (survivor,) = first - {victim}

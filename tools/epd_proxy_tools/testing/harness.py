@@ -274,15 +274,16 @@ def listening(pid: int, port: int) -> bool:
     return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in connections)
 
 
-async def every_worker_listens(proc: subprocess.Popen, port: int, workers: int, deadline_s: float = 30.0) -> None:
-    """Wait until `proc` has `workers` workers and each listens on `port`: /health answers once
-    one of them does, and what a worker tells its siblings before the other is up is lost."""
+async def every_worker_listens(proc: subprocess.Popen, port: int, workers: int, deadline_s: float = 30.0) -> set[int]:
+    """Wait until `proc` has `workers` workers and each listens on `port`, and return their pids:
+    /health answers once one of them does, and what a worker tells its siblings before the other
+    is up is lost."""
 
-    def all_listen() -> bool:
+    def all_listen() -> set[int] | None:
         pids = workers_of(proc.pid)
-        return len(pids) == workers and all(listening(pid, port) for pid in pids)
+        return pids if len(pids) == workers and all(listening(pid, port) for pid in pids) else None
 
-    await eventually(all_listen, timeout=deadline_s, what=f"{workers} workers listening")
+    return await eventually(all_listen, timeout=deadline_s, what=f"{workers} workers listening")
 
 
 @dataclass
