@@ -31,7 +31,7 @@ asks of it against its own part of the encoders (the kernel spreads requests eve
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 # How far a tenant's weighted encoder-seconds may lead the least-served active tenant's before it
@@ -79,8 +79,9 @@ def _lifted(counter: float, floor: float) -> float:
 
 # Told of each charge: tenant, encoder seconds, computed prompt tokens, output tokens.
 OnCharge = Callable[[str, float, int, int], None]
-# Whether a queued group goes after a given request (Ledger.behind).
-Behind = Callable[[Any], bool]
+# Which of one encoder's queued groups (in queue order) a given request goes ahead of, from that
+# encoder's seconds per sub-request and per image-equivalent (Ledger.behind).
+Behind = Callable[[Iterable[Any], float, float], list[Any]]
 
 
 class Account:
@@ -196,18 +197,55 @@ class Ledger:
         return account.tokens_v if account is not None else 0.0
 
     def behind(self, tenant: str, priority: int = 0) -> Behind:
-        """Which queued groups a new request of `tenant` at `priority` goes ahead of, in the encoder
-        queue's order: those of a worse priority, and within its own, other tenants' that have been
-        served more than it (as if it were active now, so lifted to just under the floor)."""
-        account = self._accounts.get(tenant)
+        """Which queued groups a new request of `tenant` at `priority` goes ahead of, in the order
+        the encoder queue serves them: those of a worse priority, and within its own, other tenants'
+        groups that the queue reaches only after the request. The queue serves the least-served
+        tenant next and charges each group as it is sent, so a tenant's queued groups stand at its
+        counter plus what its groups before them cost (start-time fair queueing's tags): one served
+        a little less than the request's tenant goes first with only that little, not with its
+        whole queue. The request stands at its tenant's counter (as if active now, so lifted to
+        just under the floor) plus its tenant's own groups queued before it; a tie goes to the
+        group queued first."""
+        accounts, rank = self._accounts, self.rank
+        account = accounts.get(tenant)
         floor = self._floor()
         own = account.encoder_v if account is not None else 0.0
         standing = own if floor is None or (account is not None and account.active) else _lifted(own, floor[0])
-        rank = self.rank
-        return lambda work: (
-            work.priority > priority
-            or (work.priority == priority and tenant not in work.tenants and min(map(rank, work.tenants)) > standing)
-        )
+        own_weight = account.weight if account is not None else 1.0
+
+        def weight(name: str | None) -> float:
+            other = accounts.get(name) if name is not None else None
+            return other.weight if other is not None else 1.0
+
+        def later(waiting: Iterable[Any], fixed_s: float, item_s: float) -> list[Any]:
+            queue = list(waiting)
+            mine = standing + sum(
+                (fixed_s + item_s * work.cost) / own_weight
+                for work in queue
+                if work.priority <= priority and tenant in work.tenants
+            )
+            # Each other tenant's count once its groups walked so far are sent.
+            tags: dict[str | None, float] = {}
+
+            def tag(name: str | None) -> float:
+                return tags.get(name, rank(name))
+
+            after = []
+            for work in queue:
+                if work.priority > priority:
+                    after.append(work)
+                    continue
+                if tenant in work.tenants:
+                    continue
+                # A group several tenants wait for goes at the best of their places (sharing.py).
+                turn = min(work.tenants, key=tag, default=None)
+                at = tag(turn)
+                tags[turn] = at + (fixed_s + item_s * work.cost) / weight(turn)
+                if work.priority == priority and at > mine:
+                    after.append(work)
+            return after
+
+        return later
 
     def lead(self, tenant: str) -> tuple[float, float]:
         """How far `tenant` (as if active now) is ahead of the least-served active tenant."""

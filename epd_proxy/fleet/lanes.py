@@ -246,7 +246,7 @@ class Lane:
 
     def queued_s(self, fixed_s: float, item_s: float, behind: Behind) -> float:
         """The part of `backlog_s` queued here, not yet sent, whose groups are `behind` (a request)."""
-        later = [work for work in self.work.waiting if behind(work)]
+        later = behind(self.work.waiting, fixed_s, item_s)
         return fixed_s * len(later) + item_s * sum(work.cost for work in later)
 
     def patience(self, cost: float, now: float) -> float:

@@ -291,6 +291,28 @@ async def test_past_its_deadline_the_tenant_over_its_share_gets_the_429_and_the_
     assert 'reason="deadline"' not in metrics
 
 
+async def test_a_tenant_served_a_little_less_puts_only_that_little_of_its_queue_ahead_of_anothers_deadline(
+    make_stack, tmp_path
+):
+    stack = await tenant_stack(make_stack, tmp_path)
+    ledger = stack.state.lanes.fairness
+    ledger.began("b", 2.0)
+    for n in range(3):
+        assert (await answer(stack, "a", f"warm{n}"))[0] == 200
+    flooded = await flood(stack, "a", 8)
+    # b has been served a little more than a: a's next two groups go first (each raises a's count
+    # by about SLOW_S), then b's, then a's other four. Counting a's whole queue ahead of b would
+    # predict b past its deadline and turn it away.
+    ledger.charge_encoder("b", 2.0 * (ledger.rank("a") - ledger.rank("b") + 0.7))
+    status, _, body = await answer(stack, "b", "b0", deadline_ms=2800)
+    assert status == 200, body
+    assert [result[0] for result in await asyncio.gather(*flooded)] == [200] * 8
+    order = sent_order(stack)
+    assert order.index("b0") < order.index("a5"), order
+    ledger.ended("b", time.perf_counter())
+    assert "epd_requests_shed_total{" not in await stack.metrics()
+
+
 async def test_an_isolated_tenants_flood_waits_its_turn_too_and_shares_with_no_one(make_stack, tmp_path):
     # Isolation keeps a tenant's media out of others' sub-requests, not out of the queue: sent at
     # once, its flood would take the encoder from everyone.

@@ -20,11 +20,17 @@ from epd_proxy.fleet.fairness import (
     SLACK_S,
     SLACK_TOKENS,
     WITHIN,
+    Behind,
     Ledger,
 )
 from epd_proxy.fleet.lanes import BUSY_INFLIGHT, Lane, Lanes
 from epd_proxy.fleet.sharing import take_batch
 from tests.unit.fleet.test_lanes import W
+
+
+def goes_after(behind: Behind, work: W) -> bool:
+    """Whether a request goes ahead of `work` queued alone on an encoder (one second an item)."""
+    return work in behind([work], 0.0, 1.0)
 
 
 def test_work_is_counted_against_the_weight_and_totals_stay_raw():
@@ -165,9 +171,15 @@ def test_a_request_goes_ahead_of_worse_priorities_and_after_better_ones_whoever_
         ledger.charge_encoder(tenant, seconds)
     ledger.ended("b", 0.0)
     plain, urgent = ledger.behind("b", 0), ledger.behind("b", -1)
-    assert not plain(W(None, 1, tenant="a", priority=-1)), "a's class group goes first, though a was served more"
-    assert plain(W(None, 1, tenant="a", priority=0)) and not plain(W(None, 1, tenant="c", priority=0))
-    assert urgent(W(None, 1, tenant="c", priority=0)), "b's class request passes c's group, though c was served less"
+    assert not goes_after(plain, W(None, 1, tenant="a", priority=-1)), (
+        "a's class group goes first, though a was served more"
+    )
+    assert goes_after(plain, W(None, 1, tenant="a", priority=0)) and not goes_after(
+        plain, W(None, 1, tenant="c", priority=0)
+    )
+    assert goes_after(urgent, W(None, 1, tenant="c", priority=0)), (
+        "b's class request passes c's group, though c was served less"
+    )
 
 
 def test_a_tenant_back_from_idle_goes_before_the_groups_the_tenant_at_the_floor_queued():
@@ -176,7 +188,7 @@ def test_a_tenant_back_from_idle_goes_before_the_groups_the_tenant_at_the_floor_
     ledger.began("a", 1.0)
     ledger.charge_encoder("a", 5.0)
     queued = W(None, 1, "a1", tenant="a")
-    assert ledger.behind("b")(queued), "predicted at arrival: b's group goes ahead of a's"
+    assert goes_after(ledger.behind("b"), queued), "predicted at arrival: b's group goes ahead of a's"
     ledger.began("b", 1.0)
     queue = deque([queued, W(None, 1, "b1", tenant="b")])
     assert take_batch(queue, 8, ledger.rank)[0].name == "b1"
@@ -218,7 +230,8 @@ def test_a_group_another_tenants_request_waits_for_stands_where_that_tenant_stan
     for tenant, seconds in ranks.items():
         ledger.charge_encoder(tenant, seconds)
     goes_after_c = ledger.behind("c")
-    assert goes_after_c(W(None, 1, "a2", tenant="a")) and not goes_after_c(W(None, 1, "a1", tenant="a", riders=("b",)))
+    assert goes_after(goes_after_c, W(None, 1, "a2", tenant="a"))
+    assert not goes_after(goes_after_c, W(None, 1, "a1", tenant="a", riders=("b",)))
 
 
 def test_fairness_never_jumps_a_priority_class():
@@ -292,13 +305,13 @@ def test_a_new_request_goes_ahead_of_groups_of_tenants_served_more_than_its_own(
     ledger.charge_encoder("a", 5.0)
     ledger.charge_encoder("b", 1.0)
     behind_b = ledger.behind("b")
-    assert behind_b(W(None, 1, tenant="a")) and not behind_b(W(None, 1, tenant="b"))
+    assert goes_after(behind_b, W(None, 1, tenant="a")) and not goes_after(behind_b, W(None, 1, tenant="b"))
     behind_a = ledger.behind("a")
-    assert not behind_a(W(None, 1, tenant="a")) and not behind_a(W(None, 1, tenant="b"))
+    assert not goes_after(behind_a, W(None, 1, tenant="a")) and not goes_after(behind_a, W(None, 1, tenant="b"))
     # One idle or never seen stands just under the floor (b's 1.0): ahead of a's groups and of b's,
     # which has been served as much.
     behind_new = ledger.behind("c")
-    assert behind_new(W(None, 1, tenant="a")) and behind_new(W(None, 1, tenant="b"))
+    assert goes_after(behind_new, W(None, 1, tenant="a")) and goes_after(behind_new, W(None, 1, tenant="b"))
 
 
 def test_a_sub_request_carries_a_quantum_while_tenants_compete_and_for_a_while_after():
@@ -328,3 +341,33 @@ def test_a_sub_request_carries_a_quantum_while_tenants_compete_and_for_a_while_a
     assert not ledger.competing(40.0 + CONTENTION_LINGER_S), "only a asked lately"
     assert Lanes().group_cap(8, 0.0) == 8, "without --tenants nothing changes"
     assert Lanes().slots(0.0) == BUSY_INFLIGHT
+
+
+def test_a_tenant_served_a_little_less_goes_first_with_only_that_little_of_its_queue():
+    # Both backlogged: a's long queue is served only until a's counter passes b's, then b's request.
+    ledger = Ledger()
+    ledger.began("a", 1.0)
+    ledger.began("b", 2.0)
+    ledger.charge_encoder("a", 10.0)
+    ledger.charge_encoder("b", 21.0)  # 10.5 weighted
+    lane = Lane("e")
+    queue = [W(None, 1, f"a{n}", tenant="a") for n in range(5)]
+    for work in queue:
+        lane.queued(work)
+    later = ledger.behind("b")(lane.work.waiting, 0.0, 1.0)
+    assert [w.name for w in later] == ["a1", "a2", "a3", "a4"], "a1 takes a to 11.0, past b's 10.5"
+    assert lane.queued_s(0.0, 1.0, ledger.behind("b")) == pytest.approx(4.0)
+    # b's own queued groups go first and raise where its request stands, by their cost over b's weight.
+    lane.queued(W(None, 2, "b1", tenant="b"))
+    later = ledger.behind("b")(lane.work.waiting, 0.5, 1.0)
+    assert [w.name for w in later] == ["a2", "a3", "a4"], "b stands at 10.5 + 2.5 / 2; a's tags 10, 11.5, 13"
+    # Weights: the same seconds raise a tenant of weight 4 a quarter as far (a tie goes to the queued).
+    ledger = Ledger()
+    ledger.began("b", 1.0)
+    ledger.began("c", 4.0)
+    ledger.charge_encoder("b", 10.5)
+    ledger.charge_encoder("c", 4.0 * 10.0)
+    lane = Lane("e")
+    for n in range(5):
+        lane.queued(W(None, 1, f"c{n}", tenant="c"))
+    assert [w.name for w in ledger.behind("b")(lane.work.waiting, 0.0, 1.0)] == ["c3", "c4"]

@@ -187,7 +187,7 @@ def test_a_backlog_without_the_groups_a_request_goes_ahead_of_still_counts_a_hun
     lane.started(1, 0.0)
     for n in range(9):
         lane.queued(W(None, 1, f"a{n}", tenant="a"))
-    ahead_of_all = lambda work: True  # noqa: E731
+    ahead_of_all = lambda waiting, fixed_s, item_s: list(waiting)  # noqa: E731
     assert lane.backlog_s(None, 0.0, 1.0, ahead_of_all) == pytest.approx(1.0), "only what runs is before it"
     # Never measured and silent for 6 s: hung, perhaps, so not idle however much it goes ahead of.
     assert lane.backlog_s(6.0, 0.0, 1.0, ahead_of_all) == pytest.approx(6.0)
