@@ -222,7 +222,7 @@ class ProxyState:
         self.siblings = Siblings.join(os.environ.get(SIBLINGS_ENV))
         if self.siblings is not None:
             held.tell_encoded.append(self.siblings.tell)
-            self.siblings.listen(held.encoded_elsewhere)
+            await self.siblings.listen(held)
         if self.roster is not None:
             counted = self.metrics.replica_names
             self.replicas = ReplicaChannel(

@@ -25,11 +25,23 @@ class Recall(Generic[K, V]):
         self.clock = clock
         self._entries: OrderedDict[K, tuple[float, V]] = OrderedDict()
 
-    def put(self, key: K, value: V) -> None:
-        self._entries[key] = (self.clock(), value)
+    def put(self, key: K, value: V, age_s: float = 0.0) -> None:
+        """Written now, or `age_s` ago (what another process saw then: it ages from then, and an
+        entry written since is kept)."""
+        written = self.clock() - age_s
+        if age_s:
+            entry = self._entries.get(key)
+            if age_s > self.ttl_s or (entry is not None and entry[0] >= written):
+                return
+        self._entries[key] = (written, value)
         self._entries.move_to_end(key)
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
+
+    def ages(self) -> list[tuple[K, float]]:
+        """Each live entry and how long ago it was written, least recently written first."""
+        now = self.clock()
+        return [(key, now - written) for key, (written, _) in self._entries.items() if now - written <= self.ttl_s]
 
     def get(self, key: K) -> V | None:
         entry = self._entries.get(key)

@@ -10,6 +10,12 @@ Each worker binds a Unix datagram socket, named by its pid, in a directory only 
 user can enter (`SIBLINGS_ENV` names it), and sends the names it saw encoded to every other socket
 there. Nothing waits on a sibling: a full or gone socket drops the datagram, which costs at most
 an encode the record would otherwise have spared.
+
+A worker that starts asks the others for their records (`ASK`), and each answers with its names
+and their ages (`REPLAY`): a worker the supervisor put in place of a dead one, or one that bound
+its socket after the others had begun telling (at start, the first worker serves before the
+second listens), would otherwise start without what its siblings saw. The names keep their ages,
+so a name lives no longer for having been replayed.
 """
 
 from __future__ import annotations
@@ -19,17 +25,29 @@ import logging
 import os
 import re
 import socket
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
+from typing import Protocol
 
 log = logging.getLogger("epd_proxy.siblings")
 
 # The environment variable that names the directory of the workers' sockets (set by the supervisor).
 SIBLINGS_ENV = "EPD_PROXY_SIBLINGS_DIR"
-# Names per datagram: 33 bytes each, well under a Unix datagram's default limit.
+# Names per datagram: 33 bytes each (41 with an age), well under a Unix datagram's default limit.
 NAMES_PER_DATAGRAM = 1024
 # held.media_names: 16-byte blake2b digests in hex.
 _NAME = re.compile(rb"[0-9a-f]{32}")
 SUFFIX = ".sock"
+# A starting worker's question, the first line of each datagram of an answer (then lines of
+# "<name> <age in ms>"), and an answer's end.
+ASK = b"epd-proxy siblings: what did you see encoded?"
+REPLAY = b"epd-proxy siblings: seen encoded\n"
+REPLAYED = b"epd-proxy siblings: that is all"
+_AGED = re.compile(rb"^([0-9a-f]{32}) ([0-9]{1,12})$", re.MULTILINE)
+# How long an answer may wait for room in the asking worker's socket before the rest is dropped.
+REPLAY_DEADLINE_S = 5.0
+REPLAY_RETRY_S = 0.01
+# How long a starting worker waits for its siblings' answers before it serves without the rest.
+CATCH_UP_S = 2.0
 
 
 def names_in(data: bytes) -> list[str]:
@@ -37,16 +55,33 @@ def names_in(data: bytes) -> list[str]:
     return [match.decode() for match in _NAME.findall(data)]
 
 
+def aged_names_in(data: bytes) -> list[tuple[str, float]]:
+    """The names and ages (seconds) in a sibling's answer; lines of any other form are skipped."""
+    return [(name.decode(), int(ms) / 1000) for name, ms in _AGED.findall(data)]
+
+
+class Record(Protocol):
+    """What a worker keeps of the media the fleet holds (journey/held.py's HeldMedia)."""
+
+    def encoded_elsewhere(self, names: Iterable[str]) -> None: ...
+    def encoded_earlier(self, aged: Iterable[tuple[str, float]]) -> None: ...
+    def encoded_record(self) -> list[tuple[str, float]]: ...
+
+
 class Siblings:
     """This worker's socket among its siblings'."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, name: str = "") -> None:
         self.directory = directory
-        self.path = os.path.join(directory, f"{os.getpid()}{SUFFIX}")
+        self.path = os.path.join(directory, name or f"{os.getpid()}{SUFFIX}")
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.setblocking(False)
         self._sock.bind(self.path)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._answers: set[asyncio.Task[None]] = set()
+        # The siblings asked whose answers have not ended yet, and the event of the last one ending.
+        self._asked: set[str] = set()
+        self._caught_up = asyncio.Event()
         self.told = self.heard = self.dropped = 0
 
     @classmethod
@@ -60,52 +95,116 @@ class Siblings:
             log.warning("cannot share what this worker sees encoded with the others (%s): each keeps its own", exc)
             return None
 
-    def listen(self, heard: Callable[[list[str]], None]) -> None:
-        """Hand each name a sibling tells to `heard`, from this event loop."""
+    async def listen(self, record: Record, catch_up_s: float = CATCH_UP_S) -> None:
+        """Keep in `record` what the siblings tell and answer their questions from it, from this
+        event loop; ask each of them for theirs and wait, up to `catch_up_s`, for every answer."""
         self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(self._sock.fileno(), self._read, heard)
+        self._loop.add_reader(self._sock.fileno(), self._read, record)
+        self._asked = {path for path in self._peers() if self._send(ASK, path)}
+        if not self._asked:
+            return
+        try:
+            await asyncio.wait_for(self._caught_up.wait(), catch_up_s)
+        except TimeoutError:
+            log.info(
+                "%d sibling(s) had not told all they saw encoded after %.0f s; serving meanwhile",
+                len(self._asked),
+                catch_up_s,
+            )
 
-    def _read(self, heard: Callable[[list[str]], None]) -> None:
+    def _read(self, record: Record) -> None:
         while True:
             try:
-                datagram = self._sock.recv(1 << 16)
+                datagram, sender = self._sock.recvfrom(1 << 16)
             except OSError:  # nothing more to read now (BlockingIOError), or the socket is gone
                 return
-            names = names_in(datagram)
-            if names:
-                self.heard += len(names)
-                heard(names)
+            if datagram == ASK:
+                if isinstance(sender, str) and sender.startswith(self.directory + os.sep):
+                    self._answer(sender, record.encoded_record())
+            elif datagram.startswith(REPLAY):
+                aged = aged_names_in(datagram)
+                self.heard += len(aged)
+                record.encoded_earlier(aged)
+            elif datagram == REPLAYED:
+                self._asked.discard(sender)
+                if not self._asked:
+                    self._caught_up.set()
+            else:
+                names = names_in(datagram)
+                if names:
+                    self.heard += len(names)
+                    record.encoded_elsewhere(names)
+
+    def _answer(self, path: str, aged: list[tuple[str, float]]) -> None:
+        if self._loop is None:
+            return
+        lines = [f"{name} {int(age_s * 1000)}".encode() for name, age_s in aged]
+        task = self._loop.create_task(self._replay(path, lines))
+        self._answers.add(task)
+        task.add_done_callback(self._answers.discard)
+
+    async def _replay(self, path: str, lines: list[bytes]) -> None:
+        """Send the record in datagrams, each waiting for room in the asking worker's socket, which
+        reads them as its event loop turns, up to REPLAY_DEADLINE_S in all."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + REPLAY_DEADLINE_S
+        datagrams = [
+            REPLAY + b"\n".join(lines[at : at + NAMES_PER_DATAGRAM]) for at in range(0, len(lines), NAMES_PER_DATAGRAM)
+        ]
+        for datagram in [*datagrams, REPLAYED]:
+            while True:
+                try:
+                    self._sock.sendto(datagram, path)
+                    self.told += 1
+                    break
+                except (BlockingIOError, InterruptedError):
+                    if loop.time() > give_up:
+                        self.dropped += 1
+                        return
+                    await asyncio.sleep(REPLAY_RETRY_S)
+                except OSError:  # the asking worker is gone
+                    return
+
+    def _peers(self) -> list[str]:
+        """The other workers' sockets now bound in the directory."""
+        try:
+            entries = os.listdir(self.directory)
+        except OSError:
+            return []
+        paths = (os.path.join(self.directory, entry) for entry in entries if entry.endswith(SUFFIX))
+        return [path for path in paths if path != self.path]
+
+    def _send(self, datagram: bytes, path: str) -> bool:
+        try:
+            self._sock.sendto(datagram, path)
+            self.told += 1
+            return True
+        except (BlockingIOError, InterruptedError):
+            self.dropped += 1  # that sibling is behind: it encodes again, nothing worse
+        except (ConnectionRefusedError, FileNotFoundError):
+            # A worker that died: nobody reads its socket any more.
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        except OSError:
+            self.dropped += 1
+        return False
 
     def tell(self, names: Iterable[str]) -> None:
         """Send `names` to every sibling now bound in the directory."""
         batch = list(names)
         if not batch:
             return
-        try:
-            peers = [entry for entry in os.listdir(self.directory) if entry.endswith(SUFFIX)]
-        except OSError:
-            return
+        peers = self._peers()
         for start in range(0, len(batch), NAMES_PER_DATAGRAM):
             datagram = "\n".join(batch[start : start + NAMES_PER_DATAGRAM]).encode()
-            for entry in peers:
-                path = os.path.join(self.directory, entry)
-                if path == self.path:
-                    continue
-                try:
-                    self._sock.sendto(datagram, path)
-                    self.told += 1
-                except (BlockingIOError, InterruptedError):
-                    self.dropped += 1  # that sibling is behind: it encodes again, nothing worse
-                except (ConnectionRefusedError, FileNotFoundError):
-                    # A worker that died: nobody reads its socket any more.
-                    try:
-                        os.unlink(path)
-                    except OSError:
-                        pass
-                except OSError:
-                    self.dropped += 1
+            for path in peers:
+                self._send(datagram, path)
 
     def close(self) -> None:
+        for task in self._answers:
+            task.cancel()
         if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self._sock.fileno())
         self._sock.close()

@@ -165,6 +165,16 @@ class HeldMedia:
         """Names another process saw encoded: the EC store holds them for this one too."""
         self._remember_encoded(names)
 
+    def encoded_earlier(self, aged: Iterable[tuple[str, float]]) -> None:
+        """Names another process saw encoded, each that many seconds ago (its record, replayed to
+        a worker that started after it): they age here from when they were seen."""
+        for name, age_s in aged:
+            self._encoded.put(name, True, age_s)
+
+    def encoded_record(self) -> list[tuple[str, float]]:
+        """The names this process holds as encoded, and how long ago each was seen."""
+        return self._encoded.ages()
+
     def _remember_encoded(self, names: Iterable[str]) -> None:
         for name in names:
             self._encoded.put(name, True)

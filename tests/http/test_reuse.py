@@ -6,6 +6,8 @@ when every encoder is gone."""
 from __future__ import annotations
 
 import logging
+import os
+import signal
 
 import aiohttp
 import orjson
@@ -13,7 +15,7 @@ import pytest
 
 from epd_proxy.fleet.backends import PREFILL_DECODE
 from epd_proxy.journey.extract import normalise_request
-from epd_proxy_tools.testing.harness import Fakes, every_worker_listens, serve_process
+from epd_proxy_tools.testing.harness import Fakes, every_worker_listens, serve_process, workers_of
 from epd_proxy_tools.testing.polling import eventually
 from tests.media import conversation, image
 
@@ -210,3 +212,27 @@ async def test_with_two_workers_every_turn_still_finds_its_conversations_pd_and_
             assert sum(served.encoder.counts.images.values()) == 4 * TURNS
     finally:
         await fakes.close()
+
+
+async def test_a_worker_put_in_place_of_a_dead_one_starts_from_what_its_siblings_saw_encoded():
+    async with serve_process("--workers", "2") as served:
+        first = await every_worker_listens(served.proc, served.port, 2)
+        # A connection per request, so the turns land on either worker.
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as client:
+
+            async def turns(of: range) -> None:
+                for conv in range(4):
+                    for n in of:
+                        async with client.post(f"{served.url}/v1/chat/completions", json=turn_body(conv, n)) as resp:
+                            assert resp.status == 200, await resp.text()
+
+            await turns(range(2))
+            victim = min(first)
+            os.kill(victim, signal.SIGKILL)
+            await eventually(lambda: victim not in workers_of(served.proc.pid), what="the dead worker reaped")
+            now = await every_worker_listens(served.proc, served.port, 2)
+            assert victim not in now
+            # The new worker asked the other for what it saw encoded before it took a connection,
+            # so a turn landing there sends only its own new image to the encoder.
+            await turns(range(2, TURNS))
+        assert sum(served.encoder.counts.images.values()) == 4 * TURNS

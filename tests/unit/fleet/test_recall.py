@@ -30,3 +30,17 @@ def test_an_entry_is_forgotten_once_older_than_its_age_limit_and_reading_does_no
     assert "a" in recall
     clock.now = 10.5
     assert recall.get("a") is None and "a" not in recall and len(recall) == 0
+
+
+def test_an_entry_written_with_an_age_ages_from_then_and_never_replaces_a_newer_one():
+    now = [0.0]
+    recall: Recall[str, int] = Recall(4, 10.0, lambda: now[0])
+    recall.put("seen", 1)
+    now[0] = 5.0
+    recall.put("seen", 2, age_s=8.0)  # seen elsewhere before this process saw it: kept as it was
+    recall.put("old", 3, age_s=7.0)
+    recall.put("too old", 4, age_s=11.0)
+    assert recall.get("seen") == 1 and "too old" not in recall
+    assert recall.ages() == [("seen", 5.0), ("old", 7.0)]
+    now[0] = 8.5
+    assert "old" not in recall and recall.ages() == [("seen", 8.5)]

@@ -2,39 +2,37 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 
+import pytest
+
+from epd_proxy.fleet import siblings
 from epd_proxy.fleet.siblings import Siblings
-from epd_proxy.journey.held import HeldMedia
+from epd_proxy.journey.held import HELD_TTL_S, HeldMedia
 from epd_proxy_tools.testing.polling import eventually
 
 A, B = "a" * 32, "0123456789abcdef" * 2
 
 
-class Other(Siblings):
-    """A second worker in the same directory: another name, as another pid would give it."""
-
-    def __init__(self, directory: str, name: str) -> None:
-        self.directory = directory
-        self.path = os.path.join(directory, name)
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._sock.setblocking(False)
-        self._sock.bind(self.path)
-        self._loop = None
-        self.told = self.heard = self.dropped = 0
-
-
 async def test_what_one_worker_saw_encoded_the_other_holds_and_nothing_else_gets_through(tmp_path):
-    here, there = Siblings(str(tmp_path)), Other(str(tmp_path), "other.sock")
-    record = HeldMedia()
+    here, mine = Siblings(str(tmp_path)), HeldMedia()
+    await here.listen(mine)
+    there = Siblings(str(tmp_path), "other.sock")
     heard: list[list[str]] = []
-    there.listen(lambda names: (heard.append(names), record.encoded_elsewhere(names)))
-    mine = HeldMedia()
+
+    class Heard(HeldMedia):
+        def encoded_elsewhere(self, names):
+            heard.append(list(names))
+            super().encoded_elsewhere(names)
+
+    await there.listen(Heard())
+    assert here.told == 1, "its answer to the other's question: nothing seen yet"
     mine.tell_encoded.append(here.tell)
     mine.encoded(iter([A, B]))
     await eventually(lambda: heard == [[A, B]], what="the sibling heard both names")
-    assert here.told == 1 and there.heard == 2
+    assert here.told == 2 and there.heard == 2
     # Only names of the proxy's own form are taken from a datagram.
     here.tell(["not-a-name", "A" * 32])
     here.tell([A])
@@ -57,3 +55,50 @@ async def test_a_dead_workers_socket_is_cleared_and_a_lone_worker_tells_no_one(t
     here.close()
     assert Siblings.join(None) is None and Siblings.join("") is None
     assert Siblings.join(str(tmp_path / "missing")) is None  # logged: each worker keeps its own record
+
+
+async def test_a_worker_that_starts_later_gets_what_the_others_saw_encoded_and_when(tmp_path):
+    clock = [100.0]
+    early_record = HeldMedia(clock=lambda: clock[0])
+    early = Siblings(str(tmp_path), "early.sock")
+    await early.listen(early_record)
+    early_record.tell_encoded.append(early.tell)
+    early_record.encoded([A])
+    clock[0] += 60.0
+    many = [f"{n:032x}" for n in range(2500)]  # three datagrams
+    early_record.encoded([B, *many])  # told to no one: the late worker is not bound yet
+    late_record = HeldMedia(clock=lambda: clock[0])
+    late = Siblings(str(tmp_path), "late.sock")
+    await late.listen(late_record)
+    assert len(late_record.encoded_record()) == 2502, "the early worker's whole record, before the late one serves"
+    ages = dict(late_record.encoded_record())
+    assert ages[A] == pytest.approx(60.0, abs=0.01) and ages[B] == pytest.approx(0.0, abs=0.01)
+    # Replayed names age from when they were seen, not from the replay.
+    clock[0] += HELD_TTL_S - 30.0
+    assert [name for name, _ in late_record.encoded_record()][:1] == [B]
+    assert A not in dict(late_record.encoded_record())
+    # What a worker tells from now on reaches the late one as before.
+    late_record.tell_encoded.append(late.tell)
+    late_record.encoded(["c" * 32])
+    await eventually(lambda: "c" * 32 in dict(early_record.encoded_record()), what="told back")
+    early.close()
+    late.close()
+
+
+async def test_an_answer_to_a_worker_that_never_reads_gives_up(tmp_path, monkeypatch):
+    monkeypatch.setattr(siblings, "REPLAY_DEADLINE_S", 0.2)
+    record = HeldMedia()
+    record.encoded([f"{n:032x}" for n in range(65536)])
+    here = Siblings(str(tmp_path), "here.sock")
+    await here.listen(record)
+    deaf = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    deaf.bind(str(tmp_path / "deaf.sock"))
+    deaf.sendto(siblings.ASK, here.path)
+    await eventually(lambda: here.dropped == 1, what="the answer given up")
+    assert not here._answers
+    # A worker whose siblings do not answer serves after waiting a while.
+    started = asyncio.get_running_loop().time()
+    await Siblings(str(tmp_path), "new.sock").listen(HeldMedia(), catch_up_s=0.2)
+    assert asyncio.get_running_loop().time() - started < 2.0
+    deaf.close()
+    here.close()

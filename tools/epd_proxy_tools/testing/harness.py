@@ -276,8 +276,8 @@ def listening(pid: int, port: int) -> bool:
 
 async def every_worker_listens(proc: subprocess.Popen, port: int, workers: int, deadline_s: float = 30.0) -> set[int]:
     """Wait until `proc` has `workers` workers and each listens on `port`, and return their pids:
-    /health answers once one of them does, and what a worker tells its siblings before the other
-    is up is lost."""
+    /health answers once one of them does, and until the others listen every connection goes to
+    that one."""
 
     def all_listen() -> set[int] | None:
         pids = workers_of(proc.pid)
