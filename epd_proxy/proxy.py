@@ -265,7 +265,7 @@ class ProxyState:
         """The wait a request of `tenant` whose largest media item costs `largest_item` is
         predicted now (admission.predicted_wait), from the encoders' lanes and the consumers in
         rotation. An encoder not yet measured adds nothing: its speed is a guess. With --tenants,
-        groups queued for tenants served more than its own go after it, so they are left out, and
+        the queued groups fair queueing sends after it are left out (fairness.Ledger.behind), and
         while tenants compete the consumers' windows count what goes before it there."""
         pipeline = self.pipeline
         assert pipeline is not None, "start() builds the pipeline before the server takes requests"

@@ -77,6 +77,21 @@ def _lifted(counter: float, floor: float) -> float:
     return max(counter, math.nextafter(floor, -math.inf))
 
 
+def pay_riders(owed: dict[str, float], cost: float) -> list[tuple[str, float]]:
+    """What each tenant of another request waiting for a group's encodes pays as the group, of
+    `cost` image-equivalents, is sent: what it still owes, up to the cost, taken off `owed`; one
+    paid up is let go, so it lifts that request's later groups no more."""
+    paid = []
+    for tenant, due in list(owed.items()):
+        part = min(due, cost)
+        paid.append((tenant, part))
+        if due > part:
+            owed[tenant] = due - part
+        else:
+            del owed[tenant]
+    return paid
+
+
 # Told of each charge: tenant, encoder seconds, computed prompt tokens, output tokens.
 OnCharge = Callable[[str, float, int, int], None]
 # Which of one encoder's queued groups (in queue order) a given request goes ahead of, from that
@@ -197,53 +212,62 @@ class Ledger:
         return account.tokens_v if account is not None else 0.0
 
     def behind(self, tenant: str, priority: int = 0) -> Behind:
-        """Which queued groups a new request of `tenant` at `priority` goes ahead of, in the order
-        the encoder queue serves them: those of a worse priority, and within its own, other tenants'
-        groups that the queue reaches only after the request. The queue serves the least-served
-        tenant next and charges each group as it is sent, so a tenant's queued groups stand at its
-        counter plus what its groups before them cost (start-time fair queueing's tags): one served
-        a little less than the request's tenant goes first with only that little, not with its
-        whole queue. The request stands at its tenant's counter (as if active now, so lifted to
-        just under the floor) plus its tenant's own groups queued before it; a tie goes to the
-        group queued first."""
+        """Which of one encoder's queued groups a new request of `tenant` at `priority` goes ahead
+        of, in the order the queue serves them (sharing.take_batch): those of a worse priority,
+        and within its own, other tenants' groups the queue reaches only after the request.
+
+        The queue serves the group of the least-served tenant next and charges it as it is sent
+        (journey/coalesce.py): its request's tenant for its whole cost, and each tenant of another
+        request waiting for its encodes for what that one still owes, until paid. So walking the
+        queue in order and charging each group as it would be charged gives each group its place
+        (start-time fair queueing's tags): a tenant served a little less than the request's goes
+        first with only that little of its backlog, not with the whole of it. The request stands
+        at its tenant's count (as if active now, so lifted to just under the floor) plus what its
+        tenant's queued groups will be charged; a tie goes to the group queued first.
+
+        The walk sees one encoder's queue, while a tenant's count rises with what every encoder
+        is sent: a tenant queued on several encoders passes the request's count sooner than one
+        queue shows, so the wait this predicts errs long by up to that factor, never short of
+        what this queue alone would make it."""
         accounts, rank = self._accounts, self.rank
         account = accounts.get(tenant)
         floor = self._floor()
         own = account.encoder_v if account is not None else 0.0
         standing = own if floor is None or (account is not None and account.active) else _lifted(own, floor[0])
-        own_weight = account.weight if account is not None else 1.0
 
-        def weight(name: str | None) -> float:
-            other = accounts.get(name) if name is not None else None
+        def weight(name: str) -> float:
+            other = accounts.get(name)
             return other.weight if other is not None else 1.0
 
         def later(waiting: Iterable[Any], fixed_s: float, item_s: float) -> list[Any]:
-            queue = list(waiting)
-            mine = standing + sum(
-                (fixed_s + item_s * work.cost) / own_weight
-                for work in queue
-                if work.priority <= priority and tenant in work.tenants
-            )
-            # Each other tenant's count once its groups walked so far are sent.
-            tags: dict[str | None, float] = {}
-
-            def tag(name: str | None) -> float:
-                return tags.get(name, rank(name))
-
-            after = []
-            for work in queue:
+            # Each tenant's count as the queue is walked, and what each request's riders still owe.
+            tags: dict[str, float] = {tenant: standing}
+            owing: dict[int, dict[str, float]] = {}
+            places: list[tuple[Any, float]] = []
+            for work in waiting:
                 if work.priority > priority:
-                    after.append(work)
+                    places.append((work, math.inf))
                     continue
-                if tenant in work.tenants:
-                    continue
-                # A group several tenants wait for goes at the best of their places (sharing.py).
-                turn = min(work.tenants, key=tag, default=None)
-                at = tag(turn)
-                tags[turn] = at + (fixed_s + item_s * work.cost) / weight(turn)
-                if work.priority == priority and at > mine:
-                    after.append(work)
-            return after
+                owner, owed = work.tenant, work.owed
+                cost = work.cost
+                if owner is None:  # never charged (Lanes.charge), so it stays where it stands
+                    at = rank(None)
+                else:
+                    at = tags.setdefault(owner, rank(owner))
+                    tags[owner] = at + (fixed_s + item_s * cost) / weight(owner)
+                rides = False
+                if owed:
+                    left = owing.setdefault(id(owed), dict(owed))
+                    rides = tenant in left
+                    for rider, paid in pay_riders(left, cost):
+                        rider_at = tags.setdefault(rider, rank(rider))
+                        at = min(at, rider_at)
+                        tags[rider] = rider_at + (fixed_s + item_s * paid) / weight(rider)
+                ahead = work.priority < priority or owner == tenant or rides
+                places.append((work, -math.inf if ahead else at))
+            # What the request's tenant is charged for its own queued groups comes before it.
+            mine = tags[tenant]
+            return [work for work, at in places if at > mine]
 
         return later
 

@@ -25,11 +25,11 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 from epd_proxy.fleet.backends import Instance
 from epd_proxy.fleet.fairness import CONTENDED_GROUP_ITEMS, CONTENDED_INFLIGHT, Behind, Ledger
-from epd_proxy.fleet.sharing import Sharing, take_batch
+from epd_proxy.fleet.sharing import Queued, Sharing, take_batch
 from epd_proxy.fleet.speed import PRIOR_FIXED_RATIO, Speed
 
 # Sub-requests of ours in flight at which an encoder is busy (`Lanes.slots`): one is ready as one ends.
@@ -41,28 +41,6 @@ SUSPECT_HOLD_S = 5.0
 PATIENCE_FLOOR_S = 0.02
 # Encoders that left, remembered so a call still finishing there does not bring a lane back.
 DEPARTED_ENTRIES = 4096
-
-
-class Queued(Protocol):
-    """What the scheduler reads of a group waiting for a sub-request."""
-
-    @property
-    def key(self) -> bytes | None: ...
-    # Items (what batch caps count) and their cost in image-equivalents (what time follows).
-    @property
-    def size(self) -> int: ...
-    @property
-    def cost(self) -> float: ...
-
-    # vLLM's `priority`: lower values first, then arrival order (with --tenants, the least-served
-    # tenant's first within a priority: fairness.py).
-    priority: int
-
-    @property
-    def tenant(self) -> str | None: ...
-
-    def move(self) -> None:
-        """Its encoder went: it must go elsewhere at once."""
 
 
 class Outstanding:

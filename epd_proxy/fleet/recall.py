@@ -39,7 +39,9 @@ class Recall(Generic[K, V]):
             self._entries.popitem(last=False)
 
     def ages(self) -> list[tuple[K, float]]:
-        """Each live entry and how long ago it was written, least recently written first."""
+        """Each live entry and how long ago it was written, in the order they were put here (an
+        entry put with an age stands where it was put, which is also where `capacity` pushes it
+        out from)."""
         now = self.clock()
         return [(key, now - written) for key, (written, _) in self._entries.items() if now - written <= self.ttl_s]
 

@@ -1,5 +1,6 @@
 """How much one encoder's queued groups may share a sub-request, and which of them go together.
 Pure: the lane (lanes.py) asks it on the caller's clock, coalesce.py reports how shares fared.
+What the scheduler reads of a queued group is `Queued`.
 
 - **The share limit**: items a coalesced sub-request may hold. A refused or unsplittable shared
   answer that the split retry pins on no member (each went through alone) is the share's fault:
@@ -14,8 +15,8 @@ Pure: the lane (lanes.py) asks it on the caller's clock, coalesce.py reports how
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 from epd_proxy.fleet.speed import Speed
 
@@ -33,6 +34,33 @@ PAUSE_MAX_S = 30.0
 # A shared sub-request holds at most what the encoder does in this share of the encode timeout,
 # so that behind the one ahead of it in flight it still ends well within each member's own budget.
 SHARE_OF_TIMEOUT = 1 / 3
+
+
+class Queued(Protocol):
+    """What the scheduler reads of a group waiting for a sub-request."""
+
+    @property
+    def key(self) -> bytes | None: ...
+    # Items (what batch caps count) and their cost in image-equivalents (what time follows).
+    @property
+    def size(self) -> int: ...
+    @property
+    def cost(self) -> float: ...
+
+    # vLLM's `priority`: lower values first, then arrival order (with --tenants, the least-served
+    # tenant's first within a priority: fairness.py).
+    priority: int
+
+    @property
+    def tenant(self) -> str | None: ...
+
+    # The tenants of other requests that wait for its encodes, and the image-equivalents each
+    # still owes (journey/coalesce.py charges them as groups are sent, and lets go once paid).
+    @property
+    def owed(self) -> Mapping[str, float]: ...
+
+    def move(self) -> None:
+        """Its encoder went: it must go elsewhere at once."""
 
 
 class Sharing:

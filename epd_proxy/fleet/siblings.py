@@ -8,19 +8,23 @@ name one worker saw encoded is as good for the others.
 
 Each worker binds a Unix datagram socket, named by its pid, in a directory only the supervisor's
 user can enter (`SIBLINGS_ENV` names it), and sends the names it saw encoded to every other socket
-there. Nothing waits on a sibling: a full or gone socket drops the datagram, which costs at most
-an encode the record would otherwise have spared.
+there. Nothing waits on a sibling to be told: a full or gone socket drops the datagram, which
+costs at most an encode the record would otherwise have spared.
 
 A worker that starts asks the others for their records (`ASK`), and each answers with its names
 and their ages (`REPLAY`): a worker the supervisor put in place of a dead one, or one that bound
 its socket after the others had begun telling (at start, the first worker serves before the
 second listens), would otherwise start without what its siblings saw. The names keep their ages,
-so a name lives no longer for having been replayed.
+so a name lives no longer for having been replayed. Siblings tell each other every name, so
+their records are alike: the starting worker waits (up to CATCH_UP_S) for the first whole answer
+only. An answer goes from a socket of its own, so a slow reader's queue never holds up what the
+answering worker tells the others.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import re
@@ -79,8 +83,7 @@ class Siblings:
         self._sock.bind(self.path)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._answers: set[asyncio.Task[None]] = set()
-        # The siblings asked whose answers have not ended yet, and the event of the last one ending.
-        self._asked: set[str] = set()
+        # Set when the first whole answer to this worker's question has come.
         self._caught_up = asyncio.Event()
         self.told = self.heard = self.dropped = 0
 
@@ -100,17 +103,13 @@ class Siblings:
         event loop; ask each of them for theirs and wait, up to `catch_up_s`, for every answer."""
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self._sock.fileno(), self._read, record)
-        self._asked = {path for path in self._peers() if self._send(ASK, path)}
-        if not self._asked:
+        asked = sum(self._send(ASK, path) for path in self._peers())
+        if not asked:
             return
         try:
             await asyncio.wait_for(self._caught_up.wait(), catch_up_s)
         except TimeoutError:
-            log.info(
-                "%d sibling(s) had not told all they saw encoded after %.0f s; serving meanwhile",
-                len(self._asked),
-                catch_up_s,
-            )
+            log.info("no sibling had told all it saw encoded after %.0f s; serving meanwhile", catch_up_s)
 
     def _read(self, record: Record) -> None:
         while True:
@@ -126,9 +125,7 @@ class Siblings:
                 self.heard += len(aged)
                 record.encoded_earlier(aged)
             elif datagram == REPLAYED:
-                self._asked.discard(sender)
-                if not self._asked:
-                    self._caught_up.set()
+                self._caught_up.set()
             else:
                 names = names_in(datagram)
                 if names:
@@ -138,32 +135,40 @@ class Siblings:
     def _answer(self, path: str, aged: list[tuple[str, float]]) -> None:
         if self._loop is None:
             return
-        lines = [f"{name} {int(age_s * 1000)}".encode() for name, age_s in aged]
-        task = self._loop.create_task(self._replay(path, lines))
+        task = self._loop.create_task(self._replay(path, aged))
         self._answers.add(task)
         task.add_done_callback(self._answers.discard)
 
-    async def _replay(self, path: str, lines: list[bytes]) -> None:
-        """Send the record in datagrams, each waiting for room in the asking worker's socket, which
-        reads them as its event loop turns, up to REPLAY_DEADLINE_S in all."""
+    async def _replay(self, path: str, aged: list[tuple[str, float]]) -> None:
+        """Send the record in datagrams from a socket of its own, each waiting for room in the
+        asking worker's socket (which reads them as its event loop turns) and each made between
+        turns of this worker's loop, up to REPLAY_DEADLINE_S in all; closing that socket then
+        frees what the asking worker never read."""
         loop = asyncio.get_running_loop()
         give_up = loop.time() + REPLAY_DEADLINE_S
-        datagrams = [
-            REPLAY + b"\n".join(lines[at : at + NAMES_PER_DATAGRAM]) for at in range(0, len(lines), NAMES_PER_DATAGRAM)
-        ]
-        for datagram in [*datagrams, REPLAYED]:
-            while True:
-                try:
-                    self._sock.sendto(datagram, path)
-                    self.told += 1
-                    break
-                except (BlockingIOError, InterruptedError):
-                    if loop.time() > give_up:
-                        self.dropped += 1
-                        return
-                    await asyncio.sleep(REPLAY_RETRY_S)
-                except OSError:  # the asking worker is gone
-                    return
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as answering:
+            answering.setblocking(False)
+            for at in range(0, len(aged) + 1, NAMES_PER_DATAGRAM):
+                chunk = aged[at : at + NAMES_PER_DATAGRAM]
+                datagram = REPLAY + "\n".join(f"{name} {int(age_s * 1000)}" for name, age_s in chunk).encode()
+                for message in (datagram, REPLAYED) if at + NAMES_PER_DATAGRAM > len(aged) else (datagram,):
+                    while True:
+                        try:
+                            answering.sendto(message, path)
+                            self.told += 1
+                            break
+                        except (BlockingIOError, InterruptedError):
+                            if loop.time() > give_up:
+                                self.dropped += 1
+                                return
+                            await asyncio.sleep(REPLAY_RETRY_S)
+                        except OSError as exc:
+                            if exc.errno == errno.ENOBUFS and loop.time() <= give_up:
+                                await asyncio.sleep(REPLAY_RETRY_S)
+                                continue
+                            log.debug("answering a sibling: %s", exc)  # it went, most likely
+                            return
+                await asyncio.sleep(0)
 
     def _peers(self) -> list[str]:
         """The other workers' sockets now bound in the directory."""

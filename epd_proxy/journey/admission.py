@@ -40,8 +40,8 @@ class Encoder:
     backlog_s: float
     fixed_s: float
     item_s: float
-    # The part of backlog_s queued in the proxy that fair queueing sends after this request: groups
-    # of tenants served more than its own (fleet/fairness.py).
+    # The part of backlog_s queued in the proxy that fair queueing sends after this request
+    # (fleet/fairness.py, Ledger.behind).
     behind_s: float = 0.0
 
 

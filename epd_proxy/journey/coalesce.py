@@ -19,6 +19,7 @@ import orjson
 from epd_proxy.calls.upstream import Payload
 from epd_proxy.errors import ProxyError
 from epd_proxy.fleet.backends import Instance
+from epd_proxy.fleet.fairness import pay_riders
 from epd_proxy.fleet.lanes import Lane, Lanes
 from epd_proxy.journey.extract import MediaItem
 from epd_proxy.journey.match import split_params
@@ -120,6 +121,10 @@ class Work:
         return self.trace.tenant
 
     @property
+    def owed(self) -> dict[str, float]:
+        return self.trace.riders
+
+    @property
     def tenants(self) -> tuple[str | None, ...]:
         """Whose turn in the queue it is: its request's tenant and those waiting for its encodes."""
         return (self.trace.tenant, *self.trace.riders) if self.trace.riders else (self.trace.tenant,)
@@ -208,14 +213,8 @@ class Coalescer:
 
     def _charge_riders(self, lane: Lane, work: Work, members: int) -> None:
         """Each tenant `work` stood for pays for the items it waits for, once; paid up, it lifts no more."""
-        riders = work.trace.riders
-        for tenant, owed in list(riders.items()):
-            paid = min(owed, work.cost)
+        for tenant, paid in pay_riders(work.trace.riders, work.cost):
             self.lanes.charge(lane, tenant, paid, members)
-            if owed > paid:
-                riders[tenant] = owed - paid
-            else:
-                del riders[tenant]
 
     @staticmethod
     def _batch(works: list[Work]) -> Batch:

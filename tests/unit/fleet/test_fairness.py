@@ -355,7 +355,7 @@ def test_a_tenant_served_a_little_less_goes_first_with_only_that_little_of_its_q
     for work in queue:
         lane.queued(work)
     later = ledger.behind("b")(lane.work.waiting, 0.0, 1.0)
-    assert [w.name for w in later] == ["a1", "a2", "a3", "a4"], "a1 takes a to 11.0, past b's 10.5"
+    assert [w.name for w in later] == ["a1", "a2", "a3", "a4"], "a0 takes a to 11.0, past b's 10.5"
     assert lane.queued_s(0.0, 1.0, ledger.behind("b")) == pytest.approx(4.0)
     # b's own queued groups go first and raise where its request stands, by their cost over b's weight.
     lane.queued(W(None, 2, "b1", tenant="b"))
@@ -371,3 +371,28 @@ def test_a_tenant_served_a_little_less_goes_first_with_only_that_little_of_its_q
     for n in range(5):
         lane.queued(W(None, 1, f"c{n}", tenant="c"))
     assert [w.name for w in ledger.behind("b")(lane.work.waiting, 0.0, 1.0)] == ["c3", "c4"]
+
+
+def test_a_group_another_request_waits_for_lifts_that_request_only_until_it_has_paid():
+    # a's request X has four 1-image groups queued; b's request waits for X's first image, owing 1.
+    ledger = Ledger()
+    served = {"a": 5.0, "b": 1.0, "c": 3.0}
+    for tenant in served:
+        ledger.began(tenant, 1.0)
+    for tenant, seconds in served.items():
+        ledger.charge_encoder(tenant, seconds)
+    owed = {"b": 1.0}
+
+    class OfX(W):
+        @property
+        def owed(self) -> dict[str, float]:
+            return owed
+
+    x = [OfX(None, 1, f"x{n}", tenant="a", riders=("b",)) for n in range(4)]
+    queue = [*x, W(None, 1, "c1", tenant="c")]
+    # x0 goes at b's place (1) and b pays its image; x1-x3 then stand at a's count (6, 7, 8), after
+    # c's new request, which stands at c's 3 plus its own queued group.
+    assert [w.name for w in ledger.behind("c")(queue, 0.0, 1.0)] == ["x1", "x2", "x3"]
+    # b's own new request stands after what b pays for x0 (1 + 1), ahead of c's group (3).
+    assert [w.name for w in ledger.behind("b")(queue, 0.0, 1.0)] == ["x1", "x2", "x3", "c1"]
+    assert owed == {"b": 1.0}, "the walk leaves the request's debts as they are"

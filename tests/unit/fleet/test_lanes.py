@@ -87,6 +87,10 @@ class W:
         return (self.tenant, *self.riders)
 
     @property
+    def owed(self) -> dict[str, float]:
+        return dict.fromkeys(self.riders, float(self.size))
+
+    @property
     def cost(self) -> float:
         return float(self.size)
 
