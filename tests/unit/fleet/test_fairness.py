@@ -33,6 +33,16 @@ def goes_after(behind: Behind, work: W) -> bool:
     return work in behind([work], 0.0, 1.0)
 
 
+def served_alike(served: dict[str, float]) -> Ledger:
+    """Tenants of weight 1, all active (none lifted by another's count), served these seconds."""
+    ledger = Ledger()
+    for tenant in served:
+        ledger.began(tenant, 1.0)
+    for tenant, seconds in served.items():
+        ledger.charge_encoder(tenant, seconds)
+    return ledger
+
+
 def test_work_is_counted_against_the_weight_and_totals_stay_raw():
     ledger = Ledger()
     ledger.began("a", 1.0)
@@ -163,12 +173,7 @@ def test_a_turn_taken_for_a_rider_carries_the_groups_the_rider_waits_for_not_the
 
 
 def test_a_request_goes_ahead_of_worse_priorities_and_after_better_ones_whoever_was_served():
-    ledger = Ledger()
-    served = {"a": 5.0, "b": 3.0, "c": 1.0}
-    for tenant in served:
-        ledger.began(tenant, 1.0)
-    for tenant, seconds in served.items():
-        ledger.charge_encoder(tenant, seconds)
+    ledger = served_alike({"a": 5.0, "b": 3.0, "c": 1.0})
     ledger.ended("b", 0.0)
     plain, urgent = ledger.behind("b", 0), ledger.behind("b", -1)
     assert not goes_after(plain, W(None, 1, tenant="a", priority=-1)), (
@@ -224,11 +229,7 @@ def test_a_group_another_tenants_request_waits_for_stands_where_that_tenant_stan
     ranks = {"a": 5.0, "b": 1.0, "c": 3.0}
     queue = deque([W(None, 1, "c1", tenant="c"), W(None, 1, "a1", tenant="a", riders=("b",))])
     assert take_batch(queue, 8, ranks.__getitem__)[0].name == "a1", "b waits for a1: b's standing, ahead of c"
-    ledger = Ledger()
-    for tenant in ranks:
-        ledger.began(tenant, 1.0)
-    for tenant, seconds in ranks.items():
-        ledger.charge_encoder(tenant, seconds)
+    ledger = served_alike(ranks)
     goes_after_c = ledger.behind("c")
     assert goes_after(goes_after_c, W(None, 1, "a2", tenant="a"))
     assert not goes_after(goes_after_c, W(None, 1, "a1", tenant="a", riders=("b",)))
@@ -375,12 +376,7 @@ def test_a_tenant_served_a_little_less_goes_first_with_only_that_little_of_its_q
 
 def test_a_group_another_request_waits_for_lifts_that_request_only_until_it_has_paid():
     # a's request X has four 1-image groups queued; b's request waits for X's first image, owing 1.
-    ledger = Ledger()
-    served = {"a": 5.0, "b": 1.0, "c": 3.0}
-    for tenant in served:
-        ledger.began(tenant, 1.0)
-    for tenant, seconds in served.items():
-        ledger.charge_encoder(tenant, seconds)
+    ledger = served_alike({"a": 5.0, "b": 1.0, "c": 3.0})
     owed = {"b": 1.0}
 
     class OfX(W):
