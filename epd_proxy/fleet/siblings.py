@@ -100,7 +100,8 @@ class Siblings:
 
     async def listen(self, record: Record, catch_up_s: float = CATCH_UP_S) -> None:
         """Keep in `record` what the siblings tell and answer their questions from it, from this
-        event loop; ask each of them for theirs and wait, up to `catch_up_s`, for every answer."""
+        event loop; ask each of them for theirs and wait, up to `catch_up_s`, for the first whole
+        answer."""
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self._sock.fileno(), self._read, record)
         asked = sum(self._send(ASK, path) for path in self._peers())
@@ -140,35 +141,39 @@ class Siblings:
         task.add_done_callback(self._answers.discard)
 
     async def _replay(self, path: str, aged: list[tuple[str, float]]) -> None:
-        """Send the record in datagrams from a socket of its own, each waiting for room in the
-        asking worker's socket (which reads them as its event loop turns) and each made between
-        turns of this worker's loop, up to REPLAY_DEADLINE_S in all; closing that socket then
+        """Send the record in datagrams from a socket of its own, each made between turns of this
+        worker's loop, then its end, up to REPLAY_DEADLINE_S in all; closing that socket then
         frees what the asking worker never read."""
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + REPLAY_DEADLINE_S
+        give_up = asyncio.get_running_loop().time() + REPLAY_DEADLINE_S
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as answering:
             answering.setblocking(False)
-            for at in range(0, len(aged) + 1, NAMES_PER_DATAGRAM):
+            for at in range(0, len(aged), NAMES_PER_DATAGRAM):
                 chunk = aged[at : at + NAMES_PER_DATAGRAM]
-                datagram = REPLAY + "\n".join(f"{name} {int(age_s * 1000)}" for name, age_s in chunk).encode()
-                for message in (datagram, REPLAYED) if at + NAMES_PER_DATAGRAM > len(aged) else (datagram,):
-                    while True:
-                        try:
-                            answering.sendto(message, path)
-                            self.told += 1
-                            break
-                        except (BlockingIOError, InterruptedError):
-                            if loop.time() > give_up:
-                                self.dropped += 1
-                                return
-                            await asyncio.sleep(REPLAY_RETRY_S)
-                        except OSError as exc:
-                            if exc.errno == errno.ENOBUFS and loop.time() <= give_up:
-                                await asyncio.sleep(REPLAY_RETRY_S)
-                                continue
-                            log.debug("answering a sibling: %s", exc)  # it went, most likely
-                            return
+                lines = "\n".join(f"{name} {int(age_s * 1000)}" for name, age_s in chunk)
+                if not await self._deliver(answering, REPLAY + lines.encode(), path, give_up):
+                    return
+            await self._deliver(answering, REPLAYED, path, give_up)
+
+    async def _deliver(self, sock: socket.socket, datagram: bytes, path: str, give_up: float) -> bool:
+        """Send one datagram of an answer, waiting for room in the asking worker's socket (which
+        reads as its event loop turns) until `give_up`; False when it was not sent."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock.sendto(datagram, path)
+                self.told += 1
                 await asyncio.sleep(0)
+                return True
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError as exc:
+                if exc.errno != errno.ENOBUFS:
+                    log.debug("answering a sibling: %s", exc)  # it went, most likely
+                    return False
+            if loop.time() > give_up:
+                self.dropped += 1
+                return False
+            await asyncio.sleep(REPLAY_RETRY_S)
 
     def _peers(self) -> list[str]:
         """The other workers' sockets now bound in the directory."""

@@ -266,14 +266,19 @@ async def test_a_request_that_would_wait_past_its_deadline_for_a_consumer_window
     ]
 
 
-async def test_past_its_deadline_the_tenant_over_its_share_gets_the_429_and_the_other_is_served(make_stack, tmp_path):
+async def a_floods_while_b_is_active(make_stack, tmp_path):
+    """A request of b's runs all along (on the consumer, say), so b is active and has used no
+    encoder; a warms the encoder's speed up, then floods eight requests (six queued)."""
     stack = await tenant_stack(make_stack, tmp_path)
-    ledger = stack.state.lanes.fairness
-    # A request of b's runs all along (on the consumer, say): b is active and has used no encoder.
-    ledger.began("b", 2.0)
+    stack.state.lanes.fairness.began("b", 2.0)
     for n in range(3):
         assert (await answer(stack, "a", f"warm{n}"))[0] == 200
-    flooded = await flood(stack, "a", 8)
+    return stack, await flood(stack, "a", 8)
+
+
+async def test_past_its_deadline_the_tenant_over_its_share_gets_the_429_and_the_other_is_served(make_stack, tmp_path):
+    stack, flooded = await a_floods_while_b_is_active(make_stack, tmp_path)
+    ledger = stack.state.lanes.fairness
     await eventually(lambda: ledger.share("a") == OVER, what="a over its share")
     # The fleet is past a 1 s deadline: a's request is the one turned away, with 429.
     status, retry_after, body = await answer(stack, "a", "late", deadline_ms=1000)
@@ -294,12 +299,8 @@ async def test_past_its_deadline_the_tenant_over_its_share_gets_the_429_and_the_
 async def test_a_tenant_served_a_little_less_puts_only_that_little_of_its_queue_ahead_of_anothers_deadline(
     make_stack, tmp_path
 ):
-    stack = await tenant_stack(make_stack, tmp_path)
+    stack, flooded = await a_floods_while_b_is_active(make_stack, tmp_path)
     ledger = stack.state.lanes.fairness
-    ledger.began("b", 2.0)
-    for n in range(3):
-        assert (await answer(stack, "a", f"warm{n}"))[0] == 200
-    flooded = await flood(stack, "a", 8)
     # b has been served a little more than a: a's next two groups go first (each raises a's count
     # by about SLOW_S), then b's, then a's other four. Counting a's whole queue ahead of b would
     # predict b past its deadline and turn it away.
