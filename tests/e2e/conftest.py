@@ -5,6 +5,8 @@
   (KV handed from prefill to decode through a folder, vLLM's ExampleConnector).
 - ``audio_stack``: E+PD on the tiny Qwen2-Audio model, 1 encoder + PD + a baseline + the proxy.
 - ``two_pd_stack``: 2 encoders + 2 PDs + a baseline + the proxy, for conversations placed by prefix.
+- ``mooncake_stack``: E+PD with 2 encoders pushing their output to PD over Mooncake (TCP).
+- ``nixl_stack``: E+P+D with 2 encoders (folder store), decode pulling prefill's KV over NIXL.
 
 The baseline is a plain vLLM instance with no EC or KV role, started from the
 same model folder and flags, so a correct proxy must reproduce its answers exactly.
@@ -32,15 +34,25 @@ from epd_proxy_tools.local.stack import LocalStack, StackConfig
 from epd_proxy_tools.local.supervisor import find_free_port_block, http_ok
 from epd_proxy_tools.testing.otlp_receiver import Receiver
 
-from .e2e_helpers import AUDIO, BUSY_AT, EPD, PREFILL, TWO_PDS, comparable
+from .e2e_helpers import AUDIO, BUSY_AT, EPD, MOONCAKE, NIXL, PREFILL, TWO_PDS, comparable
 
 REPO = Path(__file__).resolve().parents[2]
 WORK = Path(os.environ.get("EPD_E2E_WORK_DIR", REPO / "work" / "e2e-stack"))
 
 
 # The order the stacks are started in; tests that need none run first.
-STACK_ORDER = {EPD: 1, PREFILL: 2, AUDIO: 3, TWO_PDS: 4}
-STACK_FIXTURES = {"stack": EPD, "prefill_stack": PREFILL, "audio_stack": AUDIO, "two_pd_stack": TWO_PDS}
+STACK_ORDER = {EPD: 1, PREFILL: 2, AUDIO: 3, TWO_PDS: 4, MOONCAKE: 5, NIXL: 6}
+STACK_FIXTURES = {
+    "stack": EPD,
+    "prefill_stack": PREFILL,
+    "audio_stack": AUDIO,
+    "two_pd_stack": TWO_PDS,
+    "mooncake_stack": MOONCAKE,
+    "nixl_stack": NIXL,
+}
+# A Mooncake consumer gives up on a push it waits for after this (`push_wait_timeout_s`, 60 s by
+# default): the control that waits it out on purpose costs no more.
+PUSH_WAIT_S = 20
 
 
 def pytest_collection_modifyitems(items):
@@ -72,17 +84,31 @@ def stack_config(kind: str) -> StackConfig:
     # Encoders, PD or prefill + decode, the baseline, then the proxy right after them.
     encoders = 1 if kind == AUDIO else 2
     consumers = 2 if kind == TWO_PDS else 1
-    servers = encoders + consumers + (2 if kind == PREFILL else 1)
+    split = kind in (PREFILL, NIXL)
+    servers = encoders + consumers + (2 if split else 1)
     base = find_free_port_block(servers + 1, start=int(os.environ.get("EPD_E2E_BASE_PORT", "18200")))
     # Each PD, prefill and decode publishes its KV events on two ports, bound on every interface.
-    publishers = consumers + (1 if kind == PREFILL else 0)
+    publishers = consumers + (1 if split else 0)
     kv_events_port = find_free_port_block(2 * publishers, host="0.0.0.0", start=base + 100)
-    suffix = {EPD: "", PREFILL: "-prefill", AUDIO: "-audio", TWO_PDS: "-two-pds"}[kind]
+    # Each engine's Mooncake control port or NIXL side channel, also bound on every interface.
+    transfer_port = find_free_port_block(encoders + consumers + 1, host="0.0.0.0", start=base + 200)
+    suffix = {
+        EPD: "",
+        PREFILL: "-prefill",
+        AUDIO: "-audio",
+        TWO_PDS: "-two-pds",
+        MOONCAKE: "-mooncake",
+        NIXL: "-nixl",
+    }[kind]
     return StackConfig(
         encoders=encoders,
         consumers=consumers,
         baseline=True,
-        prefill=kind == PREFILL,
+        prefill=split,
+        ec_connector="mooncake" if kind == MOONCAKE else "example",
+        kv_connector="nixl" if kind == NIXL else "example",
+        transfer_port=transfer_port,
+        mooncake_push_wait_s=PUSH_WAIT_S,
         model_kind="audio" if kind == AUDIO else "image",
         work_dir=WORK.with_name(WORK.name + suffix),
         base_port=base,
@@ -91,7 +117,7 @@ def stack_config(kind: str) -> StackConfig:
         health_timeout=float(os.environ.get("EPD_E2E_HEALTH_TIMEOUT", "600")),
         # PD's DEBUG log is the only place that says it loaded an embedding
         # from the store instead of running its own encoder.
-        pd_debug_log=kind in (EPD, AUDIO, TWO_PDS),
+        pd_debug_log=kind in (EPD, AUDIO, TWO_PDS, MOONCAKE, NIXL),
         # Pin the spread so 5 images over 2 encoders are exactly 2 sub-requests.
         proxy_args=["--encode-policy", "round_robin", "--log-level", "DEBUG"],
         # The render endpoints the proxy's exact matching asks (test_e2e_render.py); they only add routes.
@@ -176,10 +202,20 @@ def two_pd_stack(_stacks) -> LocalStack:
     return _stacks.get(TWO_PDS)
 
 
+@pytest.fixture
+def mooncake_stack(_stacks) -> LocalStack:
+    return _stacks.get(MOONCAKE)
+
+
+@pytest.fixture
+def nixl_stack(_stacks) -> LocalStack:
+    return _stacks.get(NIXL)
+
+
 @pytest.fixture(autouse=True)
 def _pd_alive(request):
     """Bring PD back if an earlier test (a negative control) killed it."""
-    name = next((n for n in ("stack", "audio_stack") if n in request.fixturenames), None)
+    name = next((n for n in ("stack", "audio_stack", "mooncake_stack") if n in request.fixturenames), None)
     if name is None:
         yield
         return

@@ -25,6 +25,8 @@ from epd_proxy_tools.testing.polling import eventually_sync
 MODEL = "tiny-vlm"
 # The topologies the tests run, as the fidelity table names them.
 EPD, PREFILL, AUDIO, TWO_PDS = "E+PD", "E+P+D", "E+PD audio", "E+2PD"
+# The production transports: encoder output pushed over Mooncake (TCP), KV pulled over NIXL (UCX).
+MOONCAKE, NIXL = "E+PD Mooncake", "E+P+D NIXL"
 # The two-PD stack's PDs refuse a request while this many are unfinished (--max-num-queued-reqs).
 BUSY_AT = 2
 # Byte-level tokenizer of the tiny model: byte b has token id b.
@@ -294,3 +296,18 @@ def zero_safetensors(path: Path) -> None:
     start = 8 + header_len
     raw[start:] = bytes(len(raw) - start)
     path.write_bytes(raw)
+
+
+def push_waits(consumer_log: Path) -> int:
+    """How many pushes a Mooncake consumer waited out (`push_wait_timeout_s`) and gave up on: the
+    warning `ECMooncakeScheduler` logs for each (`mooncake/scheduler.py`)."""
+    return consumer_log.read_text(errors="replace").count("that never arrived")
+
+
+def prompt_sources(base_url: str) -> dict[str, float]:
+    """Where an engine's prompt tokens came from, so far: `local_compute`, `local_cache_hit`,
+    `external_kv_transfer` (vLLM's `prompt_tokens_by_source` counter)."""
+    name = "vllm:prompt_tokens_by_source_total"
+    return {
+        s: metric_total(base_url, name, source=s) for s in ("local_compute", "local_cache_hit", "external_kv_transfer")
+    }

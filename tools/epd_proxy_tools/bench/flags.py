@@ -338,6 +338,8 @@ class RealBenchOptions(TenantLoadOptions):
         shown="the last PD (prefill with `--prefill`)",
     )
     vllm_args: tuple[str, ...] = _stack_option("extra_vllm_args")
+    ec_connector: str = _stack_option("ec_connector")
+    kv_connector: str = _stack_option("kv_connector")
     stack_dir: Path = option(
         Path("work/bench-stack"), Folder(), "the stack's work folder", flag="--stack-dir", group=LOCAL_STACK
     )

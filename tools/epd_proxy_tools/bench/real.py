@@ -152,6 +152,8 @@ class RealBench:
                 max_model_len=a.max_model_len,
                 render=a.render,
                 extra_vllm_args=a.vllm_args,
+                ec_connector=a.ec_connector,
+                kv_connector=a.kv_connector,
             )
             self.stack = LocalStack(config, progress_stream=sys.stderr)
             self.stack.start(tty=False)
@@ -245,6 +247,9 @@ class RealBench:
         cmd += ["--decode-servers-urls", ",".join(self.urls(DECODE) or self.urls(PD))]
         if self.urls(PREFILL):
             cmd += ["--prefill-servers-urls", ",".join(self.urls(PREFILL))]
+        if self.stack is not None and (zmq := self.stack.ec_consumer_zmq_addrs()):
+            # Mooncake: where the encoders push for each PD, as every arm (the reference too) is told.
+            cmd += ["--ec-consumer-zmq-addrs", ",".join(zmq)]
         env = proxy_environment(arm.ours, own=arm.env)
         cwd = self.out if arm.ours else None
         cpus = self.cpus

