@@ -33,10 +33,12 @@ from .e2e_helpers import (
     settled_encoder_total,
     text_of,
 )
+from .media_helpers import image_part, media_body, video_part, video_source
 
 pytestmark = pytest.mark.e2e
 
 fresh = image_source(range(40_000, 50_000))
+fresh_video = video_source(range(60_000, 70_000))
 # The seed's options: a pixel range of its own for the processor and a black background for RGBA.
 SEED_SIZE_KWARGS = {"size": {"shortest_edge": 16384, "longest_edge": 65536}}
 
@@ -76,6 +78,20 @@ def test_five_images_with_repeat_over_two_encoders(mooncake_stack, fidelity):
     got = chat_ok(st.proxy_url, body)
     fidelity.check("A B A C D over 2 encoders", got, chat_ok(st.baseline_url, body), path=MOONCAKE)
     # Round robin, images bound for one encoder in one sub-request: one per encoder.
+    assert settled_encoder_total(st.encoder_urls, before + 2) == before + 2
+    assert push_waits(st.log_path("pd")) == 0
+
+
+def test_a_video_between_two_images(mooncake_stack, fidelity):
+    """The video is a sub-request of its own and the two images one on the other encoder: two
+    producers push to the one consumer for one request."""
+    st = mooncake_stack
+    a, b = fresh(2)
+    (v,) = fresh_video(1)
+    before = settled_encoder_total(st.encoder_urls)
+    body = media_body([image_part(a), video_part(v), image_part(b)], logprobs=True, top_logprobs=2)
+    got = chat_ok(st.proxy_url, body)
+    fidelity.check("image, video, image", got, chat_ok(st.baseline_url, body), path=MOONCAKE)
     assert settled_encoder_total(st.encoder_urls, before + 2) == before + 2
     assert push_waits(st.log_path("pd")) == 0
 
