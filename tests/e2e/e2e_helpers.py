@@ -311,3 +311,25 @@ def prompt_sources(base_url: str) -> dict[str, float]:
     return {
         s: metric_total(base_url, name, source=s) for s in ("local_compute", "local_cache_hit", "external_kv_transfer")
     }
+
+
+def openai_stream(url: str, body: dict) -> tuple[str, object]:
+    """`body` streamed through the official `openai` client: the text and the usage it reports."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    stream = client.chat.completions.create(
+        model=body["model"],
+        messages=body["messages"],
+        temperature=body["temperature"],
+        seed=body["seed"],
+        max_tokens=body["max_tokens"],
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"allowed_token_ids": body["allowed_token_ids"]},
+    )
+    pieces, usage = [], None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        pieces += [ch.delta.content for ch in chunk.choices if ch.delta and ch.delta.content]
+    return "".join(pieces), usage

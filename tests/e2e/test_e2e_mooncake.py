@@ -21,13 +21,13 @@ from epd_proxy_tools.local.supervisor import stop_groups
 from .conftest import PUSH_WAIT_S
 from .e2e_helpers import (
     BLACK_BG,
-    MODEL,
     MOONCAKE,
     chat_body,
     chat_ok,
     extra_proxy,
     finished_requests,
     image_source,
+    openai_stream,
     post_json,
     push_waits,
     settled_encoder_total,
@@ -113,30 +113,14 @@ def test_an_image_seen_before_is_pushed_again(mooncake_stack, fidelity):
 
 
 def test_streaming_openai_client(mooncake_stack, fidelity):
-    from openai import OpenAI
-
     st = mooncake_stack
     a, b = fresh(2)
     body = chat_body([a, b])
     want = chat_ok(st.baseline_url, body)
-    client = OpenAI(base_url=st.proxy_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    stream = client.chat.completions.create(
-        model=MODEL,
-        messages=body["messages"],
-        temperature=0,
-        seed=body["seed"],
-        max_tokens=body["max_tokens"],
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"allowed_token_ids": body["allowed_token_ids"]},
-    )
-    pieces, usage = [], None
-    for chunk in stream:
-        usage = chunk.usage or usage
-        pieces += [ch.delta.content for ch in chunk.choices if ch.delta and ch.delta.content]
+    text, usage = openai_stream(st.proxy_url, body)
     same_usage = usage is not None and usage.prompt_tokens == want["usage"]["prompt_tokens"]
-    fidelity.record_text("two images, streamed (openai client)", "".join(pieces), text_of(want), same_usage, MOONCAKE)
-    assert "".join(pieces) == text_of(want) and same_usage
+    fidelity.record_text("two images, streamed (openai client)", text, text_of(want), same_usage, MOONCAKE)
+    assert text == text_of(want) and same_usage
 
 
 def test_text_only(mooncake_stack, fidelity):

@@ -15,7 +15,6 @@ import pytest
 from epd_proxy_tools.testing.polling import eventually_sync
 
 from .e2e_helpers import (
-    MODEL,
     NIXL,
     SMALL_SIZE_KWARGS,
     chat_body,
@@ -24,6 +23,7 @@ from .e2e_helpers import (
     finished_requests,
     image_source,
     metric_total,
+    openai_stream,
     prompt_sources,
     settled_encoder_total,
     text_of,
@@ -100,40 +100,24 @@ def test_five_images_with_repeat_over_two_encoders_size_option(nixl_stack, fidel
 
 
 def test_streaming_openai_client(nixl_stack, fidelity):
-    from openai import OpenAI
-
     st = nixl_stack
     (a,) = fresh(1)
     body = chat_body([a])
     want = chat_ok(st.baseline_url, body)
     n = want["usage"]["prompt_tokens"]
     pulled = Pulled(st)
-    client = OpenAI(base_url=st.proxy_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    stream = client.chat.completions.create(
-        model=MODEL,
-        messages=body["messages"],
-        temperature=0,
-        seed=body["seed"],
-        max_tokens=body["max_tokens"],
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"allowed_token_ids": body["allowed_token_ids"]},
-    )
-    pieces, usage = [], None
-    for chunk in stream:
-        usage = chunk.usage or usage
-        pieces += [ch.delta.content for ch in chunk.choices if ch.delta and ch.delta.content]
+    text, usage = openai_stream(st.proxy_url, body)
     added = pulled.after(n)
     same_usage = usage is not None and usage.prompt_tokens == n
     fidelity.record_text(
         "one image, streamed (openai client)",
-        "".join(pieces),
+        text,
         text_of(want),
         same_usage,
         NIXL,
         pulled.describe(added, n),
     )
-    assert "".join(pieces) == text_of(want) and same_usage
+    assert text == text_of(want) and same_usage
     assert_pulled(added, n)
 
 
