@@ -160,9 +160,8 @@ class RealBench:
             st = self.stack
             for line in st.kv_events_summary():
                 sys.stderr.write(f"[bench] KV events: {line}\n")
-            host = "127.0.0.1" if st.config.host in ("0.0.0.0", "::") else st.config.host
             self.kv_counter = KvEventCounter(
-                {name: f"tcp://{host}:{ports.events}" for name, ports in st.kv_event_ports().items()}
+                {name: f"tcp://{st.loopback}:{ports.events}" for name, ports in st.kv_event_ports().items()}
             )
             cores = assign_cores(a.encoders, True, sorted(os.sched_getaffinity(0)), prefill=a.prefill, consumers=a.pds)
             self.cores = cores

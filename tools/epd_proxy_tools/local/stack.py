@@ -464,7 +464,7 @@ class LocalStack:
 
     def kv_events_summary(self) -> list[str]:
         """Where the engines publish, one line each, for the ready banner and the benchmark."""
-        host = "127.0.0.1" if self.config.host in ("0.0.0.0", "::") else self.config.host
+        host = self.loopback
         lines = []
         for name, ports in self.kv_event_ports().items():
             ranks = f" (rank k: +k, {ports.ranks} ranks)" if ports.ranks > 1 else ""
@@ -557,7 +557,8 @@ class LocalStack:
 
     @property
     def loopback(self) -> str:
-        """The address engines advertise to each other: the listening host, or loopback for a wildcard."""
+        """The address the engines are reached at by each other and by local clients: the listening
+        host, or loopback for a wildcard."""
         return "127.0.0.1" if self.config.host in ("0.0.0.0", "::") else self.config.host
 
     def transfer_ports(self) -> dict[str, int]:
