@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,9 +84,13 @@ class EncodeStep:
         self.sender = Sender(upstream, metrics, observed, options, clock)
         self.coalescer = Coalescer(self.sender, metrics, ids=self.ids, stalled=self._stalled, lanes=self.lanes)
 
-    def place(self, items: Sequence[MediaItem], trace: Trace, priority: int = 0) -> list[Instance]:
-        """One live encoder per item; `priority` (the request's, vLLM's) places it in the queues."""
+    def place(
+        self, items: Sequence[MediaItem], trace: Trace, priority: int = 0, avoid: Collection[Instance] = ()
+    ) -> list[Instance]:
+        """One live encoder per item; `priority` (the request's, vLLM's) places it in the queues;
+        `avoid`ed encoders only when no other is live."""
         encoders = self.live()
+        encoders = [e for e in encoders if e not in avoid] or encoders
         if not encoders:
             raise ProxyError(
                 503, "the request has media but no encoder is live", stage="route", error_type="service_unavailable"

@@ -283,6 +283,7 @@ class Pipeline:
                 if in_band is not None and attempt < attempts:
                     answer.release()
                     self._note_retry(trace, "decode", "reported an error in its stream", in_band.get("message"))
+                    route.push_failed()
                     attempt += 1
                     continue
                 if known.names:
@@ -302,6 +303,7 @@ class Pipeline:
                 if exc.status != 500 or attempt == attempts:
                     raise
                 self._note_retry(trace, exc.stage, "answered 500", exc.message)
+                route.push_failed()
                 attempt += 1
             except NoAnswer as exc:
                 # A consumer that read none of the request (stopped, restarting, its connection
@@ -339,7 +341,7 @@ class Pipeline:
         consumer, which it could take down as well."""
         plan = self._plan_encode(job, route, trace, known.held)
         try:
-            matches = await self._encode_items(job, plan.encode, route.consumer_zmq, trace, known.names)
+            matches = await self._encode_items(job, plan.encode, route, trace, known.names)
         except ProxyError as exc:
             if not (self.consumer_encode and plan.raw):
                 raise
@@ -402,7 +404,7 @@ class Pipeline:
         self,
         job: ClientBody,
         items: Sequence[MediaItem],
-        consumer_zmq: str | None,
+        route: Route,
         trace: Trace,
         names: Mapping[int, str] | None,
     ) -> Matches:
@@ -413,25 +415,26 @@ class Pipeline:
         # Timed however it ends: a failure after 5 s logs its 5 s.
         with trace.stage("encode", attempt=trace.attempts, items=len(items)):
             if names is None:
-                return await self._encode_own(job, items, consumer_zmq, trace)
+                return await self._encode_own(job, items, route, trace)
             matches = await self.in_flight.encode(
                 items,
                 names,
-                lambda own: self._encode_own(job, own, consumer_zmq, trace),
+                lambda own: self._encode_own(job, own, route, trace),
                 self.encode.ids.transfer_id,
                 trace,
             )
             self.held.encoded(names[i] for i, match in matches.items.items() if match.ec_mm_hash is not None)
             return matches
 
-    async def _encode_own(
-        self, job: ClientBody, items: Sequence[MediaItem], consumer_zmq: str | None, trace: Trace
-    ) -> Matches:
+    async def _encode_own(self, job: ClientBody, items: Sequence[MediaItem], route: Route, trace: Trace) -> Matches:
         """Plan (placement, then groups), encode, match."""
         assert job.body is not None  # released only once decode commits
-        assignment = self.encode.place(items, trace, request_priority(job.body))
+        consumer_zmq = route.consumer_zmq
+        assignment = self.encode.place(items, trace, request_priority(job.body), avoid=route.unpushed)
         cap = self.encode.lanes.group_cap(self.encoding.max_batch_size, self.encode.clock())
         groups = plan_groups(items, assignment, cap)
+        if consumer_zmq is not None:
+            route.pushers.update(group.encoder for group in groups)
         answers = await self.encode.run(job.body, items, groups, consumer_zmq, trace, job.dumps)
         return match_groups(
             job.body, items, [group.indices for group in groups], answers, push_mode=consumer_zmq is not None

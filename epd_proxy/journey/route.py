@@ -44,6 +44,11 @@ class Route:
     # Instances that did not answer the request (refused it, had no room, aborted it): not chosen
     # for it again.
     passed_over: list[Instance] = field(default_factory=list)
+    # Push mode: the encoders the attempt's pushes came from, and those a consumer's 500 after
+    # them passed over (their push may never land: a producer that cannot reach the consumer
+    # answers 200 all the same), which the next attempt's encode avoids while another is live.
+    pushers: set[Instance] = field(default_factory=set)
+    unpushed: set[Instance] = field(default_factory=set)
 
     @property
     def consumer(self) -> Instance:
@@ -70,6 +75,12 @@ class Route:
             return headers, headers
         pinned = {**headers, DP_RANK_HEADER: str(self.dp_rank)}
         return (pinned, headers) if self.pinned is self.prefill else (headers, pinned)
+
+    def push_failed(self) -> None:
+        """The consumer answered 500 after this attempt's pushes: their encoders are avoided next."""
+        if self.consumer_zmq is not None:
+            self.unpushed |= self.pushers
+        self.pushers = set()
 
     def pass_over(self, url: str | None) -> Instance | None:
         """The route's instance at `url`, now passed over for this request (None: not one of them)."""

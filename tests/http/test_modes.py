@@ -80,6 +80,8 @@ async def test_mooncake_consumer_fails_like_vllm_on_a_foreign_transfer_id(make_s
         assert resp.status == 200
     body = stack.pd.requests[0].body
     items = body["ec_transfer_params"]["ec_items"]
+    # Pushed again (each push serves one request), then handed over crossed.
+    stack.store.pushes.update({item["transfer_id"]: item["mm_hash"] for item in items})
     items[0]["transfer_id"], items[1]["transfer_id"] = items[1]["transfer_id"], items[0]["transfer_id"]
     async with stack.client.post(stack.pd_url + "/v1/chat/completions", json=body) as resp:
         assert resp.status == 500
@@ -140,3 +142,33 @@ async def test_static_split_prefill_pins_the_decode_replica_like_the_reference(m
             assert resp.status == 200, await resp.text()
     assert [seen.headers.get("x-data-parallel-rank") for seen in stack.pd.requests] == ["0", "1"]
     assert all("x-data-parallel-rank" not in seen.headers for seen in stack.prefills[0].requests)
+
+
+async def test_a_mooncake_transfer_id_is_single_use_as_in_vllm(make_stack):
+    # vLLM's consumer cancels every reservation its request named once the request finishes
+    # (`ECMooncakeScheduler.request_finished`): the same body again waits for a push that never
+    # comes and fails, so a retried decode needs a fresh push.
+    stack = await make_stack(encoders=1, ec_consumer_zmq_addrs=("tcp://c:1",), decode_retries=0)
+    async with await stack.chat(chat(image("A"))) as resp:
+        assert resp.status == 200, await resp.text()
+    body = stack.pd.requests[0].body
+    async with stack.client.post(stack.pd_url + "/v1/chat/completions", json=body) as resp:
+        assert resp.status == 500
+    assert "no push under transfer id" in stack.pd.generation_failures[-1]
+
+
+async def test_an_encoder_that_cannot_reach_its_consumer_answers_200_and_the_consumer_fails(make_stack):
+    # vLLM's producer pushes after it answered (a failed reserve is logged, not returned): the
+    # consumer alone finds out, after its push wait, with a retryable 500. The retry re-encodes
+    # with fresh transfer ids, on an encoder that can reach the consumer.
+    stack = await make_stack(encoders=2, ec_consumer_zmq_addrs=("tcp://c:1",), decode_retries=1)
+    # An idle fleet places the first request on the first encoder (ties go by order).
+    stack.encoders[0].unreachable_consumers = {"tcp://c:1"}
+    async with await stack.chat(chat(image("A"))) as resp:
+        text = await resp.text()
+    first = stack.encoders[0].requests
+    assert first, "the first attempt's sub-request went to the encoder that cannot push"
+    failures = stack.pd.generation_failures
+    assert resp.status == 200, text
+    assert len(failures) == 1 and "no push under transfer id" in failures[0]
+    assert len(stack.pd.requests) == 2 and stack.encoders[1].requests

@@ -56,6 +56,22 @@ def test_an_instance_passed_over_stays_so_when_the_route_moves_and_the_held_load
     assert [p.prefill_queue for p in prefills] == [0.0, 0.0] and decode.inflight == 0
 
 
+def test_a_consumers_500_after_pushes_passes_their_encoders_over_and_only_in_push_mode():
+    pd = Instance("http://pd", PREFILL_DECODE)
+    e0, e1 = (Instance(f"http://e{n}", "encode") for n in range(2))
+    pushed = Route(pd, None, pd, None, "tcp://pd:1")
+    pushed.pushers = {e0}
+    pushed.push_failed()
+    assert pushed.unpushed == {e0} and pushed.pushers == set()
+    pushed.pushers = {e1}
+    pushed.push_failed()
+    assert pushed.unpushed == {e0, e1}
+    folder = Route(pd, None, pd, None, None)
+    folder.pushers = {e0}
+    folder.push_failed()
+    assert folder.unpushed == set()
+
+
 def test_only_the_pinned_instance_is_told_its_replica():
     prefill, decode = Instance("http://p", PREFILL), Instance("http://d", DECODE)
     plain = {"x-request-id": "r", "Content-Type": "application/json"}

@@ -458,8 +458,12 @@ class FakeVLLM:
     stream_pause_s: float = 0.0
     # Long runs (soak, benchmarks) turn recording off so the fake's memory stays flat.
     record: bool = True
-    # A Mooncake EC consumer: every media item must arrive by a push under its own transfer id.
+    # A Mooncake EC consumer: every media item must arrive by a push under its own transfer id,
+    # and each push serves one request.
     mooncake: bool = False
+    # A Mooncake producer whose pushes to these consumer addresses never land (a reserve that
+    # times out): it answers 200 all the same, as vLLM pushes after answering.
+    unreachable_consumers: set[str] = field(default_factory=set)
     # An older encoder: `ec_transfer_params` holds only a bare `ec_items` list, no per-hash entries.
     legacy_params: bool = False
     # A server (or something in front of it) that answers success with another 2xx.
@@ -753,7 +757,8 @@ class FakeVLLM:
                 # falls back to an id of its own that no consumer can name.
                 given = push_items[position] if position < len(push_items) else {}
                 transfer_id = given.get("transfer_id") or f"{exchange.headers.get('x-request-id')}:{position}"
-                self.store.pushes[transfer_id] = key
+                if push.get("consumer_zmq") not in self.unreachable_consumers:
+                    self.store.pushes[transfer_id] = key
             if self.legacy_params:
                 legacy_items.append({"mm_hash": key})
             else:
@@ -968,6 +973,11 @@ class FakeVLLM:
         failure = "injected generation error" if self.faults.generation_error() else None
         if failure is None and self.mooncake:
             failure = self._unresolved_push(body, identifiers)
+        if self.mooncake:
+            # The request's end cancels the reservations it named, whatever its outcome.
+            for item in (body.get("ec_transfer_params") or {}).get("ec_items") or []:
+                if isinstance(item, dict) and item.get("transfer_id"):
+                    self.store.pushes.pop(str(item["transfer_id"]), None)
         if failure is None and self.role != "prefill" and self.faults.abort():
             return await self._aborted(exchange, body, api)
         if failure is None and self.role != "prefill" and self.faults.late_abort(body):
