@@ -26,6 +26,7 @@ from epd_proxy.fleet.health import DOWN, EJECTED, HALF_OPEN, HEALTHY
 from epd_proxy.fleet.scheduler import ExpectedFinish
 from epd_proxy.http.auth import READ_FLEET, guard_admin
 from epd_proxy.http.routes import error_response
+from epd_proxy.journey import transports
 from epd_proxy.proxy import ProxyState
 
 if TYPE_CHECKING:
@@ -44,7 +45,8 @@ def roster(state: ProxyState) -> list[dict[str, Any]]:
     """Every member with its health, in the page's vocabulary: the health component's snapshot,
     read in this one place."""
     rows = []
-    for view in state.health.snapshot(state.fleet.all()):
+    members = {(inst.role, inst.url): inst for inst in state.fleet.all()}
+    for view in state.health.snapshot(members.values()):
         words = STATE_WORDS.get(view["state"], view["state"])
         if view["state"] == HEALTHY and (
             view["consecutive_failures"] or view["consecutive_5xx"] or view["consecutive_gateway_failures"]
@@ -70,6 +72,8 @@ def roster(state: ProxyState) -> list[dict[str, Any]]:
                 "last_problem": view["last_problem"],
                 # What its KV events say (prefill / PD only): state, blocks indexed, per engine.
                 "kv_events": state.kv_events.view(view["url"]) if state.kv_events is not None else None,
+                # How it receives encoder output, and which features that gives it (consumers only).
+                "transport": transports.view(members[view["role"], view["url"]]),
             }
         )
     rows.sort(key=lambda row: (ROLE_ORDER.get(row["role"], 9), row["url"]))

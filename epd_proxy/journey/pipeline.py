@@ -282,8 +282,7 @@ class Pipeline:
                     continue
                 if in_band is not None and attempt < attempts:
                     answer.release()
-                    self._note_retry(trace, "decode", "reported an error in its stream", in_band.get("message"))
-                    route.push_failed()
+                    self._note_retry(route, trace, "decode", "reported an error in its stream", in_band.get("message"))
                     attempt += 1
                     continue
                 if known.names:
@@ -302,8 +301,7 @@ class Pipeline:
                 # re-encoding republishes it, so 500 (and only 500) is worth another attempt.
                 if exc.status != 500 or attempt == attempts:
                     raise
-                self._note_retry(trace, exc.stage, "answered 500", exc.message)
-                route.push_failed()
+                self._note_retry(route, trace, exc.stage, "answered 500", exc.message)
                 attempt += 1
             except NoAnswer as exc:
                 # A consumer that read none of the request (stopped, restarting, its connection
@@ -429,18 +427,17 @@ class Pipeline:
     async def _encode_own(self, job: ClientBody, items: Sequence[MediaItem], route: Route, trace: Trace) -> Matches:
         """Plan (placement, then groups), encode, match."""
         assert job.body is not None  # released only once decode commits
-        consumer_zmq = route.consumer_zmq
         assignment = self.encode.place(items, trace, request_priority(job.body), avoid=route.unpushed)
         cap = self.encode.lanes.group_cap(self.encoding.max_batch_size, self.encode.clock())
         groups = plan_groups(items, assignment, cap)
-        if consumer_zmq is not None:
-            route.pushers.update(group.encoder for group in groups)
-        answers = await self.encode.run(job.body, items, groups, consumer_zmq, trace, job.dumps)
+        route.pushers.update(group.encoder for group in groups)  # read in push mode only
+        answers = await self.encode.run(job.body, items, groups, route.consumer_zmq, trace, job.dumps)
         return match_groups(
-            job.body, items, [group.indices for group in groups], answers, push_mode=consumer_zmq is not None
+            job.body, items, [group.indices for group in groups], answers, push_mode=route.consumer_zmq is not None
         )
 
-    def _note_retry(self, trace: Trace, stage: str, what: str, message: Any) -> None:
+    def _note_retry(self, route: Route, trace: Trace, stage: str, what: str, message: Any) -> None:
+        route.push_failed()
         self.metrics.retries.labels(stage).inc()
         log.warning(
             "request %s: %s %s (%s); re-encoding, attempt %d of %d",

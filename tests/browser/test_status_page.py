@@ -99,6 +99,10 @@ async def test_status_page_in_chromium(make_stack, tmp_path):
                 # The encoder scheduler's speed estimate, for encoders only.
                 assert float(await first.nth(7).text_content()) > 0
                 assert await rows.nth(7).locator("td").nth(7).text_content() == "–"
+                # How each consumer receives encoder output: prefill's shared store; none for others.
+                assert await rows.nth(4).locator("td").nth(8).text_content() == "store"
+                assert "reuse of held media: yes" in await rows.nth(4).locator("td").nth(8).get_attribute("title")
+                assert await first.nth(8).text_content() == "–"
                 assert await page.locator("#latency tbody tr").count() == 4
                 assert (await page.text_content("#latency tr[data-stage='encode'] td:nth-child(2)")).endswith("ms")
                 assert await page.locator("#mix tbody tr[data-status='200']").count() == 1

@@ -226,3 +226,14 @@ async def test_a_queued_request_whose_own_sub_request_is_slow_names_the_encoders
     (mine,) = [s for s in slowest if s["stages_ms"]["encoders"] + s["stages_ms"]["encode_queue"] > 3 * SLOW_S * 1000]
     assert mine["waited_in"] == "encoders", mine
     assert mine["stages_ms"]["encode_queue"] < mine["stages_ms"]["encoders"], mine
+
+
+async def test_each_consumers_row_says_how_it_receives_encoder_output_and_what_that_gives_it(make_stack):
+    pushed = await make_stack(encoders=1, ec_consumer_zmq_addrs=("tcp://pd:1",))
+    (pd,) = [r for r in (await status_json(pushed))["roster"] if r["role"] == "prefill_decode"]
+    assert pd["transport"]["name"] == "mooncake push"
+    assert pd["transport"]["reuse"] is False and pd["transport"]["consumer_encodes"] is False
+    split = await make_stack(encoders=1, prefills=1, decoders=1)
+    by_role = {r["role"]: r["transport"] for r in (await status_json(split))["roster"]}
+    assert by_role["prefill"]["name"] == "store" and by_role["prefill"]["reuse"] is True
+    assert by_role["encode"] is None and by_role["decode"] is None
