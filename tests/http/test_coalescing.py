@@ -47,9 +47,9 @@ def lanes(stack):
 BUSY_CALLS = itertools.count()
 
 
-async def busy_encoder(stack, encoder=0, hold_s=SLOW_S):
+async def busy_encoder(stack, encoder=0, hold_s=SLOW_S, gate: asyncio.Event | None = None):
     """Warm the encoder's speed estimate, then hold both of its slots with sub-requests of
-    `hold_s` each; what follows them takes SLOW_S."""
+    `hold_s` each (after `gate` opens, if given); what follows them takes SLOW_S."""
     fake = stack.encoders[encoder]
     fake.faults.delay_s = SLOW_S
     # Images of their own each time: one the proxy saw encoded would go to the consumer instead.
@@ -58,6 +58,8 @@ async def busy_encoder(stack, encoder=0, hold_s=SLOW_S):
     assert status == 200
     seen = len(fake.requests)
     fake.faults.delay_s = hold_s
+    if gate is not None:
+        fake.faults.gate = gate
     blockers = [asyncio.create_task(answer_of(stack, chat(image(f"blocker{call}-{i}")))) for i in range(2)]
     # The fake reads its delay as it records a request: both blockers have theirs.
     await eventually(lambda: len(fake.requests) == seen + 2, what="both slots busy")

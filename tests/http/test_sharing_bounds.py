@@ -89,16 +89,22 @@ async def test_after_an_encoder_that_reported_no_positions_recovers_sharing_grow
     stack = await make_stack(encoders=1, encoder_options={"report_indices": False})
     fake = stack.encoders[0]
     size = {"size": {"shortest_edge": 3136, "longest_edge": 1000000}}  # derived hashes: uuids do not help
-    blockers = await busy_encoder(stack)
+    gate = asyncio.Event()
+    blockers = await busy_encoder(stack, gate=gate)
     tasks = await queue_behind(stack, [chat(image(f"z{i}"), mm_processor_kwargs=size) for i in range(4)])
+    gate.set()
     assert all(status == 200 for status, _ in await asyncio.gather(*tasks, *blockers))
     lane = lanes(stack).all()[0]
     # Nobody's fault but the encoder's (each went through alone): it shares less.
     assert (lane.share.backoffs, lane.share.merge_limit) == (1, 2)
     fake.report_indices = True
-    blockers = await busy_encoder(stack)
+    # The blockers hold both slots until all eight are queued, however long a loaded machine
+    # takes to send them (past the blockers' own hold, none would queue with the others).
+    gate = asyncio.Event()
+    blockers = await busy_encoder(stack, gate=gate)
     before = len(shared_subrequests(fake))
     tasks = await queue_behind(stack, [chat(image(f"y{i}"), mm_processor_kwargs=size) for i in range(8)])
+    gate.set()
     assert all(status == 200 for status, _ in await asyncio.gather(*tasks, *blockers))
     sizes = [len(uuids_of(sub)) for sub in shared_subrequests(fake)[before:]]
     # Probes of two (both slots free at once) that split, then twice that: it grows back by itself.
